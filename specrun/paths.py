@@ -33,8 +33,9 @@ def models_dir() -> Path:
 
 
 def profiles_dir() -> Path:
-    """Return the directory for tuning profiles."""
-    return cache_dir() / "profiles"
+    """Return the directory for tuning profiles (SPECRUN_PROFILES overrides)."""
+    env = os.environ.get("SPECRUN_PROFILES")
+    return Path(env).expanduser() if env else cache_dir() / "profiles"
 
 
 def user_models_toml() -> Path:

@@ -1,0 +1,246 @@
+"""What the CLI commands do, as plain functions (the CLI only parses options and calls these)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Iterable
+
+from specrun import ui
+from specrun.errors import SpecrunError, UsageError
+from specrun.runner import RunOptions, Runtime
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: sampling settings and limits."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = True
+    system: str | None = None
+
+    def sampling(self):
+        from specrun.sampling import SamplingParams
+
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+
+
+def _announce(rt: Runtime) -> None:
+    import logging
+
+    log = logging.getLogger("specrun")
+    if rt.speculative:
+        s = rt.shape
+        log.info("target %s, draft %s, tree budget %d depth %d width %d top-k %d",
+                 rt.models.target_name, rt.models.draft_name, s.budget, s.depth, s.width, s.top_k)
+    else:
+        log.info("target %s, plain decoding", rt.models.target_name)
+
+
+def run_request(rt: Runtime, request: Request, text: str, on_text=None):
+    """Generate for one prompt text; call on_text(chunk) as text streams; return the Result."""
+    from specrun.generate import Result, stream
+
+    prompt = rt.tokenize_prompt(text, request.chat, request.system)
+    decoder = rt.decoder
+    parts: list[str] = []
+    tokens: list[int] = []
+    for chunk in stream(decoder, rt.target, prompt, request.sampling(), request.max_tokens, request.stop):
+        if on_text is not None:
+            on_text(chunk.text)
+        parts.append(chunk.text)
+        tokens.extend(chunk.tokens)
+    return Result("".join(parts), tokens, decoder.stats)
+
+
+def generate_one(opts: RunOptions, request: Request, text: str, show_stats: bool = False, as_json: bool = False) -> None:
+    """Generate for one prompt: stream text to stdout, or print one JSON object."""
+    request.sampling()  # validate before loading anything
+    with Runtime(opts) as rt:
+        _announce(rt)
+        if as_json:
+            result = run_request(rt, request, text)
+            print(json.dumps(_result_json(result, rt), ensure_ascii=False))
+        else:
+            result = run_request(rt, request, text, on_text=ui.write_text)
+            ui.end_text(result.text)
+        if show_stats:
+            ui.dim(ui.stats_line(result.stats.as_dict()))
+
+
+def _result_json(result, rt: Runtime) -> dict:
+    stats = result.stats.as_dict()
+    return {
+        "text": result.text,
+        "token_ids": result.tokens,
+        "n_tokens": stats["n_tokens"],
+        "tokens_per_s": stats["tokens_per_s"],
+        "accepted_per_pass": stats["accepted_per_pass"],
+        "finish_reason": stats["finish_reason"],
+        "speculative": rt.speculative,
+        "stats": stats,
+    }
+
+
+_JSONL_KEYS = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "id"}
+
+
+def _parse_request_line(line: str, base: Request) -> tuple[Request, str, object]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise UsageError("each line must be a JSON object")
+    unknown = set(obj) - _JSONL_KEYS
+    if unknown:
+        raise UsageError(f"unknown key(s): {', '.join(sorted(unknown))}")
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise UsageError('missing "prompt" (a non-empty string)')
+    fields = {k: obj[k] for k in obj if k not in ("prompt", "id")}
+    if "stop" in fields:
+        stop = fields["stop"]
+        fields["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    try:
+        request = replace(base, **fields)
+        request.sampling()
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        raise UsageError("max_tokens must be a whole number >= 1")
+    return request, prompt, obj.get("id")
+
+
+def generate_jsonl(opts: RunOptions, base: Request, file: Path | None) -> None:
+    """Answer one JSON request per input line with one JSON result per output line."""
+    stream: IO[str] = file.open(encoding="utf-8") if file else sys.stdin
+    with Runtime(opts) as rt:
+        _announce(rt)
+        for line_no, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            try:
+                request, prompt, req_id = _parse_request_line(line, base)
+                out = _result_json(run_request(rt, request, prompt), rt)
+            except SpecrunError as e:
+                out = {"error": str(e), "line": line_no}
+                req_id = None
+            if req_id is not None:
+                out["id"] = req_id
+            print(json.dumps(out, ensure_ascii=False), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+BENCH_PROMPTS = [
+    "Explain why the sky is blue to a ten-year-old.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "List five tips for staying productive when working from home.",
+    "What are the main differences between TCP and UDP?",
+    "Write a SQL query that finds the ten customers with the highest total order value.",
+]
+
+
+def load_prompts(path: Path | None) -> list[str]:
+    if path is None:
+        return list(BENCH_PROMPTS)
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except OSError as e:
+        raise UsageError(f"cannot read prompts file {path}: {e.strerror}") from None
+    prompts = [line for line in lines if line]
+    if not prompts:
+        raise UsageError(f"prompts file {path} has no prompts")
+    return prompts
+
+
+def measure(decoder, rt: Runtime, prompts: Iterable[list[int]], max_tokens: int):
+    """Return (tokens/s, accepted per pass, overhead fraction, generated ids) over the prompts."""
+    from specrun.generate import token_ids
+    from specrun.sampling import SamplingParams
+
+    greedy = SamplingParams()
+    n_tokens = 0
+    seconds = overhead = 0.0
+    passes = 0
+    outputs = []
+    for prompt in prompts:
+        outputs.append(token_ids(decoder, prompt, greedy, max_tokens))
+        stats = decoder.stats
+        n_tokens += stats.n_generated
+        seconds += stats.decode_s
+        overhead += stats.total("overhead_s")
+        passes += stats.n_passes
+    return (
+        n_tokens / seconds if seconds else 0.0,
+        n_tokens / passes if passes else 0.0,
+        overhead / seconds if seconds else 0.0,
+        outputs,
+    )
+
+
+def bench(opts: RunOptions, budgets: list[int], prompts_file: Path | None, max_tokens: int, as_json: bool) -> list[dict]:
+    """Compare plain and speculative decoding of the same target on the same prompts."""
+    from specrun.draft import TreeShape
+    from specrun.generate import PlainDecoder
+    from specrun.speculative import SpeculativeDecoder
+
+    texts = load_prompts(prompts_file)
+    max_budget = max(budgets)
+    rows = []
+    with Runtime(opts, shape_override=TreeShape(budget=max_budget, depth=opts.depth or 8)) as rt:
+        if not rt.speculative:
+            raise UsageError(f"no draft model for {rt.models.target_name}: pass --draft")
+        prompts = [rt.tokenize_prompt(t, chat=True) for t in texts]
+        plain = PlainDecoder(rt.target, rt.target_ctx)
+        measure(plain, rt, prompts[:1], 16)  # warm-up: first decodes pay one-time allocation
+        plain_tps, _, plain_overhead, plain_out = measure(plain, rt, prompts, max_tokens)
+        for budget in budgets:
+            shape = _bench_shape(rt.shape, budget, opts.depth)
+            spec = SpeculativeDecoder(rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, shape)
+            measure(spec, rt, prompts[:1], 16)
+            spec_tps, per_pass, overhead, spec_out = measure(spec, rt, prompts, max_tokens)
+            row = {
+                "budget": budget,
+                "depth": shape.depth,
+                "width": shape.width,
+                "top_k": shape.top_k,
+                "plain_tokens_per_s": round(plain_tps, 2),
+                "spec_tokens_per_s": round(spec_tps, 2),
+                "speedup": round(spec_tps / plain_tps, 3) if plain_tps else 0.0,
+                "accepted_per_pass": round(per_pass, 3),
+                "overhead_fraction": round(overhead, 4),
+                "identical_output": spec_out == plain_out,
+            }
+            rows.append(row)
+            if as_json:
+                print(json.dumps(row), flush=True)
+            else:
+                ui.info(
+                    f"budget {budget:5d}: plain {plain_tps:7.2f} tok/s  spec {spec_tps:7.2f} tok/s  "
+                    f"x{row['speedup']:.2f}  accepted/pass {per_pass:.2f}  overhead {overhead:.1%}"
+                    + ("" if row["identical_output"] else "  (OUTPUT DIFFERS)")
+                )
+    return rows
+
+
+def _bench_shape(base, budget: int, depth: int | None):
+    from specrun.draft import TreeShape
+
+    return TreeShape(
+        budget=budget,
+        depth=depth or base.depth,
+        width=min(base.width, budget),
+        top_k=min(base.top_k, budget),
+    )

@@ -1,0 +1,185 @@
+"""Turning command-line choices into loaded models, contexts and a decoder.
+
+`Runtime` resolves the target (and draft) names through the registry, fetches missing files,
+checks that the pair shares a vocabulary before any context is created, loads both models, picks
+the tree settings (explicit flags, else the stored tuning profile, else safe defaults) and builds
+the decoder. Commands use it as a context manager so everything is freed in the right order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from specrun.errors import UsageError
+
+log = logging.getLogger("specrun")
+
+DEFAULT_CTX = 4096
+# Used when no tuning profile exists: a small tree that pays on most machines.
+DEFAULT_SHAPE = dict(budget=16, depth=8, width=4, top_k=4)
+PREFILL_BATCH = 512
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options shared by chat, generate, bench and tune."""
+
+    target: str | None = None
+    draft: str | None = None
+    gpu_layers: int | None = None
+    ctx_size: int = DEFAULT_CTX
+    threads: int | None = None
+    budget: int | None = None
+    depth: int | None = None
+    no_spec: bool = False
+    quiet: bool = False  # no download progress bars
+
+
+@dataclass
+class ResolvedModels:
+    target_name: str
+    target_path: Path
+    draft_name: str | None
+    draft_path: Path | None
+
+
+def resolve_models(opts: RunOptions) -> ResolvedModels:
+    """Return local paths for the target and draft, fetching what is missing."""
+    from specrun import hub, registry
+
+    if opts.target is None:
+        target_name, default_draft = registry.default_pair()
+    else:
+        target_name, default_draft = opts.target, None
+    target_spec = registry.resolve(target_name)
+    draft_spec = None
+    if not opts.no_spec:
+        if opts.draft is not None:
+            draft_spec = registry.resolve(opts.draft)
+        elif default_draft is not None and opts.target is None:
+            draft_spec = registry.resolve(default_draft)
+        else:
+            draft_spec = registry.recommended_draft(target_spec)
+        if draft_spec is not None:
+            registry.check_pair(target_spec, draft_spec)
+    target_path = hub.ensure_local(target_spec, progress=not opts.quiet)
+    draft_path = hub.ensure_local(draft_spec, progress=not opts.quiet) if draft_spec is not None else None
+    return ResolvedModels(
+        target_spec.name, Path(target_path), draft_spec.name if draft_spec else None, Path(draft_path) if draft_path else None
+    )
+
+
+class Runtime:
+    """Loaded target (and draft) models with their contexts, and the decoder to use."""
+
+    def __init__(self, opts: RunOptions, shape_override=None):
+        from specrun import engine, pairing
+        from specrun.draft import TreeShape
+
+        self.opts = opts
+        self.models = resolve_models(opts)
+        self._owned: list = []
+        try:
+            self.target = self._load(self.models.target_path, opts.gpu_layers)
+            self.draft = None
+            self.shape: TreeShape | None = None
+            if self.models.draft_path is not None:
+                self.draft = self._load(self.models.draft_path, opts.gpu_layers)
+                pairing.check_vocab(self.target, self.draft)
+                self.shape = shape_override or self._choose_shape()
+            spec = self.shape is not None
+            n_batch = max(PREFILL_BATCH, self.shape.budget + 1) if spec else PREFILL_BATCH
+            self.target_ctx = engine.Context(
+                self.target, n_ctx=opts.ctx_size, n_batch=n_batch, n_seq_max=engine.MAX_SEQ if spec else 1, threads=opts.threads
+            )
+            self._owned.append(self.target_ctx)
+            self.draft_ctx = None
+            if spec:
+                self.draft_ctx = engine.Context(
+                    self.draft, n_ctx=opts.ctx_size, n_batch=PREFILL_BATCH, n_seq_max=engine.MAX_SEQ, threads=opts.threads
+                )
+                self._owned.append(self.draft_ctx)
+        except BaseException:
+            self.close()
+            raise
+        self.decoder = self._make_decoder()
+
+    def _load(self, path: Path, gpu_layers: int | None):
+        from specrun import engine
+
+        model = engine.Model(path, n_gpu_layers=gpu_layers if gpu_layers is not None else -1)
+        self._owned.append(model)
+        return model
+
+    def _choose_shape(self):
+        from specrun.draft import TreeShape
+
+        opts = self.opts
+        shape = None
+        try:
+            from specrun import profiles
+
+            shape = profiles.shape_for(self.models.target_path, self.models.draft_path)
+        except ImportError:
+            shape = None
+        if shape is None:
+            shape = TreeShape(**DEFAULT_SHAPE)
+            log.info("no tuning profile for this pair; using budget %d (run `specrun tune` once)", shape.budget)
+        if opts.budget is not None:
+            shape = replace(shape, budget=opts.budget, width=min(shape.width, opts.budget), top_k=min(shape.top_k, opts.budget))
+        if opts.depth is not None:
+            shape = replace(shape, depth=opts.depth)
+        return shape
+
+    def _make_decoder(self):
+        from specrun.generate import PlainDecoder
+        from specrun.speculative import SpeculativeDecoder
+
+        if self.shape is None:
+            return PlainDecoder(self.target, self.target_ctx)
+        return SpeculativeDecoder(self.target, self.target_ctx, self.draft, self.draft_ctx, self.shape)
+
+    @property
+    def speculative(self) -> bool:
+        return self.shape is not None
+
+    def plain_decoder(self):
+        """Return a plain decoder on the target context (shares its KV cache with the main decoder)."""
+        from specrun.generate import PlainDecoder
+
+        return PlainDecoder(self.target, self.target_ctx)
+
+    def tokenize_prompt(self, text: str, chat: bool, system: str | None = None) -> list[int]:
+        """Return the prompt's tokens, wrapped in the model's chat template when chat is true."""
+        from specrun import templates
+
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            rendered = templates.render_chat(
+                self.target.chat_template,
+                messages,
+                add_generation_prompt=True,
+                bos_token=self.target.token_to_piece(self.target.bos, True).decode("utf-8", "replace") if self.target.bos >= 0 else "",
+                eos_token=self.target.token_to_piece(self.target.eos, True).decode("utf-8", "replace") if self.target.eos >= 0 else "",
+            )
+            tokens = self.target.tokenize(rendered, add_special=True, parse_special=True)
+            # Templates usually write BOS themselves; never start with two.
+            if len(tokens) > 1 and tokens[0] == tokens[1] == self.target.bos:
+                tokens = tokens[1:]
+            return tokens
+        if system:
+            raise UsageError("--system needs chat mode (drop --raw)")
+        return self.target.tokenize(text, add_special=True, parse_special=False)
+
+    def close(self) -> None:
+        for owner in reversed(self._owned):
+            owner.close()
+        self._owned.clear()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

