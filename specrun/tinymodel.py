@@ -1,0 +1,141 @@
+"""Tiny random-weight llama GGUF models that share a real model's tokenizer.
+
+Tests need a draft model that speaks the target's vocabulary but mostly disagrees with it, so the
+speculative loop exercises rejection, bonus tokens and short accepted paths. A pruned copy of the
+real model agrees too often; a 2-layer model with random weights and the base model's tokenizer
+copied verbatim disagrees almost always, loads in llama.cpp in milliseconds and is a few tens of MB.
+
+Needs the `gguf` package (the `dev` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOKENIZER_PREFIX = "tokenizer."
+
+# Must cover every n_ctx the tests ask for; llama.cpp warns (but works) beyond the trained length.
+CONTEXT_LENGTH = 8192
+RMS_NORM_EPS = 1e-5
+ROPE_FREQ_BASE = 10000.0
+
+# Standard deviation of the output logits. Around 4 the softmax is peaked enough that greedy
+# decoding follows the weights rather than ties, yet the argmax still changes with the context.
+LOGIT_STD = 4.0
+
+
+def write_random_model(
+    base_gguf: Path,
+    dst: Path,
+    seed: int = 0,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+) -> None:
+    """Write a random-weight llama GGUF to `dst` with exactly `base_gguf`'s tokenizer.
+
+    All weights are F32 drawn from `np.random.default_rng(seed)`, so the same arguments give a
+    byte-identical file. The file appears atomically: it is written beside `dst` and renamed.
+    """
+    import gguf  # dev-only dependency; keep `import specrun.tinymodel` cheap
+
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError(f"n_embd={n_embd}, n_head={n_head}, n_head_kv={n_head_kv} don't divide")
+    base_gguf, dst = Path(base_gguf), Path(dst)
+    tokenizer = _tokenizer_fields(gguf.GGUFReader(base_gguf))
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])
+    head_dim = n_embd // n_head
+
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp_name, arch="llama")
+        writer.add_name(f"specrun random llama (seed {seed})")
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        writer.add_context_length(CONTEXT_LENGTH)
+        writer.add_embedding_length(n_embd)
+        writer.add_block_count(n_layer)
+        writer.add_feed_forward_length(n_ff)
+        writer.add_head_count(n_head)
+        writer.add_head_count_kv(n_head_kv)
+        writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_freq_base(ROPE_FREQ_BASE)
+        writer.add_vocab_size(n_vocab)
+        for key, (types, value) in tokenizer.items():
+            sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, value, types[0], sub_type=sub_type)
+
+        for name, tensor in _random_tensors(seed, n_vocab, n_layer, n_embd, n_head_kv * head_dim, n_ff):
+            writer.add_tensor(name, tensor)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only
+        os.replace(tmp_name, dst)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def _tokenizer_fields(reader: Any) -> dict[str, tuple[list, Any]]:
+    """Return every `tokenizer.*` field of a GGUF as {key: (value types, writable value)}."""
+    from gguf import GGUFValueType
+
+    fields = {}
+    for key, field in reader.fields.items():
+        if not key.startswith(TOKENIZER_PREFIX):
+            continue
+        types = list(field.types)
+        if types[0] == GGUFValueType.ARRAY:
+            if len(types) != 2:
+                raise ValueError(f"{key}: nested GGUF arrays are not supported")
+            # Each element is its own part; `field.data` lists the indices of those parts.
+            if types[1] == GGUFValueType.STRING:
+                # Keep raw bytes: the writer stores them as they are, so tokens round-trip exactly.
+                value = [bytes(field.parts[i]) for i in field.data]
+            else:
+                value = np.concatenate([field.parts[i] for i in field.data]).tolist()
+        elif types[0] == GGUFValueType.STRING:
+            value = bytes(field.parts[field.data[0]])
+        else:
+            value = field.parts[field.data[0]].tolist()[0]
+        fields[key] = (types, value)
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError("base model has no tokenizer.ggml.tokens")
+    return fields
+
+
+def _random_tensors(seed: int, n_vocab: int, n_layer: int, n_embd: int, n_embd_kv: int, n_ff: int):
+    """Yield (name, float32 array) for a llama model; numpy shapes are ggml's dims reversed."""
+    rng = np.random.default_rng(seed)
+
+    def normal(std: float, *shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    # 1/sqrt(fan_in) keeps each block's output at the scale of the residual stream.
+    proj = 1.0 / np.sqrt(n_embd)
+    yield "token_embd.weight", normal(1.0, n_vocab, n_embd)
+    for i in range(n_layer):
+        blk = f"blk.{i}"
+        yield f"{blk}.attn_norm.weight", ones
+        yield f"{blk}.attn_q.weight", normal(proj, n_embd, n_embd)
+        yield f"{blk}.attn_k.weight", normal(proj, n_embd_kv, n_embd)
+        yield f"{blk}.attn_v.weight", normal(proj, n_embd_kv, n_embd)
+        yield f"{blk}.attn_output.weight", normal(proj, n_embd, n_embd)
+        yield f"{blk}.ffn_norm.weight", ones
+        yield f"{blk}.ffn_gate.weight", normal(proj, n_ff, n_embd)
+        yield f"{blk}.ffn_up.weight", normal(proj, n_ff, n_embd)
+        yield f"{blk}.ffn_down.weight", normal(1.0 / np.sqrt(n_ff), n_embd, n_ff)
+    yield "output_norm.weight", ones
+    # A separate (untied) output matrix: tied to token_embd, the argmax would echo the last token.
+    yield "output.weight", normal(LOGIT_STD / np.sqrt(n_embd), n_vocab, n_embd)
