@@ -1,0 +1,518 @@
+"""Where the weights go: which target layers live on the GPU(s), which stay in RAM, and the draft.
+
+A pure function of model sizes and free memory, decided before llama.cpp loads anything, so a
+user with a GPU gets the most layers that fit instead of an out-of-memory error at load time.
+
+llama.cpp's `n_gpu_layers` convention (src/llama-model.cpp, load_tensors): the model has
+n_layer + 1 offloadable slots, the repeating layers 0..n_layer-1 and the output layer (output norm
+and output matrix) as slot n_layer. `n_gpu_layers = g` puts the last g slots on the GPU(s): g = 1
+offloads only the output layer, g = n_layer + 1 offloads everything. The input layer (token
+embedding) always stays in RAM. With several GPUs, slot i_gpu_start + i goes to the first device
+whose cumulative `tensor_split` share exceeds i / g; we pass per-device slot counts as
+`tensor_split`, so the split is exactly the one planned here.
+
+All sizes are estimates with a safety margin; the engine can still meet an allocation failure and
+report it.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+MIB = 1024**2
+
+# Kept free on every GPU and in RAM: CUDA/driver allocations that grow after we measure, memory
+# fragmentation, and estimation error in the buffers below.
+DEFAULT_MARGIN_BYTES = 512 * MIB
+
+# The KV cache holds f16 keys and values, in cells rounded up to a multiple of 256.
+KV_BYTES_PER_VALUE = 2
+KV_CELL_PADDING = 256
+
+# CUDA (and Metal, Vulkan, SYCL) run a matmul whose weights sit in RAM on the GPU once the batch
+# has at least this many tokens, copying the weights over for that pass ("op offload"). This is
+# what makes a 500-token tree pass cost about as much as a 1-token pass when offloading.
+OP_OFFLOAD_MIN_BATCH = 32
+# Weights copied to the GPU for one stretch of offloaded ops: e.g. ffn_gate, ffn_up, ffn_down.
+OP_OFFLOAD_COPIED_TENSORS = 3
+# Without tensor sizes from the GGUF: the largest matrix of a layer (usually an FFN matrix, often
+# at a higher-bit quant type in *_K_M files) is about this share of the layer.
+LARGEST_TENSOR_SHARE = 0.35
+# Without n_ff in the metadata: the FFN width of most dense models is below 4 * n_embd.
+FFN_WIDTH_ESTIMATE = 4
+
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The memory-relevant shape of a GGUF model.
+
+    `layer_bytes[i]` are the weights of repeating layer i (tensors `blk.i.*`); `input_bytes` the
+    token embedding (always in RAM); `output_bytes` the output norm and output matrix (the token
+    embedding again when the model ties them: llama.cpp then keeps a copy on the output's device).
+    """
+
+    file_bytes: int
+    layer_bytes: tuple[int, ...]
+    input_bytes: int
+    output_bytes: int
+    n_embd: int
+    n_vocab: int
+    n_head: int
+    n_embd_k_gqa: int  # key width per token per layer: n_head_kv * head_dim
+    n_embd_v_gqa: int
+    n_ff: int = 0  # FFN width; 0 = unknown, estimated as FFN_WIDTH_ESTIMATE * n_embd
+    largest_tensor_bytes: int = 0  # largest single weight in a layer; 0 = unknown, estimated
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layer_bytes)
+
+    @classmethod
+    def from_totals(
+        cls,
+        file_bytes: int,
+        n_layer: int,
+        *,
+        n_embd: int,
+        n_vocab: int,
+        n_head: int,
+        n_head_kv: int,
+        head_dim: int | None = None,
+        n_ff: int = 0,
+        input_bytes: int,
+        output_bytes: int,
+    ) -> ModelSize:
+        """Spread what the file holds beyond input and output evenly over the layers."""
+        head_dim = head_dim or n_embd // n_head
+        per_layer, extra = divmod(file_bytes - input_bytes - output_bytes, n_layer)
+        if per_layer <= 0:
+            raise ValueError("input and output bytes leave nothing for the layers")
+        layers = tuple(per_layer + (1 if i < extra else 0) for i in range(n_layer))
+        return cls(
+            file_bytes=file_bytes, layer_bytes=layers, input_bytes=input_bytes,
+            output_bytes=output_bytes, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head,
+            n_embd_k_gqa=n_head_kv * head_dim, n_embd_v_gqa=n_head_kv * head_dim, n_ff=n_ff,
+        )
+
+    def largest_tensor(self) -> int:
+        if self.largest_tensor_bytes:
+            return self.largest_tensor_bytes
+        return math.ceil(max(self.layer_bytes, default=0) * LARGEST_TENSOR_SHARE)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["layer_bytes"] = list(self.layer_bytes)
+        return data
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU (or other accelerator) as libggml reports it."""
+
+    name: str
+    free_bytes: int
+    total_bytes: int
+
+
+def kv_bytes_per_layer(model: ModelSize, n_ctx: int) -> int:
+    """Return the f16 K and V cache of one layer for n_ctx cells."""
+    cells = math.ceil(n_ctx / KV_CELL_PADDING) * KV_CELL_PADDING
+    return cells * (model.n_embd_k_gqa + model.n_embd_v_gqa) * KV_BYTES_PER_VALUE
+
+
+def kv_cache_bytes(model: ModelSize, n_ctx: int) -> int:
+    """Return the whole KV cache: 2 (K and V) * n_layer * n_ctx * n_embd_kv * 2 bytes."""
+    return model.n_layer * kv_bytes_per_layer(model, n_ctx)
+
+
+def compute_buffer_bytes(model: ModelSize, n_ctx: int, n_tokens: int, flash_attn: bool = False) -> int:
+    """Return an estimate of one backend's compute buffer for a batch of n_tokens tokens.
+
+    llama.cpp's graph allocator reuses memory, so the buffer is about the largest set of
+    activations alive at once, per token in float32: the biggest of the logits (n_vocab), the
+    attention scores and their softmax (2 * n_head * n_ctx; absent with flash attention) and the
+    FFN's gate and up projections (2 * n_ff), plus a few n_embd-wide vectors (residual stream,
+    normed input, attention output, projection).
+    """
+    n_ff = model.n_ff or FFN_WIDTH_ESTIMATE * model.n_embd
+    scores = 0 if flash_attn else 2 * model.n_head * n_ctx
+    per_token = max(model.n_vocab, scores, 2 * n_ff) + 4 * model.n_embd
+    return n_tokens * per_token * FLOAT32_BYTES
+
+
+def logits_buffer_bytes(model: ModelSize, n_tokens: int) -> int:
+    """Return the host buffer llama.cpp fills with float32 logits for every token of a batch."""
+    return n_tokens * model.n_vocab * FLOAT32_BYTES
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Where everything goes, and the memory each place is predicted to need.
+
+    `target_gpu_layers` is llama.cpp's n_gpu_layers (see the module docstring);
+    `target_tensor_split` holds the per-device slot counts to pass as tensor_split (empty when
+    nothing is offloaded). The draft goes whole onto `draft_device` (an index into the devices;
+    load it there alone, with n_gpu_layers = `draft_gpu_layers`) or stays in RAM (None).
+    `op_offload` says whether the target context should let the GPU run big-batch matmuls on
+    RAM-resident weights: planned only when device 0 (where llama.cpp sends them) has room. A draft
+    in RAM should run with op offload off: its passes are narrow, and no GPU room is planned for it.
+    """
+
+    target_gpu_layers: int
+    target_n_slots: int  # n_layer + 1
+    target_tensor_split: tuple[float, ...]
+    draft_device: int | None
+    draft_gpu_layers: int
+    op_offload: bool
+    device_bytes: tuple[int, ...]  # predicted use per device
+    device_limit_bytes: tuple[int, ...]  # free minus margin
+    ram_bytes: int
+    ram_limit_bytes: int
+    overridden: bool
+    warnings: tuple[str, ...]
+
+    @property
+    def gpu_fits(self) -> bool:
+        return all(used <= limit for used, limit in zip(self.device_bytes, self.device_limit_bytes))
+
+    @property
+    def ram_fits(self) -> bool:
+        return self.ram_bytes <= self.ram_limit_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_fits and self.ram_fits
+
+    @property
+    def target_cpu_layers(self) -> int:
+        return self.target_n_slots - self.target_gpu_layers
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for key in ("target_tensor_split", "device_bytes", "device_limit_bytes", "warnings"):
+            data[key] = list(data[key])
+        return data
+
+
+@dataclass(frozen=True)
+class _Buffers:
+    """What one model needs besides its layers, for the context it will run with."""
+
+    kv_layer: int
+    compute: int
+    weight_copies: int  # op offload copies when the output layer is on the GPU
+    weight_copies_no_output: int  # ... and when the output layer stays in RAM too
+    logits: int
+
+    @classmethod
+    def of(cls, model: ModelSize, n_ctx: int, n_tokens: int, flash_attn: bool) -> _Buffers:
+        copies = OP_OFFLOAD_COPIED_TENSORS * model.largest_tensor()
+        return cls(
+            kv_layer=kv_bytes_per_layer(model, n_ctx),
+            compute=compute_buffer_bytes(model, n_ctx, n_tokens, flash_attn),
+            weight_copies=copies,
+            weight_copies_no_output=max(copies, model.output_bytes),
+            logits=logits_buffer_bytes(model, n_tokens),
+        )
+
+
+def _whole_model_gpu_bytes(model: ModelSize, buffers: _Buffers) -> int:
+    return sum(model.layer_bytes) + model.output_bytes + model.n_layer * buffers.kv_layer + buffers.compute
+
+
+def _slot_costs(model: ModelSize, buffers: _Buffers, gpu_layers: int) -> list[int]:
+    """Return the bytes of the last `gpu_layers` slots, in slot order (output layer last)."""
+    costs = [b + buffers.kv_layer for b in model.layer_bytes] + [model.output_bytes]
+    return costs[len(costs) - gpu_layers:] if gpu_layers else []
+
+
+def _device0_fixed(model: ModelSize, buffers: _Buffers, gpu_layers: int, op_offload: bool) -> int:
+    """Return what device 0 holds for the target regardless of its slots (op offload buffers)."""
+    if not op_offload:
+        return 0
+    slots = model.n_layer + 1
+    if gpu_layers == slots:
+        return buffers.compute  # nothing left in RAM to copy
+    copies = buffers.weight_copies if gpu_layers >= 1 else buffers.weight_copies_no_output
+    return buffers.compute + copies
+
+
+def _fill_devices(slot_costs: Sequence[int], compute: int, used: Sequence[int],
+                  limits: Sequence[int], has_compute: Sequence[bool]) -> list[int] | None:
+    """Fill devices in order with consecutive slots; return slots per device, or None if they don't fit.
+
+    Filling each device as far as it goes is optimal for ordered, contiguous placement. A device's
+    first slot also brings the target's compute buffer unless it already has one.
+    """
+    counts = [0] * len(limits)
+    used = list(used)
+    k = 0
+    for cost in slot_costs:
+        while k < len(limits):
+            extra = cost + (0 if counts[k] or has_compute[k] else compute)
+            if used[k] + extra <= limits[k]:
+                break
+            k += 1
+        if k == len(limits):
+            return None
+        used[k] += extra
+        counts[k] += 1
+    return counts
+
+
+def _split_like_llama(slots: int, limits: Sequence[int]) -> list[int]:
+    """Return the slots per device that llama.cpp's default split (by free memory) would give."""
+    counts = [0] * len(limits)
+    total = sum(limits)
+    if total <= 0:
+        counts[0] = slots
+        return counts
+    cumulative = [sum(limits[: k + 1]) / total for k in range(len(limits))]
+    for i in range(slots):
+        k = next((k for k, c in enumerate(cumulative) if c > i / slots), len(limits) - 1)
+        counts[k] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class _Placement:
+    counts: list[int]  # target slots per device
+    used: list[int]  # bytes per device, draft included
+    fits: bool
+
+
+def _place_target(
+    target: ModelSize, buffers: _Buffers, gpu_layers: int, op_offload: bool,
+    base: Sequence[int], limits: Sequence[int],
+) -> _Placement:
+    """Place the last `gpu_layers` slots on the devices: filled in order if they fit, else as
+    llama.cpp's default split would (reported as not fitting)."""
+    fixed = list(base)
+    has_compute = [False] * len(limits)
+    device0 = _device0_fixed(target, buffers, gpu_layers, op_offload)
+    if device0:
+        fixed[0] += device0
+        has_compute[0] = True
+    costs = _slot_costs(target, buffers, gpu_layers)
+    counts = _fill_devices(costs, buffers.compute, fixed, limits, has_compute)
+    fits = counts is not None and all(u <= l for u, l in zip(fixed, limits))
+    if counts is None:
+        counts = _split_like_llama(gpu_layers, limits)
+    used, start = fixed, 0
+    for k, count in enumerate(counts):
+        used[k] += sum(costs[start:start + count]) + (buffers.compute if count and not has_compute[k] else 0)
+        start += count
+    return _Placement(counts, used, fits)
+
+
+def _best_placement(
+    target: ModelSize, buffers: _Buffers, base: Sequence[int], limits: Sequence[int],
+    op_offload_possible: bool, gpu_layers: int | None,
+) -> tuple[int, bool, _Placement]:
+    """Return (gpu_layers, op_offload, placement): the most slots that fit, with op offload when
+    it fits at all (a big tree pass needs it far more than one more layer on the GPU)."""
+    slots = target.n_layer + 1
+    candidates = [gpu_layers] if gpu_layers is not None else range(slots, -1, -1)
+    for op_offload in (True, False) if op_offload_possible else (False,):
+        for candidate in candidates:
+            placement = _place_target(target, buffers, candidate, op_offload, base, limits)
+            if placement.fits:
+                return candidate, op_offload, placement
+    # only an override gets here: report how llama.cpp would overflow
+    return gpu_layers, False, _place_target(target, buffers, gpu_layers, False, base, limits)
+
+
+def plan_offload(
+    target: ModelSize,
+    draft: ModelSize | None,
+    devices: Sequence[Device],
+    ram_free_bytes: int,
+    n_ctx: int,
+    max_tree_tokens: int,
+    margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    gpu_layers_override: int | None = None,
+    flash_attn: bool = False,
+) -> OffloadPlan:
+    """Return where the target's layers and the draft go, and the memory that needs.
+
+    1. The draft goes whole onto the GPU with the most room, if it fits with its KV cache and
+       compute buffer: it runs many small passes, which RAM-resident weights would make slow.
+    2. Then the most target slots that fit (see the module docstring), filling devices in order,
+       with the target's KV cache for n_ctx cells on each layer's device and a compute buffer for
+       a batch of `max_tree_tokens` tokens (root included) on every device it uses. When layers
+       stay in RAM and trees reach OP_OFFLOAD_MIN_BATCH tokens, device 0 also keeps room for the
+       weights llama.cpp copies over for big-batch matmuls, if it can.
+    3. Everything else is in RAM; `ram_fits` is False (with a warning) when it exceeds the free
+       RAM minus the margin. Weights are memory-mapped, so that still runs, reading from disk.
+
+    `gpu_layers_override` (the user's --gpu-layers; negative = all) replaces the search in step 2;
+    the plan still reports the predicted memory and warns when a device would overflow. It does
+    not move the draft.
+    """
+    limits = [max(0, d.free_bytes - margin_bytes) for d in devices]
+    base = [0] * len(devices)
+    warnings: list[str] = []
+    n_tokens = max(1, max_tree_tokens)
+    ram = 0
+
+    draft_device, draft_gpu_layers = None, 0
+    if draft is not None:
+        draft_buffers = _Buffers.of(draft, n_ctx, n_tokens, flash_attn)
+        draft_gpu = _whole_model_gpu_bytes(draft, draft_buffers)
+        roomiest = max(range(len(devices)), key=lambda k: limits[k], default=None)
+        if roomiest is not None and draft_gpu <= limits[roomiest]:
+            draft_device, draft_gpu_layers = roomiest, draft.n_layer + 1
+            base[roomiest] += draft_gpu
+            ram += draft.input_bytes + draft_buffers.logits
+        else:
+            ram += (draft.file_bytes + kv_cache_bytes(draft, n_ctx) + draft_buffers.compute
+                    + draft_buffers.logits)
+
+    buffers = _Buffers.of(target, n_ctx, n_tokens, flash_attn)
+    slots = target.n_layer + 1
+    overridden = gpu_layers_override is not None
+    if not devices:
+        gpu_layers, op_offload, placement = 0, False, _Placement([], [], True)
+        if overridden and gpu_layers_override != 0:
+            warnings.append("--gpu-layers has no effect: no GPU was found")
+    else:
+        wanted = None
+        if overridden:
+            wanted = slots if gpu_layers_override < 0 else min(gpu_layers_override, slots)
+        gpu_layers, op_offload, placement = _best_placement(
+            target, buffers, base, limits, n_tokens >= OP_OFFLOAD_MIN_BATCH, wanted
+        )
+
+    # what stays in RAM: the input layer, the slots not offloaded and their KV cache, the CPU
+    # backend's compute buffer and the host logits buffer
+    cpu_layers = min(slots - gpu_layers, target.n_layer)
+    ram += target.input_bytes + sum(target.layer_bytes[:cpu_layers]) + cpu_layers * buffers.kv_layer
+    if gpu_layers == 0:
+        ram += target.output_bytes
+    ram += buffers.compute + buffers.logits
+
+    ram_limit = max(0, ram_free_bytes - margin_bytes)
+    for device, used, limit in zip(devices, placement.used, limits):
+        if used > limit:
+            warnings.append(
+                f"{device.name}: the plan needs {_gib(used)} but only {_gib(limit)} is free "
+                f"(after a {_gib(margin_bytes)} margin); loading may fail"
+            )
+    if ram > ram_limit:
+        warnings.append(
+            f"RAM: {_gib(ram)} must stay in system memory but only {_gib(ram_limit)} is free "
+            f"(after a {_gib(margin_bytes)} margin); weights will be re-read from disk, very slowly"
+        )
+    return OffloadPlan(
+        target_gpu_layers=gpu_layers,
+        target_n_slots=slots,
+        target_tensor_split=tuple(float(c) for c in placement.counts) if gpu_layers else (),
+        draft_device=draft_device,
+        draft_gpu_layers=draft_gpu_layers,
+        op_offload=op_offload,
+        device_bytes=tuple(placement.used),
+        device_limit_bytes=tuple(limits),
+        ram_bytes=ram,
+        ram_limit_bytes=ram_limit,
+        overridden=overridden,
+        warnings=tuple(warnings),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+# --------------------------------------------------------------------------------------------
+# From GGUF tensor sizes
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
+# llama.cpp's "input layer": kept in RAM whatever n_gpu_layers says
+_INPUT_PREFIXES = ("token_embd.", "token_embd_norm.", "position_embd.", "token_types.")
+
+
+def model_size_from_gguf_tensors(
+    tensors: Iterable[tuple[str, int]], meta: Mapping[str, object], file_bytes: int | None = None
+) -> ModelSize:
+    """Return a ModelSize from a GGUF's (tensor name, bytes) list and its metadata.
+
+    Tensors `blk.N.*` make layer N; `token_embd.*` and friends the input layer; the rest (output,
+    output_norm, ...) the output layer. Without an `output.weight` the model ties its output to the
+    token embedding, and llama.cpp keeps a copy of it with the output layer. `meta` holds GGUF keys
+    (`general.architecture`, `<arch>.block_count`, `<arch>.embedding_length`, ...), as values or
+    as the strings llama.cpp's metadata API returns.
+    """
+    arch = str(meta.get("general.architecture", ""))
+
+    def number(key: str, default: int | None = None) -> int:
+        value = meta.get(f"{arch}.{key}", meta.get(key))
+        if value is None:
+            if default is None:
+                raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+            return default
+        return _as_int(value)
+
+    layers: dict[int, int] = {}
+    largest = input_bytes = output_bytes = total = 0
+    token_embd = 0
+    has_output_matrix = False
+    for name, nbytes in tensors:
+        total += nbytes
+        if match := _LAYER_TENSOR.match(name):
+            layer = int(match.group(1))
+            layers[layer] = layers.get(layer, 0) + nbytes
+            largest = max(largest, nbytes)
+        elif name.startswith(_INPUT_PREFIXES):
+            input_bytes += nbytes
+            if name == "token_embd.weight":
+                token_embd = nbytes
+        else:
+            output_bytes += nbytes
+            has_output_matrix |= name == "output.weight"
+    if not has_output_matrix:
+        output_bytes += token_embd
+
+    n_layer = number("block_count", max(layers, default=-1) + 1)
+    n_embd = number("embedding_length")
+    n_head = number("attention.head_count")
+    n_head_kv = number("attention.head_count_kv", n_head)
+    key_length = number("attention.key_length", n_embd // n_head)
+    value_length = number("attention.value_length", key_length)
+    return ModelSize(
+        file_bytes=file_bytes if file_bytes is not None else total,
+        layer_bytes=tuple(layers.get(i, 0) for i in range(n_layer)),
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
+        n_embd=n_embd,
+        n_vocab=_vocab_size(meta, arch),
+        n_head=n_head,
+        n_embd_k_gqa=n_head_kv * key_length,
+        n_embd_v_gqa=n_head_kv * value_length,
+        n_ff=number("feed_forward_length", 0),
+        largest_tensor_bytes=largest,
+    )
+
+
+def _as_int(value: object) -> int:
+    """Read a GGUF number, or the largest of a per-layer array (e.g. head_count_kv per layer)."""
+    if isinstance(value, str):
+        value = ast.literal_eval(value.strip())
+    if isinstance(value, (list, tuple)):
+        return max(int(v) for v in value)
+    return int(value)
+
+
+def _vocab_size(meta: Mapping[str, object], arch: str) -> int:
+    for key in (f"{arch}.vocab_size", "n_vocab"):
+        if key in meta:
+            return _as_int(meta[key])
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, (list, tuple)):
+        return len(tokens)
+    raise ValueError("GGUF metadata gives no vocabulary size")
