@@ -481,8 +481,8 @@ def choose_config(
                     + specexec_draft_seconds(draft_curve, budget, d, w, branching)
                     + overhead
                 )
-                rate = accepted / seconds
-                candidates.append(Choice("specexec", budget, d, w, top_k, rate, rate / plain_rate))
+                rate = float(accepted) / seconds
+                candidates.append(Choice("specexec", int(budget), int(d), w, top_k, rate, rate / plain_rate))
 
     if accept_probs is not None and _validate_accept_probs(accept_probs) and max_tree_tokens >= 2:
         candidates.extend(
