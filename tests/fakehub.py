@@ -56,7 +56,7 @@ class FakeHub:
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
 
     @property
     def endpoint(self) -> str:
