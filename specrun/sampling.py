@@ -14,10 +14,18 @@ import numpy as np
 
 from specrun.errors import UsageError
 
+# Top-k over a long row: take the maxima of groups of this many tokens, keep the k best groups,
+# and select among their members only (a row's k best tokens lie in its k best groups).
+_TOPK_GROUP = 64
+
 # Top-p looks for its nucleus among this many best tokens first and widens the search only when
 # their mass falls short, so a 262k-vocabulary row is partitioned instead of fully sorted.
 _NUCLEUS_FIRST_GUESS = 1024
 _NUCLEUS_GROWTH = 16
+
+# draw() walks the CDF in blocks of this many tokens: a cumulative sum over 512 block sums and
+# one block instead of over the whole vocabulary.
+_DRAW_BLOCK = 512
 
 # log_softmax_topk exponentiates a logit matrix in row blocks of about this many elements, so a
 # 2048 x 262144 matrix needs a 32 MB scratch buffer rather than a 2 GB temporary.
@@ -60,63 +68,102 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Return the sampling distribution (float64, each row sums to 1) for one logit row or a matrix.
 
     The order is fixed and shared by every caller: temperature divides the logits; top-k keeps
-    the k highest; top-p keeps the smallest best-first set whose probability (after top-k)
-    reaches top_p; min-p keeps tokens at least min_p times as likely as the best one. Tokens tied
-    at any cut are kept together, so the result never depends on sort order. Greedy params give
-    a one-hot on the first maximum, the token `choose_token` picks. Rows are processed together,
-    but a 2-D input is converted to float64 whole: pass the few rows you need, not a tree's
-    logit matrix.
+    the k most likely tokens; top-p keeps the smallest best-first set whose probability (after
+    top-k) reaches top_p; min-p keeps tokens at least min_p times as likely as the best one.
+    Tokens tied at a cut are kept together, so the result never depends on sort order. Greedy
+    params give a one-hot on the first maximum, the token `choose_token` picks. Rows are
+    processed together, but a 2-D input is converted to float64 whole: pass the few rows you
+    need, not a tree's whole logit matrix.
     """
     x = np.asarray(logits)
     if x.ndim not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"logits must be a non-empty row or matrix, got shape {x.shape}")
     rows = x.reshape(-1, x.shape[-1])
-    n_rows, n_vocab = rows.shape
     if params.greedy:
         probs = np.zeros(rows.shape)
-        probs[np.arange(n_rows), rows.argmax(axis=1)] = 1.0
+        probs[np.arange(len(rows)), rows.argmax(axis=1)] = 1.0
         return probs.reshape(x.shape)
 
-    z = rows.astype(np.float64) / params.temperature
-    best = z.max(axis=1, keepdims=True)
+    # Work in place on one float64 copy: fresh 2 MB temporaries cost more than the arithmetic.
+    weights = rows.astype(np.float64)
+    if params.temperature != 1:
+        weights /= params.temperature
+    best = weights.max(axis=1, keepdims=True)
     if not np.isfinite(best).all():
         raise ValueError("every logit row needs a finite maximum")
-    weights = np.exp(z - best)  # unnormalised; the best token has weight 1
+    weights -= best
+    np.exp(weights, out=weights)  # unnormalised probabilities; the best token weighs exactly 1
 
-    floor = np.full((n_rows, 1), -np.inf)  # per row: the lowest logit that survives
+    floor = _surviving_floor(weights, params)
+    if floor.any():
+        np.multiply(weights, weights >= floor, out=weights)
+    weights /= weights.sum(axis=1, keepdims=True)
+    return weights.reshape(x.shape)
+
+
+def _surviving_floor(weights: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Return per row (as a column) the smallest weight that top-k, top-p and min-p all keep."""
+    n_rows, n_vocab = weights.shape
+    floor = np.zeros((n_rows, 1))
+    kept = None  # the top-k survivors' weights, best first
     if 0 < params.top_k < n_vocab:
-        floor = np.partition(z, n_vocab - params.top_k, axis=1)[:, n_vocab - params.top_k, None]
-        weights[z < floor] = 0.0
-    if params.min_p > 0:
-        # Relative to the best token, which no filter removes, so min-p commutes with top-p.
-        floor = np.maximum(floor, best + math.log(params.min_p))
+        kept = np.sort(np.take_along_axis(weights, _top_k_ids(weights, params.top_k), axis=1))[:, ::-1]
+        floor = kept[:, -1:]
     if params.top_p < 1:
-        need = params.top_p * weights.sum(axis=1, keepdims=True)
-        floor = np.maximum(floor, _nucleus_floor(z, best, floor, need))
-
-    probs = np.where(z >= floor, weights, 0.0)
-    probs /= probs.sum(axis=1, keepdims=True)
-    return probs.reshape(x.shape)
+        search_floor = np.maximum(floor, params.min_p)  # tokens below it cannot survive anyway
+        floor = np.maximum(floor, _nucleus_floor(weights, params.top_p, kept, search_floor))
+    # min-p after top-p: relative to the best token, which no filter removes, so it just cuts.
+    return np.maximum(floor, params.min_p)
 
 
-def _nucleus_floor(z: np.ndarray, best: np.ndarray, floor: np.ndarray, need: np.ndarray) -> np.ndarray:
-    """Return per row the lowest logit top-p keeps among tokens >= floor (-inf: keep them all)."""
-    n_rows, n_vocab = z.shape
-    # Only tokens above the top-k/min-p floor can matter: the nucleus is a best-first prefix, so
-    # its cumulative masses are known from those tokens alone.
-    n_candidates = int((z >= floor).sum(axis=1).max())
+def _nucleus_floor(weights, top_p, kept, search_floor) -> np.ndarray:
+    """Return per row the smallest weight in the nucleus (0 when it reaches below search_floor)."""
+    n_rows, n_vocab = weights.shape
+    if kept is not None:
+        # After top-k the survivors are `kept` plus any tokens tied with the k-th; those ties sort
+        # last, so they only add to the total mass.
+        ties = (weights >= kept[:, -1:]).sum(axis=1, keepdims=True) - kept.shape[1]
+        need = top_p * (kept.sum(axis=1, keepdims=True) + ties * kept[:, -1:])
+        return _first_reaching(kept, need)
+    need = top_p * weights.sum(axis=1, keepdims=True)
+    n_candidates = int((weights >= search_floor).sum(axis=1).max())
     k = min(_NUCLEUS_FIRST_GUESS, n_candidates)
     while True:
-        top = np.partition(z, n_vocab - k, axis=1)[:, n_vocab - k:] if k < n_vocab else z
+        top = np.take_along_axis(weights, _top_k_ids(weights, k), axis=1) if k < n_vocab else weights
         top = np.sort(top, axis=1)[:, ::-1]
-        mass = np.where(top >= floor, np.exp(top - best), 0.0)
-        reached = np.cumsum(mass, axis=1) >= need
-        found = reached.any(axis=1)
-        if found.all() or k >= n_candidates:
-            break
+        floor = _first_reaching(top, need)
+        if floor.all() or k >= n_candidates:
+            return floor
         k = min(k * _NUCLEUS_GROWTH, n_candidates)
-    last = top[np.arange(n_rows), reached.argmax(axis=1)]
-    return np.where(found, last, -np.inf)[:, None]
+
+
+def _first_reaching(sorted_weights: np.ndarray, need: np.ndarray) -> np.ndarray:
+    """Return per row the weight at which the best-first cumulative mass reaches `need` (else 0)."""
+    reached = np.cumsum(sorted_weights, axis=1) >= need
+    last = sorted_weights[np.arange(len(need)), reached.argmax(axis=1)]
+    return np.where(reached.any(axis=1), last, 0.0)[:, None]
+
+
+def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """Return the ids of each row's k largest entries, [n_rows, k], in no particular order.
+
+    Which of several entries tied with the k-th is returned is unspecified.
+    """
+    n_rows, n_vocab = x.shape
+    n_groups = n_vocab // _TOPK_GROUP
+    if k * _TOPK_GROUP * 8 > n_vocab:
+        return np.argpartition(x, n_vocab - k, axis=1)[:, n_vocab - k:]
+    # Group g holds tokens g, g + n_groups, g + 2 * n_groups, ...: a strided max is fast. Any
+    # group holding one of the k largest entries has a maximum among the k largest group maxima.
+    body = n_groups * _TOPK_GROUP
+    group_max = x[:, :body].reshape(n_rows, _TOPK_GROUP, n_groups).max(axis=1)
+    groups = np.argpartition(group_max, n_groups - k, axis=1)[:, n_groups - k:]
+    members = groups[:, :, None] + n_groups * np.arange(_TOPK_GROUP)
+    tail = np.broadcast_to(np.arange(body, n_vocab), (n_rows, n_vocab - body))
+    candidates = np.concatenate([members.reshape(n_rows, -1), tail], axis=1)
+    values = np.take_along_axis(x, candidates, axis=1)
+    best = np.argpartition(values, values.shape[1] - k, axis=1)[:, values.shape[1] - k:]
+    return np.take_along_axis(candidates, best, axis=1)
 
 
 def make_rng(seed: int | None) -> np.random.Generator:
@@ -130,12 +177,23 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     One uniform per emitted token is why speculative sampling with a given seed emits the same
     tokens as plain sampling with that seed.
     """
-    cdf = np.cumsum(probs)
-    u = rng.random() * cdf[-1]
-    token = int(np.searchsorted(cdf, u, side="right"))  # "right": zero-mass tokens never win
-    if token == len(cdf):  # u rounded up to the total
-        token = int(np.flatnonzero(probs)[-1])
-    return token
+    probs = np.asarray(probs)
+    body = len(probs) // _DRAW_BLOCK * _DRAW_BLOCK
+    block_mass = np.append(probs[:body].reshape(-1, _DRAW_BLOCK).sum(axis=1), probs[body:].sum())
+    block_cdf = np.cumsum(block_mass)
+    u = rng.random() * block_cdf[-1]
+    # side="right": a block or token without mass is never chosen.
+    block = int(np.searchsorted(block_cdf, u, side="right"))
+    if block == len(block_cdf):  # u rounded up to the total: the last block with mass
+        block = int(np.flatnonzero(block_mass)[-1])
+    start = block * _DRAW_BLOCK
+    in_block = probs[start : start + _DRAW_BLOCK]
+    u -= block_cdf[block - 1] if block else 0.0
+    cdf = np.cumsum(in_block)
+    token = int(np.searchsorted(cdf, u, side="right"))
+    if token == len(cdf):  # rounding left u at or past the block's total: its last token with mass
+        token = int(np.flatnonzero(in_block)[-1])
+    return start + token
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -149,7 +207,8 @@ def log_softmax_topk(logits_2d: np.ndarray, k: int) -> tuple[np.ndarray, np.ndar
     """Return (ids, logprobs), both [n_rows, k]: each row's k likeliest tokens, best first.
 
     Log-probs are float64 under the plain (unfiltered, temperature 1) softmax; equal logits are
-    ordered by lower id. k larger than the vocabulary is clamped to it.
+    ordered by lower id (which of several tied with the k-th is kept is unspecified). k larger
+    than the vocabulary is clamped to it.
     """
     x = np.asarray(logits_2d)
     if x.ndim != 2 or x.shape[1] == 0:
@@ -157,8 +216,7 @@ def log_softmax_topk(logits_2d: np.ndarray, k: int) -> tuple[np.ndarray, np.ndar
     if not _is_int(k) or k < 1:
         raise ValueError(f"k must be a whole number >= 1, got {k}")
     n_rows, n_vocab = x.shape
-    k = min(int(k), n_vocab)
-    ids = np.argpartition(x, n_vocab - k, axis=1)[:, n_vocab - k:]
+    ids = _top_k_ids(x, min(int(k), n_vocab))
     values = np.take_along_axis(x, ids, axis=1)
     order = np.lexsort((ids, -values), axis=1)
     ids = np.take_along_axis(ids, order, axis=1)

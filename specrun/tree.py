@@ -38,6 +38,16 @@ class TreeBatch:
     leaf_nodes: np.ndarray  # int32 [n_colours]: the leaf coloured c
     n_colours: int
 
+    def seq_id_matrix(self, width: int) -> np.ndarray:
+        """Return int32 [n, width]: row i starts with node i's colours (colour_count[i] of them).
+
+        Entries past colour_count[i] repeat the last colour and are not meant to be read; this
+        fills a llama_batch's seq_id rows without a Python loop.
+        """
+        matrix = np.minimum(np.arange(width, dtype=np.int32), self.colour_count[:, None] - 1)
+        matrix += self.first_colour[:, None]
+        return matrix
+
     @cached_property
     def seq_ids(self) -> list[list[int]]:
         """Per node, the colours of all leaves below it, first colour first."""

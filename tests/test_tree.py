@@ -75,6 +75,9 @@ def test_colours_follow_leaves(tree):
         assert len(colour_sets[i]) == len(seq_ids[i])
         assert seq_ids[i][0] == batch.first_colour[i]
         assert all(seq_ids[i][0] in colour_sets[a] for a in tree.path(i))  # ancestors visible
+    matrix = batch.seq_id_matrix(MAX_LEAVES)
+    for i, colours in enumerate(seq_ids):
+        assert matrix[i, : batch.colour_count[i]].tolist() == colours
     carriers = [[] for _ in range(batch.n_colours)]
     for node, colours in enumerate(seq_ids):
         for c in colours:
