@@ -529,9 +529,8 @@ def _build_derived(spec: ModelSpec, src: DerivedSource, report: "_Reporter", all
         if final.is_file():
             return final
         _check_space(final.parent, spec.size, spec.name)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
-        os.close(fd)
-        tmp = Path(tmp_name)
+        # A fresh name the builder creates itself (so the file gets normal permissions).
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.{time.monotonic_ns()}.partial")
         try:
             with report.status(f"making {spec.name} ({src.describe()})"):
                 if src.op == "quantize":
