@@ -28,7 +28,9 @@ class TreeBatch:
     Leaves are coloured 0..n_colours-1 in depth-first order, so the colours below any node form
     the contiguous range first_colour[i] .. first_colour[i] + colour_count[i] - 1. Colour 0 is
     seq 0, which holds the committed prefix; the caller copies seq 0 to colours 1.. before the
-    pass. A node's first seq id is its own first colour, which all its ancestors carry too.
+    pass. A node's first seq id is its own first colour, which all its ancestors carry too. The
+    cells of colour first_colour[a] at positions p0 .. p0 + depth(a) are exactly the path to
+    node a, so that colour is the one to copy into seq 0 after accepting a.
     """
 
     tokens: np.ndarray  # int32 [n]

@@ -1,7 +1,9 @@
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from specrun.errors import UsageError
 from specrun.sampling import (
@@ -140,6 +142,35 @@ def test_top_p_on_a_large_vocabulary_matches_full_sort(scale):
     np.testing.assert_allclose(got, naive_top_p(logits, 0.9), rtol=1e-9, atol=1e-15)
 
 
+def naive_filtered(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """Reference: full sort, filters one after another as documented."""
+    probs = normalised(np.exp((logits - logits.max()) / temperature))
+    order = np.argsort(-probs, kind="stable")
+    if top_k:
+        probs[order[top_k:]] = 0
+        probs = normalised(probs)
+    if top_p < 1:
+        before = np.cumsum(probs[order]) - probs[order]
+        probs[order[before >= top_p]] = 0
+        probs = normalised(probs)
+    probs[probs < min_p * probs.max()] = 0
+    return normalised(probs)
+
+
+@pytest.mark.parametrize("filters", [
+    {"top_k": 40},
+    {"top_k": 3000, "top_p": 0.5},
+    {"top_p": 0.95, "min_p": 0.01},
+    {"top_k": 100, "top_p": 0.8, "min_p": 0.05},
+])
+def test_filters_on_a_large_vocabulary_match_reference(filters):
+    logits = (np.random.default_rng(7).standard_normal(262_144) * 4).astype(np.float32)
+    got = target_probs(logits, SamplingParams(temperature=0.8, **filters))
+    expected = naive_filtered(logits.astype(np.float64), 0.8, **filters)
+    np.testing.assert_array_equal(got > 0, expected > 0)
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-15)
+
+
 def test_greedy_probs_are_one_hot_on_first_maximum():
     probs = target_probs(np.array([[1.0, 5.0, 5.0], [7.0, 7.0, 0.0]]), SamplingParams())
     assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
@@ -157,6 +188,17 @@ def test_draw_follows_probabilities_and_skips_zero_mass():
     counts = np.bincount([draw(probs, rng) for _ in range(20_000)], minlength=6)
     assert counts[[0, 2, 5]].sum() == 0
     np.testing.assert_allclose(counts / counts.sum(), probs, atol=0.015)
+
+
+def test_draw_over_many_blocks_follows_probabilities():
+    # 1300 tokens: two full CDF blocks and a tail; mass in every part, some blocks empty
+    probs = np.zeros(1300)
+    probs[[3, 511, 512, 1023, 1200, 1299]] = [0.1, 0.2, 0.05, 0.15, 0.3, 0.2]
+    rng = make_rng(8)
+    counts = Counter(draw(probs, rng) for _ in range(20_000))
+    assert set(counts) == {3, 511, 512, 1023, 1200, 1299}
+    observed = [counts[t] for t in (3, 511, 512, 1023, 1200, 1299)]
+    assert stats.chisquare(observed, np.array([0.1, 0.2, 0.05, 0.15, 0.3, 0.2]) * 20_000).pvalue > 1e-3
 
 
 def test_draw_uses_exactly_one_uniform():
@@ -207,6 +249,17 @@ def test_log_softmax_topk_blocks_rows(monkeypatch):
     ref_ids, ref_logprobs = naive_log_softmax_topk(logits, 4)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_allclose(logprobs, ref_logprobs, atol=1e-5)
+
+
+def test_log_softmax_topk_finds_winners_sharing_a_group_and_in_the_tail():
+    # 100 groups of 64 (token g, g + 100, ...) plus a 37-token tail: the 8 best tokens sit in
+    # group 5 and in the tail, where a group-maximum shortcut could miss them.
+    logits = np.random.default_rng(9).standard_normal((2, 6437)).astype(np.float32)
+    winners = [5, 105, 205, 305, 6405, 6436, 6400, 6420]
+    logits[:, winners] = 10 + np.arange(8, dtype=np.float32)
+    ids, logprobs = log_softmax_topk(logits, 8)
+    assert ids.tolist() == [winners[::-1]] * 2
+    np.testing.assert_allclose(logprobs, naive_log_softmax_topk(logits, 8)[1], atol=1e-5)
 
 
 def test_log_softmax_topk_orders_ties_by_id_and_clamps_k():
