@@ -416,7 +416,7 @@ def _get_rest(url: str, headers: dict, part: _PartFile, size: int | None, advanc
         total = _total_size(response, part.size)
         size = size or total
         try:
-            with part.path.open("ab") as f:
+            with _open_for_append(part.path) as f:
                 for chunk in iter(lambda: response.read(CHUNK), b""):
                     f.write(chunk)
                     part.hasher.update(chunk)
@@ -432,6 +432,10 @@ def _get_rest(url: str, headers: dict, part: _PartFile, size: int | None, advanc
     if size is not None and part.size < size:
         raise _ShortRead(f"connection closed after {part.size} of {size} bytes")
     return size
+
+
+def _open_for_append(path: Path):
+    return path.open("ab")
 
 
 def _total_size(response, offset: int) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -274,6 +275,32 @@ def test_not_enough_disk_space_is_reported_before_downloading(env, monkeypatch):
     with pytest.raises(DownloadError, match="not enough disk space for tiny-Q8_0.gguf"):
         hub.ensure_local(spec, progress=False)
     assert env.hub.gets(FILE) == []
+
+
+def test_disk_full_mid_download_keeps_the_partial_file_for_resume(env, monkeypatch):
+    spec = serve_tiny(env)
+    room = 100_000  # bytes that fit before the disk is full
+    real_open = hub._open_for_append
+
+    class FillingDisk(io.BytesIO):
+        def __init__(self, path):
+            super().__init__()
+            self.path = path
+
+        def write(self, chunk):
+            with open(self.path, "ab") as f:
+                f.write(chunk[:room])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hub, "_open_for_append", FillingDisk)
+    with pytest.raises(DownloadError, match="disk full while downloading") as failure:
+        hub.ensure_local(spec, progress=False)
+    assert "specrun pull tiny" in str(failure.value) and "resume" in str(failure.value)
+    assert [p.stat().st_size for p in leftovers(env.hf_cache)] == [room]
+
+    monkeypatch.setattr(hub, "_open_for_append", real_open)  # space freed
+    assert hub.ensure_local(spec, progress=False).read_bytes() == DATA
+    assert env.hub.gets(FILE)[-1].headers["range"] == f"bytes={room}-"
 
 
 def test_second_source_is_used_when_the_first_fails(env):
