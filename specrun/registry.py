@@ -215,13 +215,12 @@ _SOURCE_KEYS = {
 }
 
 
-def _check_type(toml: _TomlFile, value: Any, kind: type | tuple, what: str, *keys: str) -> None:
-    if isinstance(value, bool) and kind in (int, (int,)):
-        raise toml.error(f"{what} must be a number, not {value!r}", *keys)
-    if not isinstance(value, kind):
-        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        names = names.replace("str", "a string").replace("int", "a number").replace("list", "a list")
-        raise toml.error(f"{what} must be {names}, not {value!r}", *keys)
+_TYPE_NAMES = {str: "a string", int: "a number", bool: "true or false"}
+
+
+def _check_type(toml: _TomlFile, value: Any, kind: type, what: str, *keys: str) -> None:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise toml.error(f"{what} must be {_TYPE_NAMES[kind]}, not {value!r}", *keys)
 
 
 def _string_list(toml: _TomlFile, value: Any, what: str, *keys: str) -> tuple[str, ...]:
@@ -267,6 +266,9 @@ def _validate_source(toml: _TomlFile, alias: str, src: Any, index: int) -> None:
                     raise toml.error(
                         f"model '{alias}': {name} has {len(value)} entries for {len(files)} files", alias, name
                     )
+        sizes = src.get("sizes", [])
+        for size in sizes if isinstance(sizes, list) else [sizes]:
+            _check_type(toml, size, int, f"model '{alias}': sizes", alias, "sizes")
     elif kind == "pypi":
         packages = _string_list(toml, src["pypi"], f"model '{alias}': pypi", alias, "pypi")
         for package in packages:
