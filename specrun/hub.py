@@ -248,14 +248,26 @@ def _download_hf_file(spec: ModelSpec, src: HFSource, i: int, commit: str | None
         )
     storage = cache / repo_folder_name(repo_id=src.repo, repo_type="model")
     blob = storage / "blobs" / meta.etag
-    if not blob.exists():
+    pinned_url = hf_hub_url(src.repo, name, revision=meta.commit_hash or revision, endpoint=endpoint)
+    fresh = [meta]
+
+    def locate() -> tuple[str, dict]:
+        """Return the download link and headers; a new link when the old one expired."""
+        try:
+            current = fresh.pop() if fresh else get_hf_file_metadata(pinned_url, token=token)
+        except Exception as e:
+            raise _hf_error(spec, src, name, e) from None
+        if current.etag != meta.etag:
+            raise DownloadError(f"{name} changed on {src.repo} during the download: run `specrun pull {spec.name}` again")
         headers = build_hf_headers(token=token)
-        if urllib.parse.urlsplit(meta.location).netloc != urllib.parse.urlsplit(url).netloc:
+        if urllib.parse.urlsplit(current.location).netloc != urllib.parse.urlsplit(url).netloc:
             headers.pop("authorization", None)  # never send the token to a CDN
+        return current.location, headers
+
+    if not blob.exists():
         lock = cache / ".locks" / storage.name / f"{meta.etag}.lock"  # the lock huggingface_hub uses
-        size = meta.size or (src.sizes[i] if src.sizes else None)
         _download_resumable(
-            meta.location, headers, blob, size, expected, lock, report,
+            locate, blob, meta.size or (src.sizes[i] if src.sizes else None), expected, lock, report,
             label=name.rsplit("/", 1)[-1], alias=spec.name,
             on_mismatch=lambda digest: _mismatch_error(spec, src, name, expected, digest),
         )
@@ -338,6 +350,10 @@ class _ShortRead(Exception):
     """The server closed the connection before the promised bytes arrived."""
 
 
+class _LinkRefused(Exception):
+    """The server refused a download link (401/403/410): signed links expire, ask for a new one."""
+
+
 class _PartFile:
     """A download's .incomplete file and the running sha256 of the bytes in it."""
 
@@ -357,10 +373,14 @@ class _PartFile:
 
 
 def _download_resumable(
-    url: str, headers: dict, dest: Path, size: int | None, expected: str | None, lock: Path,
+    locate: Callable[[], tuple[str, dict]], dest: Path, size: int | None, expected: str | None, lock: Path,
     report: "_Reporter", label: str, alias: str, on_mismatch: Callable[[str], DownloadError],
 ) -> None:
-    """Download url to dest through dest.incomplete, resuming from what an earlier run left."""
+    """Download to dest through dest.incomplete, resuming from what an earlier run left.
+
+    locate() returns the URL and headers; it is called again when a link stops working (signed
+    CDN links expire while a large file is still downloading).
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(lock, report, label):
         if dest.exists():
@@ -370,7 +390,8 @@ def _download_resumable(
             part.restart()
         if size is not None:
             _check_space(dest.parent, size - part.size, label)
-        failures = 0
+        url, headers = locate()
+        failures, relocated = 0, False
         with report.bar(label, size, part.size) as advance:
             while size is None or part.size < size:
                 before = part.size
@@ -378,6 +399,14 @@ def _download_resumable(
                     size = _get_rest(url, headers, part, size, advance, alias)
                     if size is None:
                         break  # no length announced: what arrived until the server closed is the file
+                except _LinkRefused as e:
+                    if relocated and part.size == before:
+                        raise DownloadError(
+                            f"download of {label} refused ({e}) even with a fresh link; {human_size(part.size)} "
+                            f"are kept in {part.path} and `specrun pull {alias}` resumes there"
+                        ) from None
+                    url, headers = locate()
+                    relocated = True
                 except (_ShortRead, urllib.error.URLError, http.client.HTTPException, OSError) as e:
                     failures = 1 if part.size > before else failures + 1
                     if failures > MAX_RETRIES:
@@ -404,6 +433,8 @@ def _get_rest(url: str, headers: dict, part: _PartFile, size: int | None, advanc
     except urllib.error.HTTPError as e:
         if e.code == 416 and size is not None and part.size >= size:
             return size
+        if e.code in (401, 403, 410):
+            raise _LinkRefused(f"HTTP {e.code} {e.reason}") from None
         if e.code < 500 and e.code not in (408, 429):
             raise DownloadError(f"download failed: HTTP {e.code} {e.reason} for {url}") from None
         raise

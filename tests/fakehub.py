@@ -29,6 +29,7 @@ class FakeFile:
     etag: str  # what the hub claims; normally the sha256 of data
     drop_after: int | None = None  # close the connection after this many body bytes
     drops_left: int = 0  # how many more responses to cut short (-1: all of them)
+    refuse_ranged: int = 0  # answer this many resuming GETs with 403, like an expired signed link
 
 
 @dataclass
@@ -120,6 +121,9 @@ def _make_handler(hub: FakeHub):
             if fake is None:
                 return self._error(record, 404, "EntryNotFound", "Entry not found", repo.commit)
             start = _range_start(record.headers.get("range"))
+            if start and send_body and fake.refuse_ranged:
+                fake.refuse_ranged -= 1
+                return self._error(record, 403, "", "Request has expired")
             total = len(fake.data)
             if start is not None and start >= total:
                 self.send_response(416)
@@ -151,7 +155,8 @@ def _make_handler(hub: FakeHub):
 
         def _error(self, record: Request, status: int, code: str, message: str, commit: str | None = None) -> None:
             self.send_response(status)
-            self.send_header("X-Error-Code", code)
+            if code:
+                self.send_header("X-Error-Code", code)
             self.send_header("X-Error-Message", message)
             if commit:
                 self.send_header("X-Repo-Commit", commit)

@@ -128,6 +128,16 @@ def test_dropped_connection_resumes_with_a_range_request(env):
     assert sum(g.body_bytes for g in gets) == len(DATA)  # nothing fetched twice
 
 
+def test_expired_link_is_renewed_while_resuming(env):
+    spec = serve_tiny(env)
+    env.hub.drop(REPO, FILE, after=len(DATA) // 2)
+    env.hub.repos[REPO].files[FILE].refuse_ranged = 1
+
+    assert hub.ensure_local(spec, progress=False).read_bytes() == DATA
+    calls = [(r.method, r.status) for r in env.hub.requests if r.path.endswith(FILE)]
+    assert calls[:5] == [("HEAD", 200), ("GET", 200), ("GET", 403), ("HEAD", 200), ("GET", 206)]
+
+
 def test_interrupted_download_resumes_on_the_next_run(env, monkeypatch):
     spec = serve_tiny(env)
     half = len(DATA) // 2
