@@ -207,9 +207,9 @@ def _fetch_hf(spec: ModelSpec, src: HFSource, report: "_Reporter") -> Path:
         if cached:
             path = cached[0]
             commit = commit or _snapshot_commit(path, src.repo)
-            _verify_cached(spec, src, i, path, report)
         else:
             path, commit = _download_hf_file(spec, src, i, commit, report)
+        _verify_cached(spec, src, i, path, report)  # free for what we just downloaded and hashed
         found.append(path)
     if len({p.parent for p in found}) > 1:
         raise DownloadError(f"the shards of {spec.name} ended up in different cache snapshots; run `specrun pull {spec.name}` again")

@@ -197,6 +197,18 @@ def test_cached_file_damaged_later_is_removed(env):
     assert not path.exists()
 
 
+def test_blob_left_by_another_tool_is_verified_before_use(env):
+    spec = serve_tiny(env)
+    blobs = env.hf_cache / "models--fake--tiny-GGUF" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / sha(DATA)).write_bytes(b"not the model")  # a blob without its snapshot link
+
+    with pytest.raises(DownloadError, match="no longer matches"):
+        hub.ensure_local(spec, progress=False)
+    assert not (blobs / sha(DATA)).exists()
+    assert hub.ensure_local(spec, progress=False).read_bytes() == DATA
+
+
 def test_split_model_fetches_every_shard_and_returns_the_first(env):
     names = [f"big-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     shards = [tiny_gguf_bytes(n_floats=20_000, seed=i) for i in range(3)]
