@@ -124,6 +124,8 @@ class ModelRow:
     present: bool
     draft: str | None
     source: str
+    verified: bool = True  # False: a name or hash was seen in one public catalog only
+    notes: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -136,6 +138,8 @@ class ModelRow:
             "present": self.present,
             "draft": self.draft,
             "source": self.source,
+            "verified": self.verified,
+            "notes": self.notes,
         }
 
 
@@ -578,6 +582,8 @@ def list_models(registry: Registry | None = None) -> list[ModelRow]:
                 present=hub.is_present(spec),
                 draft=spec.draft,
                 source=spec.sources[0].describe(),
+                verified=spec.sources[0].verified,
+                notes=spec.notes,
             )
         )
     return sorted(rows, key=lambda r: (r.family or "", r.size or 0, r.alias))

@@ -166,6 +166,7 @@ def test_list_models_rows_show_presence():
     rows = {row.alias: row for row in registry.list_models()}
     assert rows["smollm2-135m-f32"].present
     assert rows["smollm2-135m-f32"].as_dict()["size_text"] == "540 MB"
+    assert rows["qwen2.5-14b"].verified and not rows["qwen2.5-72b"].verified
 
 
 # ---------------------------------------------------------------------------------------------
