@@ -105,17 +105,34 @@ def check_gguf_file(path: Path) -> Path:
     return path
 
 
+def _cpu_has_amx() -> bool:
+    """Return whether the CPU advertises Intel AMX (read once from /proc/cpuinfo on Linux)."""
+    global _AMX
+    if _AMX is None:
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+                _AMX = any(line.startswith("flags") and "amx_int8" in line for line in f)
+        except OSError:
+            _AMX = False
+    return _AMX
+
+
+_AMX: bool | None = None
+
+
 class Model:
     """Owner of a llama_model (weights + vocabulary)."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False, use_mmap: bool = True):
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False):
         _ensure_backend()
         self.path = check_gguf_file(Path(path))
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
-        if hasattr(params, "use_mmap"):
-            params.use_mmap = use_mmap
+        if _cpu_has_amx():
+            # ggml's AMX matmul (an "extra buffer type") crashes on multi-token batches of Q4_1
+            # weights in the vendored llama.cpp; the plain CPU kernels are exact and safe.
+            params.use_extra_bufts = False
         _recent_errors.clear()
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
@@ -423,6 +440,9 @@ class Context:
         # One ubatch for the whole tree: split trees pay the weight transfer again when offloading.
         params.n_ubatch = n_batch
         params.n_seq_max = n_seq_max
+        # llama.cpp reserves at least one output row per sequence and aborts (not errors) when
+        # that exceeds n_outputs_max, which defaults to n_batch.
+        params.n_outputs_max = max(n_batch, n_seq_max)
         params.n_threads = threads
         params.n_threads_batch = threads
         params.flash_attn_type = {

@@ -86,7 +86,7 @@ class SpeculativeDecoder:
         ctx.decode(batch)
         target_s = time.perf_counter() - t0
         acceptance = accept_path(tree, ctx.logits(), params, rng, self.eog, max_tokens=remaining)
-        self._keep_path(layout, acceptance.nodes, p0)
+        keep_tree_path(ctx, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
         if grown:
             self.grower.commit(grown, acceptance.nodes)
@@ -99,16 +99,16 @@ class SpeculativeDecoder:
             tree_leaves=layout.n_colours if len(tree) > 1 else 0,
         )
 
-    def _keep_path(self, layout, nodes: Sequence[int], p0: int) -> None:
-        """Leave exactly committed + accepted path in seq 0 and drop every tree colour."""
-        ctx = self.ctx
-        end = p0 + len(nodes)
-        colour = int(layout.first_colour[nodes[-1]])
-        if colour == 0:
-            ctx.seq_rm(0, end, -1)
-        else:
-            # Cells of colour c in [p0, end) are exactly the accepted path.
-            ctx.seq_rm(0, p0, -1)
-            ctx.seq_cp(colour, 0, p0, end)
-        if layout.n_colours > 1:
-            ctx.seq_keep(0)
+
+def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:
+    """Leave exactly the committed prefix + the path `nodes` in seq 0; drop every tree colour."""
+    end = p0 + len(nodes)
+    colour = int(layout.first_colour[nodes[-1]])
+    if colour == 0:
+        ctx.seq_rm(0, end, -1)
+    else:
+        # The cells of colour c in [p0, end) are exactly the path down to the accepted node.
+        ctx.seq_rm(0, p0, -1)
+        ctx.seq_cp(colour, 0, p0, end)
+    if layout.n_colours > 1:
+        ctx.seq_keep(0)
