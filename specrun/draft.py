@@ -57,6 +57,21 @@ class GrownTree:
     draft_s: float
     draft_passes: int
 
+    def best_first_ranks(self, nodes) -> list[int]:
+        """Return each node's 1-based rank by draft score (ties: lower id first); root excluded.
+
+        A best-first tree with a smaller budget B' is the top-B' of this one, so the ranks on the
+        accepted path tell how deep a smaller tree would have reached (one-run calibration).
+        """
+        logps = self.tree.logps
+        out = []
+        for node in nodes:
+            if node == 0:
+                continue
+            above = int((logps[1:] > logps[node]).sum()) + int((logps[1:node] == logps[node]).sum())
+            out.append(above + 1)
+        return out
+
 
 class TreeGrower:
     """Grows trees with the draft model and keeps the draft's KV cache in step with the target."""

@@ -30,6 +30,11 @@ class Step:
     tree_nodes: int = 0
     tree_depth: int = 0
     tree_leaves: int = 0
+    draft_passes: int = 0
+    # Calibration data for the tuner: best-first rank of each accepted tree node, and for each
+    # node the walk visited, the rank among its children of the child the target chose (0: none).
+    path_ranks: tuple[int, ...] = ()
+    child_ranks: tuple[int, ...] = ()
 
     @property
     def overhead_s(self) -> float:

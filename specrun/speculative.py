@@ -23,7 +23,7 @@ from specrun.verify import accept_path
 class SpeculativeDecoder:
     """Decodes with the target, proposing trees with the draft. Output is exactly the target's."""
 
-    def __init__(self, target_model, target_ctx: Context, draft_model, draft_ctx: Context, shape: TreeShape):
+    def __init__(self, target_model, target_ctx: Context, draft_model, draft_ctx: Context, shape: TreeShape, grower=None):
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
         if target_ctx.n_seq_max < MAX_SEQ or draft_ctx.n_seq_max < MAX_SEQ:
@@ -33,7 +33,8 @@ class SpeculativeDecoder:
         self.shape = shape
         self.cache = CachedSequence(target_ctx, Batch(target_ctx.n_batch, 1))
         self.tree_batch = Batch(target_ctx.n_batch, MAX_SEQ)
-        self.grower = TreeGrower(draft_model, draft_ctx, shape)
+        # Any object with grow(committed, root, budget, depth) -> GrownTree and commit(grown, nodes).
+        self.grower = grower or TreeGrower(draft_model, draft_ctx, shape)
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
 
@@ -97,6 +98,9 @@ class SpeculativeDecoder:
             tree_nodes=len(tree) - 1,
             tree_depth=tree.max_depth,
             tree_leaves=layout.n_colours if len(tree) > 1 else 0,
+            draft_passes=grown.draft_passes if grown else 0,
+            path_ranks=tuple(grown.best_first_ranks(acceptance.nodes)) if grown else (),
+            child_ranks=_child_ranks(tree, acceptance),
         )
 
 
@@ -112,3 +116,17 @@ def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:
         ctx.seq_cp(colour, 0, p0, end)
     if layout.n_colours > 1:
         ctx.seq_keep(0)
+
+
+def _child_ranks(tree, acceptance) -> tuple[int, ...]:
+    """For each visited node: 1 + position of the chosen child among its children, 0 if none.
+
+    Children are stored best-first and pruning keeps a prefix of them, so position = draft rank.
+    """
+    ranks = []
+    for depth, node in enumerate(acceptance.nodes):
+        if depth + 1 < len(acceptance.nodes):
+            ranks.append(tree.children(node).index(acceptance.nodes[depth + 1]) + 1)
+        elif acceptance.bonus is not None and tree.children(node):
+            ranks.append(0)
+    return tuple(ranks)
