@@ -113,8 +113,12 @@ class CachedSequence:
     def n_cached(self) -> int:
         return len(self.tokens)
 
-    def sync(self, prompt: Sequence[int]) -> tuple[int, int, float]:
-        """Make the cache hold prompt[:-1]; return (pending token, tokens prefilled, seconds)."""
+    def sync(self, prompt: Sequence[int], include_last: bool = False) -> tuple[int, int, float]:
+        """Make the cache hold prompt[:-1]; return (pending token, tokens prefilled, seconds).
+
+        With include_last the last token is decoded too (in the same batch as the rest of the new
+        tokens), and its logits are left in the context.
+        """
         if not prompt:
             raise UsageError("the prompt is empty (no tokens to start from)")
         if len(prompt) >= self.ctx.n_ctx:
@@ -128,8 +132,8 @@ class CachedSequence:
             keep += 1
         t0 = time.perf_counter()
         self.truncate(keep)
-        todo = list(prompt[keep:-1])
-        self.extend(todo)
+        todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
+        self.extend(todo, want_last_logits=include_last)
         return prompt[-1], len(todo), time.perf_counter() - t0
 
     def truncate(self, n: int) -> None:
@@ -167,18 +171,23 @@ class PlainDecoder:
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         self.stats = stats = GenerationStats(n_prompt=len(prompt))
-        pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt)
+        # The whole new part of the prompt goes in one batch, as llama.cpp's own tools do, and its
+        # last row gives the first token.
+        pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
         one, ctx, cache = self._one, self.ctx, self.cache
-        for _ in range(max_tokens):
-            if cache.room() < 1:
-                stats.finish_reason = "context"
-                return
+        logits = ctx.logits_row(-1)
+        for i in range(max_tokens):
             t0 = time.perf_counter()
-            one.set_arrays([pending], [cache.n_cached], [0], True)
-            ctx.decode(one)
+            if i:
+                if cache.room() < 1:
+                    stats.finish_reason = "context"
+                    return
+                one.set_arrays([pending], [cache.n_cached], [0], True)
+                ctx.decode(one)
+                cache.tokens.append(pending)
+                logits = ctx.logits_row(-1)
             t1 = time.perf_counter()
-            cache.tokens.append(pending)
-            token = choose_token(ctx.logits_row(-1), params, rng)
+            token = choose_token(logits, params, rng)
             step = Step([token], target_s=t1 - t0, total_s=time.perf_counter() - t0)
             stats.steps.append(step)
             stats.n_generated += 1
