@@ -67,9 +67,11 @@ def _is_int(value: object) -> bool:
 def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Return the sampling distribution (float64, each row sums to 1) for one logit row or a matrix.
 
-    The order is fixed and shared by every caller: temperature divides the logits; top-k keeps
-    the k most likely tokens; top-p keeps the smallest best-first set whose probability (after
-    top-k) reaches top_p; min-p keeps tokens at least min_p times as likely as the best one.
+    The order is fixed and shared by every caller, and is llama.cpp's default sampler order, so
+    the same settings mean the same distribution as in llama.cpp's own tools: on the plain
+    softmax (temperature 1), top-k keeps the k most likely tokens; top-p keeps the smallest
+    best-first set whose probability (after top-k) reaches top_p; min-p keeps tokens at least
+    min_p times as likely as the best one; then temperature divides the survivors' logits.
     Tokens tied at a cut are kept together, so the result never depends on sort order. Greedy
     params give a one-hot on the first maximum, the token `choose_token` picks. Rows are
     processed together, but a 2-D input is converted to float64 whole: pass the few rows you
@@ -86,17 +88,20 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
     # Work in place on one float64 copy: fresh 2 MB temporaries cost more than the arithmetic.
     weights = rows.astype(np.float64)
-    if params.temperature != 1:
-        weights /= params.temperature
     best = weights.max(axis=1, keepdims=True)
     if not np.isfinite(best).all():
         raise ValueError("every logit row needs a finite maximum")
     weights -= best
+    shifted = weights.copy() if params.temperature != 1 else None
     np.exp(weights, out=weights)  # unnormalised probabilities; the best token weighs exactly 1
 
     floor = _surviving_floor(weights, params)
-    if floor.any():
-        np.multiply(weights, weights >= floor, out=weights)
+    keep = weights >= floor if floor.any() else None
+    if shifted is not None:  # temperature last, on the survivors
+        shifted /= params.temperature
+        weights = np.exp(shifted, out=shifted)
+    if keep is not None:
+        np.multiply(weights, keep, out=weights)
     weights /= weights.sum(axis=1, keepdims=True)
     return weights.reshape(x.shape)
 

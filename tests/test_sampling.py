@@ -80,13 +80,14 @@ def test_min_p_and_top_p_keep_the_intersection():
     np.testing.assert_allclose(probs_for(top_p=0.9, min_p=0.3), normalised([0, 0.4, 0, 0.25, 0.2]), rtol=1e-12)
 
 
-def test_temperature_applies_before_top_p():
-    logits = np.log(np.array([0.6, 0.3, 0.1]))
-    # At T=1 top-p 0.6 keeps only token 0; at T=2 token 0 has less than 0.6 of the mass.
-    assert np.count_nonzero(target_probs(logits, SamplingParams(temperature=1.0, top_p=0.6))) == 1
-    hot = target_probs(logits, SamplingParams(temperature=2.0, top_p=0.6))
-    expected = normalised(np.sqrt([0.6, 0.3, 0]))
-    np.testing.assert_allclose(hot, expected, rtol=1e-12)
+def test_temperature_applies_after_the_filters_like_llama_cpp():
+    logits = np.log(np.array([0.5, 0.3, 0.2]))
+    # top-p 0.7 on the plain softmax keeps tokens 0 and 1 (0.5 < 0.7 <= 0.8) whatever the
+    # temperature; temperature then reshapes the two survivors.
+    hot = target_probs(logits, SamplingParams(temperature=2.0, top_p=0.7))
+    np.testing.assert_allclose(hot, normalised(np.sqrt([0.5, 0.3, 0])), rtol=1e-12)
+    cold = target_probs(logits, SamplingParams(temperature=0.5, top_p=0.7))
+    np.testing.assert_allclose(cold, normalised(np.square([0.5, 0.3, 0])), rtol=1e-12)
 
 
 def test_ties_at_a_cut_are_kept_together():
@@ -143,8 +144,8 @@ def test_top_p_on_a_large_vocabulary_matches_full_sort(scale):
 
 
 def naive_filtered(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
-    """Reference: full sort, filters one after another as documented."""
-    probs = normalised(np.exp((logits - logits.max()) / temperature))
+    """Reference: full sort, filters one after another on the plain softmax, temperature last."""
+    probs = normalised(np.exp(logits - logits.max()))
     order = np.argsort(-probs, kind="stable")
     if top_k:
         probs[order[top_k:]] = 0
@@ -154,7 +155,8 @@ def naive_filtered(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
         probs[order[before >= top_p]] = 0
         probs = normalised(probs)
     probs[probs < min_p * probs.max()] = 0
-    return normalised(probs)
+    hot = np.exp((logits - logits.max()) / temperature) * (probs > 0)
+    return normalised(hot)
 
 
 @pytest.mark.parametrize("filters", [
