@@ -120,7 +120,26 @@ def _cpu_has_amx() -> bool:
 _AMX: bool | None = None
 
 
-class Model:
+class _Owner:
+    """Frees its C pointer exactly once: on close(), leaving a with-block, or garbage collection."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+
+class Model(_Owner):
     """Owner of a llama_model (weights + vocabulary)."""
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False):
@@ -164,18 +183,6 @@ class Model:
         if self._ptr is not None:
             C.llama_model_free(self._ptr)
             self._ptr = None
-
-    def __enter__(self) -> "Model":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # -- metadata --
     @property
@@ -416,7 +423,7 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-class Context:
+class Context(_Owner):
     """Owner of a llama_context: KV cache, decode, logits."""
 
     def __init__(
@@ -482,18 +489,6 @@ class Context:
             self._mem = None
             if self in self.model._contexts:
                 self.model._contexts.remove(self)
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # -- decode --
     def decode(self, batch: Batch) -> None:
