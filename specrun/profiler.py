@@ -1,0 +1,520 @@
+"""Measures this machine for the tuner: devices, forward-pass cost curves, draft acceptance.
+
+Three kinds of measurement, all on the models and contexts the user will decode with:
+
+- `probe_hardware`: CPU, RAM, the devices and backends llama.cpp sees, and a fingerprint of the
+  parts that decide speed (a stored profile is only valid on the same hardware).
+- `measure_curve`: seconds for one forward pass over n tokens appended to a real prompt, for
+  n = 1, 2, 4, ... (warm-up, repeats, medians, a time budget). For the draft it includes the top-k
+  over the logits, which every draft pass pays in Python.
+- `calibrate`: speculative decoding at the largest budget on built-in prompts, greedy. Each step
+  records the best-first ranks of the accepted path, so tau(B) for every smaller budget follows
+  from this one run (tuner.tau_curve); the draft's rank of every token the target emitted gives the
+  positional acceptance rates of the Sequoia tree.
+
+Timings here are medians over repeats: a 2-core machine shared with other work is noisy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specrun import tuner
+
+log = logging.getLogger("specrun.profiler")
+
+# Built-in calibration prompts: the kinds of text people decode (chat, code, prose), where a draft
+# agrees with its target to different degrees. The held-out prompts check the prediction on text
+# the calibration did not see.
+CALIBRATION_PROMPTS: tuple[tuple[str, str], ...] = (
+    ("chat", "What is the difference between a list and a tuple in Python? Answer briefly."),
+    ("code", "Write a Python function that checks whether a string is a palindrome, with a docstring."),
+    ("prose", "Write a short story about a robot who learns to paint."),
+    ("chat", "Give me three tips for sleeping better."),
+    ("code", "Write a JavaScript function that removes duplicates from an array."),
+    ("prose", "Describe a quiet morning in a mountain village."),
+)
+HELD_OUT_PROMPTS: tuple[tuple[str, str], ...] = (
+    ("chat", "Explain what a hash table is to a new programmer."),
+    ("code", "Write a Python class for a stack with push, pop and peek methods."),
+    ("prose", "Write a letter from a sailor to his family at home."),
+)
+
+# Sizes of the cost curves: powers of two, like the batch-size steps llama.cpp's kernels take.
+MAX_CURVE_TOKENS = 2048
+
+# Draft ranks beyond this count as "not proposed" for the Sequoia positional rates: trees never
+# give a node more children than this (the DP would give the rest near-zero value anyway).
+MAX_CHILD_RANK = 8
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What this machine offers llama.cpp. Memory in bytes; `devices` as engine.DeviceInfo dicts."""
+
+    cpu: str
+    cores: int
+    ram_total_bytes: int
+    ram_available_bytes: int
+    devices: tuple[dict, ...]
+    backends: tuple[str, ...]
+    cpu_features: str = ""
+
+    @property
+    def gpus(self) -> list:
+        """Return the accelerators (not the CPU) as offload.Device, for the offload planner."""
+        from specrun.offload import Device
+
+        return [
+            Device(d["name"], d["free_bytes"], d["total_bytes"])
+            for d in self.devices
+            if d["kind"] in ("gpu", "igpu")
+        ]
+
+    def fingerprint(self) -> str:
+        """Return a short hash of what decides speed: CPU, cores, RAM size, GPUs, backends.
+
+        Free memory changes from run to run and is left out; total RAM and GPU memory are rounded
+        to GiB so a kernel reserving a little more does not invalidate a profile.
+        """
+        stable = {
+            "cpu": self.cpu,
+            "cores": self.cores,
+            "ram_gib": round(self.ram_total_bytes / 2**30),
+            "gpus": sorted((d["name"], d["description"], round(d["total_bytes"] / 2**30)) for d in self.devices if d["kind"] != "cpu"),
+            "backends": sorted(self.backends),
+            "cpu_features": self.cpu_features,
+        }
+        return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {
+            "cpu": self.cpu,
+            "cores": self.cores,
+            "ram_total_bytes": self.ram_total_bytes,
+            "ram_available_bytes": self.ram_available_bytes,
+            "devices": [dict(d) for d in self.devices],
+            "backends": list(self.backends),
+            "cpu_features": self.cpu_features,
+            "fingerprint": self.fingerprint(),
+        }
+
+
+def probe_hardware() -> Hardware:
+    """Return the CPU, RAM, devices and backends of this machine as llama.cpp sees them."""
+    from specrun import engine
+
+    total, available = _ram_bytes()
+    return Hardware(
+        cpu=_cpu_name(),
+        cores=engine.default_threads(),
+        ram_total_bytes=total,
+        ram_available_bytes=available,
+        devices=tuple(d.to_dict() for d in engine.list_devices()),
+        backends=tuple(engine.backend_names()),
+        cpu_features=engine.system_info(),
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _ram_bytes() -> tuple[int, int]:
+    """Return (total, available) system RAM; available falls back to free pages."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    fields[name] = int(parts[0]) * 1024  # meminfo counts kB
+    except OSError:
+        pass
+    if "MemTotal" in fields:
+        return fields["MemTotal"], fields.get("MemAvailable", fields.get("MemFree", 0))
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0, 0
+
+
+# --------------------------------------------------------------------------------------------
+# Cost curves
+
+
+@dataclass(frozen=True)
+class CurveMeasurement:
+    """Median seconds per forward pass by batch size: decoding, and the top-k after it (if asked)."""
+
+    decode: dict[int, float]
+    topk: dict[int, float]
+
+    def curve(self) -> tuner.CostCurve:
+        """Return the cost of a pass as the decoders pay it: decode plus top-k."""
+        return tuner.CostCurve.from_points({n: s + self.topk.get(n, 0.0) for n, s in self.decode.items()})
+
+    def topk_curve(self) -> tuner.CostCurve | None:
+        return tuner.CostCurve.from_points(self.topk) if self.topk else None
+
+
+def curve_sizes(largest: int) -> list[int]:
+    """Return 1, 2, 4, ... up to the first power of two >= largest (capped at MAX_CURVE_TOKENS)."""
+    largest = max(1, min(largest, MAX_CURVE_TOKENS))
+    return [2**i for i in range(math.ceil(math.log2(largest)) + 1)]
+
+
+def measure_curve(
+    ctx,
+    context_tokens: Sequence[int],
+    sizes: Sequence[int],
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    deadline: float | None = None,
+    stop_ratio: float | None = None,
+    top_k: int = 0,
+    on_size: Callable[[int, float], None] | None = None,
+) -> CurveMeasurement:
+    """Return median seconds to decode n tokens after `context_tokens`, for each n in `sizes`.
+
+    The batch asks logits for every token, as a tree pass does, and is removed from the cache
+    after each pass, so every repeat sees the same context. Sizes are tried in increasing order;
+    measuring stops at the `deadline` (time.monotonic()), keeping at least one pass per size
+    started, or after a size costs more than `stop_ratio` times the smallest (no tree that big
+    can pay). The smallest size is always measured.
+    """
+    from specrun.engine import Batch
+    from specrun.sampling import log_softmax_topk
+
+    sizes = sorted(n for n in set(sizes) if 1 <= n <= ctx.n_batch)
+    if not sizes:
+        raise ValueError(f"no curve size fits the context's batch of {ctx.n_batch} tokens")
+    context = list(context_tokens)
+    if len(context) + sizes[-1] > ctx.n_ctx:
+        raise ValueError("the context is too small for the prompt plus the largest batch")
+    batch = Batch(max(sizes[-1], min(len(context), ctx.n_batch)), 1)
+    ctx.clear()
+    for start in range(0, len(context), batch.capacity):
+        batch.set_sequence(context[start : start + batch.capacity], start, 0, "none")
+        ctx.decode(batch)
+    p0 = len(context)
+    filler = (context * (sizes[-1] // max(len(context), 1) + 1))[: sizes[-1]] or [0] * sizes[-1]
+    decode_s: dict[int, float] = {}
+    topk_s: dict[int, float] = {}
+    try:
+        for n in sizes:
+            decode_times, topk_times = [], []
+            for rep in range(warmup + repeats):
+                batch.set_sequence(filler[:n], p0, 0, "all")
+                t0 = time.perf_counter()
+                ctx.decode(batch)
+                t1 = time.perf_counter()
+                if top_k:
+                    log_softmax_topk(ctx.logits(), top_k)
+                t2 = time.perf_counter()
+                ctx.seq_rm(0, p0, -1)
+                if rep >= warmup:
+                    decode_times.append(t1 - t0)
+                    topk_times.append(t2 - t1)
+                out_of_time = deadline is not None and time.monotonic() > deadline
+                if out_of_time:
+                    # A warm-up pass is a noisy sample, but better than none.
+                    decode_times = decode_times or [t1 - t0]
+                    topk_times = topk_times or [t2 - t1]
+                    break
+            decode_s[n] = statistics.median(decode_times)
+            if top_k:
+                topk_s[n] = statistics.median(topk_times)
+            if on_size is not None:
+                on_size(n, decode_s[n])
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            if stop_ratio is not None and decode_s[n] > stop_ratio * decode_s[sizes[0]]:
+                break
+    finally:
+        ctx.clear()
+    return CurveMeasurement(decode_s, topk_s)
+
+
+@dataclass(frozen=True)
+class PlainTiming:
+    """Plain decoding as the decoder runs it: median target pass and median Python time per token."""
+
+    target_s: float
+    overhead_s: float
+    tokens_per_s: float
+
+
+def measure_plain(model, ctx, prompt: Sequence[int], n_tokens: int = 16) -> PlainTiming:
+    """Return plain decoding's per-token costs over a short greedy generation."""
+    from specrun.generate import PlainDecoder, token_ids
+    from specrun.sampling import SamplingParams
+
+    ctx.clear()
+    decoder = PlainDecoder(model, ctx)
+    token_ids(decoder, prompt, SamplingParams(), n_tokens)
+    steps = decoder.stats.steps[1:] or decoder.stats.steps  # the first pass pays allocations
+    ctx.clear()
+    return PlainTiming(
+        target_s=statistics.median(s.target_s for s in steps),
+        overhead_s=statistics.median(s.overhead_s for s in steps),
+        tokens_per_s=decoder.stats.tokens_per_s,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Acceptance calibration
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One speculative step of the calibration run, as the tuner needs it."""
+
+    path_ranks: tuple[int, ...]
+    tree_nodes: int
+    draft_passes: int
+    expansions: int  # tree nodes the draft expanded (decoded) while growing the tree
+    target_s: float
+    draft_s: float
+    total_s: float
+    first: bool  # the first step of a prompt: the draft also prefilled the prompt
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.total_s - self.target_s - self.draft_s)
+
+    def to_dict(self) -> dict:
+        return {
+            "path_ranks": list(self.path_ranks),
+            "tree_nodes": self.tree_nodes,
+            "draft_passes": self.draft_passes,
+            "expansions": self.expansions,
+            "target_s": self.target_s,
+            "draft_s": self.draft_s,
+            "total_s": self.total_s,
+            "first": self.first,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepRecord:
+        return cls(
+            tuple(int(r) for r in data["path_ranks"]), int(data["tree_nodes"]), int(data["draft_passes"]),
+            int(data["expansions"]), float(data["target_s"]), float(data["draft_s"]),
+            float(data["total_s"]), bool(data["first"]),
+        )
+
+
+@dataclass
+class Calibration:
+    """What one speculative run at the largest budget tells about smaller trees.
+
+    `draft_ranks` holds, for every token the target emitted, its rank in the draft's prediction
+    at that point (1 = the draft's top token, 0 = beyond MAX_CHILD_RANK).
+    """
+
+    budget: int
+    depth: int
+    width: int
+    top_k: int
+    steps: list[StepRecord] = field(default_factory=list)
+    draft_ranks: list[int] = field(default_factory=list)
+    n_tokens: int = 0
+    seconds: float = 0.0
+
+    def tau(self, budgets: Sequence[int], max_depth: int | None = None) -> dict[int, float]:
+        """Return accepted tokens per pass (bonus included) for each budget <= the calibration budget."""
+        usable = [b for b in budgets if 1 <= b <= self.budget]
+        return tuner.tau_curve([s.path_ranks for s in self.steps], usable, max_depth)
+
+    def tau_by_depth(self, budgets: Sequence[int], depths: Sequence[int]) -> dict[int, dict[int, float]]:
+        """Return tau curves for depth limits up to the calibrated depth (lower bounds below it)."""
+        return {d: self.tau(budgets, d) for d in sorted(set(depths)) if 1 <= d <= self.depth}
+
+    def accept_probs(self, max_rank: int = MAX_CHILD_RANK) -> list[float]:
+        """Return the positional acceptance rates a_k, k = 1..max_rank (Sequoia)."""
+        return [float(a) for a in tuner.positional_acceptance(self.draft_ranks, max_rank)]
+
+    def branching(self) -> float:
+        """Return tree nodes kept per expanded node (the tuner's SpecExec draft-cost model)."""
+        nodes = sum(s.tree_nodes for s in self.steps)
+        expanded = sum(s.expansions for s in self.steps)
+        return nodes / expanded if expanded else tuner.DEFAULT_BRANCHING
+
+    def overhead_s(self, topk: tuner.CostCurve | None) -> float:
+        """Return the median per-step time outside target and draft passes (bookkeeping, Python).
+
+        Step overhead includes the draft's top-k after each expansion pass; the draft curve
+        already counts that, so it is taken out here.
+        """
+        values = []
+        for s in self.steps:
+            if s.first:
+                continue  # the draft's prompt prefill is not a per-step cost
+            expansion_passes = max(s.draft_passes - 1, 0)
+            topk_s = 0.0
+            if topk is not None and expansion_passes:
+                topk_s = expansion_passes * topk.t(s.expansions / expansion_passes)
+            values.append(max(0.0, s.overhead_s - topk_s))
+        return statistics.median(values) if values else 0.0
+
+    def summary(self) -> dict:
+        steps = self.steps
+        return {
+            "budget": self.budget,
+            "depth": self.depth,
+            "width": self.width,
+            "top_k": self.top_k,
+            "n_steps": len(steps),
+            "n_tokens": self.n_tokens,
+            "seconds": round(self.seconds, 3),
+            "accepted_per_pass": round(self.n_tokens / len(steps), 3) if steps else 0.0,
+            "branching": round(self.branching(), 3),
+        }
+
+    def to_dict(self) -> dict:
+        return {**self.summary(), "steps": [s.to_dict() for s in self.steps], "draft_ranks": list(self.draft_ranks)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        return cls(
+            budget=int(data["budget"]), depth=int(data["depth"]), width=int(data["width"]),
+            top_k=int(data["top_k"]), steps=[StepRecord.from_dict(s) for s in data["steps"]],
+            draft_ranks=[int(r) for r in data["draft_ranks"]], n_tokens=int(data["n_tokens"]),
+            seconds=float(data["seconds"]),
+        )
+
+
+class _ExpansionCounter:
+    """Stands in for the draft context and counts the tokens of the grower's expansion passes."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self.expansion_batch = None
+        self.expanded = 0
+
+    def decode(self, batch) -> None:
+        if batch is self.expansion_batch:
+            self.expanded += batch.n_tokens
+        self._ctx.decode(batch)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+def calibrate(
+    target,
+    target_ctx,
+    draft,
+    draft_ctx,
+    prompts: Sequence[Sequence[int]],
+    shape,
+    max_tokens: int,
+    *,
+    deadline: float | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> Calibration:
+    """Run greedy speculative decoding with `shape` over the prompts and record every step.
+
+    Stops early at the `deadline` (time.monotonic()), keeping what was recorded; at least one
+    step is always taken.
+    """
+    from specrun.draft import TreeGrower
+    from specrun.sampling import SamplingParams, make_rng
+    from specrun.speculative import SpeculativeDecoder
+
+    cal = Calibration(shape.budget, shape.depth, shape.width, shape.top_k)
+    greedy = SamplingParams()
+    sequences: list[tuple[list[int], int]] = []
+    t_start = time.perf_counter()
+    target_ctx.clear()
+    draft_ctx.clear()
+    counter = _ExpansionCounter(draft_ctx)
+    grower = TreeGrower(draft, counter, shape)
+    counter.expansion_batch = grower.batch
+    decoder = SpeculativeDecoder(target, target_ctx, draft, draft_ctx, shape, grower=grower)
+    for prompt in prompts:
+        if cal.steps and deadline is not None and time.monotonic() > deadline:
+            break
+        generated: list[int] = []
+        first = True
+        for step in decoder.steps(list(prompt), greedy, max_tokens, make_rng(None)):
+            generated.extend(step.tokens)
+            if step.tree_nodes == 0:  # no room left to draft: not a tree step
+                continue
+            cal.steps.append(
+                StepRecord(
+                    tuple(step.path_ranks), step.tree_nodes, step.draft_passes, counter.expanded,
+                    step.target_s, step.draft_s, step.total_s, first,
+                )
+            )
+            counter.expanded = 0
+            first = False
+            if on_step is not None:
+                on_step(len(step.tokens))
+            if deadline is not None and time.monotonic() > deadline:
+                break
+        sequences.append((list(prompt) + generated, len(prompt)))
+        cal.n_tokens += len(generated)
+    cal.seconds = time.perf_counter() - t_start
+    target_ctx.clear()
+    for tokens, start in sequences:
+        cal.draft_ranks.extend(draft_ranks(draft_ctx, tokens, start))
+    draft_ctx.clear()
+    return cal
+
+
+def draft_ranks(ctx, tokens: Sequence[int], start: int, max_rank: int = MAX_CHILD_RANK) -> list[int]:
+    """Return the draft's rank of tokens[i] given tokens[:i], for i = start..len-1 (0 = beyond max_rank).
+
+    One prefill of the whole text with logits for every position: the rank of the target's token
+    at each point of its own greedy path is exactly the event Sequoia's positional rates count.
+    """
+    from specrun.engine import Batch
+
+    if start < 1 or start >= len(tokens):
+        return []
+    ctx.clear()
+    batch = Batch(min(ctx.n_batch, len(tokens)), 1)
+    ranks: list[int] = []
+    inputs = list(tokens[:-1])
+    for chunk_start in range(0, len(inputs), batch.capacity):
+        chunk = inputs[chunk_start : chunk_start + batch.capacity]
+        batch.set_sequence(chunk, chunk_start, 0, "all")
+        ctx.decode(batch)
+        logits = ctx.logits()
+        rows = np.arange(len(chunk))
+        wanted = max(start - 1 - chunk_start, 0)
+        rows = rows[wanted:]
+        if rows.size == 0:
+            continue
+        nexts = np.asarray(tokens[chunk_start + 1 : chunk_start + 1 + len(chunk)])[wanted:]
+        chosen = logits[rows, nexts]
+        rank = 1 + (logits[rows] > chosen[:, None]).sum(axis=1)
+        ranks.extend(int(r) if r <= max_rank else 0 for r in rank)
+    ctx.clear()
+    return ranks

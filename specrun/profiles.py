@@ -1,0 +1,164 @@
+"""Stored tuning profiles: what `specrun tune` chose for this machine and this model pair.
+
+A profile is one JSON file in paths.profiles_dir(). It is valid only for the hardware, the exact
+model files, the llama.cpp build and the thread count it was measured with, so its key holds the
+hardware fingerprint, each model file's size and modification time, the llama.cpp version and
+the threads; the file name is a hash of that key. Change any of them and the profile is simply
+not found: tune again.
+
+Reading never fails a run: a missing, unreadable or corrupt profile is logged and ignored, and the
+caller falls back to its defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from specrun import paths
+
+log = logging.getLogger("specrun.profiles")
+
+# Bump when the stored layout changes in a way older readers would misread.
+PROFILE_FORMAT = 1
+
+
+def model_file_key(path: Path) -> dict:
+    """Return what identifies a model file's contents cheaply: resolved path, size, mtime_ns."""
+    path = Path(path).resolve()
+    st = path.stat()
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+@functools.lru_cache(maxsize=1)
+def hardware_fingerprint() -> str:
+    """Return this machine's hardware fingerprint (probed once per process)."""
+    from specrun import profiler
+
+    return profiler.probe_hardware().fingerprint()
+
+
+def profile_key(
+    target_path: Path, draft_path: Path | None, fingerprint: str | None = None, threads: int | None = None
+) -> dict:
+    """Return the key a profile for this pair on this machine and llama.cpp build is stored under.
+
+    `threads` is the CPU thread count decoding runs with (None: engine.default_threads(), what a
+    run without --threads uses): on a CPU the cost curves scale with it.
+    """
+    from specrun import engine
+
+    return {
+        "format": PROFILE_FORMAT,
+        "hardware": fingerprint or hardware_fingerprint(),
+        "llama": engine.llama_version_info(),
+        "threads": threads or engine.default_threads(),
+        "target": model_file_key(target_path),
+        "draft": model_file_key(draft_path) if draft_path is not None else None,
+    }
+
+
+def profile_path(key: dict) -> Path:
+    """Return the file that holds (or would hold) the profile for `key`."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return paths.profiles_dir() / f"{digest}.json"
+
+
+def save(profile: dict) -> Path:
+    """Write a profile (a dict with a "key") atomically; return its path."""
+    path = profile_path(profile["key"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(profile, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(target_path: Path, draft_path: Path | None, threads: int | None = None) -> dict | None:
+    """Return the stored profile for this pair on this machine, or None (never raises for bad files)."""
+    try:
+        key = profile_key(target_path, draft_path, threads=threads)
+    except OSError as e:
+        log.warning("cannot identify the model files for a tuning profile: %s", e)
+        return None
+    return load_key(key)
+
+
+def load_key(key: dict) -> dict | None:
+    """Return the profile stored under `key`, or None when absent, unreadable or corrupt."""
+    path = profile_path(key)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("ignoring tuning profile %s: %s", path, e.strerror or e)
+        return None
+    try:
+        profile = json.loads(text)
+        problem = _problem(profile, key)
+    except (ValueError, TypeError, KeyError) as e:
+        problem = f"not valid profile JSON ({e})"
+    if problem:
+        log.warning("ignoring tuning profile %s: %s; run `specrun tune` again", path, problem)
+        return None
+    return profile
+
+
+def _problem(profile: Any, key: dict) -> str | None:
+    """Return why a parsed profile cannot be used for `key`, or None."""
+    from specrun.tuner import Choice
+
+    if not isinstance(profile, dict):
+        return "not a JSON object"
+    if profile.get("key") != key:
+        return "it was made for other files, hardware or llama.cpp build"
+    Choice.from_dict(profile["config"])  # raises on a malformed configuration
+    return None
+
+
+def choice_for(target_path: Path, draft_path: Path | None, threads: int | None = None):
+    """Return the tuned tuner.Choice for this pair, or None without a (valid) profile.
+
+    Choice.kind tells the runtime what to build: "plain" (decode without the draft), "specexec"
+    (TreeShape(budget, depth, width, top_k) with the default grower) or "sequoia" (the static tree
+    in Choice.tree, grown by sequoia_draft.StaticTreeGrower).
+    """
+    from specrun.tuner import Choice
+
+    if draft_path is None:
+        return None
+    profile = load(target_path, draft_path, threads)
+    if profile is None:
+        return None
+    return Choice.from_dict(profile["config"])
+
+
+def shape_for(target_path: Path, draft_path: Path | None, threads: int | None = None):
+    """Return the tuned draft.TreeShape for this pair, or None (no profile, or plain decoding chosen).
+
+    A "sequoia" choice is described by the TreeShape of its template (budget, depth, widest
+    level, largest child rank); use `choice_for` to get the template itself.
+    """
+    from specrun.draft import TreeShape
+
+    choice = choice_for(target_path, draft_path, threads)
+    if choice is None or choice.kind == "plain":
+        return None
+    if choice.kind == "sequoia" and choice.tree is not None:
+        from specrun.sequoia_draft import template_shape
+
+        return template_shape(choice.tree)
+    return TreeShape(budget=choice.budget, depth=choice.depth, width=choice.width, top_k=choice.top_k)

@@ -1,0 +1,168 @@
+"""Stored tuning profiles: found for the same files, hardware and llama.cpp; ignored otherwise.
+
+A profile must never outlive what it was measured on (a changed model file, another llama.cpp
+build) and a broken profile file must never stop a run: it is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+
+from specrun import engine, paths, profiles
+from specrun.draft import TreeShape
+from specrun.tuner import Choice, sequoia_tree
+
+SPECEXEC = Choice("specexec", 24, 8, 4, 4, 30.0, 1.6)
+PLAIN = Choice("plain", 0, 0, 0, 0, 20.0, 1.0)
+
+
+@pytest.fixture
+def model_files(tmp_path):
+    """Two small files standing in for a target and a draft (profiles only stat them)."""
+    target = tmp_path / "target.gguf"
+    draft = tmp_path / "draft.gguf"
+    target.write_bytes(b"GGUF" + b"t" * 1000)
+    draft.write_bytes(b"GGUF" + b"d" * 100)
+    return target, draft
+
+
+def _store(target, draft, choice: Choice, **extra) -> dict:
+    profile = {
+        "key": profiles.profile_key(target, draft),
+        "config": choice.to_dict(),
+        "predicted_speedup": choice.predicted_speedup,
+        "measured_speedup": 1.5,
+        **extra,
+    }
+    profiles.save(profile)
+    return profile
+
+
+def test_saved_profile_is_found_and_gives_the_tree_shape(model_files):
+    target, draft = model_files
+    saved = _store(target, draft, SPECEXEC)
+
+    assert profiles.load(target, draft) == saved
+    assert profiles.choice_for(target, draft) == SPECEXEC
+    assert profiles.shape_for(target, draft) == TreeShape(budget=24, depth=8, width=4, top_k=4)
+    assert profiles.profile_path(saved["key"]).parent == paths.profiles_dir()
+
+
+def test_no_profile_means_none_and_no_warning(model_files, caplog):
+    target, draft = model_files
+    with caplog.at_level(logging.WARNING):
+        assert profiles.shape_for(target, draft) is None
+        assert profiles.choice_for(target, draft) is None
+    assert not caplog.records
+
+
+def test_plain_choice_gives_no_shape_but_a_plain_choice(model_files):
+    target, draft = model_files
+    _store(target, draft, PLAIN)
+
+    assert profiles.shape_for(target, draft) is None
+    assert profiles.choice_for(target, draft).kind == "plain"
+
+
+def test_sequoia_choice_keeps_its_tree(model_files):
+    target, draft = model_files
+    _, tree = sequoia_tree([0.7, 0.15, 0.05], 12, 4)
+    choice = Choice("sequoia", tree.size - 1, tree.depth, max(tree.expanding_widths()), tree.max_rank, 30.0, 1.4, tree)
+    _store(target, draft, choice)
+
+    loaded = profiles.choice_for(target, draft)
+    assert loaded.tree == tree
+    shape = profiles.shape_for(target, draft)
+    assert (shape.budget, shape.depth) == (tree.size - 1, tree.depth)
+
+
+def test_touched_model_file_invalidates_the_profile(model_files):
+    target, draft = model_files
+    _store(target, draft, SPECEXEC)
+    st = target.stat()
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+    assert profiles.choice_for(target, draft) is None
+
+
+def test_replaced_draft_file_invalidates_the_profile(model_files, tmp_path):
+    target, draft = model_files
+    _store(target, draft, SPECEXEC)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"x" * 200)  # another model put in its place
+    shutil.copyfile(other, draft)
+
+    assert profiles.choice_for(target, draft) is None
+
+
+def test_other_llama_cpp_build_invalidates_the_profile(model_files, monkeypatch):
+    target, draft = model_files
+    _store(target, draft, SPECEXEC)
+    monkeypatch.setattr(engine, "llama_version_info", lambda: "llama-cpp-python 9.9.9")
+
+    assert profiles.choice_for(target, draft) is None
+
+
+def test_other_hardware_or_thread_count_invalidates_the_profile(model_files, monkeypatch):
+    target, draft = model_files
+    _store(target, draft, SPECEXEC)
+
+    assert profiles.choice_for(target, draft, threads=engine.default_threads() + 1) is None
+    monkeypatch.setattr(profiles, "hardware_fingerprint", lambda: "another-machine")
+    assert profiles.choice_for(target, draft) is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{ not json",
+        "",
+        "[1, 2, 3]",
+        '{"key": null}',
+        "\x00\x01garbage",
+    ],
+)
+def test_corrupt_profile_is_ignored_with_a_warning(model_files, caplog, content):
+    target, draft = model_files
+    path = profiles.profile_path(profiles.profile_key(target, draft))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content, encoding="utf-8", errors="surrogateescape")
+
+    with caplog.at_level(logging.WARNING, logger="specrun.profiles"):
+        assert profiles.shape_for(target, draft) is None
+    assert any("ignoring tuning profile" in r.getMessage() for r in caplog.records)
+
+
+def test_profile_with_a_broken_config_is_ignored_with_a_warning(model_files, caplog):
+    target, draft = model_files
+    saved = _store(target, draft, SPECEXEC)
+    saved["config"] = {"kind": "magic", "budget": 3}
+    profiles.profile_path(saved["key"]).write_text(json.dumps(saved), encoding="utf-8")
+
+    with caplog.at_level(logging.WARNING, logger="specrun.profiles"):
+        assert profiles.choice_for(target, draft) is None
+    assert any("ignoring tuning profile" in r.getMessage() for r in caplog.records)
+
+
+def test_missing_model_file_is_a_warning_not_a_crash(model_files, caplog):
+    target, draft = model_files
+    _store(target, draft, SPECEXEC)
+    draft.unlink()
+
+    with caplog.at_level(logging.WARNING, logger="specrun.profiles"):
+        assert profiles.choice_for(target, draft) is None
+
+
+def test_save_replaces_the_file_atomically(model_files):
+    target, draft = model_files
+    _store(target, draft, SPECEXEC)
+    _store(target, draft, PLAIN)
+
+    assert profiles.choice_for(target, draft).kind == "plain"
+    leftovers = [p.name for p in paths.profiles_dir().iterdir() if p.name.startswith(".profile-")]
+    assert leftovers == []
