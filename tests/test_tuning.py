@@ -1,0 +1,191 @@
+"""`specrun tune` end to end, the Sequoia static-tree grower, and the tune report.
+
+The end-to-end tests run the demo pair (SmolLM2 F32 target + Q4_1 draft) on one thread with tiny
+settings; the real `--quick` run is marked slow (about 3 minutes on a quiet 2-core machine;
+deselect with -m "not slow").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from specrun import engine, profiles, tuning
+from specrun.errors import SpecrunError, UsageError
+from specrun.generate import PlainDecoder, token_ids
+from specrun.runner import RunOptions
+from specrun.sampling import SamplingParams
+from specrun.sequoia_draft import StaticTreeGrower, template_shape, truncate_template
+from specrun.speculative import SpeculativeDecoder
+from specrun.tuner import TreeTemplate, sequoia_tree
+
+PROMPT = "<|im_start|>user\nWrite a haiku about autumn leaves.<|im_end|>\n<|im_start|>assistant\n"
+TINY = tuning.TuneSettings(
+    max_budget=8, depth=4, width=2, top_k=2, curve_repeats=1, curve_seconds=10,
+    calibration_prompts=1, calibration_tokens=16, calibration_seconds=30,
+    check_prompts=1, check_tokens=16, check_seconds=30,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Sequoia grower
+
+
+def test_truncated_template_is_a_breadth_first_prefix_within_the_depth():
+    _, tree = sequoia_tree([0.6, 0.2, 0.1], 20, 5)
+
+    cut = truncate_template(tree, budget=6, depth=2)
+
+    assert cut.size == 7 and cut.depth <= 2
+    for i in range(1, cut.size):
+        assert cut.parents[i] < i
+    # node i of the cut is the i-th node of depth <= 2 in the original
+    kept = [i for i in range(tree.size) if tree.depths[i] <= 2][:7]
+    assert list(cut.ranks) == [tree.ranks[i] for i in kept]
+
+
+def test_template_shape_describes_the_tree():
+    tree = TreeTemplate((-1, 0, 0, 1, 1, 2), (0, 1, 2, 1, 2, 1))
+
+    shape = template_shape(tree)
+
+    assert (shape.budget, shape.depth, shape.width, shape.top_k) == (5, 2, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def contexts(offline_models, load_model):
+    target = load_model(offline_models.smollm2_f32)
+    tctx = engine.Context(target, n_ctx=1024, n_batch=64, n_seq_max=engine.MAX_SEQ, threads=1)
+    yield target, tctx
+    tctx.close()
+
+
+@pytest.mark.parametrize("draft_name", ["smollm2_q4", "smollm2_random"])
+def test_static_tree_output_is_exactly_plain_greedy(contexts, offline_models, load_model, draft_name):
+    target, tctx = contexts
+    draft = load_model(getattr(offline_models, draft_name))
+    _, tree = sequoia_tree([0.75, 0.12, 0.05], 14, 5)
+    prompt = target.tokenize(PROMPT)
+    with engine.Context(draft, n_ctx=1024, n_batch=64, n_seq_max=engine.MAX_SEQ, threads=1) as dctx:
+        tctx.clear()
+        plain = token_ids(PlainDecoder(target, tctx), prompt, SamplingParams(), 40)
+        tctx.clear()
+        grower = StaticTreeGrower(draft, dctx, tree)
+        spec = SpeculativeDecoder(target, tctx, draft, dctx, template_shape(tree), grower=grower)
+        out = token_ids(spec, prompt, SamplingParams(), 40)
+        steps = spec.stats.steps
+
+    assert out == plain
+    full = [s for s in steps if s.tree_nodes == tree.size - 1]
+    assert full, "no step grew the whole template"
+    # one catch-up pass, then one pass per level that has inner nodes
+    assert all(s.draft_passes == 1 + len(tree.expanding_widths()) - 1 for s in full)
+    if draft_name == "smollm2_q4":
+        assert spec.stats.accepted_per_pass > 2.0
+
+
+# --------------------------------------------------------------------------------------------
+# End to end
+
+
+def _demo_opts() -> RunOptions:
+    return RunOptions(threads=1, ctx_size=1024, quiet=True)
+
+
+def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
+    profile = tuning.tune(_demo_opts(), TINY)
+
+    assert profile["config"]["kind"] in ("plain", "specexec", "sequoia")
+    assert profile["predicted_speedup"] > 0 and profile["measured_speedup"] > 0
+    assert profile["check"]["identical_output"] is True
+    assert profile["check"]["tokens"] > 0
+    assert profile["calibration"]["n_steps"] > 0
+    assert profile["curves"]["target"]["sizes"][0] == 1
+    # chat/generate/bench look it up by the model files (and thread count)
+    choice = profiles.choice_for(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=1)
+    assert choice is not None and choice.to_dict() == profile["config"]
+
+    capsys.readouterr()
+    tuning.run_tune(_demo_opts(), quick=False, show=True, as_json=True, plot=None)
+    shown = json.loads(capsys.readouterr().out)
+    assert {"config", "predicted_speedup", "measured_speedup"} <= set(shown)
+    assert shown["config"] == profile["config"]
+
+    tuning.run_tune(_demo_opts(), quick=False, show=True, as_json=False, plot=None)
+    report = capsys.readouterr().err
+    assert "speedup" in report or "plain decoding" in report
+    assert "tau(B)" in report
+
+
+def test_show_without_a_profile_says_to_tune(offline_models):
+    with pytest.raises(SpecrunError, match="specrun tune"):
+        tuning.run_tune(_demo_opts(), quick=False, show=True, as_json=False, plot=None)
+
+
+def test_tune_without_a_draft_is_a_usage_error(offline_models):
+    opts = RunOptions(threads=1, ctx_size=1024, quiet=True, no_spec=True)
+    with pytest.raises(UsageError, match="draft"):
+        tuning.tune(opts, TINY)
+
+
+def test_plot_without_matplotlib_is_a_clear_error_before_any_work(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(UsageError, match=r"specrun\[plot\]"):
+        tuning.run_tune(_demo_opts(), quick=True, show=False, as_json=False, plot=tmp_path / "p.png")
+
+
+def _synthetic_profile(kind: str = "specexec") -> dict:
+    config = {"kind": kind, "budget": 24 if kind != "plain" else 0, "depth": 8 if kind != "plain" else 0,
+              "width": 4 if kind != "plain" else 0, "top_k": 4 if kind != "plain" else 0,
+              "predicted_tokens_per_s": 60.0, "predicted_speedup": 1.5 if kind != "plain" else 1.0}
+    return {
+        "models": {"target": "t", "draft": "d"},
+        "threads": 2,
+        "config": config,
+        "predicted_speedup": config["predicted_speedup"],
+        "measured_speedup": 1.4 if kind != "plain" else 1.0,
+        "best_tree": {**config, "kind": "specexec", "budget": 4, "depth": 4, "width": 1, "top_k": 1, "predicted_speedup": 0.9},
+        "check": {"plain_tokens_per_s": 40.0, "tree_tokens_per_s": 56.0, "tree_measured_speedup": 0.85,
+                  "accepted_per_pass": 3.2, "identical_output": True},
+        "curves": {"target": {"sizes": [1, 2, 4, 8], "seconds": [0.026, 0.028, 0.031, 0.041]},
+                   "draft": {"sizes": [1, 2, 4], "seconds": [0.011, 0.012, 0.013]}},
+        "acceptance": {"tau": {str(b): 1 + min(b, 6) * 0.8 for b in range(1, 25)}},
+    }
+
+
+def test_report_shows_choice_prediction_and_charts():
+    lines = tuning.report_lines(_synthetic_profile())
+    text = "\n".join(lines)
+
+    assert "SpecExec tree, budget 24, depth 8" in text
+    assert "predicted x1.50, measured x1.40" in text
+    assert "█" in text and "ms" in text
+    assert any(line.strip().startswith("24 ") for line in lines)  # the largest budget is charted
+
+    plain = "\n".join(tuning.report_lines(_synthetic_profile("plain")))
+    assert "plain decoding" in plain and "measured x0.85" in plain
+
+
+def test_plot_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "tune.png"
+
+    tuning.write_plot(_synthetic_profile(), path)
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_quick_tune_of_the_demo_pair(offline_models, capsys):
+    """`specrun tune --quick --json` on the demo pair at the default thread count (~3 min)."""
+    t0 = time.monotonic()
+    tuning.run_tune(RunOptions(quiet=True), quick=True, show=False, as_json=True, plot=None)
+    elapsed = time.monotonic() - t0
+    profile = json.loads(capsys.readouterr().out)
+
+    assert {"config", "predicted_speedup", "measured_speedup"} <= set(profile)
+    assert profile["check"]["identical_output"] is True
+    assert elapsed < 600, f"--quick took {elapsed:.0f} s"
