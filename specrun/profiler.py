@@ -175,8 +175,16 @@ class CurveMeasurement:
     topk: dict[int, float]
 
     def curve(self) -> tuner.CostCurve:
-        """Return the cost of a pass as the decoders pay it: decode plus top-k."""
-        return tuner.CostCurve.from_points({n: s + self.topk.get(n, 0.0) for n, s in self.decode.items()})
+        """Return the cost of a pass as the decoders pay it (decode plus top-k), never decreasing.
+
+        A pass over more tokens never costs less; a smaller size measured slower than a bigger one
+        was slowed by other work, so it takes the bigger size's time (a lower envelope).
+        """
+        sizes = sorted(self.decode)
+        seconds = [self.decode[n] + self.topk.get(n, 0.0) for n in sizes]
+        for i in range(len(seconds) - 2, -1, -1):
+            seconds[i] = min(seconds[i], seconds[i + 1])
+        return tuner.CostCurve(tuple(sizes), tuple(seconds))
 
     def topk_curve(self) -> tuner.CostCurve | None:
         return tuner.CostCurve.from_points(self.topk) if self.topk else None
@@ -194,7 +202,6 @@ def measure_curve(
     sizes: Sequence[int],
     *,
     repeats: int = 3,
-    warmup: int = 1,
     deadline: float | None = None,
     stop_ratio: float | None = None,
     top_k: int = 0,
@@ -203,10 +210,12 @@ def measure_curve(
     """Return median seconds to decode n tokens after `context_tokens`, for each n in `sizes`.
 
     The batch asks logits for every token, as a tree pass does, and is removed from the cache
-    after each pass, so every repeat sees the same context. Sizes are tried in increasing order;
-    measuring stops at the `deadline` (time.monotonic()), keeping at least one pass per size
-    started, or after a size costs more than `stop_ratio` times the smallest (no tree that big
-    can pay). The smallest size is always measured.
+    after each pass, so every repeat sees the same context. First one warm-up pass per size, in
+    increasing order, which also picks the sizes: it stops at the `deadline` (time.monotonic())
+    or after a size costs more than `stop_ratio` times the smallest (no tree that big can pay).
+    Then `repeats` rounds over those sizes, round-robin, so a burst of load elsewhere slows every
+    size a little instead of one size a lot; a size the deadline left without a timed pass keeps
+    its warm-up time.
     """
     from specrun.engine import Batch
     from specrun.sampling import log_softmax_topk
@@ -224,41 +233,44 @@ def measure_curve(
         ctx.decode(batch)
     p0 = len(context)
     filler = (context * (sizes[-1] // max(len(context), 1) + 1))[: sizes[-1]] or [0] * sizes[-1]
-    decode_s: dict[int, float] = {}
-    topk_s: dict[int, float] = {}
+
+    def one_pass(n: int) -> tuple[float, float]:
+        batch.set_sequence(filler[:n], p0, 0, "all")
+        t0 = time.perf_counter()
+        ctx.decode(batch)
+        t1 = time.perf_counter()
+        if top_k:
+            log_softmax_topk(ctx.logits(), top_k)
+        t2 = time.perf_counter()
+        ctx.seq_rm(0, p0, -1)
+        return t1 - t0, t2 - t1
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
+    warm: dict[int, tuple[float, float]] = {}
+    timed: dict[int, list[tuple[float, float]]] = {}
     try:
+        one_pass(sizes[0])  # the first pass of a context allocates its buffers
         for n in sizes:
-            decode_times, topk_times = [], []
-            for rep in range(warmup + repeats):
-                batch.set_sequence(filler[:n], p0, 0, "all")
-                t0 = time.perf_counter()
-                ctx.decode(batch)
-                t1 = time.perf_counter()
-                if top_k:
-                    log_softmax_topk(ctx.logits(), top_k)
-                t2 = time.perf_counter()
-                ctx.seq_rm(0, p0, -1)
-                if rep >= warmup:
-                    decode_times.append(t1 - t0)
-                    topk_times.append(t2 - t1)
-                out_of_time = deadline is not None and time.monotonic() > deadline
-                if out_of_time:
-                    # A warm-up pass is a noisy sample, but better than none.
-                    decode_times = decode_times or [t1 - t0]
-                    topk_times = topk_times or [t2 - t1]
-                    break
-            decode_s[n] = statistics.median(decode_times)
-            if top_k:
-                topk_s[n] = statistics.median(topk_times)
+            warm[n] = one_pass(n)
+            timed[n] = []
             if on_size is not None:
-                on_size(n, decode_s[n])
-            if deadline is not None and time.monotonic() > deadline:
+                on_size(n, warm[n][0])
+            if out_of_time() or (stop_ratio is not None and warm[n][0] > stop_ratio * warm[sizes[0]][0]):
                 break
-            if stop_ratio is not None and decode_s[n] > stop_ratio * decode_s[sizes[0]]:
+        for _ in range(repeats):
+            if out_of_time():
                 break
+            for n in timed:
+                timed[n].append(one_pass(n))
     finally:
         ctx.clear()
-    return CurveMeasurement(decode_s, topk_s)
+    samples = {n: timed[n] or [warm[n]] for n in timed}
+    return CurveMeasurement(
+        {n: statistics.median(d for d, _ in s) for n, s in samples.items()},
+        {n: statistics.median(k for _, k in s) for n, s in samples.items()} if top_k else {},
+    )
 
 
 @dataclass(frozen=True)

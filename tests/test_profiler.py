@@ -102,6 +102,15 @@ def test_cost_curve_stops_at_the_deadline_after_the_first_size(pair):
     assert list(measured.decode) == [1]
 
 
+def test_cost_curve_never_decreases_with_more_tokens():
+    # n = 1 was slowed by other work: it cannot cost more than a pass over 2 tokens
+    measured = profiler.CurveMeasurement({1: 0.050, 2: 0.030, 4: 0.040, 8: 0.035}, {1: 0.001, 2: 0.001, 4: 0.001, 8: 0.001})
+
+    curve = measured.curve()
+
+    assert curve.seconds == pytest.approx((0.031, 0.031, 0.036, 0.036))
+
+
 def test_curve_sizes_cover_the_largest_tree():
     assert profiler.curve_sizes(1) == [1]
     assert profiler.curve_sizes(65) == [1, 2, 4, 8, 16, 32, 64, 128]
