@@ -57,6 +57,9 @@ FULL = TuneSettings(
 # Trees of this many tokens (root included) at most for Sequoia: its inner nodes must fit the
 # draft's sequence ids (sequoia_draft.MAX_INNER_NODES).
 MAX_SEQUOIA_TOKENS = 256
+# Plain decoding measured this much faster or slower in the check than in the cost curves means
+# the machine's speed drifted during tuning; the report says so.
+DRIFT_WARNING = 0.25
 # Budgets listed in charts.
 CHART_BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -358,10 +361,13 @@ def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree,
         "best_tree": best_tree.to_dict(),
         "check": {
             "plain_tokens_per_s": round(check.plain_tokens_per_s, 3),
+            "plain_predicted_tokens_per_s": round(_plain_rate(measured), 3),
             "tree_tokens_per_s": round(check.tree_tokens_per_s, 3),
+            "tree_predicted_tokens_per_s": round(best_tree.predicted_tokens_per_s, 3),
             "tree_predicted_speedup": round(best_tree.predicted_speedup, 4),
             "tree_measured_speedup": round(check.tree_speedup, 4),
             "accepted_per_pass": round(check.accepted_per_pass, 3),
+            "predicted_accepted_per_pass": round(_predicted_accepted(measured, best_tree), 3),
             "identical_output": check.identical_output,
             "prompts": check.n_prompts,
             "tokens": check.n_tokens,
@@ -381,6 +387,19 @@ def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree,
         },
         "calibration": cal.to_dict(),
     }
+
+
+def _plain_rate(measured: Measured) -> float:
+    return 1.0 / (measured.target_curve.t(1) + measured.plain.overhead_s)
+
+
+def _predicted_accepted(measured: Measured, choice: tuner.Choice) -> float:
+    """Return the tokens per target pass the tuner expects from a choice."""
+    if choice.kind == "sequoia" and choice.tree is not None:
+        return tuner.expected_accepted(choice.tree, measured.calibration.accept_probs())
+    if choice.kind == "specexec":
+        return measured.calibration.tau([choice.budget], choice.depth)[choice.budget]
+    return 1.0
 
 
 def profile_summary(profile: dict) -> dict:
@@ -416,8 +435,21 @@ def report_lines(profile: dict) -> list[str]:
             f"({check.get('tree_tokens_per_s', 0):.1f} vs {check.get('plain_tokens_per_s', 0):.1f} tok/s, "
             f"{check.get('accepted_per_pass', 0):.2f} tokens per pass)"
         )
+        if check.get("predicted_accepted_per_pass"):
+            lines.append(
+                f"  tokens per pass: predicted {check['predicted_accepted_per_pass']:.2f}, "
+                f"measured {check['accepted_per_pass']:.2f}"
+            )
         if not check.get("identical_output", True):
             lines.append("  warning: the tree's output differed from plain decoding on a held-out prompt")
+    plain_predicted = check.get("plain_predicted_tokens_per_s")
+    plain_measured = check.get("plain_tokens_per_s")
+    if plain_predicted and plain_measured and abs(plain_measured / plain_predicted - 1) > DRIFT_WARNING:
+        lines.append(
+            f"  note: plain decoding ran at {plain_measured:.1f} tok/s in the check but "
+            f"{plain_predicted:.1f} tok/s when measured: the machine's speed changed while tuning "
+            "(other work running?), so predictions are rough"
+        )
     curves = profile["curves"]
     lines.append("target pass time by tokens in the batch:")
     lines += _bars({f"{n:>5}": s * 1000 for n, s in zip(curves["target"]["sizes"], curves["target"]["seconds"])}, "ms")
