@@ -6,7 +6,9 @@ starts instantly.
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import sys
 import traceback
 from contextlib import contextmanager
@@ -18,13 +20,29 @@ import typer
 from specrun import __version__
 from specrun.errors import SpecrunError, UsageError
 
+
+
+def _examples(*lines: str, note: tuple[str, ...] = ()) -> str:
+    """Return an epilog of example command lines, kept as written (click rewraps other paragraphs)."""
+    text = "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
+    if note:
+        text += "\n\n\b\n" + "\n".join(note)
+    return text
+
+
 app = typer.Typer(
     name="specrun",
     help="Fast local LLM decoding with speculative draft trees on llama.cpp.\n\n"
-    "Examples:\n\n"
-    "  specrun generate \"Write a haiku about the sea.\"\n\n"
-    "  specrun chat --target qwen-14b --draft qwen-0.5b\n\n"
-    "  specrun tune --target qwen-14b",
+    "A small draft model proposes a tree of continuations and the target model checks the whole "
+    "tree in one pass; the output is exactly what the target alone would write. With no --target, "
+    "an offline demo pair (SmolLM2-135M) is used.",
+    epilog=_examples(
+        'specrun generate "Write a haiku about the sea."',
+        "specrun chat --target qwen2.5-14b --draft qwen2.5-0.5b",
+        "specrun pull qwen2.5-14b",
+        "specrun tune --target qwen2.5-14b",
+        "specrun models",
+    ),
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,
@@ -34,13 +52,21 @@ app = typer.Typer(
 # ---- options shared by chat, generate, bench and tune (declared once) ----
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias, .gguf path or hf:owner/repo/file.gguf (default: the offline demo pair).")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (default: the target family's recommended draft).")]
-GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", help="Target layers to put on the GPU (default: planned from free memory).")]
+GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", min=0, help="Target layers to put on the GPU (default: as many as fit).")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=64, help="Context size in tokens.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
 BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2048, help="Draft tree size in nodes (default: tuned profile).")]
 DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help="Maximum draft tree depth.")]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no draft model.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
+
+# ---- sampling options shared by chat and generate ----
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="Sampling temperature; 0 = greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k likeliest tokens (0 = off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below min-p x the best probability.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Random seed for sampling (default: a fresh one each run).")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (chat mode).")]
 
 _verbose = False
 
@@ -88,32 +114,41 @@ def _read_prompt(prompt: str | None, file: Path | None) -> str:
             return file.read_text(encoding="utf-8")
         except OSError as e:
             raise UsageError(f"cannot read prompt file {file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"prompt file {file} is not UTF-8 text") from None
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
     if prompt is not None:
         return prompt
-    if not sys.stdin.isatty():
-        return sys.stdin.read()
     raise UsageError("no prompt: pass it as an argument, with --file, or on stdin")
 
 
 @app.command(
-    epilog="Examples:\n\n"
-    "  specrun generate \"Explain KV caches in two sentences.\"\n\n"
-    "  cat prompt.txt | specrun generate --max-tokens 200 --stats\n\n"
-    "  specrun generate --raw --no-spec \"def fib(n):\"\n\n"
-    "  cat requests.jsonl | specrun generate --jsonl"
+    epilog=_examples(
+        'specrun generate "Explain KV caches in two sentences."',
+        "cat prompt.txt | specrun generate --max-tokens 200 --stats",
+        'specrun generate --raw --no-spec "def fib(n):"',
+        'specrun generate --json --stop "." "Name one colour."',
+        "cat requests.jsonl | specrun generate --jsonl > results.jsonl",
+        note=(
+            "Each --jsonl line: {\"prompt\": ..., \"max_tokens\"?, \"temperature\"?, \"top_k\"?, \"top_p\"?,",
+            "\"min_p\"?, \"seed\"?, \"stop\"?, \"chat\"?, \"system\"?, \"id\"?}; each result: text, token_ids,",
+            "n_tokens, tokens_per_s, accepted_per_pass, finish_reason (or error and line).",
+        ),
+    )
 )
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(help="The prompt (default: read stdin).")] = None,
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt; - or nothing reads stdin.", show_default=False)] = None,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt (or JSONL requests) from a file.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Maximum tokens to generate.")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="0 = greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the k likeliest tokens (0 = off).")] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")] = 1.0,
-    min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below min-p x the best probability.")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", min=0, help="Random seed for sampling.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
-    chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template.")] = True,
-    system: Annotated[Optional[str], typer.Option("--system", help="System prompt (chat mode).")] = None,
+    temperature: TemperatureOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears; it is not printed (repeatable).")] = None,
+    chat: Annotated[Optional[bool], typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template, or not  [default: chat for models with a template].", show_default=False)] = None,
+    system: SystemOpt = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print a summary on stderr.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and stats.")] = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="Read JSON requests line by line; write one JSON result per line.")] = False,
@@ -132,13 +167,15 @@ def generate(
     with _user_errors():
         from specrun import commands
 
+        if jsonl and as_json:
+            raise UsageError("--json and --jsonl do not go together (--jsonl already writes JSON)")
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
         request = commands.Request(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seed=seed, stop=tuple(stop or ()), chat=chat, system=system,
         )
         if jsonl:
-            if prompt is not None:
+            if prompt is not None and prompt != "-":
                 raise UsageError("--jsonl reads requests from stdin or --file, not from an argument")
             commands.generate_jsonl(opts, request, file)
             return
@@ -147,14 +184,58 @@ def generate(
 
 
 # ---------------------------------------------------------------------------------------------
+# chat
+
+
+@app.command(
+    epilog=_examples(
+        "specrun chat",
+        'specrun chat --target qwen2.5-14b --system "You are a terse assistant."',
+        "specrun chat --target gemma3-4b --temperature 0.7 --max-tokens 512",
+        note=(
+            "In the chat: /help, /reset, /stats, /save FILE, /exit. Ctrl-C stops an answer;",
+            "Ctrl-D (or Ctrl-C twice at the prompt) leaves.",
+        ),
+    )
+)
+def chat(
+    system: SystemOpt = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", "-n", min=1, help="Longest answer in tokens (default: until the model ends its turn or the context is full).")] = None,
+    temperature: TemperatureOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    ctx_size: CtxOpt = 4096,
+    threads: ThreadsOpt = None,
+    budget: BudgetOpt = None,
+    depth: DepthOpt = None,
+    no_spec: NoSpecOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Chat with a model in the terminal, using its own chat template; answers stream as they are made."""
+    _setup_logging(verbose)
+    with _user_errors():
+        from specrun import commands
+
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
+        request = commands.Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
+        commands.chat(opts, request, max_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
 # bench
 
 
 @app.command(
-    epilog="Examples:\n\n"
-    "  specrun bench\n\n"
-    "  specrun bench --budget 4 --budget 16 --budget 64 --json\n\n"
-    "  specrun bench --target qwen-14b --prompts my_prompts.txt"
+    epilog=_examples(
+        "specrun bench",
+        "specrun bench --budget 4 --budget 16 --budget 64 --json",
+        "specrun bench --target qwen2.5-14b --prompts my_prompts.txt",
+    )
 )
 def bench(
     budgets: Annotated[Optional[list[int]], typer.Option("--budget", "-b", min=1, max=2048, help="Tree budget to measure (repeatable).")] = None,
@@ -178,13 +259,104 @@ def bench(
         commands.bench(opts, budgets or [4, 16, 64], prompts, max_tokens, as_json)
 
 
+# ---------------------------------------------------------------------------------------------
+# tune
+
+
+@app.command(
+    epilog=_examples(
+        "specrun tune",
+        "specrun tune --target qwen2.5-14b --draft qwen2.5-0.5b",
+        "specrun tune --quick --json",
+        "specrun tune --show",
+        "specrun tune --plot curves.png",
+    )
+)
+def tune(
+    quick: Annotated[bool, typer.Option("--quick", help="Fewer measurements: a rougher profile in a fraction of the time.")] = False,
+    show: Annotated[bool, typer.Option("--show", help="Show the stored profile for this pair instead of measuring.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE", help="Save cost and acceptance curves as an image (needs matplotlib).")] = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    ctx_size: CtxOpt = 4096,
+    threads: ThreadsOpt = None,
+    budget: BudgetOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Profile this machine with a target/draft pair and store the fastest tree settings."""
+    _setup_logging(verbose)
+    with _user_errors():
+        try:
+            from specrun import tuning
+        except ModuleNotFoundError as e:
+            if e.name != "specrun.tuning":
+                raise
+            raise SpecrunError("`specrun tune` is not available in this build (the specrun.tuning module is missing)") from None
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False)
+        tuning.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
+
+
+# ---------------------------------------------------------------------------------------------
+# pull and models
+
+
+@app.command(
+    epilog=_examples(
+        "specrun pull qwen2.5-14b qwen2.5-0.5b",
+        "specrun pull hf:bartowski/Llama-3.2-1B-Instruct-GGUF/Llama-3.2-1B-Instruct-Q4_K_M.gguf",
+        "HF_TOKEN=hf_... specrun pull llama3.1-8b",
+    )
+)
+def pull(
+    models: Annotated[list[str], typer.Argument(help="Model aliases (see `specrun models`) or hf:owner/repo/file.gguf.", show_default=False)],
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Download (or build) models now; print each one's local path on stdout."""
+    _setup_logging(verbose)
+    with _user_errors():
+        from specrun import commands
+
+        commands.pull(models, quiet)
+
+
+@app.command(
+    name="models",
+    epilog=_examples(
+        "specrun models",
+        "specrun models --json | jq '.[] | select(.present) | .alias'",
+    ),
+)
+def models_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array instead of a table.")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """List the model aliases: family, size, quantization, whether present here, recommended draft."""
+    _setup_logging(verbose)
+    with _user_errors():
+        from specrun import commands
+
+        commands.list_models(as_json)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
 @contextmanager
 def _user_errors():
-    """Turn a SpecrunError into one line on stderr and its exit code (traceback only with --verbose)."""
+    """Turn errors into one line on stderr and an exit code (traceback only with --verbose).
+
+    SpecrunError: its own code (2 for usage errors, 1 otherwise). Anything else is a bug: 1.
+    """
     from specrun import ui
 
     try:
         yield
+    except (typer.Exit, typer.Abort, typer.BadParameter):
+        raise
     except SpecrunError as e:
         if _verbose:
             traceback.print_exc()
@@ -194,9 +366,24 @@ def _user_errors():
         ui.dim("interrupted")
         raise typer.Exit(130) from None
     except BrokenPipeError:
-        # The reader went away (e.g. `| head`): stop quietly.
-        sys.stderr.close()
+        _silence_stdout()
         raise typer.Exit(0) from None
+    except Exception as e:
+        if _verbose:
+            traceback.print_exc()
+            ui.error(f"unexpected {type(e).__name__}: {e}")
+        else:
+            ui.error(f"unexpected {type(e).__name__}: {e} (a bug in specrun; --verbose shows the traceback)")
+        raise typer.Exit(1) from None
+
+
+def _silence_stdout() -> None:
+    """The reader went away (`| head`): point stdout at /dev/null so the final flush cannot fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ class Request:
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    chat: bool = True
+    chat: bool | None = None  # None: chat mode when the model has a chat template
     system: str | None = None
 
     def sampling(self):
@@ -64,14 +64,25 @@ def run_request(rt: Runtime, request: Request, text: str, on_text=None):
 def generate_one(opts: RunOptions, request: Request, text: str, show_stats: bool = False, as_json: bool = False) -> None:
     """Generate for one prompt: stream text to stdout, or print one JSON object."""
     request.sampling()  # validate before loading anything
+    if not text.strip():
+        raise UsageError("the prompt is empty")
     with Runtime(opts) as rt:
         _announce(rt)
         if as_json:
             result = run_request(rt, request, text)
-            print(json.dumps(_result_json(result, rt), ensure_ascii=False))
+            print(json.dumps(_result_json(result, rt), ensure_ascii=False), flush=True)
         else:
-            result = run_request(rt, request, text, on_text=ui.write_text)
-            ui.end_text(result.text)
+            last = ""
+
+            def show(piece: str) -> None:
+                nonlocal last
+                ui.write_text(piece)
+                last = piece or last
+
+            try:
+                result = run_request(rt, request, text, on_text=show)
+            finally:
+                ui.end_text(last)  # also after Ctrl-C: the shell prompt starts on its own line
         if show_stats:
             ui.dim(ui.stats_line(result.stats.as_dict()))
 
@@ -120,6 +131,15 @@ def _parse_request_line(line: str, base: Request) -> tuple[Request, str, object]
     return request, prompt, obj.get("id")
 
 
+def _line_id(line: str):
+    """Return the "id" of a request line that failed, if it has one, so results can be matched."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return obj.get("id") if isinstance(obj, dict) else None
+
+
 def generate_jsonl(opts: RunOptions, base: Request, file: Path | None) -> None:
     """Answer one JSON request per input line with one JSON result per output line."""
     stream: IO[str] = file.open(encoding="utf-8") if file else sys.stdin
@@ -128,15 +148,209 @@ def generate_jsonl(opts: RunOptions, base: Request, file: Path | None) -> None:
         for line_no, line in enumerate(stream, start=1):
             if not line.strip():
                 continue
+            req_id = None
             try:
                 request, prompt, req_id = _parse_request_line(line, base)
                 out = _result_json(run_request(rt, request, prompt), rt)
             except SpecrunError as e:
                 out = {"error": str(e), "line": line_no}
-                req_id = None
+                req_id = _line_id(line)
+                # A failure inside a decoder step may leave half a step in the caches.
+                rt.reset_cache()
             if req_id is not None:
                 out["id"] = req_id
             print(json.dumps(out, ensure_ascii=False), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+
+CHAT_HELP = """\
+/help          this list
+/reset         start a new conversation (the --system prompt stays)
+/stats         numbers for the last answer and the whole session
+/save [FILE]   write the conversation: FILE.json as JSON, anything else as Markdown
+/exit          leave (also /quit, /bye, Ctrl-D, or Ctrl-C twice at the prompt)
+Ctrl-C while an answer streams stops it and returns to the prompt.
+A message that starts with \"\"\" may span lines; end it with \"\"\". Start with // to send a text that begins with /."""
+
+
+def chat(opts: RunOptions, request: Request, max_tokens: int | None) -> None:
+    """Run an interactive chat with the target on the terminal (or over piped lines)."""
+    from specrun import paths
+    from specrun.chat import ChatSession
+
+    params = request.sampling()  # validate before loading anything
+    with Runtime(opts) as rt:
+        _announce(rt)
+        session = ChatSession(rt, system=request.system)
+        if rt.speculative:
+            how = f"with draft {rt.models.draft_name} (tree budget {rt.shape.budget})"
+        else:
+            how = "without a draft (plain decoding)"
+        ui.dim(f"specrun chat: {rt.models.target_name} {how}, {session.n_ctx}-token context")
+        reader = ui.LineReader(paths.config_dir() / "chat_history")
+        if reader.interactive:
+            ui.dim("/help for commands, Ctrl-D to leave")
+        try:
+            _chat_loop(session, reader, params, max_tokens)
+        finally:
+            reader.close()
+
+
+def _chat_loop(session, reader, params, max_tokens: int | None) -> None:
+    interrupted = False  # Ctrl-C at the prompt once: a second one in a row leaves
+    while True:
+        try:
+            line = reader.read()
+        except KeyboardInterrupt:
+            if interrupted:
+                ui.write_text("\n")
+                return
+            interrupted = True
+            ui.write_text("\n")
+            ui.dim("(Ctrl-C again or Ctrl-D to leave; /help for commands)")
+            continue
+        interrupted = False
+        if line is None:
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/") and not text.startswith("//"):
+            if not _chat_command(session, text):
+                return
+            continue
+        _answer(session, text[1:] if text.startswith("//") else text, params, max_tokens)
+
+
+def _chat_command(session, text: str) -> bool:
+    """Run one /command; return False when the chat should end."""
+    name, _, arg = text.partition(" ")
+    name, arg = name.lower(), arg.strip()
+    if name in ("/exit", "/quit", "/bye"):
+        return False
+    if name in ("/help", "/?"):
+        ui.info(CHAT_HELP)
+    elif name == "/reset":
+        session.reset()
+        ui.dim("new conversation" + (" (system prompt kept)" if session.system else ""))
+    elif name == "/stats":
+        ui.info(_session_stats(session))
+    elif name == "/save":
+        path = Path(arg) if arg else Path(session.started.strftime("specrun-chat-%Y%m%d-%H%M%S.md"))
+        try:
+            kind = session.save(path)
+        except SpecrunError as e:
+            ui.error(str(e))
+        else:
+            ui.dim(f"saved {len(session.messages)} messages to {path} ({kind})")
+    else:
+        ui.error(f"unknown command {name}; /help lists the commands (start with // to send text beginning with /)")
+    return True
+
+
+class _StopOnInterrupt:
+    """While an answer streams, the first Ctrl-C asks to stop after the current decoder step
+    (the KV cache stays consistent); a second one interrupts at once."""
+
+    def __enter__(self) -> "_StopOnInterrupt":
+        import signal
+        import threading
+
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _answer(session, text: str, params, max_tokens: int | None) -> None:
+    """Stream one answer to stdout, then the dim status line (or say why there is no answer)."""
+    from specrun.errors import ContextFullError
+
+    last = ""
+    try:
+        with _StopOnInterrupt() as stop:
+            answer = session.ask(text, params, max_tokens)
+            try:
+                for piece in answer:
+                    ui.write_text(piece)
+                    last = piece
+                    if stop.requested:
+                        break
+            finally:
+                answer.close()
+    except KeyboardInterrupt:
+        ui.end_text(last)
+        ui.dim("stopped")
+        return
+    except ContextFullError as e:
+        ui.end_text(last)
+        ui.warn(str(e))
+        return
+    except SpecrunError as e:
+        ui.end_text(last)
+        ui.error(str(e))
+        return
+    ui.end_text(last)
+    turn = session.last
+    line = ui.stats_line(
+        {"n_tokens": turn.n_tokens, "tokens_per_s": turn.tokens_per_s,
+         "n_passes": turn.n_passes, "accepted_per_pass": turn.accepted_per_pass}, prefill=False
+    )
+    if turn.finish_reason == "stopped":
+        line += " · stopped"
+    elif turn.finish_reason == "length":
+        line += " · reached --max-tokens"
+    ui.dim(line)
+    if turn.finish_reason == "context":
+        ui.warn(f"the context is full ({session.n_used} of {session.n_ctx} tokens): "
+                "/reset starts a new conversation (or restart with a larger --ctx-size)")
+
+
+def _session_stats(session) -> str:
+    """Return the text of /stats: the last answer, its prompt's KV reuse, the session, the context."""
+    rt = session.rt
+    lines = []
+    turn = session.last
+    if turn is None:
+        lines.append("no answers yet")
+    else:
+        lines.append(
+            f"last answer: {turn.n_tokens} tokens in {turn.decode_s:.2f}s · {turn.tokens_per_s:.1f} tok/s · "
+            f"{turn.accepted_per_pass:.2f} accepted/pass · {turn.n_passes} target passes · ended: {turn.finish_reason}"
+        )
+        lines.append(
+            f"last prompt: {turn.n_prompt} tokens · {turn.n_reused} reused from the KV cache · "
+            f"{turn.n_prefilled} prefilled in {turn.prefill_s:.2f}s"
+        )
+    t = session.totals
+    tps = t.n_tokens / t.decode_s if t.decode_s > 0 else 0.0
+    per_pass = t.n_tokens / t.n_passes if t.n_passes else 0.0
+    lines.append(
+        f"session: {t.turns} answers · {t.n_tokens} tokens · {tps:.1f} tok/s · {per_pass:.2f} accepted/pass · "
+        f"{t.n_prefilled} tokens prefilled"
+    )
+    lines.append(f"context: {session.n_used} of {session.n_ctx} tokens used")
+    if rt.speculative:
+        s = rt.shape
+        lines.append(f"models: target {rt.models.target_name}, draft {rt.models.draft_name} "
+                     f"(tree budget {s.budget}, depth {s.depth}, width {s.width})")
+    else:
+        lines.append(f"models: target {rt.models.target_name}, plain decoding")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,3 +458,37 @@ def _bench_shape(base, budget: int, depth: int | None):
         width=min(base.width, budget),
         top_k=min(base.top_k, budget),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# pull and models
+
+
+def pull(names: list[str], quiet: bool = False) -> list[Path]:
+    """Fetch (or build) each named model, saying what and how big; print each local path on stdout."""
+    from specrun import hub, registry
+
+    specs = [registry.resolve(name) for name in names]  # a typo fails before any download
+    paths = []
+    for spec in specs:
+        missing = hub.describe_missing(spec)
+        if missing:
+            ui.info(f"pulling {missing}...")
+        else:
+            ui.dim(f"{spec.name} is already here")
+        path = Path(hub.pull(spec, progress=not quiet, console=ui.err_console()))
+        print(path, flush=True)
+        paths.append(path)
+    return paths
+
+
+def list_models(as_json: bool) -> None:
+    """Print the registry's aliases: a table, or a JSON array."""
+    from specrun import registry
+
+    reg = registry.load()
+    rows = registry.list_models(reg)
+    if as_json:
+        print(json.dumps([row.as_dict() for row in rows], ensure_ascii=False, indent=2))
+    else:
+        ui.models_table(rows, registry.default_pair(reg))

@@ -46,8 +46,8 @@ class ResolvedModels:
 
 
 def resolve_models(opts: RunOptions) -> ResolvedModels:
-    """Return local paths for the target and draft, fetching what is missing."""
-    from specrun import hub, registry
+    """Return local paths for the target and draft, fetching what is missing (after saying what)."""
+    from specrun import registry
 
     if opts.target is None:
         target_name, default_draft = registry.default_pair()
@@ -64,11 +64,21 @@ def resolve_models(opts: RunOptions) -> ResolvedModels:
             draft_spec = registry.recommended_draft(target_spec)
         if draft_spec is not None:
             registry.check_pair(target_spec, draft_spec)
-    target_path = hub.ensure_local(target_spec, progress=not opts.quiet)
-    draft_path = hub.ensure_local(draft_spec, progress=not opts.quiet) if draft_spec is not None else None
+    target_path = _ensure_local(target_spec, opts.quiet)
+    draft_path = _ensure_local(draft_spec, opts.quiet) if draft_spec is not None else None
     return ResolvedModels(
         target_spec.name, Path(target_path), draft_spec.name if draft_spec else None, Path(draft_path) if draft_path else None
     )
+
+
+def _ensure_local(spec, quiet: bool) -> Path:
+    """Return the model's local path; a missing model is announced (what, how big) and fetched."""
+    from specrun import hub, ui
+
+    missing = hub.describe_missing(spec)
+    if missing and not quiet:
+        ui.info(f"pulling {missing}...")
+    return hub.ensure_local(spec, progress=not quiet, console=ui.err_console())
 
 
 class Runtime:
@@ -81,13 +91,14 @@ class Runtime:
         self.opts = opts
         self.models = resolve_models(opts)
         self._owned: list = []
+        self._chat_format = None
         try:
             self.target = self._load(self.models.target_path, opts.gpu_layers)
             self.draft = None
             self.shape: TreeShape | None = None
             if self.models.draft_path is not None:
                 self.draft = self._load(self.models.draft_path, opts.gpu_layers)
-                pairing.check_vocab(self.target, self.draft)
+                pairing.check_vocab(self.target, self.draft, self.models.target_name, self.models.draft_name)
                 self.shape = shape_override or self._choose_shape()
             spec = self.shape is not None
             n_batch = max(PREFILL_BATCH, self.shape.budget + 1) if spec else PREFILL_BATCH
@@ -151,27 +162,40 @@ class Runtime:
 
         return PlainDecoder(self.target, self.target_ctx)
 
-    def tokenize_prompt(self, text: str, chat: bool, system: str | None = None) -> list[int]:
-        """Return the prompt's tokens, wrapped in the model's chat template when chat is true."""
-        from specrun import templates
+    @property
+    def chat_format(self):
+        """Return the target's chat format (template, special tokens), made on first use."""
+        if self._chat_format is None:
+            from specrun.chat import ChatFormat
 
+            self._chat_format = ChatFormat(self.target)
+        return self._chat_format
+
+    def tokenize_prompt(self, text: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+        """Return the prompt's tokens, wrapped in the chat template in chat mode.
+
+        chat=None means: chat mode when the model has a chat template (an instruct model), raw
+        text otherwise. A chat message loses surrounding whitespace (the newline `echo` adds);
+        raw text is kept exactly as given.
+        """
+        if chat is None:
+            chat = self.chat_format.has_template
         if chat:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            rendered = templates.render_chat(
-                self.target.chat_template,
-                messages,
-                add_generation_prompt=True,
-                bos_token=self.target.token_to_piece(self.target.bos, True).decode("utf-8", "replace") if self.target.bos >= 0 else "",
-                eos_token=self.target.token_to_piece(self.target.eos, True).decode("utf-8", "replace") if self.target.eos >= 0 else "",
-            )
-            tokens = self.target.tokenize(rendered, add_special=True, parse_special=True)
-            # Templates usually write BOS themselves; never start with two.
-            if len(tokens) > 1 and tokens[0] == tokens[1] == self.target.bos:
-                tokens = tokens[1:]
-            return tokens
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text.strip()}]
+            fmt = self.chat_format
+            return fmt.tokenize_start(fmt.render(messages, add_generation_prompt=True))
         if system:
             raise UsageError("--system needs chat mode (drop --raw)")
         return self.target.tokenize(text, add_special=True, parse_special=False)
+
+    def reset_cache(self) -> None:
+        """Empty both KV caches (after an interrupted step left them in an unknown state)."""
+        decoder = self.decoder
+        decoder.ctx.clear()
+        decoder.cache.tokens.clear()
+        grower = getattr(decoder, "grower", None)
+        if grower is not None:
+            grower.reset()
 
     def close(self) -> None:
         for owner in reversed(self._owned):

@@ -13,14 +13,23 @@ import sys
 from rich.console import Console
 
 _err: Console | None = None
+_err_key: tuple = ()
+
+
+def _no_color() -> bool:
+    # https://no-color.org: set and not empty.
+    return bool(os.environ.get("NO_COLOR"))
 
 
 def err_console() -> Console:
-    """Return the stderr console (plain when NO_COLOR is set or stderr is not a terminal)."""
-    global _err
-    if _err is None or _err.file is not sys.stderr:
-        no_color = bool(os.environ.get("NO_COLOR"))
-        _err = Console(stderr=True, no_color=no_color, highlight=False, soft_wrap=True)
+    """Return the stderr console: plain text (no escape codes) when NO_COLOR is set or stderr is
+    not a terminal."""
+    global _err, _err_key
+    key = (sys.stderr, _no_color(), os.environ.get("FORCE_COLOR"), os.environ.get("TERM"))
+    if _err is None or key != _err_key:
+        color = None if _no_color() else "auto"
+        _err = Console(file=sys.stderr, color_system=color, highlight=False, soft_wrap=True)
+        _err_key = key
     return _err
 
 
@@ -32,10 +41,18 @@ def write_text(text: str) -> None:
 
 
 def end_text(text_written: str) -> None:
-    """End the model's output with a newline on a terminal, if it did not end with one."""
-    if text_written and not text_written.endswith("\n") and sys.stdout.isatty():
+    """End the model's output with a newline if it did not end with one (a shell prompt or the
+    next line of a pipeline then starts on a line of its own, as with `llm` and `ollama run`)."""
+    if text_written and not text_written.endswith("\n"):
         sys.stdout.write("\n")
         sys.stdout.flush()
+
+
+def out_console() -> Console:
+    """Return a console on stdout for a command's own output (tables); plain when piped."""
+    # A pipe has no width: don't squeeze or wrap table rows to 80 columns.
+    width = None if sys.stdout.isatty() else 10_000
+    return Console(file=sys.stdout, color_system=None if _no_color() else "auto", highlight=False, soft_wrap=True, width=width)
 
 
 def info(message: str) -> None:
@@ -54,7 +71,7 @@ def error(message: str) -> None:
     err_console().print(f"error: {message}", style="bold red", markup=False)
 
 
-def stats_line(stats: dict) -> str:
+def stats_line(stats: dict, prefill: bool = True) -> str:
     """Return the one-line summary shown after an answer."""
     parts = [
         f"{stats['n_tokens']} tokens",
@@ -62,6 +79,95 @@ def stats_line(stats: dict) -> str:
     ]
     if stats.get("n_passes"):
         parts.append(f"{stats['accepted_per_pass']:.2f} accepted/pass")
-    if stats.get("n_prefilled") is not None:
+    if prefill and stats.get("n_prefilled") is not None:
         parts.append(f"prefill {stats['n_prefilled']} tokens in {stats['prefill_s']:.2f}s")
     return " · ".join(parts)
+
+
+def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
+    """Print `specrun models` rows as a table on stdout; notes go to stderr."""
+    from rich.table import Table
+
+    from specrun.registry import human_size
+
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
+    for name in ("ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "DRAFT"):
+        table.add_column(name, no_wrap=True, justify="right" if name == "SIZE" else "left")
+    unverified = False
+    for row in rows:
+        mark = "" if row.verified else "*"
+        unverified |= not row.verified
+        table.add_row(
+            row.alias + mark, row.family or "-", row.params or "-", row.quant or "-",
+            human_size(row.size), "yes" if row.present else "", row.draft or "-",
+        )
+    out_console().print(table)
+    if unverified:
+        dim("* file name or checksum seen in one public catalog only")
+    if default_pair:
+        dim(f"default: --target {default_pair[0]} --draft {default_pair[1]} (works offline)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading chat messages
+
+
+class LineReader:
+    """Reads chat messages: line editing and history (readline) on a terminal, plain lines from a pipe.
+
+    A message that starts with three double quotes goes on until a line that ends with them.
+    """
+
+    PROMPT = ">>> "
+    MORE = "... "
+    QUOTES = '"""'
+
+    def __init__(self, history_file=None):
+        self.interactive = sys.stdin.isatty()
+        self.history_file = history_file
+        self._readline = None
+        if self.interactive:
+            try:
+                import readline  # line editing and history for input(); absent on some platforms
+            except ImportError:
+                readline = None
+            self._readline = readline
+            if readline is not None and history_file is not None:
+                try:
+                    readline.read_history_file(str(history_file))
+                except OSError:
+                    pass  # no history yet
+
+    def read(self) -> str | None:
+        """Return the next message, or None at end of input. Ctrl-C raises KeyboardInterrupt."""
+        line = self._input(self.PROMPT)
+        if line is None or not line.lstrip().startswith(self.QUOTES):
+            return line
+        text = line.lstrip()[len(self.QUOTES):]
+        lines = []
+        while not text.rstrip().endswith(self.QUOTES):
+            lines.append(text)
+            text = self._input(self.MORE)
+            if text is None:
+                return "\n".join(lines)
+        lines.append(text.rstrip()[: -len(self.QUOTES)])
+        return "\n".join(lines).strip("\n")
+
+    def _input(self, prompt: str) -> str | None:
+        try:
+            return input(prompt if self.interactive else "")
+        except EOFError:
+            if self.interactive:
+                sys.stdout.write("\n")
+            return None
+
+    def close(self) -> None:
+        """Save the history (best effort: a read-only home must not break leaving the chat)."""
+        if self._readline is None or self.history_file is None:
+            return
+        try:
+            self.history_file.parent.mkdir(parents=True, exist_ok=True)
+            self._readline.set_history_length(1000)
+            self._readline.write_history_file(str(self.history_file))
+        except OSError:
+            pass

@@ -1,0 +1,416 @@
+"""The command line as users meet it: output streams, exit codes, messages, help, start-up time.
+
+Commands run in-process through Typer's CliRunner (stdout and stderr captured apart). Generation
+uses the offline SmolLM2 models with one thread and a small context, so each call takes a second
+or two even on a busy machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specrun import __version__
+from specrun.cli import app
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fakehub import FakeHub  # noqa: E402
+
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."  # SmolLM2-135M F32, greedy
+# Plain decoding of the F32 demo target: the reference output.
+PLAIN = ["--target", "smollm2-135m-f32", "--no-spec", "--threads", "1", "--ctx-size", "512"]
+COMMANDS = ["generate", "chat", "bench", "tune", "pull", "models"]
+
+
+@pytest.fixture
+def cli(offline_models):
+    """Return run(*args, input=None, env=None) -> Result, with the offline models in place."""
+    runner = CliRunner()
+
+    def run(*args: str, input: str | None = None, env: dict | None = None):
+        return runner.invoke(app, list(args), input=input, env=env)
+
+    return run
+
+
+def config_file(name: str) -> Path:
+    path = Path(os.environ["SPECRUN_CONFIG"]) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def one_error_line(result) -> str:
+    """Assert stderr is exactly one 'error: ...' line without a traceback; return it."""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# generate: where the prompt comes from, where the output goes
+
+
+def test_generate_prompt_argument_streams_only_text_to_stdout(cli):
+    result = cli("generate", QUESTION, "-n", "12", "--stats", *PLAIN)
+
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ANSWER + "\n"
+    # the summary is on stderr, so `specrun generate ... > out.txt` holds only the answer
+    assert "tok/s" in result.stderr and "tokens" in result.stderr
+    assert ANSWER not in result.stderr
+
+
+def test_generate_reads_stdin_and_file(cli, tmp_path):
+    from_stdin = cli("generate", "-n", "12", *PLAIN, input=QUESTION + "\n")
+    dash = cli("generate", "-", "-n", "12", *PLAIN, input=QUESTION)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(QUESTION)
+    from_file = cli("generate", "--file", str(prompt_file), "-n", "12", *PLAIN)
+
+    for result in (from_stdin, dash, from_file):
+        assert result.exit_code == 0, result.output
+        assert result.stdout == ANSWER + "\n"
+
+
+def test_raw_mode_skips_the_chat_template(cli):
+    result = cli("generate", "--raw", "-n", "6", "--json", "The capital of France is", *PLAIN)
+
+    assert result.exit_code == 0, result.output
+    text = json.loads(result.stdout)["text"]
+    assert "Paris" in text and "<|im_start|>" not in text
+
+
+def test_stop_string_ends_the_text_before_it(cli):
+    result = cli("generate", QUESTION, "-n", "12", "--stop", "Paris", "--stop", "never-seen", "--json", *PLAIN)
+
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["text"] == "The capital of France is "
+    assert out["finish_reason"] == "stop"
+
+
+def test_json_prints_one_object_with_text_tokens_and_stats(cli):
+    result = cli("generate", QUESTION, "-n", "12", "--json", *PLAIN)
+
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert out["text"] == ANSWER
+    assert out["n_tokens"] == len(out["token_ids"]) > 0
+    assert out["tokens_per_s"] > 0 and out["accepted_per_pass"] == 1.0
+    assert out["finish_reason"] == "eog" and out["speculative"] is False
+
+
+def test_default_demo_pair_speculates_and_writes_the_same_text(cli):
+    result = cli("generate", QUESTION, "-n", "12", "--json", "--threads", "1", "--ctx-size", "512")
+
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["speculative"] is True
+    assert out["text"] == ANSWER  # exactly the target's own greedy answer
+    assert out["accepted_per_pass"] > 1.0
+
+
+def test_jsonl_answers_each_line_and_reports_bad_lines(cli):
+    requests = "\n".join([
+        json.dumps({"prompt": QUESTION, "id": "a"}),
+        "{not json",
+        "",
+        json.dumps({"prompt": "Name a colour.", "max_tokens": 3, "id": 7}),
+        json.dumps({"prompt": QUESTION, "temperature": -1, "id": "bad-temp"}),
+        json.dumps({"max_tokens": 3}),
+        json.dumps({"prompt": "The capital of France is", "chat": False, "max_tokens": 4}),
+    ]) + "\n"
+
+    result = cli("generate", "--jsonl", "-n", "12", *PLAIN, input=requests)
+
+    assert result.exit_code == 0, result.output
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(out) == 6  # the blank line is skipped
+    first, malformed, short, bad_temp, no_prompt, raw = out
+    assert first["id"] == "a" and first["text"] == ANSWER
+    assert first["n_tokens"] == len(first["token_ids"]) and "tokens_per_s" in first and "accepted_per_pass" in first
+    assert malformed["line"] == 2 and "not valid JSON" in malformed["error"]
+    assert short["id"] == 7 and short["n_tokens"] == 3 and short["finish_reason"] == "length"
+    assert bad_temp["id"] == "bad-temp" and "error" in bad_temp and bad_temp["line"] == 5
+    assert "prompt" in no_prompt["error"]
+    assert "Paris" in raw["text"]
+    # the models stayed loaded, and a bad line did not disturb the next answers
+    assert first["text"] == ANSWER
+
+
+def test_jsonl_reads_a_file(cli, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt": QUESTION}) + "\n")
+
+    result = cli("generate", "--jsonl", "--file", str(requests), "-n", "12", *PLAIN)
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["text"] == ANSWER
+
+
+# ---------------------------------------------------------------------------------------------
+# exit codes and messages
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),
+        (["generate", "hi", "--temperature", "-1"], "--temperature"),
+        (["generate", "hi", "--no-such-option"], "No such option"),
+        (["chat", "--top-p", "2"], "--top-p"),
+        (["pull"], "Missing argument"),
+        (["frobnicate"], "No such command"),
+    ],
+)
+def test_bad_options_exit_2_with_usage_message(cli, args, words):
+    result = cli(*args)
+
+    assert result.exit_code == 2
+    assert words in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args, input, words",
+    [
+        (["generate"], "", "the prompt is empty"),
+        (["generate", "hi", "--file", "x.txt"], None, "not both"),
+        (["generate", "--raw", "--system", "Be brief.", "hi"], None, "--system needs chat mode"),
+        (["generate", "--json", "--jsonl"], "", "do not go together"),
+        (["generate", "--jsonl", "hi"], None, "not from an argument"),
+        (["generate", "--file", "/no/such/prompt.txt"], None, "cannot read prompt file"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(cli, args, input, words):
+    result = cli(*args, *PLAIN, input=input)
+
+    assert result.exit_code == 2, result.output
+    assert words in one_error_line(result)
+
+
+def test_unknown_alias_suggests_close_names(cli):
+    for args in (["generate", "hi", "--target", "qwen-14"], ["pull", "smolm2-135m-q4"]):
+        result = cli(*args)
+
+        assert result.exit_code == 2
+        line = one_error_line(result)
+        assert "unknown model" in line and "Did you mean" in line
+    assert "qwen-14b" in one_error_line(cli("generate", "hi", "--target", "qwen-14"))
+    assert "smollm2-135m-q4" in one_error_line(cli("pull", "smolm2-135m-q4"))
+
+
+def test_missing_or_broken_model_file_exits_1(cli, tmp_path):
+    missing = cli("generate", "hi", "--target", str(tmp_path / "nope.gguf"), "--no-spec")
+    assert missing.exit_code == 1
+    assert "not found" in one_error_line(missing) and "nope.gguf" in missing.stderr
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"definitely not a model" * 10)
+    broken = cli("generate", "hi", "--target", str(junk), "--no-spec")
+    assert broken.exit_code == 1
+    assert "not a GGUF" in one_error_line(broken)
+
+
+def test_missing_model_says_what_to_pull_when_offline(cli):
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: import it online so later tests can download.
+    import huggingface_hub.constants  # noqa: F401
+
+    result = cli("generate", "hi", "--target", "qwen2.5-0.5b", "--no-spec", env={"HF_HUB_OFFLINE": "1"})
+
+    assert result.exit_code == 1
+    assert "pulling qwen2.5-0.5b (" in result.stderr  # said what and how big before trying
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and "qwen2.5-0.5b" in error
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_user_models_toml_names_file_and_line(cli):
+    toml = config_file("models.toml")
+    toml.write_text('[models.mine]\nfamily = "smollm2"\nsize = "big"\n')
+
+    for args in (["models"], ["generate", "hi", *PLAIN]):
+        result = cli(*args)
+
+        assert result.exit_code == 2
+        line = one_error_line(result)
+        assert str(toml) in line and "line 3" in line and "size" in line
+
+    toml.write_text("[models.mine\n")
+    result = cli("models")
+    assert result.exit_code == 2 and str(toml) in one_error_line(result)
+
+
+def test_incompatible_pair_names_both_models(cli):
+    result = cli("generate", "hi", "--target", "smollm2-135m-f32", "--draft", "gemma3-270m-q4")
+
+    assert result.exit_code == 2
+    line = one_error_line(result)
+    assert "smollm2-135m-f32" in line and "gemma3-270m-q4" in line and "tokenizer" in line
+
+
+def test_incompatible_files_are_caught_by_the_vocabulary_check(cli, offline_models):
+    # Paths have no family: only the loaded vocabularies can tell.
+    result = cli("generate", "hi", "--target", str(offline_models.smollm2_q4), "--draft", str(offline_models.gemma_q4), "--threads", "1")
+
+    assert result.exit_code == 2
+    line = one_error_line(result)
+    assert "cannot draft for target" in line and offline_models.gemma_q4.name in line
+
+
+def test_verbose_shows_the_traceback(cli):
+    result = cli("generate", "hi", "--target", "qwen-14", "--verbose")
+
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr and "unknown model" in result.stderr
+
+
+def test_no_color_and_pipes_give_plain_text(cli):
+    env = {"FORCE_COLOR": "1", "NO_COLOR": None, "TERM": "xterm-256color"}
+    coloured = cli("generate", "hi", "--target", "qwen-14", env=env)
+    assert "\x1b[" in coloured.stderr  # a terminal gets colour...
+
+    plain = cli("generate", "hi", "--target", "qwen-14", env={**env, "NO_COLOR": "1"})
+    assert "\x1b[" not in plain.stderr and "unknown model" in plain.stderr  # ...unless NO_COLOR
+
+    # a real pipe, no NO_COLOR: plain text too
+    piped = subprocess.run(
+        [sys.executable, "-m", "specrun", "generate", "hi", "--target", "qwen-14"],
+        capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")},
+    )
+    assert piped.returncode == 2
+    assert piped.stderr.startswith("error: unknown model") and "\x1b[" not in piped.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# help, version, start-up
+
+
+def test_every_command_help_has_examples(cli):
+    for command in [None, *COMMANDS]:
+        result = cli(*([command] if command else []), "--help")
+
+        assert result.exit_code == 0, result.output
+        assert "Example" in result.stdout
+        if command:
+            assert f"specrun {command}" in result.stdout.split("Example", 1)[1]
+
+
+def test_version(cli):
+    result = cli("--version")
+
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"specrun {__version__}"
+
+
+def test_help_does_not_import_llama_cpp():
+    script = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from specrun.cli import app\n"
+        f"for args in [['--help'], ['--version'], *[[c, '--help'] for c in {COMMANDS!r}]]:\n"
+        "    assert CliRunner().invoke(app, args).exit_code == 0, args\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('llama_cpp', 'numpy', 'jinja2', 'huggingface_hub'))\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# tune
+
+
+def test_tune_without_the_tuning_module_says_so(cli, monkeypatch):
+    # Whether or not specrun.tuning exists yet, a missing module gives one clear line.
+    import specrun
+
+    monkeypatch.setitem(sys.modules, "specrun.tuning", None)
+    monkeypatch.delattr(specrun, "tuning", raising=False)
+    result = cli("tune", "--quick")
+
+    assert result.exit_code == 1
+    assert "specrun tune" in one_error_line(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# models and pull
+
+
+def test_models_table_goes_to_stdout(cli):
+    result = cli("models")
+
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["ALIAS", "FAMILY", "PARAMS"]
+    row = next(line.split() for line in lines if line.startswith("smollm2-135m-q4 "))
+    assert row[1] == "smollm2" and "yes" in row  # present: the offline models are in the cache
+    qwen = next(line.split() for line in lines if line.startswith("qwen2.5-14b"))
+    assert "yes" not in qwen and qwen[-1] == "qwen2.5-0.5b"
+    assert "default: --target smollm2-135m-f32" in result.stderr
+
+
+def test_models_json(cli):
+    result = cli("models", "--json")
+
+    assert result.exit_code == 0
+    rows = {row["alias"]: row for row in json.loads(result.stdout)}
+    assert rows["smollm2-135m-q4"]["present"] is True
+    assert rows["qwen2.5-14b"]["draft"] == "qwen2.5-0.5b" and rows["qwen2.5-14b"]["size"] > 1e9
+    assert set(rows["qwen2.5-14b"]) >= {"family", "params", "quant", "size", "present", "draft"}
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """A local server answering like the Hugging Face Hub, with HF_ENDPOINT pointing at it."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        yield hub
+
+
+def serve_alias(fake_hub, alias: str, path: Path) -> bytes:
+    data = path.read_bytes()
+    fake_hub.add_file("fake/SmolLM2-GGUF", path.name, data)
+    config_file("models.toml").write_text(
+        f'[models."{alias}"]\nfamily = "smollm2"\nsize = {len(data)}\n'
+        f'[[models."{alias}".source]]\nhf = "fake/SmolLM2-GGUF"\nfile = "{path.name}"\n'
+        f'sha256 = "{hashlib.sha256(data).hexdigest()}"\n'
+    )
+    return data
+
+
+def test_pull_says_what_and_prints_the_path(cli, fake_hub, offline_models):
+    data = serve_alias(fake_hub, "tiny-smol", offline_models.smollm2_random)
+
+    result = cli("pull", "tiny-smol")
+
+    assert result.exit_code == 0, result.output
+    assert "pulling tiny-smol (27 MB) from Hugging Face repo fake/SmolLM2-GGUF" in result.stderr
+    path = Path(result.stdout.strip())
+    assert path.read_bytes() == data
+
+    again = cli("pull", "tiny-smol")
+    assert again.exit_code == 0 and again.stdout.strip() == str(path)
+    assert "already here" in again.stderr and len(fake_hub.gets(path.name)) == 1
+
+
+def test_generate_pulls_a_missing_model_after_saying_so(cli, fake_hub, offline_models):
+    serve_alias(fake_hub, "tiny-smol", offline_models.smollm2_random)
+
+    result = cli("generate", "hi", "--target", "tiny-smol", "--no-spec", "-n", "3", "--threads", "1", "--ctx-size", "256")
+
+    assert result.exit_code == 0, result.output
+    assert "pulling tiny-smol (27 MB) from Hugging Face repo fake/SmolLM2-GGUF..." in result.stderr
+    assert result.stdout  # a random-weight model, but it ran
