@@ -3,8 +3,9 @@
 Steps: probe the hardware; measure the target's and the draft's cost curves and plain decoding's
 per-token cost; calibrate acceptance with one speculative run at the largest useful budget; let
 the tuner pick plain decoding, a SpecExec tree or a Sequoia tree; then check the prediction by
-decoding held-out prompts with the choice and with plain decoding. The profile (choice, curves,
-acceptance, prediction and measurement) is stored where `chat`, `generate` and `bench` find it.
+decoding held-out prompts with the choice and with plain decoding; a tree that measures slower
+than plain decoding there is turned off. The profile (choice, curves, acceptance, prediction and
+measurement) is stored where `chat`, `generate` and `bench` find it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ FULL = TuneSettings(
 # Trees of this many tokens (root included) at most for Sequoia: its inner nodes must fit the
 # draft's sequence ids (sequoia_draft.MAX_INNER_NODES).
 MAX_SEQUOIA_TOKENS = 256
+# A tree that measures slower than this against plain decoding on the held-out prompts is
+# turned off, whatever the prediction said.
+CHECK_MIN_SPEEDUP = 1.0
 # Plain decoding measured this much faster or slower in the check than in the cost curves means
 # the machine's speed drifted during tuning; the report says so.
 DRIFT_WARNING = 0.25
@@ -126,6 +130,9 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             measured = _measure(rt, settings, calibration_shape, calib_prompts, progress)
             choice, best_tree = _choose(measured)
             check = _check(rt, choice, best_tree, held_out, settings, progress)
+        if choice.kind != "plain" and check.tree_speedup < CHECK_MIN_SPEEDUP:
+            # Measured beats predicted: the tree lost on the held-out prompts, so decode plainly.
+            choice = tuner.Choice("plain", 0, 0, 0, 0, _plain_rate(measured), 1.0)
         key = profiles.profile_key(
             rt.models.target_path, rt.models.draft_path, hardware.fingerprint(), rt.target_ctx.threads
         )
@@ -420,8 +427,11 @@ def report_lines(profile: dict) -> list[str]:
     check = profile.get("check", {})
     lines = [f"{profile['models']['target']} with draft {profile['models']['draft']}, {profile['threads']} threads"]
     if config["kind"] == "plain":
-        lines.append("choice: plain decoding (speculation does not pay here)")
         tree = profile.get("best_tree") or {}
+        if tree.get("predicted_speedup", 0.0) >= tuner.MIN_SPEEDUP:
+            lines.append("choice: plain decoding (the best tree was predicted faster but measured slower)")
+        else:
+            lines.append("choice: plain decoding (speculation does not pay here)")
         if tree and tree.get("kind") != "plain":
             lines.append(
                 f"  best tree ({_config_text(tree)}): predicted x{tree['predicted_speedup']:.2f}, "
