@@ -11,14 +11,12 @@ measurement) is stored where `chat`, `generate` and `bench` find it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
 
 from specrun import profiler, profiles, tuner, ui
 from specrun.errors import SpecrunError, UsageError
@@ -108,13 +106,13 @@ def stored_profile(opts: RunOptions) -> dict:
 
 def tune(opts: RunOptions, settings: TuneSettings) -> dict:
     """Measure, choose, check and store; return the stored profile."""
-    from specrun.draft import TreeShape
+    from specrun.draft import MAX_BUDGET, TreeShape
     from specrun.runner import Runtime
 
     t_start = time.monotonic()
     hardware = profiler.probe_hardware()
     _warn_if_busy(hardware)
-    max_budget = min(opts.budget or settings.max_budget, MAX_SEQUOIA_TOKENS * 8)
+    max_budget = min(opts.budget or settings.max_budget, MAX_BUDGET)
     depth = opts.depth or settings.depth
     calibration_shape = TreeShape(max_budget, depth, min(settings.width, max_budget), min(settings.top_k, max_budget))
     with Runtime(opts, shape_override=calibration_shape) as rt:
@@ -477,7 +475,7 @@ def report_lines(profile: dict) -> list[str]:
 
 def _config_text(config: dict) -> str:
     if config["kind"] == "sequoia":
-        return f"Sequoia static tree of {config['budget']} tokens, depth {config['depth']}"
+        return f"Sequoia static tree of {config['budget']} draft tokens, depth {config['depth']}"
     return (
         f"SpecExec tree, budget {config['budget']}, depth {config['depth']}, width {config['width']}, "
         f"top-k {config['top_k']}"
