@@ -252,20 +252,22 @@ def _chat_command(session, text: str) -> bool:
 
 class _StopOnInterrupt:
     """While an answer streams, the first Ctrl-C asks to stop after the current decoder step
-    (the KV cache stays consistent); a second one interrupts at once."""
+    (the KV cache stays consistent); a second one interrupts at once, unless the answer is
+    already being wound up (`abortable` false)."""
 
     def __enter__(self) -> "_StopOnInterrupt":
         import signal
         import threading
 
         self.requested = False
+        self.abortable = True
         self._previous = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         return self
 
     def _on_sigint(self, signum, frame) -> None:
-        if self.requested:
+        if self.requested and self.abortable:
             raise KeyboardInterrupt
         self.requested = True
 
@@ -291,6 +293,7 @@ def _answer(session, text: str, params, max_tokens: int | None) -> None:
                     if stop.requested:
                         break
             finally:
+                stop.abortable = False  # recording the turn must not be cut in half
                 answer.close()
     except KeyboardInterrupt:
         ui.end_text(last)

@@ -71,9 +71,16 @@ class Pane:
         self.tmux("send-keys", "-t", "chat", key)
 
     def exit_status(self) -> int | None:
-        dead, _, status = self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead} #{pane_dead_status}").strip().partition(" ")
+        """Return the command's exit status (128 + signal if a signal ended it), or None while it runs."""
+        dead, status, signal = self.tmux(
+            "display-message", "-p", "-t", "chat", "#{pane_dead}:#{pane_dead_status}:#{pane_dead_signal}"
+        ).strip().split(":")
+        if dead != "1":
+            return None
+        if signal:
+            return 128 + int(signal)
         # tmux may mark the pane dead a moment before it has the status
-        return int(status) if dead == "1" and status else None
+        return int(status) if status else None
 
     def wait_for(self, what: str, done, timeout: float = WAIT) -> str:
         """Poll the screen until done(text) is true; fail with the screen if it never is."""
@@ -91,7 +98,8 @@ class Pane:
         deadline = time.monotonic() + timeout
         while (status := self.exit_status()) is None:
             if time.monotonic() > deadline:
-                pytest.fail(f"the command did not end; the screen shows:\n{self.text()}", pytrace=False)
+                state = self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead}:#{pane_dead_status}:#{pane_dead_signal}:#{pane_pid}")
+                pytest.fail(f"the command did not end ({state.strip()}); the screen shows:\n{self.text()}", pytrace=False)
             time.sleep(0.2)
         return status
 
@@ -312,3 +320,15 @@ def test_interrupted_step_resets_the_cache_and_the_chat_goes_on(runtime):
     assert len(session.messages) == 2
     session.reset()
     assert ask(session, QUESTION) == ANSWER  # a clean cache gives the same answer as ever
+
+
+def test_gemma_without_a_template_gets_its_own_turn_format(offline_models):
+    # The Gemma 3 270M GGUF ships no chat template; ChatML would be the wrong format for it.
+    from specrun.runner import RunOptions, Runtime
+
+    with Runtime(RunOptions(target="gemma3-270m-q4", no_spec=True, threads=1, ctx_size=256)) as rt:
+        assert rt.target.chat_template is None
+        prompt = rt.tokenize_prompt("Say hello.", system="Be brief.")
+        text = rt.target.detokenize(prompt, special=True)
+
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nSay hello.<end_of_turn>\n<start_of_turn>model\n"

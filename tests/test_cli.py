@@ -122,6 +122,28 @@ def test_default_demo_pair_speculates_and_writes_the_same_text(cli):
     assert out["accepted_per_pass"] > 1.0
 
 
+def test_sampling_options_and_seed_repeat_a_sampled_answer(cli):
+    sampled = ["generate", QUESTION, "-n", "10", "--json", "--temperature", "1.5", "--top-k", "40",
+               "--top-p", "0.95", "--min-p", "0.01", *PLAIN]
+
+    first, second = cli(*sampled, "--seed", "7"), cli(*sampled, "--seed", "7")
+
+    assert first.exit_code == second.exit_code == 0, first.output
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+    others = {json.dumps(json.loads(cli(*sampled, "--seed", str(seed)).stdout)["token_ids"]) for seed in (1, 2, 3)}
+    assert len(others | {json.dumps(json.loads(first.stdout)["token_ids"])}) > 1  # the seed matters
+
+
+def test_budget_and_depth_shape_the_tree(cli):
+    result = cli("generate", QUESTION, "-n", "12", "--json", "--budget", "2", "--depth", "2", "--threads", "1", "--ctx-size", "512")
+
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["text"] == ANSWER
+    assert 1.0 < out["accepted_per_pass"] <= 3.0  # at most 2 drafted + 1 bonus token per pass
+    assert out["stats"]["mean_tree_nodes"] <= 2
+
+
 def test_jsonl_answers_each_line_and_reports_bad_lines(cli):
     requests = "\n".join([
         json.dumps({"prompt": QUESTION, "id": "a"}),
