@@ -16,13 +16,13 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
 from specrun import templates
-from specrun.errors import ContextFullError, UsageError
+from specrun.errors import ContextFullError, SpecrunError, UsageError
 
 
 class ChatFormat:
@@ -30,9 +30,8 @@ class ChatFormat:
 
     def __init__(self, model):
         self.model = model
-        self.own_template = model.chat_template
         # Some GGUFs (Gemma 3 270M) ship without a template although their turn format is known.
-        self.template = self.own_template or templates.builtin_template(model.architecture)
+        self.template = model.chat_template or templates.builtin_template(model.architecture)
         self.bos_text = _piece(model, model.bos)
         self.eos_text = _piece(model, model.eos)
 
@@ -105,19 +104,16 @@ class SessionTotals:
     n_passes: int = 0
 
 
-@dataclass
 class ChatSession:
-    """One conversation with a loaded Runtime (anything with .target, .decoder, .target_ctx, .reset_cache())."""
+    """One conversation with a loaded runner.Runtime (its target, decoder and contexts)."""
 
-    rt: object
-    system: str | None = None
-    messages: list[dict] = field(default_factory=list)
-    last: TurnStats | None = None
-    totals: SessionTotals = field(default_factory=SessionTotals)
-
-    def __post_init__(self) -> None:
-        self.format = ChatFormat(self.rt.target)
+    def __init__(self, rt, system: str | None = None):
+        self.rt = rt
+        self.system = system
+        self.format = rt.chat_format
         self.started = datetime.now()
+        self.last: TurnStats | None = None
+        self.totals = SessionTotals()
         self.reset()
 
     # -- conversation state --
@@ -262,15 +258,15 @@ def _write_atomic(path: Path, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     except OSError as e:
-        raise UsageError(f"cannot write {path}: {e.strerror}") from None
+        raise SpecrunError(f"cannot write {path}: {e.strerror}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o644 & ~_umask())
+        os.chmod(tmp, 0o666 & ~_umask())  # what open() would have given; mkstemp makes 0600
         os.replace(tmp, path)
     except OSError as e:
         os.unlink(tmp)
-        raise UsageError(f"cannot write {path}: {e.strerror}") from None
+        raise SpecrunError(f"cannot write {path}: {e.strerror}") from None
 
 
 def _umask() -> int:

@@ -21,7 +21,6 @@ from specrun import __version__
 from specrun.errors import SpecrunError, UsageError
 
 
-
 def _examples(*lines: str, note: tuple[str, ...] = ()) -> str:
     """Return an epilog of example command lines, kept as written (click rewraps other paragraphs)."""
     text = "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
