@@ -190,12 +190,20 @@ def test_chat_in_a_terminal(pane):
     # the new message with its turn markup (and the end marker of the stopped answer)
     assert prefilled3 <= 30
 
-    # 4. Ctrl-C at the prompt says how to leave; /exit leaves
+    # 4. line editing with history: Up recalls the last line, Ctrl-U clears it
+    pane.key("Up")
+    pane.wait_for("the recalled line", lambda t: lines(t)[-1] == ">>> /stats")
+    pane.key("C-u")
+    pane.wait_for("the cleared line", lambda t: lines(t)[-1] == ">>>")
+
+    # 5. Ctrl-C at the prompt says how to leave; /exit leaves
     pane.key("C-c")
     pane.wait_for("the hint", lambda t: "Ctrl-C again or Ctrl-D to leave" in t)
     pane.type("/exit")
     assert pane.wait_exit() == 0
     assert "Traceback" not in pane.text()
+    history = (Path(os.environ["SPECRUN_CONFIG"]) / "chat_history").read_text()
+    assert QUESTION in history and followup in history  # kept for the next chat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +252,8 @@ def test_full_context_is_reported_and_reset_recovers(chat):
     system = "You are a storyteller. Tell long stories full of detail. " * 17
     args = [*PLAIN[:-1], "64", "--system", system]
 
-    result = chat("Write a long story about a dragon.", "Another one, please.", "/reset", "/stats", "/exit", args=args)
+    # (no /exit: the end of the input ends the chat, like Ctrl-D)
+    result = chat("Write a long story about a dragon.", "Another one, please.", "/reset", "/stats", args=args)
 
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output

@@ -298,6 +298,22 @@ def test_verbose_shows_the_traceback(cli):
     assert "Traceback" in result.stderr and "unknown model" in result.stderr
 
 
+def test_a_bug_is_one_line_unless_verbose(cli, monkeypatch):
+    from specrun import commands
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(commands, "list_models", broken)
+
+    quiet = cli("models")
+    assert quiet.exit_code == 1
+    assert "ZeroDivisionError" in one_error_line(quiet) and "--verbose" in quiet.stderr
+
+    loud = cli("models", "--verbose")
+    assert loud.exit_code == 1 and "Traceback" in loud.stderr
+
+
 def test_no_color_and_pipes_give_plain_text(cli):
     env = {"FORCE_COLOR": "1", "NO_COLOR": None, "TERM": "xterm-256color"}
     coloured = cli("generate", "hi", "--target", "qwen-14", env=env)
