@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# huggingface_hub reads HF_HUB_OFFLINE once, when its constants module is first imported: import
+# it now, online, so a test that sets offline mode cannot freeze it for the rest of the run.
+import huggingface_hub.constants  # noqa: F401
+
 # Model cache shared by all test runs on this machine (resolved before any test changes HOME).
 MODEL_CACHE = Path(os.environ.get("SPECRUN_HOME") or Path.home() / ".cache" / "specrun")
 
