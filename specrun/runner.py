@@ -93,11 +93,17 @@ class Runtime:
         self._owned: list = []
         self._chat_format = None
         try:
-            self.target = self._load(self.models.target_path, opts.gpu_layers)
+            from specrun import placement
+
+            target_layers, draft_layers = placement.gpu_layers(
+                self.models.target_path, self.models.draft_path, opts.ctx_size,
+                (opts.budget or DEFAULT_SHAPE["budget"]) + 1, override=opts.gpu_layers,
+            )
+            self.target = self._load(self.models.target_path, target_layers)
             self.draft = None
             self.shape: TreeShape | None = None
             if self.models.draft_path is not None:
-                self.draft = self._load(self.models.draft_path, opts.gpu_layers)
+                self.draft = self._load(self.models.draft_path, draft_layers)
                 pairing.check_vocab(self.target, self.draft, self.models.target_name, self.models.draft_name)
                 self.shape = shape_override or self._choose_shape()
             spec = self.shape is not None
@@ -117,10 +123,10 @@ class Runtime:
             raise
         self.decoder = self._make_decoder()
 
-    def _load(self, path: Path, gpu_layers: int | None):
+    def _load(self, path: Path, gpu_layers: int):
         from specrun import engine
 
-        model = engine.Model(path, n_gpu_layers=gpu_layers if gpu_layers is not None else -1)
+        model = engine.Model(path, n_gpu_layers=gpu_layers)
         self._owned.append(model)
         return model
 
