@@ -292,32 +292,31 @@ def _check(rt, choice: tuner.Choice, tree: tuner.Choice, prompts: list[list[int]
     n_prompts = settings.check_prompts
     task = progress.add_task("checking the prediction", total=2 * n_prompts * settings.check_tokens)
     deadline = time.monotonic() + settings.check_seconds
-    plain_tokens = tree_tokens = passes = 0
-    plain_s = tree_s = 0.0
+    totals = {"plain": [0, 0.0, 0], "tree": [0, 0.0, 0]}  # tokens, seconds, passes
+    outputs: dict[str, list[int]] = {}
     identical = True
     done = 0
-    for prompt in prompts[:n_prompts]:
+    for i, prompt in enumerate(prompts[:n_prompts]):
         if done and time.monotonic() > deadline:
             break
-        # Fresh decoders: each one's record of the cached tokens must match the contexts.
-        rt.target_ctx.clear()
-        plain = PlainDecoder(rt.target, rt.target_ctx)
-        plain_out = token_ids(plain, prompt, greedy, settings.check_tokens)
-        progress.advance(task, settings.check_tokens)
-        rt.target_ctx.clear()
-        rt.draft_ctx.clear()
-        spec = make_decoder(rt, tree)
-        tree_out = token_ids(spec, prompt, greedy, settings.check_tokens)
-        progress.advance(task, settings.check_tokens)
-        plain_tokens += plain.stats.n_generated
-        plain_s += plain.stats.decode_s
-        tree_tokens += spec.stats.n_generated
-        tree_s += spec.stats.decode_s
-        passes += spec.stats.n_passes
-        identical &= plain_out == tree_out
+        # Alternate the order (plain, tree), (tree, plain), ... so a slow drift of the machine's
+        # speed hits both alike.
+        for kind in ("plain", "tree") if i % 2 == 0 else ("tree", "plain"):
+            # Fresh decoders: each one's record of the cached tokens must match the contexts.
+            rt.target_ctx.clear()
+            rt.draft_ctx.clear()
+            decoder = PlainDecoder(rt.target, rt.target_ctx) if kind == "plain" else make_decoder(rt, tree)
+            outputs[kind] = token_ids(decoder, prompt, greedy, settings.check_tokens)
+            progress.advance(task, settings.check_tokens)
+            stats = decoder.stats
+            totals[kind][0] += stats.n_generated
+            totals[kind][1] += stats.decode_s
+            totals[kind][2] += stats.n_passes
+        identical &= outputs["plain"] == outputs["tree"]
         done += 1
     rt.target_ctx.clear()
     rt.draft_ctx.clear()
+    (plain_tokens, plain_s, _), (tree_tokens, tree_s, passes) = totals["plain"], totals["tree"]
     return CheckResult(
         plain_tokens_per_s=plain_tokens / plain_s if plain_s else 0.0,
         tree_tokens_per_s=tree_tokens / tree_s if tree_s else 0.0,
