@@ -123,9 +123,9 @@ class TreeGrower:
                 expanded = np.concatenate([expanded, np.zeros(tree_capacity - len(expanded), bool)])
             logps, depths = tree.logps, tree.depths
             open_ = ~expanded[:n] & (depths < depth)
-            if n - 1 > budget:
+            if n - 1 >= budget:
                 # A node's children score below it, so only nodes above the budget-th best score
-                # can still add a node to the best `budget`.
+                # can still add a node to the best `budget` (already when the tree is just full).
                 threshold = -np.partition(-logps[1:], budget - 1)[budget - 1]
                 open_ &= logps > threshold
             candidates = np.flatnonzero(open_)
