@@ -316,6 +316,7 @@ class StepRecord:
     tree_nodes: int
     draft_passes: int
     expansions: int  # tree nodes the draft expanded (decoded) while growing the tree
+    catchup_tokens: int  # tokens the draft decoded to catch up with the text (bonus token included)
     target_s: float
     draft_s: float
     total_s: float
@@ -331,6 +332,7 @@ class StepRecord:
             "tree_nodes": self.tree_nodes,
             "draft_passes": self.draft_passes,
             "expansions": self.expansions,
+            "catchup_tokens": self.catchup_tokens,
             "target_s": self.target_s,
             "draft_s": self.draft_s,
             "total_s": self.total_s,
@@ -341,8 +343,8 @@ class StepRecord:
     def from_dict(cls, data: dict) -> StepRecord:
         return cls(
             tuple(int(r) for r in data["path_ranks"]), int(data["tree_nodes"]), int(data["draft_passes"]),
-            int(data["expansions"]), float(data["target_s"]), float(data["draft_s"]),
-            float(data["total_s"]), bool(data["first"]),
+            int(data["expansions"]), int(data["catchup_tokens"]), float(data["target_s"]),
+            float(data["draft_s"]), float(data["total_s"]), bool(data["first"]),
         )
 
 
@@ -381,6 +383,15 @@ class Calibration:
         nodes = sum(s.tree_nodes for s in self.steps)
         expanded = sum(s.expansions for s in self.steps)
         return nodes / expanded if expanded else tuner.DEFAULT_BRANCHING
+
+    def catchup_tokens(self) -> float:
+        """Return the median tokens of the draft's first pass of a step (catching up with the text).
+
+        The tuner's Sequoia cost counts that pass as one token wide; it is wider when the
+        target accepted tree leaves the draft never decoded.
+        """
+        values = [s.catchup_tokens for s in self.steps if not s.first]
+        return float(statistics.median(values)) if values else 1.0
 
     def overhead_s(self, topk: tuner.CostCurve | None) -> float:
         """Return the median per-step time outside target and draft passes (bookkeeping, Python).
@@ -426,17 +437,21 @@ class Calibration:
         )
 
 
-class _ExpansionCounter:
-    """Stands in for the draft context and counts the tokens of the grower's expansion passes."""
+class _DraftCounter:
+    """Stands in for the draft context and counts the tokens of the grower's passes: expansions
+    (the grower's own batch) and catching up with the committed text (any other batch)."""
 
     def __init__(self, ctx):
         self._ctx = ctx
         self.expansion_batch = None
         self.expanded = 0
+        self.caught_up = 0
 
     def decode(self, batch) -> None:
         if batch is self.expansion_batch:
             self.expanded += batch.n_tokens
+        else:
+            self.caught_up += batch.n_tokens
         self._ctx.decode(batch)
 
     def __getattr__(self, name):
@@ -470,7 +485,7 @@ def calibrate(
     t_start = time.perf_counter()
     target_ctx.clear()
     draft_ctx.clear()
-    counter = _ExpansionCounter(draft_ctx)
+    counter = _DraftCounter(draft_ctx)
     grower = TreeGrower(draft, counter, shape)
     counter.expansion_batch = grower.batch
     decoder = SpeculativeDecoder(target, target_ctx, draft, draft_ctx, shape, grower=grower)
@@ -486,10 +501,10 @@ def calibrate(
             cal.steps.append(
                 StepRecord(
                     tuple(step.path_ranks), step.tree_nodes, step.draft_passes, counter.expanded,
-                    step.target_s, step.draft_s, step.total_s, first,
+                    counter.caught_up, step.target_s, step.draft_s, step.total_s, first,
                 )
             )
-            counter.expanded = 0
+            counter.expanded = counter.caught_up = 0
             first = False
             if on_step is not None:
                 on_step(len(step.tokens))

@@ -251,7 +251,14 @@ def _choose(measured: Measured) -> tuple[tuner.Choice, tuner.Choice]:
     inputs = _tuner_inputs(measured)
     cal = measured.calibration
     best_specexec = tuner.choose_config(**inputs, min_speedup=0.0)
-    sequoia_inputs = {**inputs, "tau_by_depth": None, "max_tree_tokens": min(cal.budget + 1, MAX_SEQUOIA_TOKENS)}
+    draft = measured.draft_curve
+    sequoia_inputs = {
+        **inputs,
+        "tau_by_depth": None,
+        "max_tree_tokens": min(cal.budget + 1, MAX_SEQUOIA_TOKENS),
+        # The tuner prices a static tree's first draft pass at one token; catching up is wider.
+        "overhead": inputs["overhead"] + max(0.0, draft.t(cal.catchup_tokens()) - draft.t(1)),
+    }
     best_sequoia = tuner.choose_config(
         **sequoia_inputs, accept_probs=cal.accept_probs(), sequoia_depths=tuple(range(1, cal.depth + 1)),
         min_speedup=0.0,
@@ -311,10 +318,11 @@ def _check(rt, choice: tuner.Choice, tree: tuner.Choice, prompts: list[list[int]
             decoder = PlainDecoder(rt.target, rt.target_ctx) if kind == "plain" else make_decoder(rt, tree)
             outputs[kind] = _generate(decoder, prompt, greedy, settings.check_tokens, seconds_each)
             progress.advance(task, settings.check_tokens)
-            stats = decoder.stats
-            totals[kind][0] += stats.n_generated
-            totals[kind][1] += stats.decode_s
-            totals[kind][2] += stats.n_passes
+            # Steady state, as predicted: the first pass also prefills the draft with the prompt.
+            steps = decoder.stats.steps[1:] or decoder.stats.steps
+            totals[kind][0] += sum(len(step.tokens) for step in steps)
+            totals[kind][1] += sum(step.total_s for step in steps)
+            totals[kind][2] += len(steps)
         common = min(len(outputs["plain"]), len(outputs["tree"]))
         identical &= outputs["plain"][:common] == outputs["tree"][:common]
         done += 1

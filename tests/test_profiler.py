@@ -210,6 +210,10 @@ def test_calibration_records_steps_and_draft_ranks(pair):
     assert cal.n_tokens == 24 and cal.steps
     assert cal.steps[0].first and not any(s.first for s in cal.steps[1:])
     assert all(s.tree_nodes <= 8 and s.expansions >= 1 and s.draft_passes >= 2 for s in cal.steps)
+    # the draft reads the prompt in the first step, then only what it has not decoded yet
+    assert cal.steps[0].catchup_tokens >= len(prompt)
+    assert all(1 <= s.catchup_tokens <= 8 + 1 for s in cal.steps[1:])
+    assert 1 <= cal.catchup_tokens() <= 9
     assert all(list(s.path_ranks) == sorted(s.path_ranks) for s in cal.steps)  # best-first ranks grow along a path
     assert len(cal.draft_ranks) == 24  # one rank per emitted token
     probs = cal.accept_probs()
