@@ -62,6 +62,8 @@ CHECK_MIN_SPEEDUP = 1.0
 # Plain decoding measured this much faster or slower in the check than in the cost curves means
 # the machine's speed drifted during tuning; the report says so.
 DRIFT_WARNING = 0.25
+# Fewer calibration passes than this make tau(B) a rough estimate; the report says so.
+MIN_CALIBRATION_STEPS = 10
 # Budgets listed in charts.
 CHART_BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -481,6 +483,12 @@ def report_lines(profile: dict) -> list[str]:
             f"  note: plain decoding ran at {plain_measured:.1f} tok/s in the check but "
             f"{plain_predicted:.1f} tok/s when measured: the machine's speed changed while tuning "
             "(other work running?), so predictions are rough"
+        )
+    n_steps = profile.get("calibration", {}).get("n_steps", MIN_CALIBRATION_STEPS)
+    if n_steps < MIN_CALIBRATION_STEPS:
+        lines.append(
+            f"  note: calibration saw only {n_steps} target passes before its time ran out, so "
+            "acceptance is a rough estimate (tune again on a quieter machine, or without --quick)"
         )
     curves = profile["curves"]
     lines.append("target pass time by tokens in the batch:")
