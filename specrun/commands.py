@@ -409,14 +409,14 @@ def measure(decoder, rt: Runtime, prompts: Iterable[list[int]], max_tokens: int)
 
 def bench(opts: RunOptions, budgets: list[int], prompts_file: Path | None, max_tokens: int, as_json: bool) -> list[dict]:
     """Compare plain and speculative decoding of the same target on the same prompts."""
-    from specrun.draft import TreeShape
     from specrun.generate import PlainDecoder
     from specrun.speculative import SpeculativeDecoder
 
     texts = load_prompts(prompts_file)
     max_budget = max(budgets)
     rows = []
-    with Runtime(opts, shape_override=TreeShape(budget=max_budget, depth=opts.depth or 8)) as rt:
+    # The tuned (or default) tree kind, sized for the largest budget; each budget scales it.
+    with Runtime(replace(opts, budget=max_budget)) as rt:
         if not rt.speculative:
             raise UsageError(f"no draft model for {rt.models.target_name}: pass --draft")
         prompts = [rt.tokenize_prompt(t, chat=True) for t in texts]
@@ -453,11 +453,13 @@ def bench(opts: RunOptions, budgets: list[int], prompts_file: Path | None, max_t
 
 
 def _bench_shape(base, budget: int, depth: int | None):
+    """Return the tree for one bench budget: the base's kind (chain or tree) at that size."""
     from specrun.draft import TreeShape
 
+    chain = base.width == 1 and base.top_k == 1
     return TreeShape(
         budget=budget,
-        depth=depth or base.depth,
+        depth=depth or (budget if chain else base.depth),
         width=min(base.width, budget),
         top_k=min(base.top_k, budget),
     )

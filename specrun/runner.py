@@ -17,8 +17,9 @@ from specrun.errors import UsageError
 log = logging.getLogger("specrun")
 
 DEFAULT_CTX = 4096
-# Used when no tuning profile exists: a small tree that pays on most machines.
-DEFAULT_SHAPE = dict(budget=16, depth=8, width=4, top_k=4)
+# Used when no tuning profile exists: a short chain (classic speculative decoding), which pays
+# wherever the draft is much cheaper than the target, even on a CPU where wide trees cost dearly.
+DEFAULT_SHAPE = dict(budget=5, depth=5, width=1, top_k=1)
 PREFILL_BATCH = 512
 
 
@@ -102,10 +103,15 @@ class Runtime:
             self.target = self._load(self.models.target_path, target_layers)
             self.draft = None
             self.shape: TreeShape | None = None
+            self.template = None  # a tuned Sequoia tree, grown as is
             if self.models.draft_path is not None:
+                if shape_override is not None:
+                    self.shape = shape_override
+                else:
+                    self.shape, self.template = self._choose_shape()
+            if self.shape is not None:
                 self.draft = self._load(self.models.draft_path, draft_layers)
                 pairing.check_vocab(self.target, self.draft, self.models.target_name, self.models.draft_name)
-                self.shape = shape_override or self._choose_shape()
             spec = self.shape is not None
             n_batch = max(PREFILL_BATCH, self.shape.budget + 1) if spec else PREFILL_BATCH
             self.target_ctx = engine.Context(
@@ -131,24 +137,51 @@ class Runtime:
         return model
 
     def _choose_shape(self):
+        """Return (tree shape or None for plain decoding, Sequoia template or None).
+
+        Explicit --budget/--depth win; else the stored tuning profile (which may say plain
+        decoding is faster here); else a safe default.
+        """
         from specrun.draft import TreeShape
 
         opts = self.opts
-        shape = None
+        choice = None
         try:
             from specrun import profiles
 
-            shape = profiles.shape_for(self.models.target_path, self.models.draft_path)
+            choice = profiles.choice_for(self.models.target_path, self.models.draft_path, opts.threads)
         except ImportError:
-            shape = None
-        if shape is None:
+            choice = None
+        overridden = opts.budget is not None or opts.depth is not None
+        template = None
+        if choice is None:
             shape = TreeShape(**DEFAULT_SHAPE)
-            log.info("no tuning profile for this pair; using budget %d (run `specrun tune` once)", shape.budget)
-        if opts.budget is not None:
-            shape = replace(shape, budget=opts.budget, width=min(shape.width, opts.budget), top_k=min(shape.top_k, opts.budget))
-        if opts.depth is not None:
-            shape = replace(shape, depth=opts.depth)
-        return shape
+            log.info("no tuning profile for this pair; using a chain of %d draft tokens (run `specrun tune` once)", shape.budget)
+        elif choice.kind == "plain" and not overridden:
+            log.info("tuning profile: plain decoding is fastest for this pair on this machine")
+            return None, None
+        elif choice.kind == "plain":
+            shape = TreeShape(**DEFAULT_SHAPE)
+        elif choice.kind == "sequoia" and choice.tree is not None:
+            from specrun.sequoia_draft import template_shape
+
+            template = choice.tree
+            shape = template_shape(template)
+            log.info("tuning profile: Sequoia static tree of %d draft tokens, depth %d", shape.budget, shape.depth)
+        else:
+            shape = TreeShape(budget=choice.budget, depth=choice.depth, width=choice.width, top_k=choice.top_k)
+            log.info("tuning profile: SpecExec tree of %d draft tokens, depth %d", shape.budget, shape.depth)
+        if overridden:
+            template = None  # explicit sizes: grow best-first trees of that size
+            if opts.budget is not None:
+                chain = shape.width == 1 and shape.top_k == 1
+                shape = replace(
+                    shape, budget=opts.budget, width=min(shape.width, opts.budget), top_k=min(shape.top_k, opts.budget),
+                    depth=max(shape.depth, opts.budget) if chain else shape.depth,
+                )
+            if opts.depth is not None:
+                shape = replace(shape, depth=opts.depth)
+        return shape, template
 
     def _make_decoder(self):
         from specrun.generate import PlainDecoder
@@ -156,7 +189,12 @@ class Runtime:
 
         if self.shape is None:
             return PlainDecoder(self.target, self.target_ctx)
-        return SpeculativeDecoder(self.target, self.target_ctx, self.draft, self.draft_ctx, self.shape)
+        grower = None
+        if self.template is not None:
+            from specrun.sequoia_draft import StaticTreeGrower
+
+            grower = StaticTreeGrower(self.draft, self.draft_ctx, self.template)
+        return SpeculativeDecoder(self.target, self.target_ctx, self.draft, self.draft_ctx, self.shape, grower=grower)
 
     @property
     def speculative(self) -> bool:

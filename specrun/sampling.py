@@ -221,6 +221,10 @@ def log_softmax_topk(logits_2d: np.ndarray, k: int) -> tuple[np.ndarray, np.ndar
     if not _is_int(k) or k < 1:
         raise ValueError(f"k must be a whole number >= 1, got {k}")
     n_rows, n_vocab = x.shape
+    if k == 1:  # chains: argmax picks the lowest id among equal maxima, as promised above
+        ids = x.argmax(axis=1)[:, None]
+        values = np.take_along_axis(x, ids, axis=1).astype(np.float64)
+        return ids, values - _logsumexp_rows(x, values)
     ids = _top_k_ids(x, min(int(k), n_vocab))
     values = np.take_along_axis(x, ids, axis=1)
     order = np.lexsort((ids, -values), axis=1)

@@ -1,0 +1,42 @@
+"""`specrun bench` end to end on the offline demo pair, driven through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from specrun.cli import app
+
+BENCH_KEYS = {"budget", "plain_tokens_per_s", "spec_tokens_per_s", "speedup", "accepted_per_pass", "identical_output"}
+
+
+def test_bench_json_compares_plain_and_speculative_per_budget(tmp_path, offline_models):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n\nWrite a haiku about rain.\n", encoding="utf-8")
+
+    result = CliRunner().invoke(
+        app, ["bench", "--json", "--budget", "1", "--budget", "4", "--max-tokens", "16", "--prompts", str(prompts)]
+    )
+
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert [row["budget"] for row in rows] == [1, 4]
+    for row in rows:
+        assert BENCH_KEYS <= set(row), row
+        assert row["plain_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
+        assert abs(row["speedup"] - row["spec_tokens_per_s"] / row["plain_tokens_per_s"]) < 0.01
+        # The Q4_1 draft agrees with its F32 target: a budget-1 tree is accepted most of the time.
+        assert 1.3 <= row["accepted_per_pass"] <= row["budget"] + 1
+        assert row["identical_output"] is True
+
+
+def test_bench_rejects_an_empty_prompts_file(tmp_path, offline_models):
+    prompts = tmp_path / "empty.txt"
+    prompts.write_text("\n  \n", encoding="utf-8")
+
+    result = CliRunner().invoke(app, ["bench", "--json", "--budget", "1", "--prompts", str(prompts)])
+
+    assert result.exit_code != 0
+    assert "has no prompts" in " ".join(result.output.split())  # one line, however the terminal wraps it
+    assert "Traceback" not in result.output

@@ -1,0 +1,74 @@
+"""A stored tuning profile decides how chat, generate and bench decode, without being asked.
+
+Real demo models; the profile is written directly (tuning itself is tested in test_tuning.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from specrun import profiles
+from specrun.draft import TreeGrower, TreeShape
+from specrun.generate import PlainDecoder, token_ids
+from specrun.runner import DEFAULT_SHAPE, RunOptions, Runtime
+from specrun.sampling import SamplingParams
+from specrun.sequoia_draft import StaticTreeGrower
+from specrun.speculative import SpeculativeDecoder
+from specrun.tuner import Choice, TreeTemplate
+
+OPTS = RunOptions(threads=1, ctx_size=512, quiet=True)
+PLAIN = Choice("plain", 0, 0, 0, 0, 20.0, 1.0)
+# A root with two children; the first has one child of its own.
+TEMPLATE = TreeTemplate(parents=(-1, 0, 0, 1), ranks=(0, 1, 2, 1))
+SEQUOIA = Choice("sequoia", 3, 2, 2, 2, 30.0, 1.3, TEMPLATE)
+SPECEXEC = Choice("specexec", 12, 6, 2, 3, 30.0, 1.3)
+
+
+def _store(offline_models, choice: Choice) -> None:
+    key = profiles.profile_key(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=OPTS.threads)
+    profiles.save({"key": key, "config": choice.to_dict(), "predicted_speedup": 1.0, "measured_speedup": 1.0})
+
+
+def test_without_a_profile_the_default_is_a_short_chain(offline_models):
+    with Runtime(OPTS) as rt:
+        assert isinstance(rt.decoder, SpeculativeDecoder)
+        assert rt.shape == TreeShape(**DEFAULT_SHAPE)
+
+
+def test_a_profile_that_chose_plain_decoding_decodes_plainly_without_loading_the_draft(offline_models):
+    _store(offline_models, PLAIN)
+    with Runtime(OPTS) as rt:
+        assert type(rt.decoder) is PlainDecoder
+        assert rt.draft is None and rt.draft_ctx is None
+        assert not rt.speculative
+        prompt = rt.tokenize_prompt("Name a colour.", chat=True)
+        assert len(token_ids(rt.decoder, prompt, SamplingParams(), 8)) == 8
+
+
+def test_an_explicit_budget_overrides_a_plain_profile(offline_models):
+    _store(offline_models, PLAIN)
+    with Runtime(replace(OPTS, budget=7)) as rt:
+        assert isinstance(rt.decoder, SpeculativeDecoder)
+        assert rt.shape.budget == 7 and rt.shape.depth == 7  # the default kind (a chain) at that size
+
+
+def test_a_sequoia_profile_grows_its_static_tree(offline_models):
+    _store(offline_models, SEQUOIA)
+    with Runtime(OPTS) as rt:
+        grower = rt.decoder.grower
+        assert isinstance(grower, StaticTreeGrower)
+        prompt = rt.tokenize_prompt("Name a colour.", chat=True)
+        token_ids(rt.decoder, prompt, SamplingParams(), 12)
+        assert {s.tree_nodes for s in rt.decoder.stats.steps} <= {0, 1, 2, 3}
+        assert max(s.tree_nodes for s in rt.decoder.stats.steps) == 3
+
+
+@pytest.mark.parametrize("override, expected", [({}, (12, 6, 2, 3)), ({"depth": 3}, (12, 3, 2, 3)), ({"budget": 2}, (2, 6, 2, 2))])
+def test_a_specexec_profile_and_its_overrides(offline_models, override, expected):
+    _store(offline_models, SPECEXEC)
+    with Runtime(replace(OPTS, **override)) as rt:
+        assert type(rt.decoder.grower) is TreeGrower
+        s = rt.shape
+        assert (s.budget, s.depth, s.width, s.top_k) == expected
