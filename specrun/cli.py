@@ -241,6 +241,8 @@ def bench(
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="File with one prompt per line (default: built-in chat/code/prose set).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Tokens per prompt.")] = 128,
     depth: DepthOpt = None,
+    width: Annotated[Optional[int], typer.Option("--width", min=1, max=256, help="Tree nodes the draft expands per pass (default: the tuned tree's; 1 with --children 1 is a chain).")] = None,
+    children: Annotated[Optional[int], typer.Option("--children", min=1, max=256, help="Children per expanded tree node (default: the tuned tree's).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per budget on stdout.")] = False,
     target: TargetOpt = None,
     draft: DraftOpt = None,
@@ -255,7 +257,7 @@ def bench(
         from specrun import commands
 
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False)
-        commands.bench(opts, budgets or [4, 16, 64], prompts, max_tokens, as_json)
+        commands.bench(opts, budgets or [4, 16, 64], prompts, max_tokens, as_json, width=width, children=children)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -407,8 +407,15 @@ def measure(decoder, rt: Runtime, prompts: Iterable[list[int]], max_tokens: int)
     )
 
 
-def bench(opts: RunOptions, budgets: list[int], prompts_file: Path | None, max_tokens: int, as_json: bool) -> list[dict]:
-    """Compare plain and speculative decoding of the same target on the same prompts."""
+def bench(
+    opts: RunOptions, budgets: list[int], prompts_file: Path | None, max_tokens: int, as_json: bool,
+    width: int | None = None, children: int | None = None,
+) -> list[dict]:
+    """Compare plain and speculative decoding of the same target on the same prompts.
+
+    Each budget grows trees of the tuned (or default) kind at that size; `width` and `children`
+    override the kind's nodes expanded per draft pass and children per node.
+    """
     from specrun.generate import PlainDecoder
     from specrun.speculative import SpeculativeDecoder
 
@@ -424,7 +431,7 @@ def bench(opts: RunOptions, budgets: list[int], prompts_file: Path | None, max_t
         measure(plain, rt, prompts[:1], 16)  # warm-up: first decodes pay one-time allocation
         plain_tps, _, plain_overhead, plain_out = measure(plain, rt, prompts, max_tokens)
         for budget in budgets:
-            shape = _bench_shape(rt.shape, budget, opts.depth)
+            shape = _bench_shape(rt.shape, budget, opts.depth, width, children)
             spec = SpeculativeDecoder(rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, shape)
             measure(spec, rt, prompts[:1], 16)
             spec_tps, per_pass, overhead, spec_out = measure(spec, rt, prompts, max_tokens)
@@ -452,16 +459,18 @@ def bench(opts: RunOptions, budgets: list[int], prompts_file: Path | None, max_t
     return rows
 
 
-def _bench_shape(base, budget: int, depth: int | None):
+def _bench_shape(base, budget: int, depth: int | None, width: int | None = None, children: int | None = None):
     """Return the tree for one bench budget: the base's kind (chain or tree) at that size."""
     from specrun.draft import TreeShape
 
-    chain = base.width == 1 and base.top_k == 1
+    width = width or base.width
+    children = children or base.top_k
+    chain = width == 1 and children == 1
     return TreeShape(
         budget=budget,
         depth=depth or (budget if chain else base.depth),
-        width=min(base.width, budget),
-        top_k=min(base.top_k, budget),
+        width=min(width, budget),
+        top_k=min(children, budget),
     )
 
 

@@ -40,3 +40,19 @@ def test_bench_rejects_an_empty_prompts_file(tmp_path, offline_models):
     assert result.exit_code != 0
     assert "has no prompts" in " ".join(result.output.split())  # one line, however the terminal wraps it
     assert "Traceback" not in result.output
+
+
+def test_bench_tree_kind_follows_width_and_children(tmp_path, offline_models):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Name three fruits.\n", encoding="utf-8")
+    args = ["bench", "--json", "--max-tokens", "8", "--prompts", str(prompts), "--budget", "3"]
+
+    chain = CliRunner().invoke(app, args + ["--width", "1", "--children", "1"])
+    tree = CliRunner().invoke(app, args + ["--width", "2", "--children", "2", "--depth", "2"])
+
+    assert chain.exit_code == 0 and tree.exit_code == 0, chain.output + tree.output
+    chain_row, tree_row = json.loads(chain.stdout), json.loads(tree.stdout)
+    # A chain's depth is its budget; a tree keeps the depth it was given.
+    assert (chain_row["depth"], chain_row["width"], chain_row["top_k"]) == (3, 1, 1)
+    assert (tree_row["depth"], tree_row["width"], tree_row["top_k"]) == (2, 2, 2)
+    assert chain_row["identical_output"] and tree_row["identical_output"]
