@@ -73,17 +73,44 @@ def profile_path(key: dict) -> Path:
 def save(profile: dict) -> Path:
     """Write a profile (a dict with a "key") atomically; return its path."""
     path = profile_path(profile["key"])
+    _write_json(path, profile)
+    return path
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Write JSON to `path` through a temporary file, so readers never see half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(profile, f, indent=1, sort_keys=False)
+            json.dump(data, f, indent=1, sort_keys=False)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def first_suggestion(target_path: Path, draft_path: Path) -> bool:
+    """Return True the first time a pair runs untuned (then suggest `specrun tune`), else False.
+
+    Remembered per pair of model file names in profiles_dir()/suggested.json; a file that cannot
+    be read or written only means the suggestion may come again.
+    """
+    path = paths.profiles_dir() / "suggested.json"
+    pair = f"{Path(target_path).name} + {Path(draft_path).name}"
+    try:
+        seen = json.loads(path.read_text(encoding="utf-8"))
+        seen = seen if isinstance(seen, list) else []
+    except (OSError, ValueError):
+        seen = []
+    if pair in seen:
+        return False
+    try:
+        _write_json(path, seen + [pair])
+    except OSError as e:
+        log.debug("cannot remember the tuning suggestion: %s", e)
+    return True
 
 
 def load(target_path: Path, draft_path: Path | None, threads: int | None = None) -> dict | None:

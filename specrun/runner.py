@@ -92,6 +92,7 @@ class Runtime:
         self.opts = opts
         self.models = resolve_models(opts)
         self._owned: list = []
+        self._untuned = False  # speculating with the default tree: no tuning profile for the pair
         self._chat_format = None
         try:
             from specrun import placement
@@ -128,6 +129,15 @@ class Runtime:
             self.close()
             raise
         self.decoder = self._make_decoder()
+        if self._untuned and not opts.quiet:
+            self._suggest_tuning()
+
+    def _suggest_tuning(self) -> None:
+        """Once per pair that runs without a profile (and loaded fine): say that tuning exists."""
+        from specrun import profiles, ui
+
+        if profiles.first_suggestion(self.models.target_path, self.models.draft_path):
+            ui.dim("tip: `specrun tune` measures this machine once and picks the fastest tree for this pair")
 
     def _load(self, path: Path, gpu_layers: int):
         from specrun import engine
@@ -156,7 +166,8 @@ class Runtime:
         template = None
         if choice is None:
             shape = TreeShape(**DEFAULT_SHAPE)
-            log.info("no tuning profile for this pair; using a chain of %d draft tokens (run `specrun tune` once)", shape.budget)
+            log.info("no tuning profile for this pair; using a chain of %d draft tokens", shape.budget)
+            self._untuned = True
         elif choice.kind == "plain" and not overridden:
             log.info("tuning profile: plain decoding is fastest for this pair on this machine")
             return None, None

@@ -166,3 +166,21 @@ def test_save_replaces_the_file_atomically(model_files):
     assert profiles.choice_for(target, draft).kind == "plain"
     leftovers = [p.name for p in paths.profiles_dir().iterdir() if p.name.startswith(".profile-")]
     assert leftovers == []
+
+
+def test_tuning_is_suggested_once_per_pair(model_files, tmp_path):
+    target, draft = model_files
+    other = tmp_path / "other-draft.gguf"
+    other.write_bytes(b"GGUF")
+    assert profiles.first_suggestion(target, draft) is True
+    assert profiles.first_suggestion(target, draft) is False
+    assert profiles.first_suggestion(target, other) is True
+
+
+def test_a_corrupt_suggestion_record_only_means_suggesting_again(model_files):
+    target, draft = model_files
+    record = paths.profiles_dir() / "suggested.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("{not json", encoding="utf-8")
+    assert profiles.first_suggestion(target, draft) is True
+    assert profiles.first_suggestion(target, draft) is False

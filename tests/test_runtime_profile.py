@@ -72,3 +72,11 @@ def test_a_specexec_profile_and_its_overrides(offline_models, override, expected
         assert type(rt.decoder.grower) is TreeGrower
         s = rt.shape
         assert (s.budget, s.depth, s.width, s.top_k) == expected
+
+
+def test_an_untuned_pair_gets_the_tuning_tip_once(offline_models, capsys):
+    with Runtime(replace(OPTS, quiet=False)):
+        pass
+    with Runtime(replace(OPTS, quiet=False)):
+        pass
+    assert capsys.readouterr().err.count("specrun tune") == 1
