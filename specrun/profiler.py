@@ -399,6 +399,13 @@ class Calibration:
         Step overhead includes the draft's top-k after each expansion pass; the draft curve
         already counts that, so it is taken out here.
         """
+        return self._overhead(topk, per_pass=False)
+
+    def overhead_per_pass_s(self, topk: tuner.CostCurve | None) -> float:
+        """Return the median step overhead per forward pass (draft passes + the target's one)."""
+        return self._overhead(topk, per_pass=True)
+
+    def _overhead(self, topk: tuner.CostCurve | None, per_pass: bool) -> float:
         values = []
         for s in self.steps:
             if s.first:
@@ -407,7 +414,8 @@ class Calibration:
             topk_s = 0.0
             if topk is not None and expansion_passes:
                 topk_s = expansion_passes * topk.t(s.expansions / expansion_passes)
-            values.append(max(0.0, s.overhead_s - topk_s))
+            overhead = max(0.0, s.overhead_s - topk_s)
+            values.append(overhead / (s.draft_passes + 1) if per_pass else overhead)
         return statistics.median(values) if values else 0.0
 
     def summary(self) -> dict:

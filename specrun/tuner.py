@@ -415,10 +415,18 @@ def specexec_draft_seconds(
     """
     if budget <= 0:
         return 0.0
+    passes, per_pass = specexec_passes(budget, depth, width, branching)
+    return passes * draft_curve.t(per_pass)
+
+
+def specexec_passes(budget: int, depth: int, width: int, branching: float = DEFAULT_BRANCHING) -> tuple[int, int]:
+    """Return (draft passes, nodes per pass) to grow a best-first tree; see specexec_draft_seconds."""
+    if budget <= 0:
+        return 0, 0
     spine = min(depth, budget)
     expansions = max(math.ceil(budget / branching), spine)
     passes = max(spine, math.ceil(expansions / width))
-    return passes * draft_curve.t(math.ceil(expansions / passes))
+    return passes, math.ceil(expansions / passes)
 
 
 def sequoia_draft_seconds(draft_curve: CostCurve, tree: TreeTemplate) -> float:
@@ -452,12 +460,15 @@ def choose_config(
     sequoia_depths: Sequence[int] = tuple(range(1, 17)),
     plain_overhead: float = 0.0,
     min_speedup: float = MIN_SPEEDUP,
+    overhead_per_pass: float = 0.0,
 ) -> Choice:
     """Return the configuration with the best predicted tokens/s, or plain decoding.
 
     Predicted tokens/s = E[accepted per pass] / (t_target(B + 1) + t_draft_build + overhead),
     against plain decoding at 1 / (t_target(1) + plain_overhead). Speculation is chosen only when
-    it beats plain by `min_speedup`.
+    it beats plain by `min_speedup`. The overhead of a step is `overhead` plus `overhead_per_pass`
+    for each forward pass it makes (the draft's and the target's): Python bookkeeping and
+    llama_decode's own setup grow with the passes, so a chain and a wide tree pay differently.
 
     SpecExec: `tau` maps budget B -> accepted tokens per pass measured with depth limit `depth`
     and `top_k` children per expansion (from `tau_curve`); `tau_by_depth` maps several depth
@@ -476,10 +487,11 @@ def choose_config(
             if not 0 < budget < max_tree_tokens:
                 continue
             for w in widths:
+                passes = specexec_passes(budget, d, w, branching)[0] + 1
                 seconds = (
                     target_curve.t(budget + 1)
                     + specexec_draft_seconds(draft_curve, budget, d, w, branching)
-                    + overhead
+                    + overhead + overhead_per_pass * passes
                 )
                 rate = float(accepted) / seconds
                 candidates.append(Choice("specexec", int(budget), int(d), w, top_k, rate, rate / plain_rate))
@@ -488,7 +500,7 @@ def choose_config(
         candidates.extend(
             _sequoia_candidates(
                 target_curve, draft_curve, overhead, accept_probs, max_tree_tokens,
-                sequoia_depths, plain_rate,
+                sequoia_depths, plain_rate, overhead_per_pass,
             )
         )
 
@@ -506,6 +518,7 @@ def _sequoia_candidates(
     n_max: int,
     depths: Sequence[int],
     plain_rate: float,
+    overhead_per_pass: float = 0.0,
 ) -> list[Choice]:
     a = _validate_accept_probs(accept_probs)
     d_max = max(depths)
@@ -517,8 +530,10 @@ def _sequoia_candidates(
             if tree.size < 2 or tree.n_leaves > MAX_TREE_LEAVES:
                 continue
             accepted = 1.0 + float(tables.group_value[d, n - 1])
+            passes = len(tree.expanding_widths()) + 1
             seconds = (
-                target_curve.t(tree.size) + sequoia_draft_seconds(draft_curve, tree) + overhead
+                target_curve.t(tree.size) + sequoia_draft_seconds(draft_curve, tree)
+                + overhead + overhead_per_pass * passes
             )
             rate = accepted / seconds
             width = max(tree.expanding_widths())

@@ -151,7 +151,8 @@ class Measured:
     draft: profiler.CurveMeasurement
     plain: profiler.PlainTiming
     calibration: profiler.Calibration
-    overhead_s: float
+    overhead_s: float  # per calibration step (a tree of the calibration budget)
+    overhead_per_pass_s: float  # the same, per forward pass: what the tuner's cost model uses
 
     @property
     def target_curve(self) -> tuner.CostCurve:
@@ -206,8 +207,10 @@ def _measure(rt, settings: TuneSettings, shape, prompts: list[list[int]], progre
         f"calibration: {cal['n_tokens']} tokens in {cal['n_steps']} passes of a {budget}-token tree, "
         f"{cal['accepted_per_pass']:.2f} accepted per pass"
     )
-    overhead = calibration.overhead_s(draft.topk_curve())
-    return Measured(target, draft, plain, calibration, overhead)
+    topk = draft.topk_curve()
+    return Measured(
+        target, draft, plain, calibration, calibration.overhead_s(topk), calibration.overhead_per_pass_s(topk)
+    )
 
 
 def _calibration_budget(curve: tuner.CostCurve, cap: int, depth: int) -> int:
@@ -238,7 +241,8 @@ def _tuner_inputs(measured: Measured) -> dict:
     return dict(
         target_curve=measured.target_curve,
         draft_curve=measured.draft_curve,
-        overhead=measured.overhead_s,
+        overhead=0.0,
+        overhead_per_pass=measured.overhead_per_pass_s,
         tau_by_depth=cal.tau_by_depth(budgets, depths),
         depth=cal.depth,
         top_k=cal.top_k,
@@ -410,6 +414,7 @@ def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree,
             "draft_topk": measured.draft.topk_curve().to_dict() if measured.draft.topk else None,
         },
         "overhead_s": measured.overhead_s,
+        "overhead_per_pass_s": measured.overhead_per_pass_s,
         "plain": {"target_s": measured.plain.target_s, "overhead_s": measured.plain.overhead_s},
         "acceptance": {
             "tau": {str(b): round(t, 4) for b, t in cal.tau(budgets).items()},

@@ -305,6 +305,15 @@ def test_sequoia_prediction_is_consistent_with_its_tree():
     assert choice.depth == tree.depth and choice.top_k == tree.max_rank
 
 
+def test_overhead_per_pass_is_paid_once_per_forward_pass():
+    per_pass = 0.004
+    choice = choose_config(FLAT_TARGET, FAST_DRAFT, 0.0, None, GOOD_ACCEPTANCE, overhead_per_pass=per_pass)
+    tree = choice.tree
+    passes = len(tree.expanding_widths()) + 1  # the draft's levels and the target's pass
+    seconds = FLAT_TARGET.t(tree.size) + sum(FAST_DRAFT.t(w) for w in tree.expanding_widths()) + per_pass * passes
+    assert choice.predicted_tokens_per_s == pytest.approx(expected_accepted(tree, GOOD_ACCEPTANCE) / seconds)
+
+
 def test_choice_round_trips_through_json():
     for choice in [
         choose_config(FLAT_TARGET, FAST_DRAFT, 0.01, None, GOOD_ACCEPTANCE),
