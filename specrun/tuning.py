@@ -64,6 +64,8 @@ CHECK_MIN_SPEEDUP = 1.0
 DRIFT_WARNING = 0.25
 # Fewer calibration passes than this make tau(B) a rough estimate; the report says so.
 MIN_CALIBRATION_STEPS = 10
+# Other work using more than this share of the CPU when tuning starts gets a warning.
+BUSY_FRACTION = 0.25
 # Budgets listed in charts.
 CHART_BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -546,8 +548,16 @@ def _gpu_note(hardware: profiler.Hardware) -> str:
 
 def _warn_if_busy(hardware: profiler.Hardware) -> None:
     """Warn when other work is using the CPU: every timing would be slower and noisier."""
+    busy = _cpu_busy_fraction()
+    if busy is not None:
+        if busy > BUSY_FRACTION:
+            ui.warn(
+                f"the machine is busy ({busy:.0%} of {hardware.cores} cores in use by other work): "
+                "timings will be noisy and the profile may not fit a quiet machine"
+            )
+        return
     try:
-        load = os.getloadavg()[0]
+        load = os.getloadavg()[0]  # no /proc/stat: the load average also counts work just ended
     except (OSError, AttributeError):
         return
     if load > 0.5 * hardware.cores + 0.5:
@@ -555,6 +565,25 @@ def _warn_if_busy(hardware: profiler.Hardware) -> None:
             f"the machine is busy (load {load:.1f} on {hardware.cores} cores): timings will be noisy "
             "and the profile may not fit a quiet machine"
         )
+
+
+def _cpu_busy_fraction(seconds: float = 0.5) -> float | None:
+    """Return the share of all CPU time used over a short sleep (by others: we sleep), or None."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return (total - (idle1 - idle0)) / total if total > 0 else None
 
 
 @contextmanager

@@ -8,6 +8,7 @@ deselect with -m "not slow").
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -189,3 +190,27 @@ def test_quick_tune_of_the_demo_pair(offline_models, capsys):
     assert {"config", "predicted_speedup", "measured_speedup"} <= set(profile)
     assert profile["check"]["identical_output"] is True
     assert elapsed < 600, f"--quick took {elapsed:.0f} s"
+
+
+def test_busy_machine_is_detected_from_current_cpu_use_not_past_load():
+    import multiprocessing
+
+    quiet = tuning._cpu_busy_fraction(0.3)
+    assert quiet is not None and 0.0 <= quiet <= 1.0
+    spinners = [multiprocessing.Process(target=_spin, args=(3.0,)) for _ in range(os.cpu_count() or 2)]
+    for p in spinners:
+        p.start()
+    try:
+        time.sleep(0.3)
+        busy = tuning._cpu_busy_fraction(0.5)
+    finally:
+        for p in spinners:
+            p.join()
+    assert busy is not None and busy > tuning.BUSY_FRACTION
+    assert busy > quiet
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
