@@ -148,7 +148,6 @@ class Model(_Owner):
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
-        self.n_gpu_layers = n_gpu_layers
         if _cpu_has_amx():
             # ggml's AMX matmul (an "extra buffer type") crashes on multi-token batches of Q4_1
             # weights in the vendored llama.cpp; the plain CPU kernels are exact and safe.
@@ -434,7 +433,7 @@ class Context(_Owner):
         n_batch: int = 512,
         n_seq_max: int = 1,
         threads: int | None = None,
-        flash_attn: str | None = None,
+        flash_attn: str = "auto",
         swa_full: bool = True,
         kv_unified: bool = True,
     ):
@@ -453,11 +452,6 @@ class Context(_Owner):
         params.n_outputs_max = max(n_batch, n_seq_max)
         params.n_threads = threads
         params.n_threads_batch = threads
-        if flash_attn is None:
-            # On the CPU llama.cpp's flash-attention kernel measured slower at every size we use
-            # (1-token draft passes ~45%, 7-token target passes ~55% slower at a 300-token
-            # context); with layers on a GPU, let llama.cpp decide.
-            flash_attn = "auto" if model.n_gpu_layers > 0 else "off"
         params.flash_attn_type = {
             "auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO,
             "on": C.LLAMA_FLASH_ATTN_TYPE_ENABLED,
