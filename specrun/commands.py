@@ -461,17 +461,11 @@ def bench(
 
 def _bench_shape(base, budget: int, depth: int | None, width: int | None = None, children: int | None = None):
     """Return the tree for one bench budget: the base's kind (chain or tree) at that size."""
-    from specrun.draft import TreeShape
+    from dataclasses import replace as with_fields
 
-    width = width or base.width
-    children = children or base.top_k
-    chain = width == 1 and children == 1
-    return TreeShape(
-        budget=budget,
-        depth=depth or (budget if chain else base.depth),
-        width=min(width, budget),
-        top_k=min(children, budget),
-    )
+    kind = with_fields(base, width=width or base.width, top_k=children or base.top_k)
+    shape = kind.resized(budget)
+    return with_fields(shape, depth=depth) if depth else shape
 
 
 # ---------------------------------------------------------------------------------------------

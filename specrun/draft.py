@@ -10,7 +10,7 @@ kept, the rest freed.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -46,6 +46,17 @@ class TreeShape:
     def chain(cls, depth: int) -> "TreeShape":
         """Classic speculative decoding: one path of `depth` draft tokens."""
         return cls(budget=depth, depth=depth, width=1, top_k=1)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.width == 1 and self.top_k == 1
+
+    def resized(self, budget: int) -> "TreeShape":
+        """Return the same kind of tree with `budget` nodes: a chain stays a chain (its depth is
+        its budget); a tree keeps its depth limit, with width and top-k at most the budget."""
+        if self.is_chain:
+            return TreeShape.chain(budget)
+        return replace(self, budget=budget, width=min(self.width, budget), top_k=min(self.top_k, budget))
 
 
 @dataclass

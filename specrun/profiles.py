@@ -174,15 +174,20 @@ def choice_for(target_path: Path, draft_path: Path | None, threads: int | None =
 
 
 def shape_for(target_path: Path, draft_path: Path | None, threads: int | None = None):
-    """Return the tuned draft.TreeShape for this pair, or None (no profile, or plain decoding chosen).
+    """Return the tuned draft.TreeShape for this pair, or None (no profile, or plain decoding chosen)."""
+    choice = choice_for(target_path, draft_path, threads)
+    return shape_of(choice) if choice is not None else None
+
+
+def shape_of(choice):
+    """Return the draft.TreeShape of a tuner.Choice, or None for plain decoding.
 
     A "sequoia" choice is described by the TreeShape of its template (budget, depth, widest
-    level, largest child rank); use `choice_for` to get the template itself.
+    level, largest child rank); the template itself is `choice.tree`.
     """
     from specrun.draft import TreeShape
 
-    choice = choice_for(target_path, draft_path, threads)
-    if choice is None or choice.kind == "plain":
+    if choice.kind == "plain":
         return None
     if choice.kind == "sequoia" and choice.tree is not None:
         from specrun.sequoia_draft import template_shape

@@ -152,44 +152,30 @@ class Runtime:
         Explicit --budget/--depth win; else the stored tuning profile (which may say plain
         decoding is faster here); else a safe default.
         """
+        from specrun import profiles
         from specrun.draft import TreeShape
 
         opts = self.opts
-        choice = None
-        try:
-            from specrun import profiles
-
-            choice = profiles.choice_for(self.models.target_path, self.models.draft_path, opts.threads)
-        except ImportError:
-            choice = None
+        choice = profiles.choice_for(self.models.target_path, self.models.draft_path, opts.threads)
         overridden = opts.budget is not None or opts.depth is not None
-        template = None
-        if choice is None:
-            shape = TreeShape(**DEFAULT_SHAPE)
-            log.info("no tuning profile for this pair; using a chain of %d draft tokens", shape.budget)
-            self._untuned = True
-        elif choice.kind == "plain" and not overridden:
+        if choice is not None and choice.kind == "plain" and not overridden:
             log.info("tuning profile: plain decoding is fastest for this pair on this machine")
             return None, None
-        elif choice.kind == "plain":
-            shape = TreeShape(**DEFAULT_SHAPE)
-        elif choice.kind == "sequoia" and choice.tree is not None:
-            from specrun.sequoia_draft import template_shape
-
-            template = choice.tree
-            shape = template_shape(template)
-            log.info("tuning profile: Sequoia static tree of %d draft tokens, depth %d", shape.budget, shape.depth)
+        tuned = profiles.shape_of(choice) if choice is not None else None
+        template = choice.tree if tuned is not None and choice.kind == "sequoia" else None
+        if tuned is not None:
+            shape = tuned
+            kind = "Sequoia static tree" if template is not None else "SpecExec tree"
+            log.info("tuning profile: %s of %d draft tokens, depth %d", kind, shape.budget, shape.depth)
         else:
-            shape = TreeShape(budget=choice.budget, depth=choice.depth, width=choice.width, top_k=choice.top_k)
-            log.info("tuning profile: SpecExec tree of %d draft tokens, depth %d", shape.budget, shape.depth)
+            shape = TreeShape(**DEFAULT_SHAPE)
+            if choice is None:
+                log.info("no tuning profile for this pair; using a chain of %d draft tokens", shape.budget)
+                self._untuned = True
         if overridden:
             template = None  # explicit sizes: grow best-first trees of that size
             if opts.budget is not None:
-                chain = shape.width == 1 and shape.top_k == 1
-                shape = replace(
-                    shape, budget=opts.budget, width=min(shape.width, opts.budget), top_k=min(shape.top_k, opts.budget),
-                    depth=max(shape.depth, opts.budget) if chain else shape.depth,
-                )
+                shape = shape.resized(opts.budget)
             if opts.depth is not None:
                 shape = replace(shape, depth=opts.depth)
         return shape, template
