@@ -13,8 +13,9 @@ import statistics
 import time
 
 from specrun import engine
-from specrun.generate import PlainDecoder, token_ids
-from specrun.sampling import SamplingParams
+from specrun.core.sampling import SamplingParams
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.stream import token_ids
 
 PROMPT = "<|im_start|>user\nWrite a long story about a dragon who learns to cook.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -26,7 +27,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.model is None:
-        from specrun import hub, registry
+        from specrun.models import hub, registry
 
         args.model = str(hub.ensure_local(registry.resolve("smollm2-135m-f32")))
     import llama_cpp

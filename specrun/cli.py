@@ -80,7 +80,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, quiet=False):
-    from specrun.runner import RunOptions
+    from specrun.runtime.plan import RunOptions
 
     return RunOptions(
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
@@ -164,22 +164,23 @@ def generate(
     """Generate text for a prompt (argument, --file or stdin), streaming it to stdout."""
     _setup_logging(verbose)
     with _user_errors():
-        from specrun import commands
+        from specrun.commands import generate as generate_command
+        from specrun.runtime.request import Request
 
         if jsonl and as_json:
             raise UsageError("--json and --jsonl do not go together (--jsonl already writes JSON)")
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
-        request = commands.Request(
+        request = Request(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seed=seed, stop=tuple(stop or ()), chat=chat, system=system,
         )
         if jsonl:
             if prompt is not None and prompt != "-":
                 raise UsageError("--jsonl reads requests from stdin or --file, not from an argument")
-            commands.generate_jsonl(opts, request, file)
+            generate_command.generate_jsonl(opts, request, file)
             return
         text = _read_prompt(prompt, file)
-        commands.generate_one(opts, request, text, show_stats=stats, as_json=as_json)
+        generate_command.generate_one(opts, request, text, show_stats=stats, as_json=as_json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,11 +219,12 @@ def chat(
     """Chat with a model in the terminal, using its own chat template; answers stream as they are made."""
     _setup_logging(verbose)
     with _user_errors():
-        from specrun import commands
+        from specrun.commands import chat as chat_command
+        from specrun.runtime.request import Request
 
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
-        request = commands.Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
-        commands.chat(opts, request, max_tokens)
+        request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
+        chat_command.chat(opts, request, max_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,10 +256,10 @@ def bench(
     """Measure plain vs speculative decoding tokens/s on the same prompts."""
     _setup_logging(verbose)
     with _user_errors():
-        from specrun import commands
+        from specrun.commands import bench as bench_command
 
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False)
-        commands.bench(opts, budgets or [4, 16, 64], prompts, max_tokens, as_json, width=width, children=children)
+        bench_command.bench(opts, budgets, prompts, max_tokens, as_json, width=width, children=children)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,13 +292,47 @@ def tune(
     _setup_logging(verbose)
     with _user_errors():
         try:
-            from specrun import tuning
+            from specrun.commands import tune as tune_command
         except ModuleNotFoundError as e:
             if e.name != "specrun.tuning":
                 raise
             raise SpecrunError("`specrun tune` is not available in this build (the specrun.tuning module is missing)") from None
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False)
-        tuning.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
+        tune_command.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+@app.command(
+    epilog=_examples(
+        "specrun plan",
+        "specrun plan --target qwen2.5-14b --json",
+        "specrun plan --target qwen2.5-14b --gpu 'RTX 4060=8GiB' --ram-free 24GiB",
+    )
+)
+def plan(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    gpu: Annotated[Optional[list[str]], typer.Option("--gpu", metavar="NAME=FREE[/TOTAL]", help="Plan for this GPU instead of the ones found (repeatable), e.g. 'RTX 4060=8GiB'.")] = None,
+    ram_free: Annotated[Optional[str], typer.Option("--ram-free", metavar="SIZE", help="Plan for this much free RAM, e.g. 24GiB.")] = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    ctx_size: CtxOpt = 4096,
+    threads: ThreadsOpt = None,
+    budget: BudgetOpt = None,
+    depth: DepthOpt = None,
+    no_spec: NoSpecOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Show what a run would load and where (files, tree, GPU layers, memory), without loading weights."""
+    _setup_logging(verbose)
+    with _user_errors():
+        from specrun.commands import plan as plan_command
+
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
+        plan_command.plan(opts, as_json, gpu, ram_free)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,9 +354,9 @@ def pull(
     """Download (or build) models now; print each one's local path on stdout."""
     _setup_logging(verbose)
     with _user_errors():
-        from specrun import commands
+        from specrun.commands import models as models_commands
 
-        commands.pull(models, quiet)
+        models_commands.pull(models, quiet)
 
 
 @app.command(
@@ -337,9 +373,9 @@ def models_command(
     """List the model aliases: family, size, quantization, whether present here, recommended draft."""
     _setup_logging(verbose)
     with _user_errors():
-        from specrun import commands
+        from specrun.commands import models as models_commands
 
-        commands.list_models(as_json)
+        models_commands.list_models(as_json)
 
 
 # ---------------------------------------------------------------------------------------------

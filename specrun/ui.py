@@ -12,6 +12,8 @@ import sys
 
 from rich.console import Console
 
+from specrun.files import human_size
+
 _err: Console | None = None
 _err_key: tuple = ()
 
@@ -88,10 +90,9 @@ def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
     """Print `specrun models` rows as a table on stdout; notes go to stderr."""
     from rich.table import Table
 
-    from specrun.registry import human_size
 
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
-    for name in ("ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "DRAFT"):
+    for name in ("ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "DRAFT", "ALSO"):
         table.add_column(name, no_wrap=True, justify="right" if name == "SIZE" else "left")
     unverified = False
     for row in rows:
@@ -99,7 +100,7 @@ def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
         unverified |= not row.verified
         table.add_row(
             row.alias + mark, row.family or "-", row.params or "-", row.quant or "-",
-            human_size(row.size), "yes" if row.present else "", row.draft or "-",
+            human_size(row.size), "yes" if row.present else "", row.draft or "-", ", ".join(row.aliases),
         )
     out_console().print(table)
     if unverified:

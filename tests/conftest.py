@@ -12,11 +12,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 # huggingface_hub reads HF_HUB_OFFLINE once, when its constants module is first imported: import
 # it now, online, so a test that sets offline mode cannot freeze it for the rest of the run.
 import huggingface_hub.constants  # noqa: F401
+import pytest
+from typer.testing import CliRunner
 
 # Model cache shared by all test runs on this machine (resolved before any test changes HOME).
 MODEL_CACHE = Path(os.environ.get("SPECRUN_HOME") or Path.home() / ".cache" / "specrun")
@@ -40,7 +40,7 @@ class OfflineModels:
 
 
 def _prepare(alias: str) -> Path:
-    from specrun import hub, registry
+    from specrun.models import hub, registry
 
     return Path(hub.ensure_local(registry.resolve(alias), progress=False))
 
@@ -75,6 +75,19 @@ def isolated_user_dirs(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("NO_COLOR", "1")
     yield home
+
+
+@pytest.fixture
+def cli(offline_models):
+    """Return run(*args, input=None, env=None) -> Result, with the offline models in place."""
+    from specrun.cli import app
+
+    runner = CliRunner()
+
+    def run(*args: str, input: str | None = None, env: dict | None = None):
+        return runner.invoke(app, list(args), input=input, env=env)
+
+    return run
 
 
 _loaded: dict = {}

@@ -269,20 +269,21 @@ def test_full_context_is_reported_and_reset_recovers(chat):
 
 @pytest.fixture(scope="module")
 def runtime(offline_models):
-    from specrun.runner import RunOptions, Runtime
+    from specrun.runtime.plan import RunOptions
+    from specrun.runtime.runtime import Runtime
 
     with Runtime(RunOptions(target="smollm2-135m-f32", no_spec=True, threads=1, ctx_size=512)) as rt:
         yield rt
 
 
 def ask(session, text: str) -> str:
-    from specrun.sampling import SamplingParams
+    from specrun.core.sampling import SamplingParams
 
     return "".join(session.ask(text, SamplingParams(), 40))
 
 
 def test_next_turn_appends_to_the_tokens_already_seen(runtime):
-    from specrun.chat import ChatSession
+    from specrun.chat.session import ChatSession
 
     session = ChatSession(runtime)
     assert ask(session, QUESTION) == ANSWER
@@ -305,7 +306,7 @@ def test_next_turn_appends_to_the_tokens_already_seen(runtime):
 
 
 def test_interrupted_step_resets_the_cache_and_the_chat_goes_on(runtime):
-    from specrun.chat import ChatSession
+    from specrun.chat.session import ChatSession
 
     session = ChatSession(runtime)
     decoder = runtime.decoder
@@ -332,7 +333,8 @@ def test_interrupted_step_resets_the_cache_and_the_chat_goes_on(runtime):
 
 def test_gemma_without_a_template_gets_its_own_turn_format(offline_models):
     # The Gemma 3 270M GGUF ships no chat template; ChatML would be the wrong format for it.
-    from specrun.runner import RunOptions, Runtime
+    from specrun.runtime.plan import RunOptions
+    from specrun.runtime.runtime import Runtime
 
     with Runtime(RunOptions(target="gemma3-270m-q4", no_spec=True, threads=1, ctx_size=256)) as rt:
         assert rt.target.chat_template is None

@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from specrun import __version__
-from specrun.cli import app
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fakehub import FakeHub  # noqa: E402
@@ -27,18 +25,7 @@ QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."  # SmolLM2-135M F32, greedy
 # Plain decoding of the F32 demo target: the reference output.
 PLAIN = ["--target", "smollm2-135m-f32", "--no-spec", "--threads", "1", "--ctx-size", "512"]
-COMMANDS = ["generate", "chat", "bench", "tune", "pull", "models"]
-
-
-@pytest.fixture
-def cli(offline_models):
-    """Return run(*args, input=None, env=None) -> Result, with the offline models in place."""
-    runner = CliRunner()
-
-    def run(*args: str, input: str | None = None, env: dict | None = None):
-        return runner.invoke(app, list(args), input=input, env=env)
-
-    return run
+COMMANDS = ["generate", "chat", "bench", "tune", "plan", "pull", "models"]
 
 
 def config_file(name: str) -> Path:
@@ -299,7 +286,7 @@ def test_verbose_shows_the_traceback(cli):
 
 
 def test_a_bug_is_one_line_unless_verbose(cli, monkeypatch):
-    from specrun import commands
+    from specrun.commands import models as commands
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero")

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from specrun import engine
+from specrun.core.tree import MAX_LEAVES, DraftTree
+from specrun.decoding.speculative import keep_tree_path
 from specrun.errors import ModelFileError
-from specrun.speculative import keep_tree_path
-from specrun.tree import MAX_LEAVES, DraftTree
 
 PREFIX = "The history of the printing press begins"
 TOLERANCE = 1e-3

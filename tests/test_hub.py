@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from specrun import hub, registry
 from specrun.errors import DownloadError, ModelFileError, UsageError
+from specrun.models import builders, download, hub, registry
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fakehub import FakeHub, tiny_gguf_bytes  # noqa: E402
@@ -40,7 +40,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
     monkeypatch.setenv("SPECRUN_CONFIG", str(tmp_path / "config"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setattr(hub, "RETRY_DELAY", 0.01)
+    monkeypatch.setattr(download, "RETRY_DELAY", 0.01)
     with FakeHub() as fake:
         monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
         yield SimpleNamespace(hub=fake, tmp=tmp_path, hf_cache=tmp_path / "hf" / "hub")
@@ -142,7 +142,7 @@ def test_interrupted_download_resumes_on_the_next_run(env, monkeypatch):
     spec = serve_tiny(env)
     half = len(DATA) // 2
     env.hub.drop(REPO, FILE, after=half, times=-1)  # the network dies at half-way for good
-    monkeypatch.setattr(hub, "MAX_RETRIES", 1)
+    monkeypatch.setattr(download, "MAX_RETRIES", 1)
 
     with pytest.raises(DownloadError, match=r"resumes there") as failure:
         hub.ensure_local(spec, progress=False)
@@ -293,7 +293,7 @@ def test_missing_file_in_repo_is_reported(env):
 
 def test_not_enough_disk_space_is_reported_before_downloading(env, monkeypatch):
     spec = serve_tiny(env)
-    monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000, total=10**9, used=0))
+    monkeypatch.setattr(download.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000, total=10**9, used=0))
     with pytest.raises(DownloadError, match="not enough disk space for tiny-Q8_0.gguf"):
         hub.ensure_local(spec, progress=False)
     assert env.hub.gets(FILE) == []
@@ -302,7 +302,7 @@ def test_not_enough_disk_space_is_reported_before_downloading(env, monkeypatch):
 def test_disk_full_mid_download_keeps_the_partial_file_for_resume(env, monkeypatch):
     spec = serve_tiny(env)
     room = 100_000  # bytes that fit before the disk is full
-    real_open = hub._open_for_append
+    real_open = download._open_for_append
 
     class FillingDisk(io.BytesIO):
         def __init__(self, path):
@@ -314,13 +314,13 @@ def test_disk_full_mid_download_keeps_the_partial_file_for_resume(env, monkeypat
                 f.write(chunk[:room])
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(hub, "_open_for_append", FillingDisk)
+    monkeypatch.setattr(download, "_open_for_append", FillingDisk)
     with pytest.raises(DownloadError, match="disk full while downloading") as failure:
         hub.ensure_local(spec, progress=False)
     assert "specrun pull tiny" in str(failure.value) and "resume" in str(failure.value)
     assert [p.stat().st_size for p in leftovers(env.hf_cache)] == [room]
 
-    monkeypatch.setattr(hub, "_open_for_append", real_open)  # space freed
+    monkeypatch.setattr(download, "_open_for_append", real_open)  # space freed
     assert hub.ensure_local(spec, progress=False).read_bytes() == DATA
     assert env.hub.gets(FILE)[-1].headers["range"] == f"bytes={room}-"
 
@@ -434,9 +434,9 @@ def fake_builders(monkeypatch):
 
     modules = {
         "specrun.engine": SimpleNamespace(quantize=quantize),
-        "specrun.tinymodel": SimpleNamespace(write_random_model=write_random_model),
+        "specrun.models.tinymodel": SimpleNamespace(write_random_model=write_random_model),
     }
-    monkeypatch.setattr(hub, "_module", modules.__getitem__)
+    monkeypatch.setattr(builders, "_module", modules.__getitem__)
     return calls
 
 
@@ -484,7 +484,7 @@ def test_failed_build_leaves_nothing_under_the_final_name(env, fake_builders, mo
         Path(dst).write_bytes(b"half")
         raise UsageError("llama.cpp refused")
 
-    monkeypatch.setattr(hub, "_module", lambda name: SimpleNamespace(quantize=broken))
+    monkeypatch.setattr(builders, "_module", lambda name: SimpleNamespace(quantize=broken))
     env.hub.add_file(REPO, FILE, DATA)
     user_toml(derived_aliases())
     with pytest.raises(UsageError):

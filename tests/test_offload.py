@@ -7,7 +7,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from specrun.offload import (
+from specrun.hardware.offload import (
     DEFAULT_MARGIN_BYTES,
     Device,
     ModelSize,

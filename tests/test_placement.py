@@ -1,7 +1,7 @@
 """GPU placement from real model metadata and made-up devices (this machine has no GPU)."""
 
-from specrun import placement
 from specrun.engine import DeviceInfo
+from specrun.hardware import placement
 
 GB = 1 << 30
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 
 from specrun import engine
-from specrun.generate import PlainDecoder, generate, token_ids
-from specrun.sampling import SamplingParams
+from specrun.core.sampling import SamplingParams
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.stream import generate, token_ids
 
 PROMPTS = [
     "<|im_start|>user\nWrite a short poem about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",

@@ -10,12 +10,15 @@ import time
 
 import pytest
 
-from specrun import engine, profiler
-from specrun.draft import TreeGrower, TreeShape
-from specrun.generate import PlainDecoder, token_ids
-from specrun.sampling import SamplingParams
-from specrun.speculative import SpeculativeDecoder
-from specrun.tuner import accepted_depth
+from specrun import engine
+from specrun.core.sampling import SamplingParams
+from specrun.core.shapes import TreeShape
+from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.stream import token_ids
+from specrun.tuning import measure as profiler
+from specrun.tuning.cost_model import accepted_depth
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PROMPTS = [CHAT.format(text) for _, text in profiler.CALIBRATION_PROMPTS[:2]]
@@ -131,13 +134,13 @@ class _TopSubtreeCheck:
         self.checked = 0
         self.mismatches = []
 
-    def grow(self, committed, root, budget, depth):
+    def propose(self, committed, root, budget, depth):
         small = {}
         for b in self.small_budgets:
-            grown = self.grower.grow(committed, root, b, depth)
+            grown = self.grower.propose(committed, root, b, depth)
             small[b] = _paths(grown.tree, range(1, len(grown.tree)))
             self.grower.commit(grown, [0])  # keep nothing: the draft is back where it was
-        big = self.grower.grow(committed, root, budget, depth)
+        big = self.grower.propose(committed, root, budget, depth)
         ranks = big.best_first_ranks(range(len(big.tree)))
         for b, paths in small.items():
             top = _paths(big.tree, [n for n, r in zip(range(1, len(big.tree)), ranks) if r <= b])
@@ -160,7 +163,7 @@ def test_smaller_best_first_tree_is_the_top_of_the_calibration_tree(pair):
     shape = TreeShape(budget=16, depth=6, width=1, top_k=3)
     tctx.clear(), dctx.clear()
     checker = _TopSubtreeCheck(TreeGrower(draft, dctx, shape), small_budgets=(2, 5, 8))
-    decoder = SpeculativeDecoder(target, tctx, draft, dctx, shape, grower=checker)
+    decoder = SpeculativeDecoder(target, tctx, checker, shape)
 
     token_ids(decoder, target.tokenize(PROMPTS[0]), SamplingParams(), 24)
 
@@ -170,7 +173,7 @@ def test_smaller_best_first_tree_is_the_top_of_the_calibration_tree(pair):
 
 def _accepted_per_pass(target, tctx, draft, dctx, shape, prompts) -> tuple[float, list[list[int]]]:
     tctx.clear(), dctx.clear()
-    decoder = SpeculativeDecoder(target, tctx, draft, dctx, shape)
+    decoder = SpeculativeDecoder(target, tctx, TreeGrower(draft, dctx, shape), shape)
     tokens = passes = 0
     outputs = []
     for prompt in prompts:

@@ -13,9 +13,11 @@ import shutil
 
 import pytest
 
-from specrun import engine, paths, profiles
-from specrun.draft import TreeShape
-from specrun.tuner import Choice, sequoia_tree
+from specrun import engine, paths
+from specrun.core.shapes import TreeShape
+from specrun.runtime.plan import tree_of_choice
+from specrun.tuning import profiles
+from specrun.tuning.cost_model import Choice, sequoia_tree
 
 SPECEXEC = Choice("specexec", 24, 8, 4, 4, 30.0, 1.6)
 PLAIN = Choice("plain", 0, 0, 0, 0, 20.0, 1.0)
@@ -43,20 +45,27 @@ def _store(target, draft, choice: Choice, **extra) -> dict:
     return profile
 
 
+
+def _tuned_shape(target, draft):
+    """Return the tree shape the stored profile gives this pair (None: no profile, or plain)."""
+    choice = profiles.choice_for(target, draft)
+    tree = tree_of_choice(choice) if choice is not None else None
+    return tree.shape if tree is not None else None
+
 def test_saved_profile_is_found_and_gives_the_tree_shape(model_files):
     target, draft = model_files
     saved = _store(target, draft, SPECEXEC)
 
     assert profiles.load(target, draft) == saved
     assert profiles.choice_for(target, draft) == SPECEXEC
-    assert profiles.shape_for(target, draft) == TreeShape(budget=24, depth=8, width=4, top_k=4)
+    assert _tuned_shape(target, draft) == TreeShape(budget=24, depth=8, width=4, top_k=4)
     assert profiles.profile_path(saved["key"]).parent == paths.profiles_dir()
 
 
 def test_no_profile_means_none_and_no_warning(model_files, caplog):
     target, draft = model_files
     with caplog.at_level(logging.WARNING):
-        assert profiles.shape_for(target, draft) is None
+        assert _tuned_shape(target, draft) is None
         assert profiles.choice_for(target, draft) is None
     assert not caplog.records
 
@@ -65,7 +74,7 @@ def test_plain_choice_gives_no_shape_but_a_plain_choice(model_files):
     target, draft = model_files
     _store(target, draft, PLAIN)
 
-    assert profiles.shape_for(target, draft) is None
+    assert _tuned_shape(target, draft) is None
     assert profiles.choice_for(target, draft).kind == "plain"
 
 
@@ -77,7 +86,7 @@ def test_sequoia_choice_keeps_its_tree(model_files):
 
     loaded = profiles.choice_for(target, draft)
     assert loaded.tree == tree
-    shape = profiles.shape_for(target, draft)
+    shape = _tuned_shape(target, draft)
     assert (shape.budget, shape.depth) == (tree.size - 1, tree.depth)
 
 
@@ -134,7 +143,7 @@ def test_corrupt_profile_is_ignored_with_a_warning(model_files, caplog, content)
     path.write_text(content, encoding="utf-8", errors="surrogateescape")
 
     with caplog.at_level(logging.WARNING, logger="specrun.profiles"):
-        assert profiles.shape_for(target, draft) is None
+        assert _tuned_shape(target, draft) is None
     assert any("ignoring tuning profile" in r.getMessage() for r in caplog.records)
 
 

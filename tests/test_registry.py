@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specrun import pairing, paths, registry
+from specrun import paths
 from specrun.errors import ModelFileError, RegistryError
-from specrun.registry import DerivedSource, HFSource, LocalSource, PyPISource
+from specrun.models import hub, pairing, registry
+from specrun.models.registry import DerivedSource, HFSource, LocalSource, PyPISource
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,12 +159,12 @@ def test_recommended_draft_comes_from_the_family():
 
 
 def test_list_models_rows_show_presence():
-    rows = {row.alias: row for row in registry.list_models()}
+    rows = {row.alias: row for row in registry.list_models(is_present=hub.is_present)}
     assert rows["qwen2.5-14b"].draft == "qwen2.5-0.5b" and rows["qwen2.5-14b"].quant == "Q4_K_M"
     assert not rows["smollm2-135m-f32"].present
     (paths.models_dir()).mkdir(parents=True)
     (paths.models_dir() / "smollm2-135m-f32.gguf").write_bytes(b"GGUF")
-    rows = {row.alias: row for row in registry.list_models()}
+    rows = {row.alias: row for row in registry.list_models(is_present=hub.is_present)}
     assert rows["smollm2-135m-f32"].present
     assert rows["smollm2-135m-f32"].as_dict()["size_text"] == "540 MB"
     assert rows["qwen2.5-14b"].verified and not rows["qwen2.5-72b"].verified
@@ -237,11 +238,11 @@ def test_derivation_cycle_is_refused():
 def test_pair_from_different_families_names_both():
     target, draft = registry.resolve("qwen2.5-14b"), registry.resolve("qwen3-0.6b")
     with pytest.raises(RegistryError) as failure:
-        registry.check_pair(target, draft)
+        pairing.check_pair(target, draft)
     message = str(failure.value)
     assert "qwen3-0.6b" in message and "qwen2.5-14b" in message and "--draft qwen2.5-0.5b" in message
     assert failure.value.exit_code == 2
-    registry.check_pair(target, registry.resolve("qwen2.5-0.5b"))  # same family: fine
+    pairing.check_pair(target, registry.resolve("qwen2.5-0.5b"))  # same family: fine
 
 
 def fake_model(path: str, texts: list[bytes], **overrides) -> SimpleNamespace:

@@ -9,14 +9,17 @@ from dataclasses import replace
 
 import pytest
 
-from specrun import profiles
-from specrun.draft import TreeGrower, TreeShape
-from specrun.generate import PlainDecoder, token_ids
-from specrun.runner import DEFAULT_SHAPE, RunOptions, Runtime
-from specrun.sampling import SamplingParams
-from specrun.sequoia_draft import StaticTreeGrower
-from specrun.speculative import SpeculativeDecoder
-from specrun.tuner import Choice, TreeTemplate
+from specrun.core.sampling import SamplingParams
+from specrun.core.shapes import TreeTemplate
+from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.sequoia import StaticTreeGrower
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.stream import token_ids
+from specrun.runtime.plan import DEFAULT_SHAPE, RunOptions
+from specrun.runtime.runtime import Runtime
+from specrun.tuning import profiles
+from specrun.tuning.cost_model import Choice
 
 OPTS = RunOptions(threads=1, ctx_size=512, quiet=True)
 PLAIN = Choice("plain", 0, 0, 0, 0, 20.0, 1.0)
@@ -34,7 +37,7 @@ def _store(offline_models, choice: Choice) -> None:
 def test_without_a_profile_the_default_is_a_short_chain(offline_models):
     with Runtime(OPTS) as rt:
         assert isinstance(rt.decoder, SpeculativeDecoder)
-        assert rt.shape == TreeShape(**DEFAULT_SHAPE)
+        assert rt.shape == DEFAULT_SHAPE
 
 
 def test_a_profile_that_chose_plain_decoding_decodes_plainly_without_loading_the_draft(offline_models):
@@ -57,7 +60,7 @@ def test_an_explicit_budget_overrides_a_plain_profile(offline_models):
 def test_a_sequoia_profile_grows_its_static_tree(offline_models):
     _store(offline_models, SEQUOIA)
     with Runtime(OPTS) as rt:
-        grower = rt.decoder.grower
+        grower = rt.decoder.drafter
         assert isinstance(grower, StaticTreeGrower)
         prompt = rt.tokenize_prompt("Name a colour.", chat=True)
         token_ids(rt.decoder, prompt, SamplingParams(), 12)
@@ -69,7 +72,7 @@ def test_a_sequoia_profile_grows_its_static_tree(offline_models):
 def test_a_specexec_profile_and_its_overrides(offline_models, override, expected):
     _store(offline_models, SPECEXEC)
     with Runtime(replace(OPTS, **override)) as rt:
-        assert type(rt.decoder.grower) is TreeGrower
+        assert type(rt.decoder.drafter) is TreeGrower
         s = rt.shape
         assert (s.budget, s.depth, s.width, s.top_k) == expected
 

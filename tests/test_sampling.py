@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specrun.errors import UsageError
-from specrun.sampling import (
+from specrun.core.sampling import (
     SamplingParams,
     choose_token,
     draw,
@@ -14,6 +13,7 @@ from specrun.sampling import (
     make_rng,
     target_probs,
 )
+from specrun.errors import UsageError
 
 
 def logits_of(probs):
@@ -243,7 +243,7 @@ def test_log_softmax_topk_matches_naive(dtype):
 
 
 def test_log_softmax_topk_blocks_rows(monkeypatch):
-    import specrun.sampling as sampling
+    import specrun.core.sampling as sampling
 
     monkeypatch.setattr(sampling, "_LSE_BLOCK_ELEMENTS", 3 * 500)  # 3 rows per block
     logits = np.random.default_rng(6).standard_normal((10, 500)).astype(np.float32)

@@ -20,12 +20,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from specrun import engine, templates
-from specrun.draft import TreeGrower, TreeShape
+from specrun import engine
+from specrun.chat import templates
+from specrun.core.sampling import SamplingParams, make_rng, target_probs
+from specrun.core.shapes import TreeShape
+from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.stream import generate, token_ids
 from specrun.errors import ContextFullError
-from specrun.generate import PlainDecoder, generate, token_ids
-from specrun.sampling import SamplingParams, make_rng, target_probs
-from specrun.speculative import SpeculativeDecoder
 
 GREEDY = SamplingParams()
 
@@ -229,8 +232,8 @@ def references(plain):
 
 def use_shape(spec: SpeculativeDecoder, shape: TreeShape) -> None:
     """Let one decoder (and its KV caches) run another tree shape: no re-prefill between budgets."""
-    assert shape.budget + 1 <= spec.ctx.n_batch and shape.width <= spec.grower.batch.capacity
-    spec.shape = spec.grower.shape = shape
+    assert shape.budget + 1 <= spec.ctx.n_batch and shape.width <= spec.drafter.batch.capacity
+    spec.shape = spec.drafter.shape = shape
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +241,7 @@ def spec_decoders(target, draft_models, contexts):
     """One speculative decoder per draft, each owning a target and a draft context."""
     widest = max(SHAPES.values(), key=lambda s: (s.budget, s.width))
     return {
-        name: SpeculativeDecoder(target, contexts(target), model, contexts(model), widest)
+        name: SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model), widest), widest)
         for name, model in draft_models.items()
     }
 
@@ -311,8 +314,8 @@ class RecordingGrower:
         self.grower = grower
         self.trees = []
 
-    def grow(self, *args, **kwargs):
-        grown = self.grower.grow(*args, **kwargs)
+    def propose(self, *args, **kwargs):
+        grown = self.grower.propose(*args, **kwargs)
         self.trees.append(grown.tree)
         return grown
 
@@ -360,7 +363,7 @@ def tiny_pair(offline_models, load_model, contexts):
     """
     tiny = load_model(offline_models.smollm2_random)
     plain = PlainDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, n_seq_max=1))
-    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64), tiny, contexts(tiny, n_ctx=256, n_batch=64), SAMPLING_SHAPE)
+    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64), TreeGrower(tiny, contexts(tiny, n_ctx=256, n_batch=64), SAMPLING_SHAPE), SAMPLING_SHAPE)
     return tiny, plain, spec
 
 
@@ -407,7 +410,7 @@ def test_seeded_sampling_emits_plain_tokens(target, contexts, plain, draft_model
     DRAW_EDGE = 0.02
     configs = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02)]
     draft = draft_models["agreeing"]
-    spec = SpeculativeDecoder(target, contexts(target, n_ctx=512, n_batch=64), draft, contexts(draft, n_ctx=512, n_batch=64), SHAPES[4])
+    spec = SpeculativeDecoder(target, contexts(target, n_ctx=512, n_batch=64), TreeGrower(draft, contexts(draft, n_ctx=512, n_batch=64), SHAPES[4]), SHAPES[4])
     prompts = [chat_prompt(target, t) for t in ("Write a haiku about the sea.", "Give me three names for a cat.")]
     n_tokens, runs, same, compared = 16, 0, 0, 0
     near_edge = []
@@ -471,7 +474,7 @@ def test_target_as_its_own_draft_accepts_the_whole_greedy_path(shape, target, tw
     """
     draft_ctx = contexts(twin, n_ctx=N_CTX, n_batch=64)
     grower = RecordingGrower(TreeGrower(twin, draft_ctx, shape))
-    spec = SpeculativeDecoder(target, contexts(target, n_ctx=N_CTX, n_batch=64), twin, draft_ctx, shape, grower=grower)
+    spec = SpeculativeDecoder(target, contexts(target, n_ctx=N_CTX, n_batch=64), grower, shape)
     n, n_steps, misses, divergences = 24, 0, [], []
     for index in (0, 1, 12):
         prompt = prompts[index]
@@ -524,7 +527,7 @@ def small(target, draft_models, contexts):
     plain = PlainDecoder(target, contexts(target, n_ctx=SMALL_CTX, n_batch=SMALL_CTX, n_seq_max=1))
     draft = draft_models["agreeing"]
     spec_ctx = contexts(target, n_ctx=SMALL_CTX, n_batch=SMALL_CTX)
-    spec = SpeculativeDecoder(target, spec_ctx, draft, contexts(draft, n_ctx=SMALL_CTX, n_batch=SMALL_CTX), SHAPES[64])
+    spec = SpeculativeDecoder(target, spec_ctx, TreeGrower(draft, contexts(draft, n_ctx=SMALL_CTX, n_batch=SMALL_CTX), SHAPES[64]), SHAPES[64])
     assert spec_ctx.n_ctx == plain.ctx.n_ctx == SMALL_CTX
     return plain, spec
 
@@ -598,7 +601,7 @@ def test_end_of_generation_inside_the_tree(target, contexts, draft_models, refer
     draft = draft_models["agreeing"]
     grower_ctx = contexts(draft, n_ctx=512, n_batch=64)
     grower = RecordingGrower(TreeGrower(draft, grower_ctx, SHAPES[16]))
-    spec = SpeculativeDecoder(target, contexts(target, n_ctx=512, n_batch=64), draft, grower_ctx, SHAPES[16], grower=grower)
+    spec = SpeculativeDecoder(target, contexts(target, n_ctx=512, n_batch=64), grower, SHAPES[16])
     prompt = chat_prompt(target, "What is 17 + 25? Answer with the number only.")
     ref = references(prompt, 32)
     assert ref.tokens[-1] in target.eog_tokens and len(ref.tokens) < 32
@@ -619,7 +622,7 @@ def test_tree_at_the_leaf_cap_gives_plain_output(target, contexts, draft_models,
     """A 600-node, depth-2, 64-wide tree is cut to 256 leaves (one sequence each) and still verifies."""
     shape = TreeShape(budget=600, depth=2, width=64, top_k=64)
     draft = draft_models["agreeing"]
-    spec = SpeculativeDecoder(target, contexts(target, n_ctx=N_CTX, n_batch=640), draft, contexts(draft, n_ctx=N_CTX, n_batch=64), shape)
+    spec = SpeculativeDecoder(target, contexts(target, n_ctx=N_CTX, n_batch=640), TreeGrower(draft, contexts(draft, n_ctx=N_CTX, n_batch=64), shape), shape)
     out = token_ids(spec, prompts[2], GREEDY, 8)
     leaves = [s.tree_leaves for s in spec.stats.steps]
     assert max(leaves) == 256 and all(s.tree_nodes <= 600 for s in spec.stats.steps), leaves
@@ -645,7 +648,7 @@ def test_kv_caches_hold_exactly_the_committed_tokens(target, spec_decoders, prom
     # The draft keeps what it computed for the accepted path, and nothing else. It may lag by a
     # leaf it never decoded, and by one more token when the last step had room for one token only
     # and ran without a tree (its root went to the target alone); the next catch-up adds both.
-    grower = spec.grower
+    grower = spec.drafter
     drafted = list(grower.cache.tokens)
     assert drafted == committed[: len(drafted)] and len(drafted) >= len(committed) - 2
     assert grower.ctx.seq_pos_max(0) == len(drafted) - 1

@@ -10,7 +10,7 @@ import gguf
 import pytest
 from llama_cpp import Llama
 
-from specrun.templates import (
+from specrun.chat.templates import (
     CHATML_TEMPLATE,
     GEMMA_TEMPLATE,
     builtin_template,

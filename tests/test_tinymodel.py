@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from specrun import tinymodel
-from specrun.tinymodel import write_random_model
+from specrun.models import tinymodel
+from specrun.models.tinymodel import write_random_model
 
 PROMPT = "The capital of France is"
 N_GENERATED = 20

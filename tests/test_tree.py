@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specrun.tree import MAX_LEAVES, DraftTree
+from specrun.core.tree import MAX_LEAVES, DraftTree
 
 PROPERTY_SETTINGS = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrun.tuner import (
+from specrun.core.shapes import TreeTemplate
+from specrun.tuning.cost_model import (
     MAX_TREE_LEAVES,
     CalibrationStep,
     Choice,
     CostCurve,
-    TreeTemplate,
     choose_config,
     expected_accepted,
     positional_acceptance,

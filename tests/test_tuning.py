@@ -14,17 +14,21 @@ import time
 
 import pytest
 
-from specrun import engine, profiles, tuning
+from specrun import engine, sysinfo
+from specrun.commands import tune as tune_command
+from specrun.core.sampling import SamplingParams
+from specrun.core.shapes import TreeTemplate, template_shape
+from specrun.decoding.drafters.sequoia import StaticTreeGrower, truncate_template
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.stream import token_ids
 from specrun.errors import SpecrunError, UsageError
-from specrun.generate import PlainDecoder, token_ids
-from specrun.runner import RunOptions
-from specrun.sampling import SamplingParams
-from specrun.sequoia_draft import StaticTreeGrower, template_shape, truncate_template
-from specrun.speculative import SpeculativeDecoder
-from specrun.tuner import TreeTemplate, sequoia_tree
+from specrun.runtime.plan import RunOptions
+from specrun.tuning import profiles, report
+from specrun.tuning.cost_model import sequoia_tree
 
 PROMPT = "<|im_start|>user\nWrite a haiku about autumn leaves.<|im_end|>\n<|im_start|>assistant\n"
-TINY = tuning.TuneSettings(
+TINY = tune_command.TuneSettings(
     max_budget=8, depth=4, width=2, top_k=2, curve_repeats=1, curve_seconds=10,
     calibration_prompts=1, calibration_tokens=16, calibration_seconds=30,
     check_prompts=1, check_tokens=16, check_seconds=30,
@@ -75,7 +79,7 @@ def test_static_tree_output_is_exactly_plain_greedy(contexts, offline_models, lo
         plain = token_ids(PlainDecoder(target, tctx), prompt, SamplingParams(), 40)
         tctx.clear()
         grower = StaticTreeGrower(draft, dctx, tree)
-        spec = SpeculativeDecoder(target, tctx, draft, dctx, template_shape(tree), grower=grower)
+        spec = SpeculativeDecoder(target, tctx, grower, template_shape(tree))
         out = token_ids(spec, prompt, SamplingParams(), 40)
         steps = spec.stats.steps
 
@@ -97,7 +101,7 @@ def _demo_opts() -> RunOptions:
 
 
 def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
-    profile = tuning.tune(_demo_opts(), TINY)
+    profile = tune_command.tune(_demo_opts(), TINY)
 
     assert profile["config"]["kind"] in ("plain", "specexec", "sequoia")
     assert profile["predicted_speedup"] > 0 and profile["measured_speedup"] > 0
@@ -110,12 +114,12 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
     assert choice is not None and choice.to_dict() == profile["config"]
 
     capsys.readouterr()
-    tuning.run_tune(_demo_opts(), quick=False, show=True, as_json=True, plot=None)
+    tune_command.run_tune(_demo_opts(), quick=False, show=True, as_json=True, plot=None)
     shown = json.loads(capsys.readouterr().out)
     assert {"config", "predicted_speedup", "measured_speedup"} <= set(shown)
     assert shown["config"] == profile["config"]
 
-    tuning.run_tune(_demo_opts(), quick=False, show=True, as_json=False, plot=None)
+    tune_command.run_tune(_demo_opts(), quick=False, show=True, as_json=False, plot=None)
     report = capsys.readouterr().err
     assert "speedup" in report or "plain decoding" in report
     assert "tau(B)" in report
@@ -123,19 +127,19 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
 
 def test_show_without_a_profile_says_to_tune(offline_models):
     with pytest.raises(SpecrunError, match="specrun tune"):
-        tuning.run_tune(_demo_opts(), quick=False, show=True, as_json=False, plot=None)
+        tune_command.run_tune(_demo_opts(), quick=False, show=True, as_json=False, plot=None)
 
 
 def test_tune_without_a_draft_is_a_usage_error(offline_models):
     opts = RunOptions(threads=1, ctx_size=1024, quiet=True, no_spec=True)
     with pytest.raises(UsageError, match="draft"):
-        tuning.tune(opts, TINY)
+        tune_command.tune(opts, TINY)
 
 
 def test_plot_without_matplotlib_is_a_clear_error_before_any_work(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     with pytest.raises(UsageError, match=r"specrun\[plot\]"):
-        tuning.run_tune(_demo_opts(), quick=True, show=False, as_json=False, plot=tmp_path / "p.png")
+        tune_command.run_tune(_demo_opts(), quick=True, show=False, as_json=False, plot=tmp_path / "p.png")
 
 
 def _synthetic_profile(kind: str = "specexec") -> dict:
@@ -158,7 +162,7 @@ def _synthetic_profile(kind: str = "specexec") -> dict:
 
 
 def test_report_shows_choice_prediction_and_charts():
-    lines = tuning.report_lines(_synthetic_profile())
+    lines = report.report_lines(_synthetic_profile())
     text = "\n".join(lines)
 
     assert "SpecExec tree, budget 24, depth 8" in text
@@ -166,7 +170,7 @@ def test_report_shows_choice_prediction_and_charts():
     assert "█" in text and "ms" in text
     assert any(line.strip().startswith("24 ") for line in lines)  # the largest budget is charted
 
-    plain = "\n".join(tuning.report_lines(_synthetic_profile("plain")))
+    plain = "\n".join(report.report_lines(_synthetic_profile("plain")))
     assert "plain decoding" in plain and "measured x0.85" in plain
 
 
@@ -174,7 +178,7 @@ def test_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "tune.png"
 
-    tuning.write_plot(_synthetic_profile(), path)
+    report.write_plot(_synthetic_profile(), path)
 
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -183,7 +187,7 @@ def test_plot_is_a_png(tmp_path):
 def test_quick_tune_of_the_demo_pair(offline_models, capsys):
     """`specrun tune --quick --json` on the demo pair at the default thread count (~3 min)."""
     t0 = time.monotonic()
-    tuning.run_tune(RunOptions(quiet=True), quick=True, show=False, as_json=True, plot=None)
+    tune_command.run_tune(RunOptions(quiet=True), quick=True, show=False, as_json=True, plot=None)
     elapsed = time.monotonic() - t0
     profile = json.loads(capsys.readouterr().out)
 
@@ -195,18 +199,18 @@ def test_quick_tune_of_the_demo_pair(offline_models, capsys):
 def test_busy_machine_is_detected_from_current_cpu_use_not_past_load():
     import multiprocessing
 
-    quiet = tuning._cpu_busy_fraction(0.3)
+    quiet = sysinfo.cpu_busy_fraction(0.3)
     assert quiet is not None and 0.0 <= quiet <= 1.0
     spinners = [multiprocessing.Process(target=_spin, args=(3.0,)) for _ in range(os.cpu_count() or 2)]
     for p in spinners:
         p.start()
     try:
         time.sleep(0.3)
-        busy = tuning._cpu_busy_fraction(0.5)
+        busy = sysinfo.cpu_busy_fraction(0.5)
     finally:
         for p in spinners:
             p.join()
-    assert busy is not None and busy > tuning.BUSY_FRACTION
+    assert busy is not None and busy > report.BUSY_FRACTION
     assert busy > quiet
 
 

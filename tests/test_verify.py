@@ -5,9 +5,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from specrun.sampling import SamplingParams, choose_token, log_softmax_topk, make_rng, target_probs
-from specrun.tree import DraftTree
-from specrun.verify import accept_path
+from specrun.core.sampling import (
+    SamplingParams,
+    choose_token,
+    log_softmax_topk,
+    make_rng,
+    target_probs,
+)
+from specrun.core.tree import DraftTree
+from specrun.core.verify import accept_path
 
 GREEDY = SamplingParams()
 

@@ -1,0 +1,1 @@
+"""One module per CLI command: what it does, as plain functions (cli.py parses options and calls one)."""

@@ -1,0 +1,196 @@
+"""`specrun chat`: the terminal chat loop (prompt, Ctrl-C, /commands, status lines)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from specrun import paths, ui
+from specrun.chat.session import ChatSession
+from specrun.commands.generate import announce
+from specrun.errors import ContextFullError, SpecrunError
+from specrun.runtime.plan import RunOptions
+from specrun.runtime.request import Request
+from specrun.runtime.runtime import Runtime
+
+CHAT_HELP = """\
+/help          this list
+/reset         start a new conversation (the --system prompt stays)
+/stats         numbers for the last answer and the whole session
+/save [FILE]   write the conversation: FILE.json as JSON, anything else as Markdown
+/exit          leave (also /quit, /bye, Ctrl-D, or Ctrl-C twice at the prompt)
+Ctrl-C while an answer streams stops it and returns to the prompt.
+A message that starts with \"\"\" may span lines; end it with \"\"\". Start with // to send a text that begins with /."""
+
+
+def chat(opts: RunOptions, request: Request, max_tokens: int | None) -> None:
+    """Run an interactive chat with the target on the terminal (or over piped lines)."""
+
+    params = request.sampling()  # validate before loading anything
+    with Runtime(opts) as rt:
+        announce(rt)
+        session = ChatSession(rt, system=request.system)
+        if rt.speculative:
+            how = f"with draft {rt.models.draft_name} (tree budget {rt.shape.budget})"
+        else:
+            how = "without a draft (plain decoding)"
+        ui.dim(f"specrun chat: {rt.models.target_name} {how}, {session.n_ctx}-token context")
+        reader = ui.LineReader(paths.config_dir() / "chat_history")
+        if reader.interactive:
+            ui.dim("/help for commands, Ctrl-D to leave")
+        try:
+            _chat_loop(session, reader, params, max_tokens)
+        finally:
+            reader.close()
+
+
+def _chat_loop(session, reader, params, max_tokens: int | None) -> None:
+    interrupted = False  # Ctrl-C at the prompt once: a second one in a row leaves
+    while True:
+        try:
+            line = reader.read()
+        except KeyboardInterrupt:
+            if interrupted:
+                ui.write_text("\n")
+                return
+            interrupted = True
+            ui.write_text("\n")
+            ui.dim("(Ctrl-C again or Ctrl-D to leave; /help for commands)")
+            continue
+        interrupted = False
+        if line is None:
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/") and not text.startswith("//"):
+            if not _chat_command(session, text):
+                return
+            continue
+        _answer(session, text[1:] if text.startswith("//") else text, params, max_tokens)
+
+
+def _chat_command(session, text: str) -> bool:
+    """Run one /command; return False when the chat should end."""
+    name, _, arg = text.partition(" ")
+    name, arg = name.lower(), arg.strip()
+    if name in ("/exit", "/quit", "/bye"):
+        return False
+    if name in ("/help", "/?"):
+        ui.info(CHAT_HELP)
+    elif name == "/reset":
+        session.reset()
+        ui.dim("new conversation" + (" (system prompt kept)" if session.system else ""))
+    elif name == "/stats":
+        ui.info(_session_stats(session))
+    elif name == "/save":
+        path = Path(arg) if arg else Path(session.started.strftime("specrun-chat-%Y%m%d-%H%M%S.md"))
+        try:
+            kind = session.save(path)
+        except SpecrunError as e:
+            ui.error(str(e))
+        else:
+            ui.dim(f"saved {len(session.messages)} messages to {path} ({kind})")
+    else:
+        ui.error(f"unknown command {name}; /help lists the commands (start with // to send text beginning with /)")
+    return True
+
+
+class _StopOnInterrupt:
+    """While an answer streams, the first Ctrl-C asks to stop after the current decoder step
+    (the KV cache stays consistent); a second one interrupts at once, unless the answer is
+    already being wound up (`abortable` false)."""
+
+    def __enter__(self) -> "_StopOnInterrupt":
+        self.requested = False
+        self.abortable = True
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.requested and self.abortable:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _answer(session, text: str, params, max_tokens: int | None) -> None:
+    """Stream one answer to stdout, then the dim status line (or say why there is no answer)."""
+    last = ""
+    try:
+        with _StopOnInterrupt() as stop:
+            answer = session.ask(text, params, max_tokens)
+            try:
+                for piece in answer:
+                    ui.write_text(piece)
+                    last = piece
+                    if stop.requested:
+                        break
+            finally:
+                stop.abortable = False  # recording the turn must not be cut in half
+                answer.close()
+    except KeyboardInterrupt:
+        ui.end_text(last)
+        ui.dim("stopped")
+        return
+    except ContextFullError as e:
+        ui.end_text(last)
+        ui.warn(str(e))
+        return
+    except SpecrunError as e:
+        ui.end_text(last)
+        ui.error(str(e))
+        return
+    ui.end_text(last)
+    turn = session.last
+    line = ui.stats_line(
+        {"n_tokens": turn.n_tokens, "tokens_per_s": turn.tokens_per_s,
+         "n_passes": turn.n_passes, "accepted_per_pass": turn.accepted_per_pass}, prefill=False
+    )
+    if turn.finish_reason == "stopped":
+        line += " · stopped"
+    elif turn.finish_reason == "length":
+        line += " · reached --max-tokens"
+    ui.dim(line)
+    if turn.finish_reason == "context":
+        ui.warn(f"the context is full ({session.n_used} of {session.n_ctx} tokens): "
+                "/reset starts a new conversation (or restart with a larger --ctx-size)")
+
+
+def _session_stats(session) -> str:
+    """Return the text of /stats: the last answer, its prompt's KV reuse, the session, the context."""
+    rt = session.rt
+    lines = []
+    turn = session.last
+    if turn is None:
+        lines.append("no answers yet")
+    else:
+        lines.append(
+            f"last answer: {turn.n_tokens} tokens in {turn.decode_s:.2f}s · {turn.tokens_per_s:.1f} tok/s · "
+            f"{turn.accepted_per_pass:.2f} accepted/pass · {turn.n_passes} target passes · ended: {turn.finish_reason}"
+        )
+        lines.append(
+            f"last prompt: {turn.n_prompt} tokens · {turn.n_reused} reused from the KV cache · "
+            f"{turn.n_prefilled} prefilled in {turn.prefill_s:.2f}s"
+        )
+    t = session.totals
+    tps = t.n_tokens / t.decode_s if t.decode_s > 0 else 0.0
+    per_pass = t.n_tokens / t.n_passes if t.n_passes else 0.0
+    lines.append(
+        f"session: {t.turns} answers · {t.n_tokens} tokens · {tps:.1f} tok/s · {per_pass:.2f} accepted/pass · "
+        f"{t.n_prefilled} tokens prefilled"
+    )
+    lines.append(f"context: {session.n_used} of {session.n_ctx} tokens used")
+    if rt.speculative:
+        s = rt.shape
+        lines.append(f"models: target {rt.models.target_name}, draft {rt.models.draft_name} "
+                     f"(tree budget {s.budget}, depth {s.depth}, width {s.width})")
+    else:
+        lines.append(f"models: target {rt.models.target_name}, plain decoding")
+    return "\n".join(lines)

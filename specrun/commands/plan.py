@@ -1,0 +1,105 @@
+"""`specrun plan`: what a run would load, where, and why, without loading any weights."""
+
+from __future__ import annotations
+
+import json
+
+from specrun import ui
+from specrun.engine import DeviceInfo
+from specrun.errors import UsageError
+from specrun.files import human_size
+from specrun.runtime.plan import Plan, RunOptions, build_plan
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def plan(opts: RunOptions, as_json: bool, gpus: list[str] | None = None, ram_free: str | None = None) -> Plan:
+    """Print the plan for these options (text or JSON on stdout); return it.
+
+    `gpus` ("NAME=FREE[/TOTAL]", e.g. "RTX 4060=8GiB") replace the GPUs llama.cpp sees, and
+    `ram_free` the free RAM, so a plan for another machine can be reviewed here.
+    """
+    devices = [parse_gpu(spec) for spec in gpus] if gpus else None
+    ram = parse_bytes(ram_free, "--ram-free") if ram_free else None
+    result = build_plan(opts, devices=devices, ram_free_bytes=ram)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        for line in plan_lines(result):
+            ui.write_text(line + "\n")
+    return result
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """Return the plan as the lines `specrun plan` prints."""
+    data = plan.to_dict()
+    target, draft = data["target"], data["draft"]
+    placed = plan.placement
+    lines = [f"target   {target['name']}  {target['path']}"]
+    lines.append(f"         {_layers_text(target['gpu_layers'], target['layer_slots'], plan)}")
+    if draft is not None:
+        lines.append(f"draft    {draft['name']}  {draft['path']}")
+        lines.append(f"         {'whole on ' + draft['device'] if draft['gpu_layers'] else 'in RAM'}")
+    if plan.tree is None:
+        lines.append(f"decoding plain (no draft loaded): {plan.why}")
+    else:
+        lines.append(f"drafter  {plan.drafter}: {plan.tree.describe()}")
+        lines.append(f"         why: {plan.why}")
+    tctx = plan.target_ctx
+    lines.append(
+        f"context  {tctx.n_ctx} tokens; target batch = ubatch {tctx.n_ubatch}"
+        + (f" (largest tree {plan.tree.shape.budget} + root), {tctx.n_seq_max} sequences" if plan.tree else "")
+    )
+    if plan.draft_ctx is not None:
+        lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
+    lines.append(f"threads  {plan.threads}")
+    lines.append(f"memory   RAM: {human_size(placed.ram_bytes)} planned, {human_size(placed.ram_limit_bytes)} usable"
+                 + ("" if placed.ram_fits else "  (does not fit)"))
+    for device in data["memory"]["devices"]:
+        fits = device["planned_bytes"] <= device["limit_bytes"]
+        lines.append(
+            f"         {device['name']}: {human_size(device['planned_bytes'])} planned of "
+            f"{human_size(device['free_bytes'])} free ({human_size(device['limit_bytes'])} usable)"
+            + ("" if fits else "  (does not fit)")
+        )
+    if not plan.devices:
+        lines.append("         no GPU: everything runs on the CPU")
+    for warning in data["warnings"]:
+        lines.append(f"warning  {warning}")
+    return lines
+
+
+def _layers_text(gpu_layers: int, slots: int, plan: Plan) -> str:
+    if not plan.devices or gpu_layers == 0:
+        return f"all {slots} layer slots in RAM"
+    if gpu_layers >= slots:
+        return f"all {slots} layer slots on the GPU"
+    return f"{gpu_layers} of {slots} layer slots on the GPU, {slots - gpu_layers} in RAM"
+
+
+def parse_gpu(spec: str) -> DeviceInfo:
+    """Return a made-up GPU from "NAME=FREE[/TOTAL]" (sizes like 8GiB, 7.5G, 8000MB)."""
+    name, sep, sizes = spec.rpartition("=")
+    if not sep or not name.strip():
+        raise UsageError(f"--gpu {spec!r}: expected NAME=FREE or NAME=FREE/TOTAL, e.g. 'RTX 4060=8GiB'")
+    free_text, _, total_text = sizes.partition("/")
+    free = parse_bytes(free_text, "--gpu")
+    total = parse_bytes(total_text, "--gpu") if total_text else free
+    if total < free:
+        raise UsageError(f"--gpu {spec!r}: free memory exceeds the total")
+    return DeviceInfo(name.strip(), "assumed with --gpu", "gpu", "assumed", free, total)
+
+
+def parse_bytes(text: str, option: str) -> int:
+    """Return a size like '8GiB', '7.5G', '512MB' or '1000000' in bytes."""
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value < 0:
+        raise UsageError(f"{option}: cannot read the size {text!r} (use e.g. 8GiB, 7.5G, 512MB)")
+    return int(value * _UNITS[unit])

@@ -1,0 +1,413 @@
+"""`specrun tune`: measure this machine with this model pair, choose the tree, check it, store it.
+
+Steps: probe the hardware; measure the target's and the draft's cost curves and plain decoding's
+per-token cost; calibrate acceptance with one speculative run at the largest useful budget; let
+the tuner pick plain decoding, a SpecExec tree or a Sequoia tree; then check the prediction by
+decoding held-out prompts with the choice and with plain decoding; a tree that measures slower
+than plain decoding there is turned off. The profile (choice, curves, acceptance, prediction and
+measurement) is stored where `chat`, `generate` and `bench` find it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specrun import __version__, ui
+from specrun.core.sampling import SamplingParams, make_rng
+from specrun.core.shapes import MAX_BUDGET, TreeShape
+from specrun.decoding.plain import PlainDecoder
+from specrun.errors import SpecrunError, UsageError
+from specrun.limits import MAX_SEQ
+from specrun.runtime.plan import RunOptions, resolve_models, tree_of_choice
+from specrun.runtime.runtime import Runtime, make_decoder
+from specrun.tuning import cost_model as tuner
+from specrun.tuning import measure as profiler
+from specrun.tuning import profiles, report
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """How long and how hard `tune` measures. Times are budgets in seconds per phase."""
+
+    max_budget: int  # largest tree (draft tokens) calibrated
+    depth: int  # depth limit of the calibration tree: deeper trees are not considered
+    width: int  # nodes per draft pass while calibrating
+    top_k: int  # children per expanded node
+    curve_repeats: int
+    curve_seconds: float
+    calibration_prompts: int
+    calibration_tokens: int
+    calibration_seconds: float
+    check_prompts: int
+    check_tokens: int
+    check_seconds: float
+
+
+# --quick fits about 3 minutes for a ~100M-parameter pair on 2 CPU cores.
+QUICK = TuneSettings(
+    max_budget=64, depth=12, width=4, top_k=4, curve_repeats=3, curve_seconds=25,
+    calibration_prompts=3, calibration_tokens=48, calibration_seconds=50,
+    check_prompts=3, check_tokens=48, check_seconds=50,
+)
+FULL = TuneSettings(
+    max_budget=512, depth=16, width=4, top_k=4, curve_repeats=5, curve_seconds=120,
+    calibration_prompts=6, calibration_tokens=96, calibration_seconds=420,
+    check_prompts=3, check_tokens=128, check_seconds=300,
+)
+
+# Trees of this many tokens (root included) at most for Sequoia: its inner nodes must fit the
+# draft's sequence ids (sequoia_draft.MAX_INNER_NODES).
+MAX_SEQUOIA_TOKENS = MAX_SEQ
+# A tree that measures slower than this against plain decoding on the held-out prompts is
+# turned off, whatever the prediction said.
+CHECK_MIN_SPEEDUP = 1.0
+
+
+
+def tune(opts: RunOptions, settings: TuneSettings) -> dict:
+    """Measure, choose, check and store; return the stored profile."""
+
+    t_start = time.monotonic()
+    hardware = profiler.probe_hardware()
+    report.warn_if_busy(hardware)
+    max_budget = min(opts.budget or settings.max_budget, MAX_BUDGET)
+    depth = opts.depth or settings.depth
+    calibration_shape = TreeShape(max_budget, depth, min(settings.width, max_budget), min(settings.top_k, max_budget))
+    with Runtime(opts, shape_override=calibration_shape) as rt:
+        if not rt.speculative:
+            raise UsageError(f"no draft model for {rt.models.target_name}: pass --draft to tune a pair")
+        ui.dim(
+            f"tuning {rt.models.target_name} with draft {rt.models.draft_name} on {hardware.cpu}, "
+            f"{rt.target_ctx.threads} threads" + report.gpu_note(hardware)
+        )
+        calib_prompts = [rt.tokenize_prompt(text, chat=True) for _, text in profiler.CALIBRATION_PROMPTS]
+        held_out = [rt.tokenize_prompt(text, chat=True) for _, text in profiler.HELD_OUT_PROMPTS]
+        with report.progress() as progress:
+            measured = _measure(rt, settings, calibration_shape, calib_prompts, progress)
+            choice, best_tree = _choose(measured)
+            check = _check(rt, choice, best_tree, held_out, settings, progress)
+        if choice.kind != "plain" and check.tree_speedup < CHECK_MIN_SPEEDUP:
+            # Measured beats predicted: the tree lost on the held-out prompts, so decode plainly.
+            choice = tuner.Choice("plain", 0, 0, 0, 0, _plain_rate(measured), 1.0)
+        key = profiles.profile_key(
+            rt.models.target_path, rt.models.draft_path, hardware.fingerprint(), rt.target_ctx.threads
+        )
+        profile = _profile(key, rt, hardware, settings, measured, choice, best_tree, check)
+    profile["seconds"] = round(time.monotonic() - t_start, 1)
+    path = profiles.save(profile)
+    ui.dim(f"profile saved to {path}")
+    return profile
+
+
+@dataclass
+class Measured:
+    """Everything the tuner's choice is made from."""
+
+    target: profiler.CurveMeasurement
+    draft: profiler.CurveMeasurement
+    plain: profiler.PlainTiming
+    calibration: profiler.Calibration
+    overhead_s: float  # per calibration step (a tree of the calibration budget)
+    overhead_per_pass_s: float  # the same, per forward pass: what the tuner's cost model uses
+
+    @property
+    def target_curve(self) -> tuner.CostCurve:
+        return self.target.curve()
+
+    @property
+    def draft_curve(self) -> tuner.CostCurve:
+        return self.draft.curve()
+
+
+def _measure(rt, settings: TuneSettings, shape, prompts: list[list[int]], progress) -> Measured:
+
+    depth = shape.depth
+    sizes = profiler.curve_sizes(shape.budget + 1)
+    task = progress.add_task("target cost curve", total=len(sizes))
+    target = profiler.measure_curve(
+        rt.target_ctx, prompts[0], sizes, repeats=settings.curve_repeats,
+        deadline=time.monotonic() + settings.curve_seconds,
+        # A tree costing more than depth + 1 plain passes loses even if all of it is accepted.
+        stop_ratio=depth + 1.0,
+        on_size=lambda n, s: progress.advance(task),
+    )
+    progress.update(task, completed=len(sizes))
+    ui.dim("target pass: " + report.curve_text(target.decode))
+
+    widths = profiler.curve_sizes(max(tuner.DEFAULT_WIDTHS[-1], 2 * shape.width))
+    task = progress.add_task("draft cost curve", total=len(widths))
+    draft = profiler.measure_curve(
+        rt.draft_ctx, prompts[0], widths, repeats=settings.curve_repeats,
+        deadline=time.monotonic() + settings.curve_seconds / 2, top_k=shape.top_k,
+        on_size=lambda n, s: progress.advance(task),
+    )
+    progress.update(task, completed=len(widths))
+    ui.dim("draft pass:  " + report.curve_text({n: s + draft.topk.get(n, 0.0) for n, s in draft.decode.items()}))
+
+    plain = profiler.measure_plain(rt.target, rt.target_ctx, prompts[0], 16)
+
+    curve = target.curve()
+    budget = _calibration_budget(curve, shape.budget, depth)
+    n_prompts = settings.calibration_prompts
+    task = progress.add_task(f"calibrating (tree of {budget})", total=n_prompts * settings.calibration_tokens)
+    calibration = profiler.calibrate(
+        rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, prompts[:n_prompts],
+        TreeShape(budget, depth, min(shape.width, budget), min(shape.top_k, budget)),
+        settings.calibration_tokens, deadline=time.monotonic() + settings.calibration_seconds,
+        on_step=lambda n: progress.advance(task, n),
+    )
+    progress.update(task, completed=n_prompts * settings.calibration_tokens)
+    cal = calibration.summary()
+    ui.dim(
+        f"calibration: {cal['n_tokens']} tokens in {cal['n_steps']} passes of a {budget}-token tree, "
+        f"{cal['accepted_per_pass']:.2f} accepted per pass"
+    )
+    topk = draft.topk_curve()
+    return Measured(
+        target, draft, plain, calibration, calibration.overhead_s(topk), calibration.overhead_per_pass_s(topk)
+    )
+
+
+def _calibration_budget(curve: tuner.CostCurve, cap: int, depth: int) -> int:
+    """Return the largest budget worth calibrating: a tree of B + 1 tokens can only pay while
+    one pass over it costs less than depth + 1 plain passes (all accepted, at best)."""
+    limit = (depth + 1) * curve.t(1)
+    budget = 1
+    for n in range(1, cap + 1):
+        if curve.t(n + 1) <= limit:
+            budget = n
+    return budget
+
+
+def _budgets(largest: int) -> list[int]:
+    """Return budgets to evaluate: every size up to 64, then steps of about 6%."""
+    budgets = set(range(1, min(largest, 64) + 1))
+    b = 64.0
+    while b < largest:
+        b *= 1.06
+        budgets.add(min(largest, round(b)))
+    return sorted(budgets)
+
+
+def _tuner_inputs(measured: Measured) -> dict:
+    cal = measured.calibration
+    budgets = _budgets(cal.budget)
+    depths = [d for d in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32) if d < cal.depth] + [cal.depth]
+    return dict(
+        target_curve=measured.target_curve,
+        draft_curve=measured.draft_curve,
+        overhead=0.0,
+        overhead_per_pass=measured.overhead_per_pass_s,
+        tau_by_depth=cal.tau_by_depth(budgets, depths),
+        depth=cal.depth,
+        top_k=cal.top_k,
+        branching=cal.branching(),
+        plain_overhead=measured.plain.overhead_s,
+        max_tree_tokens=cal.budget + 1,
+    )
+
+
+def _choose(measured: Measured) -> tuple[tuner.Choice, tuner.Choice]:
+    """Return (the choice, the best tree even if it loses to plain decoding)."""
+    inputs = _tuner_inputs(measured)
+    cal = measured.calibration
+    best_specexec = tuner.choose_config(**inputs, min_speedup=0.0)
+    draft = measured.draft_curve
+    sequoia_inputs = {
+        **inputs,
+        "tau_by_depth": None,
+        "max_tree_tokens": min(cal.budget + 1, MAX_SEQUOIA_TOKENS),
+        # The tuner prices a static tree's first draft pass at one token; catching up is wider.
+        "overhead": inputs["overhead"] + max(0.0, draft.t(cal.catchup_tokens()) - draft.t(1)),
+    }
+    best_sequoia = tuner.choose_config(
+        **sequoia_inputs, accept_probs=cal.accept_probs(), sequoia_depths=tuple(range(1, cal.depth + 1)),
+        min_speedup=0.0,
+    )
+    candidates = [c for c in (best_specexec, best_sequoia) if c.kind != "plain"]
+    if not candidates:
+        plain = tuner.choose_config(**inputs)
+        return plain, plain
+    best = max(candidates, key=lambda c: c.predicted_tokens_per_s)
+    if best.predicted_speedup < tuner.MIN_SPEEDUP:
+        plain_rate = best.predicted_tokens_per_s / best.predicted_speedup
+        return tuner.Choice("plain", 0, 0, 0, 0, plain_rate, 1.0), best
+    return best, best
+
+
+@dataclass
+class CheckResult:
+    """Held-out decoding: the chosen configuration against plain decoding, same prompts."""
+
+    plain_tokens_per_s: float
+    tree_tokens_per_s: float  # the best tree (the choice, unless plain decoding was chosen)
+    accepted_per_pass: float
+    identical_output: bool
+    n_prompts: int
+    n_tokens: int
+
+    @property
+    def tree_speedup(self) -> float:
+        return self.tree_tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
+
+
+def _check(rt, choice: tuner.Choice, tree: tuner.Choice, prompts: list[list[int]], settings: TuneSettings, progress) -> CheckResult:
+    """Decode held-out prompts plainly and with the best tree; return the speeds."""
+
+    greedy = SamplingParams()
+    n_prompts = settings.check_prompts
+    task = progress.add_task("checking the prediction", total=2 * n_prompts * settings.check_tokens)
+    deadline = time.monotonic() + settings.check_seconds
+    # Each generation may overrun its share a little; a machine slowed down by other work must
+    # not stretch the check without bound.
+    seconds_each = 1.5 * settings.check_seconds / (2 * n_prompts)
+    totals = {"plain": [0, 0.0, 0], "tree": [0, 0.0, 0]}  # tokens, seconds, passes
+    outputs: dict[str, list[int]] = {}
+    identical = True
+    done = 0
+    for i, prompt in enumerate(prompts[:n_prompts]):
+        if done and time.monotonic() > deadline:
+            break
+        # Alternate the order (plain, tree), (tree, plain), ... so a slow drift of the machine's
+        # speed hits both alike.
+        for kind in ("plain", "tree") if i % 2 == 0 else ("tree", "plain"):
+            # Fresh decoders: each one's record of the cached tokens must match the contexts.
+            rt.target_ctx.clear()
+            rt.draft_ctx.clear()
+            decoder = PlainDecoder(rt.target, rt.target_ctx) if kind == "plain" else choice_decoder(rt, tree)
+            outputs[kind] = _generate(decoder, prompt, greedy, settings.check_tokens, seconds_each)
+            progress.advance(task, settings.check_tokens)
+            # Steady state, as predicted: the first pass also prefills the draft with the prompt.
+            steps = decoder.stats.steps[1:] or decoder.stats.steps
+            totals[kind][0] += sum(len(step.tokens) for step in steps)
+            totals[kind][1] += sum(step.total_s for step in steps)
+            totals[kind][2] += len(steps)
+        common = min(len(outputs["plain"]), len(outputs["tree"]))
+        identical &= outputs["plain"][:common] == outputs["tree"][:common]
+        done += 1
+    rt.target_ctx.clear()
+    rt.draft_ctx.clear()
+    (plain_tokens, plain_s, _), (tree_tokens, tree_s, passes) = totals["plain"], totals["tree"]
+    return CheckResult(
+        plain_tokens_per_s=plain_tokens / plain_s if plain_s else 0.0,
+        tree_tokens_per_s=tree_tokens / tree_s if tree_s else 0.0,
+        accepted_per_pass=tree_tokens / passes if passes else 0.0,
+        identical_output=identical,
+        n_prompts=done,
+        n_tokens=plain_tokens,
+    )
+
+
+def _generate(decoder, prompt: list[int], params, max_tokens: int, seconds: float) -> list[int]:
+    """Return the generated ids, stopping after max_tokens or once `seconds` have passed."""
+
+    stop_at = time.monotonic() + seconds
+    out: list[int] = []
+    for step in decoder.steps(prompt, params, max_tokens, make_rng(params.seed)):
+        out.extend(step.tokens)
+        if time.monotonic() > stop_at:
+            break
+    return out
+
+
+def choice_decoder(rt, choice: tuner.Choice):
+    """Return a decoder on the runtime's contexts for a tuner choice (plain, SpecExec or Sequoia)."""
+    return make_decoder(tree_of_choice(choice), rt.target, rt.target_ctx, rt.draft, rt.draft_ctx)
+
+
+def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree, check: CheckResult) -> dict:
+
+    cal = measured.calibration
+    chosen_tree = choice.kind != "plain"
+    budgets = _budgets(cal.budget)
+    return {
+        "key": key,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "specrun": __version__,
+        "models": {"target": rt.models.target_name, "draft": rt.models.draft_name},
+        "threads": rt.target_ctx.threads,
+        "quick": settings is QUICK,
+        "config": choice.to_dict(),
+        "predicted_speedup": round(choice.predicted_speedup, 4),
+        "measured_speedup": round(check.tree_speedup, 4) if chosen_tree else 1.0,
+        "predicted_tokens_per_s": round(choice.predicted_tokens_per_s, 3),
+        "best_tree": best_tree.to_dict(),
+        "check": {
+            "plain_tokens_per_s": round(check.plain_tokens_per_s, 3),
+            "plain_predicted_tokens_per_s": round(_plain_rate(measured), 3),
+            "tree_tokens_per_s": round(check.tree_tokens_per_s, 3),
+            "tree_predicted_tokens_per_s": round(best_tree.predicted_tokens_per_s, 3),
+            "tree_predicted_speedup": round(best_tree.predicted_speedup, 4),
+            "tree_measured_speedup": round(check.tree_speedup, 4),
+            "accepted_per_pass": round(check.accepted_per_pass, 3),
+            "predicted_accepted_per_pass": round(_predicted_accepted(measured, best_tree), 3),
+            "identical_output": check.identical_output,
+            "prompts": check.n_prompts,
+            "tokens": check.n_tokens,
+        },
+        "hardware": hardware.to_dict(),
+        "curves": {
+            "target": measured.target_curve.to_dict(),
+            "draft": measured.draft_curve.to_dict(),
+            "draft_topk": measured.draft.topk_curve().to_dict() if measured.draft.topk else None,
+        },
+        "overhead_s": measured.overhead_s,
+        "overhead_per_pass_s": measured.overhead_per_pass_s,
+        "plain": {"target_s": measured.plain.target_s, "overhead_s": measured.plain.overhead_s},
+        "acceptance": {
+            "tau": {str(b): round(t, 4) for b, t in cal.tau(budgets).items()},
+            "accept_probs": [round(a, 5) for a in cal.accept_probs()],
+            "branching": round(cal.branching(), 4),
+        },
+        "calibration": cal.to_dict(),
+    }
+
+
+def _plain_rate(measured: Measured) -> float:
+    return 1.0 / (measured.target_curve.t(1) + measured.plain.overhead_s)
+
+
+def _predicted_accepted(measured: Measured, choice: tuner.Choice) -> float:
+    """Return the tokens per target pass the tuner expects from a choice."""
+    if choice.kind == "sequoia" and choice.tree is not None:
+        return tuner.expected_accepted(choice.tree, measured.calibration.accept_probs())
+    if choice.kind == "specexec":
+        return measured.calibration.tau([choice.budget], choice.depth)[choice.budget]
+    return 1.0
+
+
+def run_tune(opts: RunOptions, quick: bool, show: bool, as_json: bool, plot: Path | None) -> None:
+    """Tune (or with show=True print the stored profile); JSON on stdout with as_json, PNG with plot."""
+    if plot is not None:
+        report.require_matplotlib()
+    if show:
+        profile = stored_profile(opts)
+    else:
+        profile = tune(opts, QUICK if quick else FULL)
+    if as_json:
+        print(json.dumps(report.profile_summary(profile), indent=1))
+    else:
+        for line in report.report_lines(profile):
+            ui.info(line)
+    if plot is not None:
+        report.write_plot(profile, plot)
+        ui.dim(f"plot written to {plot}")
+
+
+def stored_profile(opts: RunOptions) -> dict:
+    """Return the stored profile for the pair the options name; raise when there is none."""
+
+    models = resolve_models(opts)
+    if models.draft_path is None:
+        raise UsageError(f"no draft model for {models.target_name}: pass --draft")
+    profile = profiles.load(models.target_path, models.draft_path, opts.threads)
+    if profile is None:
+        raise SpecrunError(
+            f"no tuning profile for {models.target_name} with {models.draft_name} on this machine "
+            "(or the files or llama.cpp changed since): run `specrun tune`"
+        )
+    return profile

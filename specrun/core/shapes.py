@@ -1,0 +1,110 @@
+"""Tree shapes: how big a speculative tree is (TreeShape) and static tree templates (Sequoia).
+
+Plain data shared by the drafters, the decoders, the tuner and the runtime plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from specrun.errors import UsageError
+
+MAX_BUDGET = 2048  # nodes per tree; the target's n_batch is sized for budget + 1
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How big a tree to grow: node budget, depth limit, nodes expanded per draft pass, children each."""
+
+    budget: int = 16
+    depth: int = 8
+    width: int = 4
+    top_k: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.budget <= MAX_BUDGET:
+            raise UsageError(f"budget must be between 1 and {MAX_BUDGET} nodes, got {self.budget}")
+        if self.depth < 1:
+            raise UsageError(f"tree depth must be at least 1, got {self.depth}")
+        if self.width < 1 or self.top_k < 1:
+            raise UsageError("tree width and top-k must be at least 1")
+
+    @classmethod
+    def chain(cls, depth: int) -> "TreeShape":
+        """Classic speculative decoding: one path of `depth` draft tokens."""
+        return cls(budget=depth, depth=depth, width=1, top_k=1)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.width == 1 and self.top_k == 1
+
+    def resized(self, budget: int) -> "TreeShape":
+        """Return the same kind of tree with `budget` nodes: a chain stays a chain (its depth is
+        its budget); a tree keeps its depth limit, with width and top-k at most the budget."""
+        if self.is_chain:
+            return TreeShape.chain(budget)
+        return replace(self, budget=budget, width=min(self.width, budget), top_k=min(self.top_k, budget))
+
+
+@dataclass(frozen=True)
+class TreeTemplate:
+    """A static tree shape: node i hangs under `parents[i]` as its `ranks[i]`-th child.
+
+    Node 0 is the root (parent -1, rank 0): the last emitted token. At run time a node of rank k
+    gets its parent's k-th most likely draft token. Nodes are in breadth-first order, so
+    ancestors come first and each level is contiguous; a node's children have ranks 1..m.
+    """
+
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        depths = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            depths[i] = depths[self.parents[i]] + 1
+        return tuple(depths)
+
+    @property
+    def size(self) -> int:
+        """Nodes including the root: the tokens the target scores in one pass."""
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def n_leaves(self) -> int:
+        return self.size - len(set(self.parents[1:]))
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks)
+
+    def expanding_widths(self) -> list[int]:
+        """Return, per depth, how many nodes have children: the draft batch width at that level."""
+        widths = [0] * self.depth
+        for node in set(self.parents[1:]):
+            widths[self.depths[node]] += 1
+        return widths
+
+    def to_dict(self) -> dict:
+        return {"parents": list(self.parents), "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> TreeTemplate:
+        return cls(tuple(int(p) for p in data["parents"]), tuple(int(r) for r in data["ranks"]))
+
+
+def template_shape(template: TreeTemplate) -> TreeShape:
+    """Return the TreeShape that describes a template (for context sizing and reporting)."""
+    widths = template.expanding_widths() or [1]
+    return TreeShape(
+        budget=max(template.size - 1, 1),
+        depth=max(template.depth, 1),
+        width=max(widths),
+        top_k=max(template.max_rank, 1),
+    )

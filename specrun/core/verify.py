@@ -1,0 +1,70 @@
+"""Acceptance walk over a scored draft tree: the target's own choices, exact at any temperature.
+
+At each node on the way down the target draws its next token exactly as plain decoding would
+(`sampling.choose_token` on that node's logits); the draft only decides how far one target pass
+reaches. So every emitted token is a draw from the target's distribution given everything
+before it: the same tokens as plain greedy decoding at temperature 0, the same distribution
+otherwise. Each emitted token consumes exactly one uniform from the generator, as in plain
+sampling, so with the same seed (and the same logits) speculative and plain sampling emit the
+same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrun.core.sampling import SamplingParams, choose_token
+from specrun.core.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What one target pass over a draft tree commits."""
+
+    nodes: tuple[int, ...]  # accepted node ids from the root (node 0, always included) down
+    tokens: tuple[int, ...]  # to emit now: the tokens of nodes[1:], then `bonus` if one was drawn
+    bonus: int | None  # target token no child carried: next step's root, not in the KV cache;
+    # None when the walk stopped on a tree node (end-of-generation or max_tokens reached there)
+    end_of_generation: bool  # tokens[-1] ends generation
+
+    @property
+    def accepted_depth(self) -> int:
+        """Draft tokens accepted: the depth of the deepest accepted node."""
+        return len(self.nodes) - 1
+
+
+def accept_path(
+    tree: DraftTree,
+    target_logits: np.ndarray,
+    params: SamplingParams,
+    rng: np.random.Generator,
+    eog_ids: frozenset[int] | Callable[[int], bool] = frozenset(),
+    max_tokens: int | None = None,
+) -> Acceptance:
+    """Return the accepted path and the tokens to emit, given the target's logits for every node.
+
+    `target_logits[i]` is the target's logit row after node i (row 0: after the root). Only the
+    rows on the walked path are read. The walk stops after an end-of-generation token (which is
+    emitted; the caller decides whether to print it) and never emits more than `max_tokens`.
+    """
+    if target_logits.ndim != 2 or target_logits.shape[0] < len(tree):
+        raise ValueError(f"need one logit row per tree node ({len(tree)}), got shape {target_logits.shape}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    is_eog = eog_ids if callable(eog_ids) else eog_ids.__contains__
+    limit = len(tree) if max_tokens is None else max_tokens
+    node, nodes, tokens = 0, [0], []
+    while True:
+        token = choose_token(target_logits[node], params, rng)
+        tokens.append(token)
+        # The target drew `token` itself; the draft is right iff a child carries it: descend, else stop.
+        child = tree.find_child(node, token)
+        if child is None:
+            return Acceptance(tuple(nodes), tuple(tokens), token, bool(is_eog(token)))
+        node = child
+        nodes.append(child)
+        if is_eog(token) or len(tokens) >= limit:
+            return Acceptance(tuple(nodes), tuple(tokens), None, bool(is_eog(token)))

@@ -1,0 +1,151 @@
+"""Growing a draft tree with the draft model (SpecExec-style best-first expansion).
+
+The draft's KV cache holds the committed text in sequence 0, including the current root. Every
+tree node the draft expands gets a sequence id of its own, copied from its parent's, so in one
+batch each node sees exactly its ancestors. After verification the accepted path is copied into
+sequence 0 and every other sequence is dropped: what the draft computed for the accepted path is
+kept, the rest freed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from specrun.core.sampling import log_softmax_topk
+from specrun.core.shapes import MAX_BUDGET, TreeShape
+from specrun.core.tree import MAX_LEAVES, DraftTree
+from specrun.decoding.drafters.base import Proposal
+from specrun.decoding.kv import CachedSequence
+from specrun.engine import Batch, Context
+from specrun.limits import MAX_SEQ
+
+
+@dataclass
+class GrownTree(Proposal):
+    """A pruned draft tree plus the draft-side bookkeeping needed to commit its accepted path."""
+
+    # node id (after pruning) -> draft sequence holding its path (only nodes the draft decoded)
+    node_seq: dict[int, int] = field(default_factory=dict)
+
+    def path_ranks(self, nodes) -> tuple[int, ...]:
+        return tuple(self.best_first_ranks(nodes))
+
+    def best_first_ranks(self, nodes) -> list[int]:
+        """Return each node's 1-based rank by draft score (ties: lower id first); root excluded.
+
+        A best-first tree with a smaller budget B' is the top-B' of this one, so the ranks on the
+        accepted path tell how deep a smaller tree would have reached (one-run calibration).
+        """
+        logps = self.tree.logps
+        out = []
+        for node in nodes:
+            if node == 0:
+                continue
+            above = int((logps[1:] > logps[node]).sum()) + int((logps[1:node] == logps[node]).sum())
+            out.append(above + 1)
+        return out
+
+
+class TreeGrower:
+    """A drafter that grows trees best-first with the draft model, its KV cache in step with the target."""
+
+    def __init__(self, model, ctx: Context, shape: TreeShape):
+        self.model = model
+        self.ctx = ctx
+        self.shape = shape
+        self.cache = CachedSequence(ctx, Batch(ctx.n_batch, 1))
+        self.batch = Batch(min(ctx.n_batch, max(shape.width, 1)), 1)
+        self._free_seqs: list[int] = []
+        self._used_seqs: list[int] = []
+        self.p0 = 0
+
+    def _catch_up(self, committed: Sequence[int], root: int) -> np.ndarray:
+        """Make the draft cache hold committed + root; return the draft's logits after the root."""
+        self.cache.sync([*committed, root], include_last=True)
+        return self.ctx.logits_row(-1)
+
+    def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> GrownTree:
+        """Return a tree of at most `budget` nodes below `root`, at most `depth` deep."""
+        ctx, shape = self.ctx, self.shape
+        self.p0 = p0 = len(committed)
+        tree = DraftTree(root, capacity=min(4 * budget + 8, 4 * MAX_BUDGET))
+        node_seq: dict[int, int] = {0: 0}
+        t0 = time.perf_counter()
+        row = self._catch_up(committed, root)
+        draft_s = time.perf_counter() - t0
+        passes = 1
+        k = min(shape.top_k, budget)
+        ids, lps = log_softmax_topk(row[None, :], k)
+        tree.expand([0], ids, lps)
+        expanded = np.zeros(tree_capacity := 64, bool)
+        expanded[0] = True
+        self._free_seqs = list(range(MAX_SEQ - 1, 0, -1))
+        self._used_seqs = []
+        room = ctx.n_ctx - (p0 + 1)
+        while self._free_seqs and room > 0:
+            n = len(tree)
+            if n > tree_capacity:
+                tree_capacity = max(2 * tree_capacity, n)
+                expanded = np.concatenate([expanded, np.zeros(tree_capacity - len(expanded), bool)])
+            logps, depths = tree.logps, tree.depths
+            open_ = ~expanded[:n] & (depths < depth)
+            if n - 1 >= budget:
+                # A node's children score below it, so only nodes above the budget-th best score
+                # can still add a node to the best `budget` (already when the tree is just full).
+                threshold = -np.partition(-logps[1:], budget - 1)[budget - 1]
+                open_ &= logps > threshold
+            candidates = np.flatnonzero(open_)
+            if len(candidates) == 0:
+                break
+            width = min(shape.width, len(self._free_seqs), room, self.batch.capacity)
+            if len(candidates) > width:
+                best = np.argpartition(-logps[candidates], width - 1)[:width]
+                candidates = candidates[best]
+            seqs = [self._free_seqs.pop() for _ in candidates]
+            parents = tree.parents
+            for node, seq in zip(candidates.tolist(), seqs):
+                ctx.seq_cp(node_seq[int(parents[node])], seq, -1, -1)
+                node_seq[node] = seq
+            self._used_seqs.extend(seqs)
+            self.batch.set_arrays(tree.tokens[candidates], p0 + depths[candidates], seqs, True)
+            t0 = time.perf_counter()
+            ctx.decode(self.batch)
+            draft_s += time.perf_counter() - t0
+            passes += 1
+            room -= len(candidates)
+            expanded[candidates] = True
+            ids, lps = log_softmax_topk(ctx.logits(), k)
+            tree.expand(candidates, ids, lps)
+        kept = tree.prune_to_best(budget)
+        while len(tree.leaves()) > MAX_LEAVES:
+            # The worst-scored nodes are leaves (a parent outscores its children): drop them
+            # until one target pass can give every leaf its own sequence.
+            n_over = len(tree.leaves()) - MAX_LEAVES
+            kept = kept[tree.prune_to_best(len(tree) - 1 - n_over)]
+        new_id = {int(old): new for new, old in enumerate(kept.tolist())}
+        node_seq = {new_id[old]: seq for old, seq in node_seq.items() if old in new_id}
+        return GrownTree(tree, draft_s, passes, node_seq)
+
+    def commit(self, grown: GrownTree, accepted_nodes: Sequence[int]) -> None:
+        """Keep the draft's cache of the accepted path and free every other tree sequence."""
+        tree, ctx = grown.tree, self.ctx
+        deepest = 0
+        for depth, node in enumerate(accepted_nodes):
+            if node in grown.node_seq:
+                deepest = depth
+        if deepest > 0:
+            seq = grown.node_seq[accepted_nodes[deepest]]
+            ctx.seq_cp(seq, 0, self.p0 + 1, self.p0 + deepest + 1)
+        if self._used_seqs:
+            ctx.seq_keep(0)
+        self._used_seqs = []
+        self.cache.tokens.extend(int(tree.tokens[n]) for n in accepted_nodes[1 : deepest + 1])
+
+    def reset(self) -> None:
+        """Forget the draft cache (e.g. after an error left it in an unknown state)."""
+        self.ctx.clear()
+        self.cache.tokens.clear()

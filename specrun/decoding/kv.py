@@ -1,0 +1,72 @@
+"""The committed text in a context's KV cache (sequence 0), reused across calls."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from specrun.errors import ContextFullError, UsageError
+
+
+class CachedSequence:
+    """Tracks the tokens held in sequence 0 of a context's KV cache and reuses them across calls.
+
+    The last token of a prompt is kept out of the cache: it is the "pending" token the next
+    forward pass starts from (for speculation, the root of the first tree).
+    """
+
+    def __init__(self, ctx, batch):
+        self.ctx = ctx
+        self.batch = batch
+        self.tokens: list[int] = []
+
+    @property
+    def n_cached(self) -> int:
+        return len(self.tokens)
+
+    def sync(self, prompt: Sequence[int], include_last: bool = False) -> tuple[int, int, float]:
+        """Make the cache hold prompt[:-1]; return (pending token, tokens prefilled, seconds).
+
+        With include_last the last token is decoded too (in the same batch as the rest of the new
+        tokens), and its logits are left in the context.
+        """
+        if not prompt:
+            raise UsageError("the prompt is empty (no tokens to start from)")
+        if len(prompt) >= self.ctx.n_ctx:
+            raise ContextFullError(
+                f"the prompt has {len(prompt)} tokens but the context holds {self.ctx.n_ctx}; "
+                "use a larger --ctx-size or a shorter prompt"
+            )
+        keep = self.reusable(prompt)
+        t0 = time.perf_counter()
+        self.truncate(keep)
+        todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
+        self.extend(todo, want_last_logits=include_last)
+        return prompt[-1], len(todo), time.perf_counter() - t0
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """Return how many leading tokens of prompt the cache already holds and keeps (the last
+        prompt token is always decoded again: its logits start the generation)."""
+        keep, limit = 0, min(len(self.tokens), len(prompt) - 1)
+        while keep < limit and self.tokens[keep] == prompt[keep]:
+            keep += 1
+        return keep
+
+    def truncate(self, n: int) -> None:
+        """Drop everything from position n on, in every sequence."""
+        self.ctx.seq_rm(-1, n, -1)
+        del self.tokens[n:]
+
+    def extend(self, tokens: Sequence[int], want_last_logits: bool = False) -> None:
+        """Decode tokens into sequence 0 in chunks of n_batch."""
+        step = self.batch.capacity
+        for start in range(0, len(tokens), step):
+            chunk = tokens[start : start + step]
+            last = start + step >= len(tokens)
+            self.batch.set_sequence(chunk, self.n_cached, 0, "last" if (want_last_logits and last) else "none")
+            self.ctx.decode(self.batch)
+            self.tokens.extend(chunk)
+
+    def room(self) -> int:
+        """Return how many more tokens fit in the context."""
+        return self.ctx.n_ctx - self.n_cached

@@ -1,0 +1,62 @@
+"""Plain autoregressive decoding: one target forward pass per token, the baseline every speedup
+is measured against."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from specrun.core.sampling import SamplingParams, choose_token
+from specrun.decoding.kv import CachedSequence
+from specrun.decoding.steps import GenerationStats, Step
+from specrun.engine import Batch
+
+
+class PlainDecoder:
+    """Autoregressive decoding: one target forward pass per token. The baseline."""
+
+    def __init__(self, model, ctx):
+        self.model = model
+        self.ctx = ctx
+        self.cache = CachedSequence(ctx, Batch(ctx.n_batch, 1))
+        self._one = Batch(1, 1)
+        self.eog = model.eog_tokens
+        self.stats = GenerationStats()
+
+    def reset(self) -> None:
+        """Forget the KV cache (after an interrupted step left it in an unknown state)."""
+        self.ctx.clear()
+        self.cache.tokens.clear()
+
+    def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
+        self.stats = stats = GenerationStats(n_prompt=len(prompt))
+        # The whole new part of the prompt goes in one batch, as llama.cpp's own tools do, and its
+        # last row gives the first token.
+        pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
+        one, ctx, cache = self._one, self.ctx, self.cache
+        logits = ctx.logits_row(-1)
+        for i in range(max_tokens):
+            t0 = time.perf_counter()
+            if i:
+                if cache.room() < 1:
+                    stats.finish_reason = "context"
+                    return
+                one.set_arrays([pending], [cache.n_cached], [0], True)
+                ctx.decode(one)
+                cache.tokens.append(pending)
+                logits = ctx.logits_row(-1)
+            t1 = time.perf_counter()
+            token = choose_token(logits, params, rng)
+            step = Step([token], target_s=t1 - t0, total_s=time.perf_counter() - t0)
+            stats.steps.append(step)
+            stats.n_generated += 1
+            stats.decode_s += step.total_s
+            yield step
+            if token in self.eog:
+                stats.finish_reason = "eog"
+                return
+            pending = token
+        stats.finish_reason = "length"
+

@@ -1,0 +1,139 @@
+"""Speculative decoding with draft trees: one target forward pass verifies a whole tree.
+
+Per step: a drafter (drafters/base.py) proposes a tree below the pending token; the target scores root +
+tree in ONE batch, each leaf a sequence of its own (tree.py's colours); the acceptance walk
+(verify.py) keeps what the target itself draws; both KV caches keep the accepted path and drop
+the rest. The committed prefix stays cached across steps, so nothing is ever prefilled twice.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from specrun.core.sampling import SamplingParams
+from specrun.core.shapes import MAX_BUDGET, TreeShape
+from specrun.core.tree import DraftTree
+from specrun.core.verify import accept_path
+from specrun.decoding.drafters.base import Drafter, Proposal
+from specrun.decoding.kv import CachedSequence
+from specrun.decoding.steps import GenerationStats, Step
+from specrun.engine import Batch, Context
+from specrun.limits import MAX_SEQ
+
+
+class SpeculativeDecoder:
+    """Decodes with the target, proposing trees with the draft. Output is exactly the target's."""
+
+    def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape):
+        if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
+            raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
+        if target_ctx.n_seq_max < MAX_SEQ:
+            raise ValueError("speculative contexts need n_seq_max = 256 (one sequence per tree leaf)")
+        self.model = target_model
+        self.ctx = target_ctx
+        self.shape = shape
+        self.cache = CachedSequence(target_ctx, Batch(target_ctx.n_batch, 1))
+        self.tree_batch = Batch(target_ctx.n_batch, MAX_SEQ)
+        self.drafter = drafter
+        self.eog = target_model.eog_tokens
+        self.stats = GenerationStats()
+
+    def reset(self) -> None:
+        """Forget both KV caches (after an interrupted step left them in an unknown state)."""
+        self.ctx.clear()
+        self.cache.tokens.clear()
+        self.drafter.reset()
+
+    def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
+        self.stats = stats = GenerationStats(n_prompt=len(prompt))
+        pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt)
+        cache, shape = self.cache, self.shape
+        while stats.n_generated < max_tokens:
+            room = cache.room()
+            if room < 1:
+                stats.finish_reason = "context"
+                return
+            t_start = time.perf_counter()
+            remaining = max_tokens - stats.n_generated
+            # Never draft deeper than what may still be emitted, nor more nodes than fit the cache.
+            depth = min(shape.depth, remaining - 1, room - 1)
+            budget = min(shape.budget, room - 1)
+            proposal = None
+            if depth >= 1 and budget >= 1:
+                proposal = self.drafter.propose(cache.tokens, pending, budget, depth)
+            step = self._verify(proposal, pending, params, rng, remaining)
+            step.total_s = time.perf_counter() - t_start
+            stats.steps.append(step)
+            stats.n_generated += len(step.tokens)
+            stats.decode_s += step.total_s
+            yield step
+            if step.tokens[-1] in self.eog:
+                stats.finish_reason = "eog"
+                return
+            pending = step.tokens[-1]
+        stats.finish_reason = "length"
+
+    def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int) -> Step:
+        """Score root + tree with one target pass, walk it, and keep the accepted path in the cache."""
+
+        ctx, cache, batch = self.ctx, self.cache, self.tree_batch
+        p0 = cache.n_cached
+        tree = proposal.tree if proposal else DraftTree(pending)
+        layout = tree.colour_batch()
+        # Every colour must see the committed prefix: copy seq 0 into colours 1.. before the pass.
+        for colour in range(1, layout.n_colours):
+            ctx.seq_cp(0, colour, -1, -1)
+        if layout.n_colours == 1:
+            batch.set_arrays(layout.tokens, p0 + layout.positions, 0, True)
+        else:
+            batch.set_tree(layout.tokens, p0 + layout.positions, layout.seq_ids, True)
+        t0 = time.perf_counter()
+        ctx.decode(batch)
+        target_s = time.perf_counter() - t0
+        acceptance = accept_path(tree, ctx.logits(), params, rng, self.eog, max_tokens=remaining)
+        keep_tree_path(ctx, layout, acceptance.nodes, p0)
+        cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
+        if proposal:
+            self.drafter.commit(proposal, acceptance.nodes)
+        return Step(
+            list(acceptance.tokens),
+            target_s=target_s,
+            draft_s=proposal.draft_s if proposal else 0.0,
+            tree_nodes=len(tree) - 1,
+            tree_depth=tree.max_depth,
+            tree_leaves=layout.n_colours if len(tree) > 1 else 0,
+            draft_passes=proposal.draft_passes if proposal else 0,
+            path_ranks=proposal.path_ranks(acceptance.nodes) if proposal else (),
+            child_ranks=_child_ranks(tree, acceptance),
+        )
+
+
+def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:
+    """Leave exactly the committed prefix + the path `nodes` in seq 0; drop every tree colour."""
+    end = p0 + len(nodes)
+    colour = int(layout.first_colour[nodes[-1]])
+    if colour == 0:
+        ctx.seq_rm(0, end, -1)
+    else:
+        # The cells of colour c in [p0, end) are exactly the path down to the accepted node.
+        ctx.seq_rm(0, p0, -1)
+        ctx.seq_cp(colour, 0, p0, end)
+    if layout.n_colours > 1:
+        ctx.seq_keep(0)
+
+
+def _child_ranks(tree, acceptance) -> tuple[int, ...]:
+    """For each visited node: 1 + position of the chosen child among its children, 0 if none.
+
+    Children are stored best-first and pruning keeps a prefix of them, so position = draft rank.
+    """
+    ranks = []
+    for depth, node in enumerate(acceptance.nodes):
+        if depth + 1 < len(acceptance.nodes):
+            ranks.append(tree.children(node).index(acceptance.nodes[depth + 1]) + 1)
+        elif acceptance.bonus is not None and tree.children(node):
+            ranks.append(0)
+    return tuple(ranks)

@@ -1,0 +1,94 @@
+"""What decoders yield: one `Step` per target forward pass, and the stats of a generation.
+
+Every decoder (plain or speculative, whatever the drafter) yields the same kind of steps, so
+everything above the step level (text streams, chat, the server, the tuner) is shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from specrun.core.sampling import SamplingParams
+
+
+@dataclass
+class Step:
+    """What one target forward pass committed."""
+
+    tokens: list[int]
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    total_s: float = 0.0
+    tree_nodes: int = 0
+    tree_depth: int = 0
+    tree_leaves: int = 0
+    draft_passes: int = 0
+    # Calibration data for the tuner: best-first rank of each accepted tree node, and for each
+    # node the walk visited, the rank among its children of the child the target chose (0: none).
+    path_ranks: tuple[int, ...] = ()
+    child_ranks: tuple[int, ...] = ()
+
+    @property
+    def overhead_s(self) -> float:
+        """Time spent outside llama_decode (Python, numpy, KV bookkeeping)."""
+        return max(0.0, self.total_s - self.target_s - self.draft_s)
+
+
+@dataclass
+class GenerationStats:
+    """Summary of one generation: counts, timings, acceptance."""
+
+    n_prompt: int = 0
+    n_prefilled: int = 0
+    n_generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str | None = None
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def n_passes(self) -> int:
+        return len(self.steps)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_generated / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def accepted_per_pass(self) -> float:
+        return self.n_generated / self.n_passes if self.n_passes else 0.0
+
+    def total(self, attr: str) -> float:
+        return float(sum(getattr(s, attr) for s in self.steps))
+
+    def as_dict(self) -> dict:
+        target_s, draft_s, overhead_s = self.total("target_s"), self.total("draft_s"), self.total("overhead_s")
+        return {
+            "n_prompt": self.n_prompt,
+            "n_prefilled": self.n_prefilled,
+            "n_tokens": self.n_generated,
+            "n_passes": self.n_passes,
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "accepted_per_pass": round(self.accepted_per_pass, 3),
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "target_s": round(target_s, 4),
+            "draft_s": round(draft_s, 4),
+            "overhead_s": round(overhead_s, 4),
+            "mean_tree_nodes": round(float(np.mean([s.tree_nodes for s in self.steps])), 2) if self.steps else 0.0,
+            "finish_reason": self.finish_reason,
+        }
+
+
+class Decoder(Protocol):
+    """Anything that turns a prompt into a stream of committed target tokens."""
+
+    stats: GenerationStats
+    eog: frozenset[int]
+
+    def reset(self) -> None: ...
+
+    def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]: ...

@@ -1,0 +1,109 @@
+"""llama.cpp's process-wide state: one-time backend setup, its log lines, version, file checks.
+
+Also the base of every owner object: each C pointer is freed exactly once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import deque
+from pathlib import Path
+
+import llama_cpp as C
+
+from specrun.errors import ModelFileError
+
+log = logging.getLogger("specrun.llama")
+
+GGUF_MAGIC = b"GGUF"
+
+# --------------------------------------------------------------------------------------------
+# Logging: llama.cpp prints through one global callback. We keep the recent error lines so a
+# failed load can say *why* in its exception message.
+
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+recent_errors: deque[str] = deque(maxlen=8)
+_last_level = [logging.INFO]
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+@C.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if level == 5:  # GGML_LOG_LEVEL_CONT continues the previous line at its level
+        py_level = _last_level[0]
+    else:
+        py_level = _LEVELS.get(level, logging.DEBUG)
+        _last_level[0] = py_level
+    message = text.decode("utf-8", errors="replace").rstrip("\n")
+    if not message.strip():
+        return
+    if py_level >= logging.WARNING:
+        recent_errors.append(message.strip())
+    if log.isEnabledFor(py_level):
+        log.log(py_level, "%s", message)
+
+
+def ensure_backend() -> None:
+    """Initialise llama.cpp once per process and route its logs into `logging`."""
+    global _backend_ready
+    with _backend_lock:
+        if _backend_ready:
+            return
+        C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        C.llama_backend_init()
+        _backend_ready = True
+
+
+def last_llama_error(default: str) -> str:
+    lines = [line for line in recent_errors if line]
+    recent_errors.clear()
+    return lines[-1] if lines else default
+
+
+def llama_version_info() -> str:
+    """Return a string identifying the llama.cpp build (package version + system info)."""
+    return f"llama-cpp-python {C.__version__}"
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+
+
+def check_gguf_file(path: Path) -> Path:
+    """Return the path if it looks like a readable GGUF file; raise ModelFileError otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"model file not found: {path}")
+    if path.is_dir():
+        raise ModelFileError(f"model path is a directory, not a GGUF file: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"cannot read model file {path}: {e.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"not a GGUF model file (bad magic {magic!r}): {path}")
+    return path
+
+
+
+class Owner:
+    """Frees its C pointer exactly once: on close(), leaving a with-block, or garbage collection."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass

@@ -1,0 +1,297 @@
+"""Contexts (KV cache + compute), batches whose tokens carry several sequence ids, detokenizing."""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+from typing import Iterable, Sequence
+
+import llama_cpp as C
+import numpy as np
+
+from specrun.engine.backend import Owner, last_llama_error, recent_errors
+from specrun.engine.model import Model
+from specrun.errors import ContextFullError, EngineError
+from specrun.limits import MAX_SEQ
+
+
+class Batch:
+    """A llama_batch whose arrays are numpy buffers we own.
+
+    Each token has a position, a list of sequence ids and a want-logits flag. The seq-id lists
+    live in one (capacity x n_seq_max) int32 matrix so filling a whole tree is array work.
+    """
+
+    def __init__(self, capacity: int, n_seq_max: int = 1):
+        self.capacity = int(capacity)
+        self.n_seq_max = int(n_seq_max)
+        self.tokens = np.zeros(self.capacity, dtype=np.int32)
+        self.positions = np.zeros(self.capacity, dtype=np.int32)
+        self.n_seq = np.ones(self.capacity, dtype=np.int32)
+        self.seq_ids = np.zeros((self.capacity, self.n_seq_max), dtype=np.int32)
+        self.want_logits = np.zeros(self.capacity, dtype=np.int8)
+        row_ptrs = self.seq_ids.ctypes.data + np.arange(self.capacity, dtype=np.uint64) * (4 * self.n_seq_max)
+        self._row_ptrs = (ctypes.POINTER(C.llama_seq_id) * self.capacity)(
+            *[ctypes.cast(int(p), ctypes.POINTER(C.llama_seq_id)) for p in row_ptrs]
+        )
+        self.struct = C.llama_batch()
+        self.struct.token = self.tokens.ctypes.data_as(ctypes.POINTER(C.llama_token))
+        self.struct.embd = ctypes.POINTER(ctypes.c_float)()
+        self.struct.pos = self.positions.ctypes.data_as(ctypes.POINTER(C.llama_pos))
+        self.struct.n_seq_id = self.n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.seq_id = ctypes.cast(self._row_ptrs, ctypes.POINTER(ctypes.POINTER(C.llama_seq_id)))
+        self.struct.logits = self.want_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.n_tokens = 0
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+
+    def add(self, token: int, pos: int, seq_ids: Sequence[int] = (0,), logits: bool = False) -> None:
+        """Append one token."""
+        i = self.n_tokens
+        if i >= self.capacity:
+            raise EngineError(f"batch full ({self.capacity} tokens)")
+        if not 1 <= len(seq_ids) <= self.n_seq_max:
+            raise EngineError(f"a token carries {len(seq_ids)} sequence ids; this batch allows 1..{self.n_seq_max}")
+        self.tokens[i] = token
+        self.positions[i] = pos
+        self.n_seq[i] = len(seq_ids)
+        self.seq_ids[i, : len(seq_ids)] = seq_ids
+        self.want_logits[i] = logits
+        self.n_tokens = i + 1
+
+    def set_sequence(self, tokens: Sequence[int], start_pos: int, seq_id: int = 0, logits: str = "last") -> None:
+        """Fill the batch with a run of tokens in one sequence (prefill); logits 'last', 'all' or 'none'."""
+        n = len(tokens)
+        if n > self.capacity:
+            raise EngineError(f"batch of {n} tokens exceeds capacity {self.capacity}")
+        self.tokens[:n] = tokens
+        self.positions[:n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
+        self.n_seq[:n] = 1
+        self.seq_ids[:n, 0] = seq_id
+        self.want_logits[:n] = 1 if logits == "all" else 0
+        if logits == "last" and n:
+            self.want_logits[n - 1] = 1
+        self.n_tokens = n
+
+    def set_tree(self, tokens: np.ndarray, positions: np.ndarray, seq_lists: Sequence[Sequence[int]], logits: bool = True) -> None:
+        """Fill the batch with tree nodes: one position and one list of seq ids (colours) per node."""
+        n = len(tokens)
+        if n > self.capacity:
+            raise EngineError(f"tree of {n} nodes exceeds batch capacity {self.capacity}")
+        self.tokens[:n] = tokens
+        self.positions[:n] = positions
+        counts = np.fromiter((len(s) for s in seq_lists), dtype=np.int32, count=n)
+        if n and (counts.min() < 1 or counts.max() > self.n_seq_max):
+            raise EngineError(f"tree nodes carry 1..{counts.max()} seq ids; this batch allows 1..{self.n_seq_max}")
+        self.n_seq[:n] = counts
+        if n and counts.max() == 1:
+            self.seq_ids[:n, 0] = [s[0] for s in seq_lists]
+        else:
+            rows = np.repeat(np.arange(n), counts)
+            cols = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            self.seq_ids[rows, cols] = np.fromiter((c for s in seq_lists for c in s), dtype=np.int32, count=len(rows))
+        self.want_logits[:n] = 1 if logits else 0
+        self.n_tokens = n
+
+    def set_arrays(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, logits: np.ndarray | bool = True) -> None:
+        """Fill the batch with tokens that each carry exactly one seq id (given as an array)."""
+        n = len(tokens)
+        if n > self.capacity:
+            raise EngineError(f"batch of {n} tokens exceeds capacity {self.capacity}")
+        self.tokens[:n] = tokens
+        self.positions[:n] = positions
+        self.n_seq[:n] = 1
+        self.seq_ids[:n, 0] = seq_ids
+        self.want_logits[:n] = logits
+        self.n_tokens = n
+
+    def __enter__(self) -> "Batch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Context
+
+
+def default_threads() -> int:
+    """Return the thread count llama.cpp runs best with here: the usable CPU cores."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Context(Owner):
+    """Owner of a llama_context: KV cache, decode, logits."""
+
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_seq_max: int = 1,
+        threads: int | None = None,
+        flash_attn: str = "auto",
+        swa_full: bool = True,
+        kv_unified: bool = True,
+    ):
+        if n_seq_max > MAX_SEQ:
+            raise EngineError(f"n_seq_max {n_seq_max} exceeds llama.cpp's limit of {MAX_SEQ}")
+        self.model = model
+        threads = threads or default_threads()
+        params = C.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        # One ubatch for the whole tree: split trees pay the weight transfer again when offloading.
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq_max
+        # llama.cpp reserves at least one output row per sequence and aborts (not errors) when
+        # that exceeds n_outputs_max, which defaults to n_batch.
+        params.n_outputs_max = max(n_batch, n_seq_max)
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.flash_attn_type = {
+            "auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            "on": C.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            "off": C.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash_attn]
+        # Sliding-window caches drop old cells; rollback of a rejected tree needs them all.
+        params.swa_full = swa_full
+        # A split-per-sequence cache cannot hold tokens shared by several tree colours.
+        params.kv_unified = kv_unified
+        params.no_perf = True
+        recent_errors.clear()
+        ptr = C.llama_init_from_model(model.ptr, params)
+        if not ptr:
+            raise EngineError(f"cannot create a context for {model.path.name}: {last_llama_error('out of memory?')}")
+        self._ptr = ptr
+        self._mem = C.llama_get_memory(ptr)
+        self.n_ctx = C.llama_n_ctx(ptr)
+        self.n_batch = C.llama_n_batch(ptr)
+        self.n_ubatch = C.llama_n_ubatch(ptr)
+        self.n_seq_max = C.llama_n_seq_max(ptr)
+        self.n_vocab = model.n_vocab
+        self.threads = threads
+        self._n_outputs = 0
+        model._contexts.append(self)
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise EngineError("context is already closed")
+        return self._ptr
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            C.llama_free(self._ptr)
+            self._ptr = None
+            self._mem = None
+            if self in self.model._contexts:
+                self.model._contexts.remove(self)
+
+    # -- decode --
+    def decode(self, batch: Batch) -> None:
+        """Run the model over the batch; raise on failure (the KV cache is then unchanged)."""
+        n = batch.n_tokens
+        if n == 0:
+            raise EngineError("decode called with an empty batch")
+        if n > self.n_batch:
+            raise EngineError(f"batch of {n} tokens exceeds the context's n_batch {self.n_batch}")
+        batch.struct.n_tokens = n
+        rc = C.llama_decode(self.ptr, batch.struct)
+        if rc != 0:
+            if rc == 1:
+                raise ContextFullError(f"the context ({self.n_ctx} tokens) has no room for {n} more tokens")
+            if rc == 2:
+                raise EngineError("decode was aborted")
+            if rc == -1:
+                raise EngineError(f"llama.cpp rejected the batch: {last_llama_error('invalid batch')}")
+            raise EngineError(f"decode failed with code {rc}: {last_llama_error('fatal error')}")
+        self._n_outputs = int(batch.want_logits[:n].sum())
+
+    def logits(self) -> np.ndarray:
+        """Return the (n_outputs x n_vocab) float32 logits of the last decode, zero-copy.
+
+        Rows follow the order of the batch tokens that asked for logits. The view is valid only
+        until the next decode.
+        """
+        ptr = C.llama_get_logits(self.ptr)
+        if not ptr or self._n_outputs == 0:
+            raise EngineError("no logits available: the last batch asked for none")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_outputs, self.n_vocab))
+
+    def logits_row(self, i: int = -1) -> np.ndarray:
+        """Return one row of the last decode's logits (by output index; -1 = last), zero-copy."""
+        ptr = C.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise EngineError(f"no logits for output {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    # -- KV cache --
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove seq's cells with positions in [p0, p1); raise if the cache cannot do it."""
+        if not C.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise EngineError(
+                f"{self.model.path.name}: its cache cannot drop part of a sequence "
+                "(recurrent or hybrid models cannot roll back; speculation needs that)"
+            )
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        C.llama_memory_seq_keep(self._mem, seq)
+
+    def seq_pos_max(self, seq: int = 0) -> int:
+        """Return the largest cached position of seq (-1 when empty)."""
+        return C.llama_memory_seq_pos_max(self._mem, seq)
+
+    def seq_pos_min(self, seq: int = 0) -> int:
+        return C.llama_memory_seq_pos_min(self._mem, seq)
+
+    def clear(self) -> None:
+        C.llama_memory_clear(self._mem, True)
+
+    def can_roll_back(self) -> bool:
+        """Return whether the cache can drop the tail of a sequence (needed for speculation)."""
+        probe_seq = 0
+        end = self.seq_pos_max(probe_seq)
+        return bool(C.llama_memory_seq_rm(self._mem, probe_seq, end + 1, -1))
+
+
+# --------------------------------------------------------------------------------------------
+# Detokenizer
+
+
+class Detokenizer:
+    """Turns a stream of token ids into text without ever splitting a UTF-8 character."""
+
+    def __init__(self, model: Model, special: bool = False):
+        self.model = model
+        self.special = special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        """Return the text that became complete with this token (maybe empty)."""
+        return self._decoder.decode(self.model.token_to_piece(token, self.special))
+
+    def feed_many(self, tokens: Iterable[int]) -> str:
+        return "".join(self.feed(t) for t in tokens)
+
+    def flush(self) -> str:
+        """Return whatever is left (an incomplete character becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Devices: llama-cpp-python does not bind libggml's device API, so a few ctypes declarations do.
+
+# enum ggml_backend_dev_type (ggml-backend.h)

@@ -1,0 +1,107 @@
+"""The devices and backends llama.cpp's ggml sees (GPU names, free and total memory).
+
+llama-cpp-python does not bind ggml's device API; a few ctypes declarations on the libggml
+shipped beside libllama do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import llama_cpp as C
+
+from specrun.engine.backend import ensure_backend
+from specrun.errors import EngineError
+
+_DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+class DeviceInfo:
+    """One compute device as libggml reports it: name, kind ('cpu', 'gpu', ...), memory in bytes."""
+
+    __slots__ = ("name", "description", "kind", "backend", "free_bytes", "total_bytes")
+
+    def __init__(self, name: str, description: str, kind: str, backend: str, free_bytes: int, total_bytes: int):
+        self.name, self.description, self.kind, self.backend = name, description, kind, backend
+        self.free_bytes, self.total_bytes = int(free_bytes), int(total_bytes)
+
+    def to_dict(self) -> dict:
+        return {slot: getattr(self, slot) for slot in self.__slots__}
+
+    def __repr__(self) -> str:
+        return f"DeviceInfo({self.to_dict()!r})"
+
+
+_ggml = None
+
+
+def _ggml_lib():
+    """Return libggml (the copy libllama already loaded), with the device functions declared."""
+    global _ggml
+    if _ggml is not None:
+        return _ggml
+    ensure_backend()
+    lib_dir = Path(C.llama_cpp._lib._name).parent
+    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
+        if (lib_dir / name).exists():
+            lib = ctypes.CDLL(str(lib_dir / name))
+            break
+    else:
+        raise EngineError(f"libggml not found beside libllama in {lib_dir}")
+    ptr, size_t, char_p = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+    signatures = {
+        "ggml_backend_dev_count": ([], size_t),
+        "ggml_backend_dev_get": ([size_t], ptr),
+        "ggml_backend_dev_name": ([ptr], char_p),
+        "ggml_backend_dev_description": ([ptr], char_p),
+        "ggml_backend_dev_memory": ([ptr, ctypes.POINTER(size_t), ctypes.POINTER(size_t)], None),
+        "ggml_backend_dev_type": ([ptr], ctypes.c_int),
+        "ggml_backend_dev_backend_reg": ([ptr], ptr),
+        "ggml_backend_reg_count": ([], size_t),
+        "ggml_backend_reg_get": ([size_t], ptr),
+        "ggml_backend_reg_name": ([ptr], char_p),
+    }
+    for fn_name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, fn_name)
+        fn.argtypes, fn.restype = argtypes, restype
+    _ggml = lib
+    return lib
+
+
+def _text(raw: bytes | None) -> str:
+    return raw.decode("utf-8", errors="replace") if raw else ""
+
+
+def list_devices() -> list[DeviceInfo]:
+    """Return every device llama.cpp can compute on (the CPU included), with its free/total memory."""
+    lib = _ggml_lib()
+    devices = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        devices.append(
+            DeviceInfo(
+                name=_text(lib.ggml_backend_dev_name(dev)),
+                description=_text(lib.ggml_backend_dev_description(dev)).strip(),
+                kind=_DEVICE_KINDS.get(lib.ggml_backend_dev_type(dev), "unknown"),
+                backend=_text(lib.ggml_backend_reg_name(reg)) if reg else "",
+                free_bytes=free.value,
+                total_bytes=total.value,
+            )
+        )
+    return devices
+
+
+def backend_names() -> list[str]:
+    """Return the llama.cpp backends compiled in or loaded (e.g. ['CPU'], ['CUDA', 'CPU'])."""
+    lib = _ggml_lib()
+    return [_text(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))) for i in range(lib.ggml_backend_reg_count())]
+
+
+def system_info() -> str:
+    """Return llama.cpp's one-line CPU feature summary (SSE3 = 1 | AVX2 = 1 | ...)."""
+    ensure_backend()
+    return _text(C.llama_print_system_info()).strip(" |")

@@ -1,0 +1,195 @@
+"""The llama_model owner: weights, vocabulary, metadata, tokenizing; and GGUF conversion."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import llama_cpp as C
+
+from specrun import sysinfo
+from specrun.engine.backend import (
+    Owner,
+    check_gguf_file,
+    ensure_backend,
+    last_llama_error,
+    recent_errors,
+)
+from specrun.errors import EngineError, ModelFileError
+
+if TYPE_CHECKING:
+    from specrun.engine.context import Context
+
+_FTYPES = {"F32": C.LLAMA_FTYPE_ALL_F32, "F16": C.LLAMA_FTYPE_MOSTLY_F16, "Q8_0": C.LLAMA_FTYPE_MOSTLY_Q8_0}
+
+
+class Model(Owner):
+    """Owner of a llama_model (weights + vocabulary)."""
+
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False):
+        ensure_backend()
+        self.path = check_gguf_file(Path(path))
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
+        if "amx_int8" in sysinfo.cpu_flags():
+            # ggml's AMX matmul (an "extra buffer type") crashes on multi-token batches of Q4_1
+            # weights in the vendored llama.cpp; the plain CPU kernels are exact and safe.
+            params.use_extra_bufts = False
+        recent_errors.clear()
+        ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            reason = last_llama_error("llama.cpp could not load it")
+            raise ModelFileError(f"cannot load model {self.path}: {reason}")
+        self._ptr = ptr
+        self._vocab = C.llama_model_get_vocab(ptr)
+        self._contexts: list[Context] = []
+        self.n_vocab = C.llama_vocab_n_tokens(self._vocab)
+        self.vocab_type = C.llama_vocab_type(self._vocab)
+        self.bos = C.llama_vocab_bos(self._vocab)
+        self.eos = C.llama_vocab_eos(self._vocab)
+        self.add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
+        self.add_eos = bool(C.llama_vocab_get_add_eos(self._vocab))
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._eog: frozenset[int] | None = None
+
+    # -- lifetime --
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise EngineError(f"model {self.path.name} is already closed")
+        return self._ptr
+
+    def close(self) -> None:
+        """Free the model (and any context still open on it) exactly once."""
+        for ctx in list(self._contexts):
+            ctx.close()
+        if self._ptr is not None:
+            C.llama_model_free(self._ptr)
+            self._ptr = None
+
+    # -- metadata --
+    @property
+    def n_layer(self) -> int:
+        return C.llama_model_n_layer(self.ptr)
+
+    @property
+    def n_embd(self) -> int:
+        return C.llama_model_n_embd(self.ptr)
+
+    @property
+    def n_ctx_train(self) -> int:
+        return C.llama_model_n_ctx_train(self.ptr)
+
+    @property
+    def n_swa(self) -> int:
+        return C.llama_model_n_swa(self.ptr)
+
+    @property
+    def file_size(self) -> int:
+        return self.path.stat().st_size
+
+    def meta(self, key: str) -> str | None:
+        """Return one GGUF metadata value as a string, or None when absent."""
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            C.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def metadata(self) -> dict[str, str]:
+        """Return all GGUF metadata (except long arrays llama.cpp elides) as strings."""
+        out: dict[str, str] = {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(C.llama_model_meta_count(self.ptr)):
+            n = C.llama_model_meta_key_by_index(self.ptr, i, buf, len(buf))
+            if n < 0:
+                continue
+            key = buf.value.decode("utf-8", errors="replace")
+            out[key] = self.meta(key) or ""
+        return out
+
+    @property
+    def architecture(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    @property
+    def name(self) -> str:
+        return self.meta("general.name") or self.path.stem
+
+    @property
+    def chat_template(self) -> str | None:
+        ptr = C.llama_model_chat_template(self.ptr, None)
+        return ptr.decode("utf-8", errors="replace") if ptr else None
+
+    # -- vocabulary --
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Return token ids for `text`; add_special adds BOS when the model asks for it."""
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (C.llama_token * n_max)()
+        n = C.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (C.llama_token * n_max)()
+            n = C.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+            if n < 0:
+                raise EngineError(f"tokenization failed for a text of {len(data)} bytes")
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """Return the bytes a token stands for (special tokens render empty unless special=True)."""
+        buf = self._piece_buf
+        n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def token_text(self, token: int) -> bytes:
+        """Return the token's text as stored in the vocabulary (for comparing vocabularies)."""
+        return C.llama_vocab_get_text(self._vocab, token) or b""
+
+    def token_attr(self, token: int) -> int:
+        return C.llama_vocab_get_attr(self._vocab, token)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def eog_tokens(self) -> frozenset[int]:
+        """Return every end-of-generation token id (EOS, EOT, <|im_end|>, ...)."""
+        if self._eog is None:
+            self._eog = frozenset(t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self._vocab, t))
+        return self._eog
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        """Return the text of a token sequence (concatenated pieces, decoded as UTF-8)."""
+        return b"".join(self.token_to_piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    def context(self, **kwargs) -> "Context":
+        return Context(self, **kwargs)
+
+
+def quantize(src: str | Path, dst: str | Path, ftype: str = "F32", threads: int = 0) -> None:
+    """Convert a GGUF file to another precision with llama_model_quantize (e.g. Q4_1 -> F32)."""
+    ensure_backend()
+    check_gguf_file(Path(src))
+    if ftype not in _FTYPES:
+        raise ValueError(f"unsupported ftype {ftype!r}; choose one of {sorted(_FTYPES)}")
+    params = C.llama_model_quantize_default_params()
+    params.ftype = _FTYPES[ftype]
+    params.allow_requantize = True
+    params.nthread = threads
+    recent_errors.clear()
+    rc = C.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise EngineError(f"converting {src} to {ftype} failed: {last_llama_error(f'code {rc}')}")
+
+
+# --------------------------------------------------------------------------------------------
+# Batch

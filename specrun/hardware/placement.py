@@ -1,0 +1,111 @@
+"""Where the weights go: GPU layers for the target and the draft, from the offload planner.
+
+Reads the models' shapes with vocab-only loads (no weights), asks `offload.plan_offload` how many
+target layers fit on the GPUs next to the draft, the KV cache and the largest tree, and returns
+llama.cpp's n_gpu_layers for each. Without a GPU everything stays in RAM and nothing is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from specrun import engine, sysinfo
+from specrun.errors import ModelFileError
+from specrun.hardware import offload
+
+log = logging.getLogger("specrun")
+
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+GPU_KINDS = ("gpu", "igpu")
+
+
+def total_file_bytes(path: Path) -> int:
+    """Return the size of a GGUF, adding every sibling shard of a split file."""
+    match = _SHARD.search(path.name)
+    if not match:
+        return path.stat().st_size
+    count = int(match.group(2))
+    stem = path.name[: match.start()]
+    return sum((path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf")).stat().st_size for i in range(1, count + 1))
+
+
+def model_size(path: Path) -> offload.ModelSize:
+    """Return the planner's view of a model file, read from its metadata (no weights loaded)."""
+
+    with engine.Model(path, vocab_only=True) as model:
+        arch = model.architecture
+        # A vocab-only load leaves the shape fields empty: read them from the metadata.
+        n_embd = _meta_int(model, f"{arch}.embedding_length", 0)
+        n_layer = _meta_int(model, f"{arch}.block_count", 0)
+        n_vocab = model.n_vocab
+        if not n_embd or not n_layer:
+            raise ModelFileError(f"{path}: GGUF metadata lacks {arch}.embedding_length/block_count")
+        n_head = _meta_int(model, f"{arch}.attention.head_count", 1)
+        n_head_kv = _meta_int(model, f"{arch}.attention.head_count_kv", n_head)
+        n_ff = _meta_int(model, f"{arch}.feed_forward_length", 0)
+    file_bytes = total_file_bytes(Path(path))
+    # Bytes per weight from a parameter estimate: attention ~ (2 + 2*kv/heads) n_embd^2, MLP 3 n_embd n_ff.
+    per_layer_params = (2 + 2 * n_head_kv / max(n_head, 1)) * n_embd * n_embd + 3 * n_embd * max(n_ff, 4 * n_embd)
+    params = n_layer * per_layer_params + 2 * n_vocab * n_embd
+    bytes_per_weight = file_bytes / params
+    embedding = int(n_vocab * n_embd * bytes_per_weight)
+    return offload.ModelSize.from_totals(
+        file_bytes, n_layer, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv,
+        n_ff=n_ff, input_bytes=embedding, output_bytes=min(embedding, file_bytes // 4),
+    )
+
+
+def _meta_int(model, key: str, default: int) -> int:
+    """Return an integer metadata value (arrays: their largest element)."""
+    value = model.meta(key)
+    if not value:
+        return default
+    numbers = [int(float(v)) for v in re.findall(r"-?\d+(?:\.\d+)?", value)]
+    return max(numbers) if numbers else default
+
+
+
+def plan(
+    target: offload.ModelSize,
+    draft: offload.ModelSize | None,
+    gpus: Sequence[offload.Device],
+    n_ctx: int,
+    n_ubatch: int,
+    override: int | None = None,
+    ram_free_bytes: int | None = None,
+) -> offload.OffloadPlan:
+    """Return where the target's layers and the draft go on these GPUs, for contexts of n_ctx
+    cells whose forward passes hold up to n_ubatch tokens (the compute buffer grows with it)."""
+    placed = offload.plan_offload(
+        target, draft, list(gpus), sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes,
+        n_ctx, n_ubatch, gpu_layers_override=override,
+    )
+    if gpus:
+        for warning in placed.warnings:
+            log.warning("%s", warning)
+        where = f"on {gpus[placed.draft_device].name}" if placed.draft_device is not None else "in RAM"
+        log.info("placement: target %d of %d layers on GPU, draft %s", placed.target_gpu_layers, placed.target_n_slots, where)
+    return placed
+
+
+def gpu_layers(
+    target_path: Path,
+    draft_path: Path | None,
+    n_ctx: int,
+    n_ubatch: int,
+    override: int | None = None,
+    devices=None,
+    ram_free_bytes: int | None = None,
+) -> tuple[int, int]:
+    """Return (target n_gpu_layers, draft n_gpu_layers) for these files on these devices."""
+    if devices is None:
+        devices = engine.list_devices()
+    gpus = [offload.Device(d.name, d.free_bytes, d.total_bytes) for d in devices if d.kind in GPU_KINDS]
+    if not gpus:
+        return (override or 0), 0
+    placed = plan(model_size(target_path), model_size(draft_path) if draft_path else None, gpus, n_ctx, n_ubatch,
+                  override, ram_free_bytes)
+    return placed.target_gpu_layers, (placed.draft_gpu_layers if placed.draft_device is not None else 0)

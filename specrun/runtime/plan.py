@@ -1,0 +1,312 @@
+"""One plan before anything loads: files, drafter, tree, contexts, GPU layers and memory.
+
+`build_plan(opts)` decides everything a run needs, in this order, and nothing later changes it:
+
+1. the model files (registry aliases resolved; missing files fetched unless `fetch=False`);
+2. the tree: explicit --budget/--depth > the stored tuning profile > the default chain; or plain
+   decoding (no draft, --no-spec, or a profile that found speculation does not pay);
+3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
+   one pass (a tree split over ubatches pays the weight transfer again when offloading);
+4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
+   buffer grows with it), and the memory expected on each device and in RAM.
+
+`Runtime(plan)` loads exactly this; `specrun plan` prints it without loading any weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from specrun import engine, ui
+from specrun.core.shapes import TreeShape, TreeTemplate, template_shape
+from specrun.errors import UsageError
+from specrun.hardware import offload, placement
+from specrun.limits import MAX_SEQ
+from specrun.models import hub, pairing, registry
+from specrun.tuning import profiles
+from specrun.tuning.cost_model import Choice
+
+log = logging.getLogger("specrun")
+
+DEFAULT_CTX = 4096
+# Used when no tuning profile exists: a short chain (classic speculative decoding), which pays
+# wherever the draft is much cheaper than the target, even on a CPU where wide trees cost dearly.
+DEFAULT_SHAPE = TreeShape.chain(5)
+# Prompts are prefilled in batches of this many tokens.
+PREFILL_BATCH = 512
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options shared by chat, generate, bench, tune, plan and serve."""
+
+    target: str | None = None
+    draft: str | None = None
+    gpu_layers: int | None = None
+    ctx_size: int = DEFAULT_CTX
+    threads: int | None = None
+    budget: int | None = None
+    depth: int | None = None
+    no_spec: bool = False
+    quiet: bool = False  # no download progress bars
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The resolved target and draft: alias (or path) and local file."""
+
+    target_name: str
+    target_path: Path | None  # None: not downloaded yet (only when planning without fetching)
+    draft_name: str | None
+    draft_path: Path | None
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """The tree a speculative run grows, and why this one."""
+
+    shape: TreeShape
+    template: TreeTemplate | None  # a tuned Sequoia tree, grown as is (None: best-first growth)
+    source: str  # "flags", "profile" or "default"
+
+    @property
+    def kind(self) -> str:
+        if self.template is not None:
+            return "sequoia"
+        return "chain" if self.shape.is_chain else "specexec"
+
+    def describe(self) -> str:
+        s = self.shape
+        if self.template is not None:
+            return f"Sequoia static tree of {s.budget} draft tokens, depth {s.depth}"
+        if s.is_chain:
+            return f"chain of {s.budget} draft tokens"
+        return f"best-first tree of {s.budget} draft tokens, depth {s.depth}, width {s.width}, top-k {s.top_k}"
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """llama.cpp context sizes: cells, batch = ubatch (tokens per forward pass), sequences."""
+
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+
+    @property
+    def n_ubatch(self) -> int:
+        return self.n_batch  # the engine sets n_ubatch = n_batch: one pass per batch
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run loads, decided before any weights are read."""
+
+    files: ModelFiles
+    tree: TreePlan | None  # None: plain decoding, the draft is not loaded
+    why: str  # one line: why this tree (or plain decoding)
+    target_ctx: ContextPlan
+    draft_ctx: ContextPlan | None
+    threads: int
+    placement: offload.OffloadPlan
+    devices: tuple[offload.Device, ...] = ()
+    untuned: bool = False  # speculating with the default tree: no profile for the pair
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def speculative(self) -> bool:
+        return self.tree is not None
+
+    @property
+    def drafter(self) -> str:
+        """Which drafter proposes trees: "draft model", "sequoia" (static, draft model) or "none"."""
+        if self.tree is None:
+            return "none"
+        return "sequoia" if self.tree.template is not None else "draft model"
+
+    @property
+    def target_gpu_layers(self) -> int:
+        return self.placement.target_gpu_layers
+
+    @property
+    def draft_gpu_layers(self) -> int:
+        p = self.placement
+        return p.draft_gpu_layers if p.draft_device is not None else 0
+
+    def to_dict(self) -> dict:
+        f = self.files
+        tree = None
+        if self.tree is not None:
+            s = self.tree.shape
+            tree = {"kind": self.tree.kind, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
+                    "width": s.width, "top_k": s.top_k, "text": self.tree.describe()}
+        return {
+            "target": {"name": f.target_name, "path": str(f.target_path), "gpu_layers": self.target_gpu_layers,
+                       "layer_slots": self.placement.target_n_slots},
+            "draft": None if f.draft_name is None or self.tree is None else {
+                "name": f.draft_name, "path": str(f.draft_path), "gpu_layers": self.draft_gpu_layers,
+                "device": (self.devices[self.placement.draft_device].name
+                           if self.placement.draft_device is not None else "RAM"),
+            },
+            "drafter": self.drafter,
+            "tree": tree,
+            "why": self.why,
+            "contexts": {
+                "target": _ctx_dict(self.target_ctx),
+                "draft": _ctx_dict(self.draft_ctx) if self.draft_ctx else None,
+            },
+            "threads": self.threads,
+            "memory": {
+                "devices": [
+                    {"name": d.name, "planned_bytes": used, "free_bytes": d.free_bytes, "limit_bytes": limit}
+                    for d, used, limit in zip(self.devices, self.placement.device_bytes,
+                                              self.placement.device_limit_bytes)
+                ],
+                "ram": {"planned_bytes": self.placement.ram_bytes, "limit_bytes": self.placement.ram_limit_bytes},
+                "fits": self.placement.fits,
+            },
+            "warnings": list(self.placement.warnings) + list(self.notes),
+        }
+
+
+def _ctx_dict(ctx: ContextPlan) -> dict:
+    return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max}
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a plan
+
+
+def build_plan(
+    opts: RunOptions,
+    shape: TreeShape | None = None,
+    *,
+    fetch: bool = True,
+    devices: list | None = None,
+    ram_free_bytes: int | None = None,
+    sizes: tuple[offload.ModelSize, offload.ModelSize | None] | None = None,
+) -> Plan:
+    """Return the plan for these options.
+
+    `shape` forces a tree (tuning calibrates with one). `devices` (engine.DeviceInfo-like),
+    `ram_free_bytes` and `sizes` replace what this machine and the model files say: that is how
+    GPU plans are reviewed on a machine without a GPU, or before a model is downloaded.
+    """
+    files = resolve_models(opts, fetch=fetch)
+    if shape is not None and files.draft_name is None:
+        raise UsageError(f"no draft model for {files.target_name}: pass --draft")
+    if shape is not None:
+        tree, why, untuned = TreePlan(shape, None, "flags"), "tree given by the caller", False
+    else:
+        tree, why, untuned = choose_tree(opts, files)
+    n_ctx = opts.ctx_size
+    notes = []
+    if tree is not None and tree.shape.budget + 1 > n_ctx:
+        # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
+        notes.append(f"a tree of {tree.shape.budget} tokens does not fit a {n_ctx}-token context: "
+                     f"using {n_ctx - 1}")
+        tree = TreePlan(tree.shape.resized(n_ctx - 1), None, tree.source)
+    if tree is not None:
+        tree_tokens = tree.shape.budget + 1
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
+        draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), MAX_SEQ)
+    else:
+        target_ctx, draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1), None
+    if devices is None:
+        devices = engine.list_devices()
+    gpus = tuple(offload.Device(d.name, d.free_bytes, d.total_bytes) for d in devices if d.kind in placement.GPU_KINDS)
+    target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
+    draft_size = None
+    if tree is not None:
+        draft_size = sizes[1] if sizes else _model_size(files.draft_name, files.draft_path)
+    placed = placement.plan(
+        target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
+        ram_free_bytes=ram_free_bytes,
+    )
+    return Plan(
+        files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
+        threads=opts.threads or engine.default_threads(), placement=placed, devices=gpus, untuned=untuned,
+        notes=tuple(notes),
+    )
+
+
+def _model_size(name: str, path: Path | None) -> offload.ModelSize:
+    if path is None:
+        raise UsageError(f"{name} is not on this machine, so its layers cannot be planned: run `specrun pull {name}`")
+    return placement.model_size(path)
+
+
+def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
+    """Return the target's and draft's local paths, fetching what is missing (after saying what).
+
+    With fetch=False nothing is downloaded: a missing model's path is None.
+    """
+    if opts.target is None:
+        target_name, default_draft = registry.default_pair()
+    else:
+        target_name, default_draft = opts.target, None
+    target_spec = registry.resolve(target_name)
+    draft_spec = None
+    if not opts.no_spec:
+        if opts.draft is not None:
+            draft_spec = registry.resolve(opts.draft)
+        elif default_draft is not None and opts.target is None:
+            draft_spec = registry.resolve(default_draft)
+        else:
+            draft_spec = registry.recommended_draft(target_spec)
+        if draft_spec is not None:
+            pairing.check_pair(target_spec, draft_spec)
+    target_path = _local_path(target_spec, opts.quiet, fetch)
+    draft_path = _local_path(draft_spec, opts.quiet, fetch) if draft_spec is not None else None
+    return ModelFiles(target_spec.name, target_path, draft_spec.name if draft_spec else None, draft_path)
+
+
+def _local_path(spec, quiet: bool, fetch: bool) -> Path | None:
+    """Return the model's local path; a missing model is announced (what, how big) and fetched."""
+    if not fetch:
+        return Path(hub.ensure_local(spec, progress=False, allow_download=False)) if hub.is_present(spec) else None
+    missing = hub.describe_missing(spec)
+    if missing and not quiet:
+        ui.info(f"pulling {missing}...")
+    return Path(hub.ensure_local(spec, progress=not quiet, console=ui.err_console()))
+
+
+def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, str, bool]:
+    """Return (the tree or None for plain decoding, why, whether the pair is untuned).
+
+    Explicit --budget/--depth win; else the stored tuning profile (which may say plain decoding
+    is faster here); else the default chain.
+    """
+    if files.draft_name is None:
+        why = "--no-spec" if opts.no_spec else f"no draft model for {files.target_name} (pass --draft)"
+        return None, why, False
+    choice = None
+    if files.target_path is not None and files.draft_path is not None:
+        choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads)
+    overridden = opts.budget is not None or opts.depth is not None
+    if choice is not None and choice.kind == "plain" and not overridden:
+        return None, "the tuning profile found plain decoding fastest for this pair here", False
+    tuned = tree_of_choice(choice) if choice is not None else None
+    if tuned is not None:
+        tree, why = tuned, "tuned profile for this pair on this machine"
+    else:
+        tree, why = TreePlan(DEFAULT_SHAPE, None, "default"), "default (no tuning profile: `specrun tune` measures one)"
+    if overridden:
+        shape = tree.shape
+        if opts.budget is not None:
+            shape = shape.resized(opts.budget)
+        if opts.depth is not None:
+            shape = replace(shape, depth=opts.depth)
+        # explicit sizes: grow best-first trees of that size, of the tuned (or default) kind
+        tree, why = TreePlan(shape, None, "flags"), "--budget/--depth"
+    return tree, why, choice is None
+
+
+def tree_of_choice(choice: Choice) -> TreePlan | None:
+    """Return the tree a tuner choice stands for (None for plain decoding)."""
+    if choice.kind == "plain":
+        return None
+    if choice.kind == "sequoia" and choice.tree is not None:
+        return TreePlan(template_shape(choice.tree), choice.tree, "profile")
+    return TreePlan(TreeShape(choice.budget, choice.depth, choice.width, choice.top_k), None, "profile")

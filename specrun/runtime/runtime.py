@@ -1,0 +1,112 @@
+"""Loading a plan: the models, their contexts and the decoder, freed in the right order.
+
+`Runtime(plan)` loads exactly what `plan.build_plan` decided (files, GPU layers, context sizes,
+tree) and builds the decoder; it decides nothing itself. `Runtime(opts)` builds the plan first.
+Commands use it as a context manager so contexts are closed before their models.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specrun import engine, ui
+from specrun.chat.session import ChatFormat
+from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.sequoia import StaticTreeGrower
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.models import pairing
+from specrun.runtime.plan import ContextPlan, Plan, RunOptions, TreePlan, build_plan
+from specrun.tuning import profiles
+
+log = logging.getLogger("specrun")
+
+
+class Runtime:
+    """Loaded target (and draft) models with their contexts, and the decoder to use."""
+
+    def __init__(self, plan: Plan | RunOptions, shape_override=None):
+        if isinstance(plan, RunOptions):
+            self.opts = plan
+            plan = build_plan(plan, shape_override)
+        else:
+            self.opts = None
+        self.plan = plan
+        self.models = plan.files
+        self.shape = plan.tree.shape if plan.tree else None
+        self._owned: list = []
+        self._chat_format = None
+        self.draft = self.draft_ctx = None
+        try:
+            self.target = self._load(plan.files.target_path, plan.target_gpu_layers)
+            if plan.tree is not None:
+                self.draft = self._load(plan.files.draft_path, plan.draft_gpu_layers)
+                pairing.check_vocab(self.target, self.draft, plan.files.target_name, plan.files.draft_name)
+            self.target_ctx = self._context(self.target, plan.target_ctx)
+            if plan.tree is not None:
+                self.draft_ctx = self._context(self.draft, plan.draft_ctx)
+        except BaseException:
+            self.close()
+            raise
+        self.decoder = make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx)
+        quiet = self.opts.quiet if self.opts is not None else True
+        if plan.untuned and not quiet:
+            self._suggest_tuning()
+
+    def _load(self, path, gpu_layers: int):
+        model = engine.Model(path, n_gpu_layers=gpu_layers)
+        self._owned.append(model)
+        return model
+
+    def _context(self, model, sizes: ContextPlan):
+        ctx = engine.Context(model, n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_seq_max=sizes.n_seq_max,
+                             threads=self.plan.threads)
+        self._owned.append(ctx)
+        return ctx
+
+    def _suggest_tuning(self) -> None:
+        """Once per pair that runs without a profile (and loaded fine): say that tuning exists."""
+        if profiles.first_suggestion(self.models.target_path, self.models.draft_path):
+            ui.dim("tip: `specrun tune` measures this machine once and picks the fastest tree for this pair")
+
+    @property
+    def speculative(self) -> bool:
+        return self.plan.speculative
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """Return the target's chat format (template, special tokens), made on first use."""
+        if self._chat_format is None:
+            self._chat_format = ChatFormat(self.target)
+        return self._chat_format
+
+    def tokenize_prompt(self, text: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+        """Return the prompt's tokens (see ChatFormat.prompt_tokens)."""
+        return self.chat_format.prompt_tokens(text, chat, system)
+
+    def reset_cache(self) -> None:
+        """Empty the KV caches (after an interrupted step left them in an unknown state)."""
+        self.decoder.reset()
+
+    def close(self) -> None:
+        for owner in reversed(self._owned):
+            owner.close()
+        self._owned.clear()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None):
+    """Return the decoder for a tree plan: plain decoding (None), or speculative decoding with the
+    drafter the plan names (a Sequoia template grown as is, else best-first growth)."""
+    if tree is None:
+        return PlainDecoder(target, target_ctx)
+    if tree.template is not None:
+        drafter = StaticTreeGrower(draft, draft_ctx, tree.template)
+    else:
+        drafter = TreeGrower(draft, draft_ctx, tree.shape)
+    return SpeculativeDecoder(target, target_ctx, drafter, tree.shape)

@@ -1,0 +1,108 @@
+"""One plan before anything loads: the tree, the contexts and the GPU layers agree.
+
+The bug this guards against: GPU layers were planned for a batch of budget + 1 tokens while the
+target context was created with another n_ubatch, so on a nearly full GPU the plan under-counted
+the compute buffer. Here every way a tree can be chosen loads a context whose n_ubatch is the
+planned one, and the placement is the one computed for that n_ubatch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
+
+from specrun.core.shapes import TreeShape, TreeTemplate
+from specrun.engine import DeviceInfo
+from specrun.hardware import placement
+from specrun.runtime.plan import DEFAULT_SHAPE, PREFILL_BATCH, RunOptions, build_plan
+from specrun.runtime.runtime import Runtime
+from specrun.tuning import profiles
+from specrun.tuning.cost_model import Choice
+
+GB = 1 << 30
+OPTS = RunOptions(threads=1, ctx_size=1024, quiet=True)
+FAKE_GPU = [DeviceInfo("Fake GPU", "assumed", "gpu", "CUDA", int(0.9 * GB), 1 * GB)]
+TEMPLATE = TreeTemplate(parents=(-1, 0, 0, 1), ranks=(0, 1, 2, 1))
+
+
+def _store(offline_models, choice: Choice) -> None:
+    key = profiles.profile_key(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=OPTS.threads)
+    profiles.save({"key": key, "config": choice.to_dict(), "predicted_speedup": 1.0, "measured_speedup": 1.0})
+
+
+WAYS = {
+    "default": (None, {}, None),
+    "budget flag": (None, {"budget": 700}, None),
+    "budget over the context": (None, {"budget": 2000}, None),
+    "depth flag": (None, {"depth": 3}, None),
+    "specexec profile": (Choice("specexec", 600, 8, 4, 4, 30.0, 1.3), {}, None),
+    "sequoia profile": (Choice("sequoia", 3, 2, 2, 2, 30.0, 1.3, TEMPLATE), {}, None),
+    "plain profile": (Choice("plain", 0, 0, 0, 0, 20.0, 1.0), {}, None),
+    "no-spec": (None, {"no_spec": True}, None),
+    "given shape": (None, {}, TreeShape(900, 12, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_the_loaded_context_has_the_planned_ubatch_and_placement(offline_models, way):
+    choice, flags, shape = WAYS[way]
+    if choice is not None:
+        _store(offline_models, choice)
+    opts = replace(OPTS, **flags)
+    plan = build_plan(opts, shape, devices=FAKE_GPU, ram_free_bytes=16 * GB)
+    tree_tokens = plan.tree.shape.budget + 1 if plan.tree else 1
+    assert tree_tokens <= plan.target_ctx.n_ubatch <= opts.ctx_size  # a tree never outgrows the context
+    assert plan.target_ctx.n_ubatch == min(opts.ctx_size, max(PREFILL_BATCH, tree_tokens))
+    with Runtime(plan) as rt:
+        assert rt.target_ctx.n_ubatch == rt.target_ctx.n_batch == plan.target_ctx.n_ubatch
+        if plan.tree is not None:
+            assert rt.decoder.shape == plan.tree.shape
+            assert rt.draft_ctx.n_ubatch == plan.draft_ctx.n_ubatch
+    # The GPU layers were planned for exactly the context that was loaded.
+    sizes = placement.model_size(offline_models.smollm2_f32), placement.model_size(offline_models.smollm2_q4)
+    gpus = [placement.offload.Device(d.name, d.free_bytes, d.total_bytes) for d in FAKE_GPU]
+    again = placement.plan(sizes[0], sizes[1] if plan.tree else None, gpus, opts.ctx_size, rt.target_ctx.n_ubatch,
+                           ram_free_bytes=16 * GB)
+    assert plan.placement == again
+
+
+def test_plan_says_why(offline_models):
+    assert "default" in build_plan(OPTS).why and build_plan(OPTS).tree.shape == DEFAULT_SHAPE
+    _store(offline_models, Choice("plain", 0, 0, 0, 0, 20.0, 1.0))
+    plain = build_plan(OPTS)
+    assert plain.tree is None and plain.drafter == "none" and "profile" in plain.why
+    flagged = build_plan(replace(OPTS, budget=3))
+    assert flagged.tree.source == "flags" and flagged.tree.shape.budget == 3
+
+
+def test_a_bigger_tree_leaves_fewer_layers_on_a_nearly_full_gpu():
+    """qwen2.5-14b + qwen2.5-0.5b on a made-up 8 GB GPU, planned before either file exists."""
+    gpu = [DeviceInfo("RTX 4060", "assumed", "gpu", "CUDA", int(7.6 * GB), 8 * GB)]
+    opts = RunOptions(target="qwen2.5-14b", ctx_size=4096, quiet=True)
+    sizes = (QWEN25_14B_Q4KM, QWEN25_05B_Q4KM)
+    small = build_plan(opts, fetch=False, devices=gpu, ram_free_bytes=32 * GB, sizes=sizes)
+    big = build_plan(replace(opts, budget=2000), fetch=False, devices=gpu, ram_free_bytes=32 * GB, sizes=sizes)
+    assert small.files.target_path is None  # nothing downloaded: the plan works from sizes
+    assert small.files.draft_name == "qwen2.5-0.5b" and small.drafter == "draft model"
+    assert small.target_ctx.n_ubatch == PREFILL_BATCH and big.target_ctx.n_ubatch == 2001
+    assert 0 < small.target_gpu_layers < QWEN25_14B_Q4KM.n_layer + 1  # the 14B model is split
+    assert small.placement.draft_device == 0  # the draft fits whole on the GPU
+    assert big.target_gpu_layers < small.target_gpu_layers  # the larger compute buffer costs layers
+    assert small.placement.gpu_fits and big.placement.gpu_fits
+
+
+def test_specrun_plan_prints_the_plan_without_loading_weights(offline_models, cli):
+    result = cli("plan", "--json", "--ctx-size", "1024", "--gpu", "Fake GPU=1.5GiB/2GiB", "--ram-free", "16GiB")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["drafter"] == "draft model" and data["tree"]["kind"] == "chain"
+    assert data["contexts"]["target"]["n_ubatch"] == PREFILL_BATCH
+    assert data["memory"]["devices"][0]["name"] == "Fake GPU"
+    assert 0 < data["target"]["gpu_layers"] <= data["target"]["layer_slots"]
+    text = cli("plan", "--ctx-size", "1024")
+    assert text.exit_code == 0 and "chain of 5 draft tokens" in text.stdout and "no GPU" in text.stdout
+    bad = cli("plan", "--gpu", "nonsense")
+    assert bad.exit_code == 2 and "NAME=FREE" in bad.output
