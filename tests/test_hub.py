@@ -17,6 +17,7 @@ import pytest
 from rich.console import Console
 
 from specrun.errors import DownloadError, ModelFileError, UsageError
+from specrun.files import human_size
 from specrun.models import builders, download, hub, registry
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -86,7 +87,7 @@ def test_download_lands_in_the_hf_cache_with_a_progress_bar(env):
     from huggingface_hub import try_to_load_from_cache
 
     spec = serve_tiny(env)
-    assert hub.describe_missing(spec) == f"tiny ({registry.human_size(len(DATA))}) from Hugging Face repo {REPO}"
+    assert hub.describe_missing(spec) == f"tiny ({human_size(len(DATA))}) from Hugging Face repo {REPO}"
     console, out = terminal()
 
     path = hub.ensure_local(spec, console=console)

@@ -185,12 +185,7 @@ def _calibration_budget(curve: tuner.CostCurve, cap: int, depth: int) -> int:
 
 def _budgets(largest: int) -> list[int]:
     """Return budgets to evaluate: every size up to 64, then steps of about 6%."""
-    budgets = set(range(1, min(largest, 64) + 1))
-    b = 64.0
-    while b < largest:
-        b *= 1.06
-        budgets.add(min(largest, round(b)))
-    return sorted(budgets)
+    return tuner.size_grid(1, 64, largest, 1.06)
 
 
 def _tuner_inputs(measured: Measured) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import llama_cpp as C
 
@@ -17,9 +17,6 @@ from specrun.engine.backend import (
     recent_errors,
 )
 from specrun.errors import EngineError, ModelFileError
-
-if TYPE_CHECKING:
-    from specrun.engine.context import Context
 
 _FTYPES = {"F32": C.LLAMA_FTYPE_ALL_F32, "F16": C.LLAMA_FTYPE_MOSTLY_F16, "Q8_0": C.LLAMA_FTYPE_MOSTLY_Q8_0}
 
@@ -44,7 +41,7 @@ class Model(Owner):
             raise ModelFileError(f"cannot load model {self.path}: {reason}")
         self._ptr = ptr
         self._vocab = C.llama_model_get_vocab(ptr)
-        self._contexts: list[Context] = []
+        self._contexts: list = []  # engine.context.Context objects made from this model
         self.n_vocab = C.llama_vocab_n_tokens(self._vocab)
         self.vocab_type = C.llama_vocab_type(self._vocab)
         self.bos = C.llama_vocab_bos(self._vocab)

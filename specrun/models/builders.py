@@ -28,7 +28,7 @@ from specrun.models.download import (
     file_lock,
     lock_path,
 )
-from specrun.models.registry import DerivedSource, ModelSpec, PyPISource
+from specrun.models.specs import DerivedSource, ModelSpec, PyPISource
 from specrun.models.verified import mismatch_error, remember_digest
 
 

@@ -22,7 +22,7 @@ from specrun import paths
 from specrun.errors import DownloadError, ModelFileError
 from specrun.models import builders
 from specrun.models.download import DiskFull, Reporter, download_resumable, hash_file
-from specrun.models.registry import (
+from specrun.models.specs import (
     SHA256_RE,
     DerivedSource,
     HFSource,
@@ -35,16 +35,6 @@ from specrun.models.registry import (
 )
 from specrun.models.verified import known_digest, mismatch_error, remember_digest
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no cross-process lock, downloads still atomic
-    fcntl = None
-
-CHUNK = 1 << 20
-READ_TIMEOUT = 60.0  # seconds without a byte before a connection counts as dropped
-# A dropped connection is retried (resuming) this many times in a row without progress.
-MAX_RETRIES = 5
-RETRY_DELAY = 0.5  # seconds, times the attempt number
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from specrun import files, paths
 from specrun.errors import RegistryError
-from specrun.models.registry import ModelSpec
+from specrun.models.specs import ModelSpec
 
 # Small models pad their embedding to a multiple of 128, large ones to 256 (e.g. Qwen2.5 0.5B
 # has 151,936 tokens, 7B 152,064): the same tokenizer may differ by exactly 128 in size.

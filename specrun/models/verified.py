@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specrun import files, paths
 from specrun.errors import DownloadError
-from specrun.models.registry import ModelSpec, Source
+from specrun.models.specs import ModelSpec, Source
 
 
 def record_path() -> Path:

@@ -382,14 +382,20 @@ def sequoia_draft_seconds(draft_curve: CostCurve, tree: TreeTemplate) -> float:
     return sum(draft_curve.t(w) for w in tree.expanding_widths())
 
 
+def size_grid(first: int, dense_up_to: int, largest: int, ratio: float) -> list[int]:
+    """Return sizes to try: every size from `first` to `dense_up_to`, then steps of `ratio` up to
+    `largest` (small trees differ a lot per node, large ones little)."""
+    sizes = set(range(first, min(largest, dense_up_to) + 1))
+    n = float(dense_up_to)
+    while n < largest:
+        n *= ratio
+        sizes.add(min(largest, round(n)))
+    return sorted(sizes)
+
+
 def _sequoia_sizes(n_max: int) -> list[int]:
     """Tree sizes worth trying: every size up to 16, then steps of about 12%."""
-    sizes = set(range(2, min(n_max, 16) + 1))
-    n = 16.0
-    while n < n_max:
-        n *= 1.125
-        sizes.add(min(n_max, round(n)))
-    return sorted(sizes)
+    return size_grid(2, 16, n_max, 1.125)
 
 
 def choose_config(
