@@ -168,8 +168,6 @@ class Model(Owner):
         """Return the text of a token sequence (concatenated pieces, decoded as UTF-8)."""
         return b"".join(self.token_to_piece(t, special) for t in tokens).decode("utf-8", errors="replace")
 
-    def context(self, **kwargs) -> "Context":
-        return Context(self, **kwargs)
 
 
 def quantize(src: str | Path, dst: str | Path, ftype: str = "F32", threads: int = 0) -> None:
