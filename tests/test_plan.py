@@ -18,7 +18,7 @@ from specrun.core.shapes import TreeShape, TreeTemplate
 from specrun.engine import DeviceInfo
 from specrun.hardware import placement
 from specrun.runtime.plan import DEFAULT_SHAPE, PREFILL_BATCH, RunOptions, build_plan
-from specrun.runtime.runtime import Runtime
+from specrun.runtime.runtime import Runtime, load_arguments
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice
 
@@ -106,3 +106,18 @@ def test_specrun_plan_prints_the_plan_without_loading_weights(offline_models, cl
     assert text.exit_code == 0 and "chain of 5 draft tokens" in text.stdout and "no GPU" in text.stdout
     bad = cli("plan", "--gpu", "nonsense")
     assert bad.exit_code == 2 and "NAME=FREE" in bad.output
+
+
+def test_load_arguments_follow_the_plan_on_several_gpus():
+    """What llama.cpp is told matches the plan: the split per GPU, the draft on its own GPU."""
+    gpus = [DeviceInfo("GPU0", "assumed", "gpu", "CUDA", int(5.6 * GB), 6 * GB),
+            DeviceInfo("GPU1", "assumed", "gpu", "CUDA", int(3.6 * GB), 4 * GB)]
+    opts = RunOptions(target="qwen2.5-14b", ctx_size=4096, quiet=True)
+    plan = build_plan(opts, fetch=False, devices=gpus, ram_free_bytes=32 * GB, sizes=(QWEN25_14B_Q4KM, QWEN25_05B_Q4KM))
+    target, draft = load_arguments(plan)
+    assert target["n_gpu_layers"] == plan.target_gpu_layers > 0
+    assert sum(target["tensor_split"]) == plan.target_gpu_layers  # per-device slot counts
+    assert target["op_offload"] == plan.placement.op_offload
+    assert draft["main_gpu"] == plan.placement.draft_device and draft["n_gpu_layers"] == QWEN25_05B_Q4KM.n_layer + 1
+    cpu_only = build_plan(opts, fetch=False, devices=[], ram_free_bytes=32 * GB, sizes=(QWEN25_14B_Q4KM, QWEN25_05B_Q4KM))
+    assert load_arguments(cpu_only) == ({"n_gpu_layers": 0, "op_offload": None}, {"n_gpu_layers": 0, "op_offload": None})

@@ -142,6 +142,7 @@ class Context(Owner):
         flash_attn: str = "auto",
         swa_full: bool = True,
         kv_unified: bool = True,
+        op_offload: bool | None = None,
     ):
         if n_seq_max > MAX_SEQ:
             raise EngineError(f"n_seq_max {n_seq_max} exceeds llama.cpp's limit of {MAX_SEQ}")
@@ -152,6 +153,8 @@ class Context(Owner):
         params.n_batch = n_batch
         # One ubatch for the whole tree: split trees pay the weight transfer again when offloading.
         params.n_ubatch = n_batch
+        if op_offload is not None:  # None: llama.cpp's default (run big-batch matmuls on the GPU)
+            params.op_offload = op_offload
         params.n_seq_max = n_seq_max
         # llama.cpp reserves at least one output row per sequence and aborts (not errors) when
         # that exceeds n_outputs_max, which defaults to n_batch.

@@ -24,12 +24,28 @@ _FTYPES = {"F32": C.LLAMA_FTYPE_ALL_F32, "F16": C.LLAMA_FTYPE_MOSTLY_F16, "Q8_0"
 class Model(Owner):
     """Owner of a llama_model (weights + vocabulary)."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        n_gpu_layers: int = 0,
+        vocab_only: bool = False,
+        tensor_split: Sequence[float] = (),
+        main_gpu: int | None = None,
+    ):
+        """Load a model. `tensor_split` (per GPU) spreads offloaded layers as planned; `main_gpu`
+        puts the whole model on one GPU (llama.cpp's split mode "none")."""
         ensure_backend()
         self.path = check_gguf_file(Path(path))
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        if tensor_split:
+            # llama.cpp reads llama_max_devices() floats; keep the array alive while loading.
+            self._split = (ctypes.c_float * C.llama_max_devices())(*tensor_split)
+            params.tensor_split = self._split
+        if main_gpu is not None:
+            params.split_mode = C.LLAMA_SPLIT_MODE_NONE
+            params.main_gpu = main_gpu
         if "amx_int8" in sysinfo.cpu_flags():
             # ggml's AMX matmul (an "extra buffer type") crashes on multi-token batches of Q4_1
             # weights in the vendored llama.cpp; the plain CPU kernels are exact and safe.

@@ -37,14 +37,15 @@ class Runtime:
         self._owned: list = []
         self._chat_format = None
         self.draft = self.draft_ctx = None
+        target_load, draft_load = load_arguments(plan)
         try:
-            self.target = self._load(plan.files.target_path, plan.target_gpu_layers)
+            self.target = self._load(plan.files.target_path, **target_load)
             if plan.tree is not None:
-                self.draft = self._load(plan.files.draft_path, plan.draft_gpu_layers)
+                self.draft = self._load(plan.files.draft_path, **draft_load)
                 pairing.check_vocab(self.target, self.draft, plan.files.target_name, plan.files.draft_name)
-            self.target_ctx = self._context(self.target, plan.target_ctx)
+            self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"])
             if plan.tree is not None:
-                self.draft_ctx = self._context(self.draft, plan.draft_ctx)
+                self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"])
         except BaseException:
             self.close()
             raise
@@ -53,14 +54,14 @@ class Runtime:
         if plan.untuned and not quiet:
             self._suggest_tuning()
 
-    def _load(self, path, gpu_layers: int):
-        model = engine.Model(path, n_gpu_layers=gpu_layers)
+    def _load(self, path, op_offload: bool | None = None, **placement):
+        model = engine.Model(path, **placement)
         self._owned.append(model)
         return model
 
-    def _context(self, model, sizes: ContextPlan):
+    def _context(self, model, sizes: ContextPlan, op_offload: bool | None):
         ctx = engine.Context(model, n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_seq_max=sizes.n_seq_max,
-                             threads=self.plan.threads)
+                             threads=self.plan.threads, op_offload=op_offload)
         self._owned.append(ctx)
         return ctx
 
@@ -98,6 +99,29 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def load_arguments(plan: Plan) -> tuple[dict, dict]:
+    """Return how to load the target and the draft so that llama.cpp places them as planned.
+
+    Several GPUs: the target's offloaded layers split by the planned per-device counts, the draft
+    whole on its planned GPU. Op offload (GPU matmuls over RAM-resident weights for big batches)
+    only where the plan made room for it; never for a draft left in RAM (its passes are narrow).
+    Without a GPU every value is llama.cpp's default.
+    """
+    placed = plan.placement
+    target = {"n_gpu_layers": placed.target_gpu_layers, "op_offload": None}
+    draft = {"n_gpu_layers": plan.draft_gpu_layers, "op_offload": None}
+    if not plan.devices:
+        return target, draft
+    target["op_offload"] = placed.op_offload
+    if len(plan.devices) > 1 and placed.target_tensor_split:
+        target["tensor_split"] = placed.target_tensor_split
+    if placed.draft_device is None:
+        draft["op_offload"] = False
+    elif len(plan.devices) > 1:
+        draft["main_gpu"] = placed.draft_device
+    return target, draft
 
 
 def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None):
