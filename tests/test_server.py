@@ -123,7 +123,7 @@ def _chat_body(content: str = PROMPT, **fields) -> dict:
 
 
 def test_health_and_models(server, client):
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "queued": 0}  # no key needed
     models = client.models.list().data
     assert [m.id for m in models] == [TARGET]
     assert models[0].model_extra["meta"]["draft"] == "smollm2-135m-q4"
@@ -379,6 +379,13 @@ def _health_until_ready(url: str, proc: subprocess.Popen) -> set:
     pytest.fail(f"/health never said ok; answers: {seen}", pytrace=False)
 
 
+def _wait_until_queued(url: str, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/health").json().get("queued") != n:
+        assert time.monotonic() < deadline, f"no {n} request(s) queued after 60 s"
+        time.sleep(0.05)
+
+
 def test_queue_full_then_sigterm_ends_answer_and_exits_0(offline_models, tmp_path):
     port = _free_port()
     srv = ServerProcess(tmp_path, "--queue-size", "1", port=port)
@@ -387,14 +394,14 @@ def test_queue_full_then_sigterm_ends_answer_and_exits_0(offline_models, tmp_pat
         assert answers <= {(503, "loading"), (200, "ok")}
         url = srv.wait_ready()
         long_body = _chat_body("Write a very long story about a dragon.", max_tokens=800, temperature=0, stream=True)
-        queued: dict = {}
+        waiting: dict = {}
         with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/chat/completions", json=long_body) as streaming:
             lines = streaming.iter_lines()
             next(line for line in lines if '"content": "' in line and '"content": ""' not in line)  # answering now
-            waiter = threading.Thread(target=lambda: queued.update(r=httpx.post(url + "/v1/chat/completions",
+            waiter = threading.Thread(target=lambda: waiting.update(r=httpx.post(url + "/v1/chat/completions",
                                                                                  json=_chat_body(), timeout=120)))
             waiter.start()
-            time.sleep(1.0)  # the second request waits in the queue (size 1)
+            _wait_until_queued(url, 1)  # the second request waits in the queue (size 1)
             full = httpx.post(url + "/v1/chat/completions", json=_chat_body(), timeout=30)
             assert full.status_code == 503 and int(full.headers["Retry-After"]) >= 1
             assert full.json()["error"]["code"] == "queue_full"
@@ -404,13 +411,16 @@ def test_queue_full_then_sigterm_ends_answer_and_exits_0(offline_models, tmp_pat
         assert rest[-1] == "data: [DONE]"
         assert any("shutting down" in line for line in rest)
         waiter.join(30)
-        assert queued["r"].status_code == 503
+        assert waiting["r"].status_code == 503
     finally:
         rc = srv.terminate()
     assert rc == 0, srv.stderr
     assert srv.stdout == ""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))  # the port was released
+        # Nothing listens there any more (SO_REUSEADDR, as servers bind: closed connections may linger in TIME_WAIT).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1)
 
 
 def test_exposed_without_key_warns_and_bad_target_fails_cleanly(tmp_path):
@@ -444,6 +454,7 @@ def test_port_in_use_is_a_one_line_error(offline_models, tmp_path):
 class _BrokenWorker:
     state = "ready"
     model = None
+    queued = 0
 
     def submit(self, job):
         raise RuntimeError("boom")
@@ -461,4 +472,4 @@ def test_unexpected_error_is_a_json_500():
         response = http.post("/v1/chat/completions", json=_chat_body())
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "server_error" and "Traceback" not in response.text
-        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/health").json()["status"] == "ok"

@@ -145,7 +145,7 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         if worker.state == "ready":
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", "queued": worker.queued})
         return JSONResponse({"status": worker.state}, status_code=503)
 
     @app.get("/v1/models")

@@ -213,6 +213,11 @@ class GenerationWorker:
             raise APIError(503, f"the server is busy ({self._jobs.maxsize} requests waiting); retry in {wait} s",
                            code="queue_full", headers={"Retry-After": str(wait)}) from None
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for their turn (not counting the one being answered)."""
+        return self._jobs.qsize()
+
     def retry_after_s(self) -> int:
         estimate = math.ceil(self._mean_job_s * (self._jobs.qsize() + 1))
         return max(RETRY_AFTER_MIN_S, min(RETRY_AFTER_MAX_S, estimate))
