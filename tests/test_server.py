@@ -473,3 +473,19 @@ def test_unexpected_error_is_a_json_500():
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "server_error" and "Traceback" not in response.text
         assert http.get("/health").json()["status"] == "ok"
+
+
+def test_cors_only_when_asked_for():
+    from fastapi.testclient import TestClient
+
+    from specrun.server.app import ServerSettings, create_app
+
+    origin = "http://ui.example"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with TestClient(create_app(_BrokenWorker(), ServerSettings(api_key="k", cors_origins=(origin,)))) as http:
+        allowed = http.options("/v1/chat/completions", headers=preflight)
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == origin
+    with TestClient(create_app(_BrokenWorker(), ServerSettings())) as http:
+        response = http.get("/health", headers={"Origin": origin})
+        assert "access-control-allow-origin" not in response.headers
