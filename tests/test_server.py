@@ -182,26 +182,26 @@ def test_completions(client):
     assert reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= 8
 
 
-def _generate_cli(server_home: Path, *args: str) -> str:
+def _generate_cli(home: Path, requests: list[dict]) -> list[str]:
+    """Return the texts `specrun generate --temperature 0 --jsonl` writes for the requests (one model load)."""
     out = subprocess.run(
-        [sys.executable, "-m", "specrun", "generate", "--temperature", "0", "--ctx-size", str(CTX), *args],
-        capture_output=True, text=True, env=_env(server_home), timeout=STARTUP_S,
+        [sys.executable, "-m", "specrun", "generate", "--temperature", "0", "--ctx-size", str(CTX), "--jsonl"],
+        input="".join(json.dumps(r) + "\n" for r in requests), capture_output=True, text=True, env=_env(home),
+        timeout=STARTUP_S,
     )
     assert out.returncode == 0, out.stderr
-    return out.stdout
+    return [json.loads(line)["text"] for line in out.stdout.splitlines()]
 
 
 def test_greedy_text_is_what_generate_prints(client, tmp_path):
-    cli_chat = _generate_cli(tmp_path, "--max-tokens", "24", PROMPT)
+    raw = "def fibonacci(n):"
+    cli_chat, cli_raw = _generate_cli(tmp_path, [{"prompt": PROMPT, "max_tokens": 24, "chat": True},
+                                                 {"prompt": raw, "max_tokens": 24, "chat": False}])
     reply = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": PROMPT}],
                                            max_tokens=24, temperature=0)
-    # The CLI ends its output with a newline when the text does not (so the shell prompt starts afresh).
-    assert reply.choices[0].message.content.rstrip("\n") == cli_chat.rstrip("\n")
-
-    raw = "def fibonacci(n):"
-    cli_raw = _generate_cli(tmp_path, "--raw", "--max-tokens", "24", raw)
+    assert reply.choices[0].message.content == cli_chat
     reply = client.completions.create(model=TARGET, prompt=raw, max_tokens=24, temperature=0)
-    assert reply.choices[0].text.rstrip("\n") == cli_raw.rstrip("\n")
+    assert reply.choices[0].text == cli_raw
 
 
 def test_seeded_sampling_is_reproducible(client):
@@ -221,13 +221,13 @@ def test_stop_string_ends_the_answer(client):
 
 
 def test_max_tokens_capped_by_the_context(server):
-    prompt = [1000] * (CTX - 20)  # token ids: leaves 20 tokens of room
+    # The limit is set before generating; the stop string then ends the answer after a word or two.
     with _http(server) as http:
-        response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 500, "temperature": 0})
+        response = http.post("/v1/chat/completions", json=_chat_body(max_tokens=100_000, stop=[" ", "\n"]))
     assert response.status_code == 200, response.text
     limit = int(response.headers["X-Specrun-Max-Tokens"])
-    assert limit < 20 and response.headers["X-Specrun-Max-Tokens-Capped"] == "500"
-    assert response.json()["usage"]["completion_tokens"] <= limit
+    assert limit < CTX and response.headers["X-Specrun-Max-Tokens-Capped"] == "100000"
+    assert response.json()["choices"][0]["finish_reason"] == "stop"
     assert any("lowered to" in line for line in server.stderr_lines)
 
 
