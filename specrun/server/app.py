@@ -23,7 +23,8 @@ from specrun.server.responses import DONE, Envelope, sse
 from specrun.server.schemas import (
     APIError, ChatRequest, CompletionRequest, GenerationRequest, error_body, refuse_unsupported, validation_error,
 )
-from specrun.server.worker import POLL_S, ChatPrompt, Failed, Finished, GenerationWorker, Job, Piece, Started, TextPrompt
+from specrun.server.jobs import ChatPrompt, Failed, Finished, Job, Piece, Started, TextPrompt
+from specrun.server.worker import POLL_S, GenerationWorker
 
 log = logging.getLogger("specrun.server")
 

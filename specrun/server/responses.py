@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from specrun.generate import GenerationStats
-from specrun.server.worker import Started
+from specrun.server.jobs import Started
 
 DONE = "data: [DONE]\n\n"
 

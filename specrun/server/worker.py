@@ -13,20 +13,20 @@ inside a step, which may leave half a step behind, empties the caches.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from specrun import ui
 from specrun.errors import SpecrunError
 from specrun.generate import GenerationStats, stream
 from specrun.runner import RunOptions, Runtime
-from specrun.sampling import SamplingParams
+from specrun.server.jobs import ChatPrompt, Failed, Finished, Job, Piece, Started, TextPrompt, shutting_down
+from specrun.server.prompts import ConversationMemory, common_prefix, token_budget
 from specrun.server.schemas import APIError
 
 log = logging.getLogger("specrun.server")
@@ -40,129 +40,6 @@ RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 120
 # stop string are both "stop"; a full context is reported as "length" (the API has no other word
 # for "ran out of room"), and the response's X-Specrun-Max-Tokens header says how much room there was.
 FINISH_REASONS = {"eog": "stop", "stop": "stop", "length": "length", "context": "length"}
-
-
-# ---------------------------------------------------------------------------------------------
-# What a job asks for, and what the worker tells it
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A conversation, rendered with the model's own chat template."""
-
-    messages: list[dict]
-
-
-@dataclass(frozen=True)
-class TextPrompt:
-    """Raw text (tokenized as `specrun generate --raw` does), or token ids as sent."""
-
-    text: str | None = None
-    token_ids: list[int] | None = None
-
-
-@dataclass(frozen=True)
-class Started:
-    """The job's turn came and its prompt fits: generation begins."""
-
-    n_prompt: int  # tokens in the prompt
-    n_cached: int  # of those, reused from the KV cache
-    max_tokens: int  # the limit in force
-    requested_max_tokens: int | None  # the client's limit (None: none given)
-
-    @property
-    def capped(self) -> bool:
-        return self.requested_max_tokens is not None and self.max_tokens < self.requested_max_tokens
-
-
-@dataclass(frozen=True)
-class Piece:
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str  # stop, length, or cancelled (nobody is listening then)
-    n_generated: int
-    stats: GenerationStats
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: APIError
-
-
-@dataclass
-class Job:
-    """One request on its way through the queue."""
-
-    id: str
-    prompt: ChatPrompt | TextPrompt
-    params: SamplingParams
-    max_tokens: int | None
-    stop: tuple[str, ...]
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancel: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, event) -> None:
-        """Hand an event to the request's coroutine (called from the worker thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:
-            pass  # the event loop has closed: the server is gone and nobody is listening
-
-
-def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down", code="server_shutting_down")
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompt tokens
-
-
-class ConversationMemory:
-    """The text and tokens of the last chat (prompt + answer), so its next turn tokenizes only the new part.
-
-    Re-tokenizing the whole conversation could split the earlier answer into other tokens than the
-    model generated, and the cache would then be reused only up to that point. As in `specrun
-    chat`, a rendered conversation that starts with the remembered text reuses its tokens.
-    """
-
-    def __init__(self) -> None:
-        self.text: str | None = None
-        self.tokens: list[int] = []
-
-    def tokens_for(self, fmt, rendered: str) -> list[int]:
-        if self.text and len(rendered) > len(self.text) and rendered.startswith(self.text):
-            return self.tokens + fmt.tokenize_more(rendered[len(self.text):])
-        return fmt.tokenize_start(rendered)
-
-    def remember(self, text: str, tokens: list[int]) -> None:
-        self.text, self.tokens = text, list(tokens)
-
-    def forget(self) -> None:
-        self.text, self.tokens = None, []
-
-
-def common_prefix(cached: list[int], prompt: list[int]) -> int:
-    """Return how many leading prompt tokens the cache holds (the last one is always decoded)."""
-    n, limit = 0, min(len(cached), len(prompt) - 1)
-    while n < limit and cached[n] == prompt[n]:
-        n += 1
-    return n
-
-
-def token_budget(n_prompt: int, n_ctx: int, requested: int | None, param: str) -> int:
-    """Return how many tokens may be generated: the request's limit, capped by the room in the context."""
-    room = n_ctx - n_prompt
-    if room < 2:
-        raise APIError(
-            400, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}: shorten it "
-            "(or restart the server with a larger --ctx-size)", param=param, code="context_length_exceeded",
-        )
-    # One token of room stays free: the last generated token is never decoded into the cache.
-    return room - 1 if requested is None else min(requested, room - 1)
 
 
 # ---------------------------------------------------------------------------------------------
