@@ -228,6 +228,52 @@ def chat(
 
 
 # ---------------------------------------------------------------------------------------------
+# serve
+
+
+@app.command(
+    epilog=_examples(
+        "specrun serve",
+        "specrun serve --target qwen2.5-14b --port 8000",
+        "SPECRUN_API_KEY=secret specrun serve --host 0.0.0.0 --cors https://chat.example.org",
+        note=(
+            "OpenAI-compatible: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions.",
+            "Point a client at http://127.0.0.1:8080/v1 (any API key unless --api-key is set).",
+        ),
+    )
+)
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (another than 127.0.0.1 exposes the model: set an API key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port to listen on (0: any free one).")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECRUN_API_KEY", show_envvar=True, help="Require this key (Authorization: Bearer KEY) on every /v1 route.")] = None,
+    cors: Annotated[Optional[list[str]], typer.Option("--cors", metavar="ORIGIN", help="Allow browser pages from this origin (repeatable; * for any). Off by default.")] = None,
+    queue_size: Annotated[int, typer.Option("--queue-size", min=1, help="Requests that may wait while one is answered; more get 503 with Retry-After.")] = 32,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    ctx_size: CtxOpt = 4096,
+    threads: ThreadsOpt = None,
+    budget: BudgetOpt = None,
+    depth: DepthOpt = None,
+    no_spec: NoSpecOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat UIs, editors, scripts)."""
+    _setup_logging(verbose)
+    with _user_errors():
+        try:
+            from specrun.server.app import ServerSettings
+            from specrun.server.serve import serve as run_server
+        except ModuleNotFoundError as e:
+            if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
+                raise
+            raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
+        settings = ServerSettings(api_key=api_key or None, cors_origins=tuple(cors or ()))
+        run_server(opts, host, port, settings, queue_size)
+
+
+# ---------------------------------------------------------------------------------------------
 # bench
 
 

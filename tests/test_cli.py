@@ -25,7 +25,7 @@ QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."  # SmolLM2-135M F32, greedy
 # Plain decoding of the F32 demo target: the reference output.
 PLAIN = ["--target", "smollm2-135m-f32", "--no-spec", "--threads", "1", "--ctx-size", "512"]
-COMMANDS = ["generate", "chat", "bench", "tune", "plan", "pull", "models"]
+COMMANDS = ["generate", "chat", "bench", "tune", "plan", "serve", "pull", "models"]
 
 
 def config_file(name: str) -> Path:

@@ -1,0 +1,490 @@
+"""`specrun serve` end to end: a real server process on 127.0.0.1, driven by the official openai
+client and by plain HTTP (httpx).
+
+Most tests share one server (module scope; it requires an API key, so every test also exercises
+the key check). The shutdown test starts its own small-queue server because it stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import MODEL_CACHE
+
+REPO = Path(__file__).resolve().parents[1]
+CTX = 1024
+API_KEY = "test-key-7f3a"
+TARGET = "smollm2-135m-f32"
+PROMPT = "Name three colours."
+STARTUP_S = 180.0  # generous: the CPU is shared with other test runs
+LISTENING_RE = re.compile(r"listening on (http://\S+)")
+
+
+def _env(home: Path) -> dict:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        SPECRUN_HOME=str(MODEL_CACHE), SPECRUN_CONFIG=str(home / "config"), SPECRUN_PROFILES=str(home / "profiles"),
+        HF_HOME=str(home / "hf"), NO_COLOR="1",
+    )
+    env.pop("SPECRUN_API_KEY", None)
+    return env
+
+
+class ServerProcess:
+    """`specrun serve` in a subprocess; stderr is collected line by line as it arrives."""
+
+    def __init__(self, home: Path, *args: str, port: int = 0):
+        argv = [sys.executable, "-m", "specrun", "serve", "--port", str(port), "--ctx-size", str(CTX), *args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(home))
+        self.stderr_lines: list[str] = []
+        self.stdout = ""
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+        self.url = ""
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line.rstrip("\n"))
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.stderr_lines)
+
+    def wait_ready(self) -> str:
+        """Return the base URL once the server says it is listening (models loaded)."""
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            for line in list(self.stderr_lines):
+                match = LISTENING_RE.search(line)
+                if match:
+                    self.url = match.group(1)
+                    return self.url
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.proc.kill()
+        pytest.fail(f"the server did not start (exit {self.proc.poll()}):\n{self.stderr}", pytrace=False)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """Send SIGTERM and return the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.stdout, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            pytest.fail(f"the server did not stop within {timeout:.0f} s after SIGTERM:\n{self.stderr}", pytrace=False)
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(offline_models, tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY)
+    srv.wait_ready()
+    yield srv
+    rc = srv.terminate()
+    assert rc == 0, srv.stderr
+    assert srv.stdout == "", "the server wrote to stdout"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _http(server, **kwargs) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=120, **kwargs)
+
+
+def _chat_body(content: str = PROMPT, **fields) -> dict:
+    return {"model": TARGET, "messages": [{"role": "user", "content": content}], "max_tokens": 16, **fields}
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "queued": 0}  # no key needed
+    models = client.models.list().data
+    assert [m.id for m in models] == [TARGET]
+    assert models[0].model_extra["meta"]["draft"] == "smollm2-135m-q4"
+
+
+def test_chat_answer_with_usage_and_timings(client):
+    reply = client.chat.completions.create(model="anything", messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=16, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.model == TARGET  # any model name is answered by the loaded pair
+    assert 0 < reply.usage.completion_tokens <= 16
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    timings = reply.model_extra["timings"]
+    for key in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second",
+                "draft_n", "draft_n_accepted", "accepted_per_pass", "n_passes", "cache_n"):
+        assert key in timings, key
+    assert timings["predicted_n"] == reply.usage.completion_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == reply.usage.prompt_tokens
+    assert timings["draft_n_accepted"] <= timings["draft_n"]
+
+
+def test_chat_stream_arrives_in_pieces(client):
+    arrivals = []
+    stream = client.chat.completions.create(
+        model=TARGET, messages=[{"role": "user", "content": "Write a short poem about rain."}], max_tokens=32,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        arrivals.append((time.monotonic(), chunk))
+    pieces = [(t, c.choices[0].delta.content) for t, c in arrivals if c.choices and c.choices[0].delta.content]
+    assert len(pieces) >= 2, "the answer came in one piece"
+    assert pieces[0][0] < arrivals[-1][0], "nothing arrived before the end"
+    finishes = [c.choices[0].finish_reason for _, c in arrivals if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    usage_chunk = arrivals[-1][1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens > 0
+    assert "timings" in usage_chunk.model_extra
+
+
+def test_stream_without_usage_option_has_no_usage_chunk(server):
+    with _http(server) as http:
+        lines = http.post("/v1/chat/completions", json=_chat_body(max_tokens=8, stream=True)).text.split("\n\n")
+    events = [line.removeprefix("data: ") for line in lines if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(chunk["choices"] for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") and "timings" in chunks[-1]
+
+
+def test_completions(client):
+    reply = client.completions.create(model=TARGET, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert reply.object == "text_completion"
+    assert reply.choices[0].text.strip()
+    assert reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= 8
+
+
+def _generate_cli(home: Path, requests: list[dict]) -> list[str]:
+    """Return the texts `specrun generate --temperature 0 --jsonl` writes for the requests (one model load)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "specrun", "generate", "--temperature", "0", "--ctx-size", str(CTX), "--jsonl"],
+        input="".join(json.dumps(r) + "\n" for r in requests), capture_output=True, text=True, env=_env(home),
+        timeout=STARTUP_S,
+    )
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line)["text"] for line in out.stdout.splitlines()]
+
+
+def test_greedy_text_is_what_generate_prints(client, tmp_path):
+    raw = "def fibonacci(n):"
+    cli_chat, cli_raw = _generate_cli(tmp_path, [{"prompt": PROMPT, "max_tokens": 24, "chat": True},
+                                                 {"prompt": raw, "max_tokens": 24, "chat": False}])
+    reply = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=24, temperature=0)
+    assert reply.choices[0].message.content == cli_chat
+    reply = client.completions.create(model=TARGET, prompt=raw, max_tokens=24, temperature=0)
+    assert reply.choices[0].text == cli_raw
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed: int) -> str:
+        reply = client.chat.completions.create(
+            model=TARGET, messages=[{"role": "user", "content": "Tell me a fact about cats."}], max_tokens=16,
+            temperature=1.0, top_p=0.95, seed=seed,
+        )
+        return reply.choices[0].message.content
+
+    assert sample(1234) == sample(1234)
+
+
+def test_stop_string_ends_the_answer(client):
+    reply = client.completions.create(model=TARGET, prompt="1, 2, 3, 4,", max_tokens=24, temperature=0, stop=[" 7"])
+    assert " 7" not in reply.choices[0].text and reply.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_capped_by_the_context(server):
+    # The limit is set before generating; the stop string then ends the answer after a word or two.
+    with _http(server) as http:
+        response = http.post("/v1/chat/completions", json=_chat_body(max_tokens=100_000, stop=[" ", "\n"]))
+    assert response.status_code == 200, response.text
+    limit = int(response.headers["X-Specrun-Max-Tokens"])
+    assert limit < CTX and response.headers["X-Specrun-Max-Tokens-Capped"] == "100000"
+    assert response.json()["choices"][0]["finish_reason"] == "stop"
+    assert any("lowered to" in line for line in server.stderr_lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys and bad requests
+
+
+def test_api_key_required(server):
+    body = _chat_body(max_tokens=4)
+    missing = httpx.post(server.url + "/v1/chat/completions", json=body)
+    wrong = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
+    for response in (missing, wrong):
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+BIG = "x" * (2 << 20)
+
+BAD_REQUESTS = {
+    "malformed JSON": ("/v1/chat/completions", b'{"messages": [', 400, None),
+    "not an object": ("/v1/chat/completions", b"[1, 2]", 400, None),
+    "empty body": ("/v1/chat/completions", b"", 400, None),
+    "messages of the wrong type": ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    "temperature of the wrong type": ("/v1/chat/completions", _chat_body(temperature="hot"), 400, "temperature"),
+    "max_tokens of the wrong type": ("/v1/chat/completions", _chat_body(max_tokens="lots"), 400, "max_tokens"),
+    "negative max_tokens": ("/v1/chat/completions", _chat_body(max_tokens=-3), 400, "max_tokens"),
+    "top_p out of range": ("/v1/chat/completions", _chat_body(top_p=1.5), 400, "top_p"),
+    "unknown role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    "image content": ("/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                      400, "messages"),
+    "no messages": ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    "n=2": ("/v1/chat/completions", _chat_body(n=2), 400, "n"),
+    "tools": ("/v1/chat/completions", _chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    "prompt batch": ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    "prompt longer than the context": ("/v1/completions", {"prompt": "hello " * 2000, "max_tokens": 4}, 400, "prompt"),
+    "streamed prompt longer than the context": ("/v1/chat/completions", _chat_body("hello " * 2000, stream=True),
+                                                400, "messages"),
+    "body too large": ("/v1/chat/completions", _chat_body(BIG), 413, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_is_refused_and_server_keeps_serving(server, case):
+    path, body, status, param = BAD_REQUESTS[case]
+    with _http(server) as http:
+        if isinstance(body, bytes):
+            response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            response = http.post(path, json=body)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert "Traceback" not in response.text
+        if param is not None:
+            assert error["param"] == param, error
+        assert http.post("/v1/chat/completions", json=_chat_body(max_tokens=2)).status_code == 200
+
+
+def test_unknown_route_and_wrong_method(server):
+    with _http(server) as http:
+        assert http.get("/v1/nothing").status_code == 404
+        assert http.get("/v1/chat/completions").status_code == 405
+        assert http.get("/v1/nothing").json()["error"]["code"] == "not_found"
+
+
+# ---------------------------------------------------------------------------------------------
+# Many clients, disconnects, conversation reuse
+
+
+def test_eight_concurrent_clients_all_answered(client):
+    def ask(i: int) -> str:
+        reply = client.chat.completions.create(
+            model=TARGET, messages=[{"role": "user", "content": f"Give me a word that rhymes with {i}."}],
+            max_tokens=8, temperature=0,
+        )
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert len(answers) == 8 and all(a.strip() for a in answers)
+
+
+def test_client_that_disconnects_frees_the_server(server, client):
+    body = _chat_body("Write a very long story about a dragon.", max_tokens=600, temperature=0, stream=True)
+    with _http(server) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
+                    job_id = json.loads(line.removeprefix("data: "))["id"]
+                    break
+        # Leaving the block closed the connection after the first piece of the answer.
+    t0 = time.monotonic()
+    reply = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": PROMPT}], max_tokens=4)
+    assert reply.choices[0].message.content
+    deadline = time.monotonic() + 30
+    while not any(job_id in line for line in server.stderr_lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    logged = next(line for line in server.stderr_lines if job_id in line)
+    assert logged.endswith("cancelled"), logged
+    generated = int(re.search(r"· (\d+) tokens", logged).group(1))
+    assert generated < 600
+    assert time.monotonic() - t0 < 60
+
+
+def test_second_turn_prefills_only_the_new_message(client):
+    messages = [{"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": "Write two sentences about the moon and its phases."}]
+    first = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=24, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And the sun?"}]
+    second = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=8, temperature=0)
+    timings = second.model_extra["timings"]
+    seen = first.usage.prompt_tokens + first.usage.completion_tokens
+    # Everything the first turn put in the cache is reused; only the new message (and its template
+    # markers) is evaluated.
+    assert timings["cache_n"] >= seen - 1, timings
+    assert timings["prompt_n"] <= second.usage.prompt_tokens - seen + 1, timings
+    assert second.usage.prompt_tokens_details.cached_tokens == timings["cache_n"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Startup and shutdown
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _health_until_ready(url: str, proc: subprocess.Popen) -> set:
+    """Poll /health from the moment the port opens until it says ok; return what it answered."""
+    seen = set()
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            response = httpx.get(url + "/health", timeout=5)
+        except httpx.TransportError:
+            time.sleep(0.05)
+            continue
+        seen.add((response.status_code, response.json()["status"]))
+        if response.status_code == 200:
+            return seen
+        time.sleep(0.05)
+    pytest.fail(f"/health never said ok; answers: {seen}", pytrace=False)
+
+
+def _wait_until_queued(url: str, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/health").json().get("queued") != n:
+        assert time.monotonic() < deadline, f"no {n} request(s) queued after 60 s"
+        time.sleep(0.05)
+
+
+def test_queue_full_then_sigterm_ends_answer_and_exits_0(offline_models, tmp_path):
+    port = _free_port()
+    srv = ServerProcess(tmp_path, "--queue-size", "1", port=port)
+    try:
+        answers = _health_until_ready(f"http://127.0.0.1:{port}", srv.proc)
+        assert answers <= {(503, "loading"), (200, "ok")}
+        url = srv.wait_ready()
+        long_body = _chat_body("Write a very long story about a dragon.", max_tokens=800, temperature=0, stream=True)
+        waiting: dict = {}
+        with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/chat/completions", json=long_body) as streaming:
+            lines = streaming.iter_lines()
+            next(line for line in lines if '"content": "' in line and '"content": ""' not in line)  # answering now
+            waiter = threading.Thread(target=lambda: waiting.update(r=httpx.post(url + "/v1/chat/completions",
+                                                                                 json=_chat_body(), timeout=120)))
+            waiter.start()
+            _wait_until_queued(url, 1)  # the second request waits in the queue (size 1)
+            full = httpx.post(url + "/v1/chat/completions", json=_chat_body(), timeout=30)
+            assert full.status_code == 503 and int(full.headers["Retry-After"]) >= 1
+            assert full.json()["error"]["code"] == "queue_full"
+
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]  # the answer in progress ends instead of running to 800 tokens
+        assert rest[-1] == "data: [DONE]"
+        assert any("shutting down" in line for line in rest)
+        waiter.join(30)
+        assert waiting["r"].status_code == 503
+    finally:
+        rc = srv.terminate()
+    assert rc == 0, srv.stderr
+    assert srv.stdout == ""
+    with socket.socket() as sock:
+        # Nothing listens there any more (SO_REUSEADDR, as servers bind: closed connections may linger in TIME_WAIT).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1)
+
+
+def test_exposed_without_key_warns_and_bad_target_fails_cleanly(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "specrun", "serve", "--host", "0.0.0.0", "--port", "0", "--target", str(tmp_path / "missing.gguf")],
+        capture_output=True, text=True, env=_env(tmp_path), timeout=120,
+    )
+    assert out.returncode != 0
+    assert "without an API key" in out.stderr
+    assert "error:" in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout == ""
+
+
+def test_port_in_use_is_a_one_line_error(offline_models, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "specrun", "serve", "--port", str(port), "--ctx-size", str(CTX)],
+            capture_output=True, text=True, env=_env(tmp_path), timeout=120,
+        )
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# In process, without a model: a bug in a route is a JSON 500 and the app keeps answering
+
+
+class _BrokenWorker:
+    state = "ready"
+    model = None
+    queued = 0
+
+    def submit(self, job):
+        raise RuntimeError("boom")
+
+
+def test_unexpected_error_is_a_json_500():
+    from fastapi.testclient import TestClient
+
+    from specrun.server.app import ServerSettings, create_app
+    from specrun.server.worker import ModelInfo
+
+    worker = _BrokenWorker()
+    worker.model = ModelInfo(TARGET, None, CTX, None)
+    with TestClient(create_app(worker, ServerSettings()), raise_server_exceptions=False) as http:
+        response = http.post("/v1/chat/completions", json=_chat_body())
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "server_error" and "Traceback" not in response.text
+        assert http.get("/health").json()["status"] == "ok"
+
+
+def test_cors_only_when_asked_for():
+    from fastapi.testclient import TestClient
+
+    from specrun.server.app import ServerSettings, create_app
+
+    origin = "http://ui.example"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with TestClient(create_app(_BrokenWorker(), ServerSettings(api_key="k", cors_origins=(origin,)))) as http:
+        allowed = http.options("/v1/chat/completions", headers=preflight)
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == origin
+    with TestClient(create_app(_BrokenWorker(), ServerSettings())) as http:
+        response = http.get("/health", headers={"Origin": origin})
+        assert "access-control-allow-origin" not in response.headers
