@@ -36,10 +36,10 @@ def plan_lines(plan: Plan) -> list[str]:
     data = plan.to_dict()
     target, draft = data["target"], data["draft"]
     placed = plan.placement
-    lines = [f"target   {target['name']}  {target['path']}"]
+    lines = [f"target   {target['name']}  {_where(target['path'])}"]
     lines.append(f"         {_layers_text(target['gpu_layers'], target['layer_slots'], plan)}")
     if draft is not None:
-        lines.append(f"draft    {draft['name']}  {draft['path']}")
+        lines.append(f"draft    {draft['name']}  {_where(draft['path'])}")
         lines.append(f"         {'whole on ' + draft['device'] if draft['gpu_layers'] else 'in RAM'}")
     if plan.tree is None:
         lines.append(f"decoding plain (no draft loaded): {plan.why}")
@@ -68,6 +68,10 @@ def plan_lines(plan: Plan) -> list[str]:
     for warning in data["warnings"]:
         lines.append(f"warning  {warning}")
     return lines
+
+
+def _where(path: str | None) -> str:
+    return path if path is not None else "(not downloaded yet)"
 
 
 def _layers_text(gpu_layers: int, slots: int, plan: Plan) -> str:

@@ -142,10 +142,10 @@ class Plan:
             tree = {"kind": self.tree.kind, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
                     "width": s.width, "top_k": s.top_k, "text": self.tree.describe()}
         return {
-            "target": {"name": f.target_name, "path": str(f.target_path), "gpu_layers": self.target_gpu_layers,
+            "target": {"name": f.target_name, "path": _path(f.target_path), "gpu_layers": self.target_gpu_layers,
                        "layer_slots": self.placement.target_n_slots},
             "draft": None if f.draft_name is None or self.tree is None else {
-                "name": f.draft_name, "path": str(f.draft_path), "gpu_layers": self.draft_gpu_layers,
+                "name": f.draft_name, "path": _path(f.draft_path), "gpu_layers": self.draft_gpu_layers,
                 "device": (self.devices[self.placement.draft_device].name
                            if self.placement.draft_device is not None else "RAM"),
             },
@@ -168,6 +168,10 @@ class Plan:
             },
             "warnings": list(self.placement.warnings) + list(self.notes),
         }
+
+
+def _path(path: Path | None) -> str | None:
+    return str(path) if path is not None else None
 
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
