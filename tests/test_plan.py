@@ -121,3 +121,15 @@ def test_load_arguments_follow_the_plan_on_several_gpus():
     assert draft["main_gpu"] == plan.placement.draft_device and draft["n_gpu_layers"] == QWEN25_05B_Q4KM.n_layer + 1
     cpu_only = build_plan(opts, fetch=False, devices=[], ram_free_bytes=32 * GB, sizes=(QWEN25_14B_Q4KM, QWEN25_05B_Q4KM))
     assert load_arguments(cpu_only) == ({"n_gpu_layers": 0, "op_offload": None}, {"n_gpu_layers": 0, "op_offload": None})
+
+
+def test_without_a_gpu_a_run_reads_no_model_shapes(offline_models, monkeypatch):
+    """Nothing to place on a CPU: a run must not pay for reading the models' metadata."""
+    def no_reading(path):
+        raise AssertionError(f"read {path}")
+
+    monkeypatch.setattr(placement, "model_size", no_reading)
+    plan = build_plan(OPTS, devices=[])
+    assert plan.target_gpu_layers == 0 and plan.draft_gpu_layers == 0
+    files = offline_models.smollm2_f32.stat().st_size + offline_models.smollm2_q4.stat().st_size
+    assert plan.placement.ram_bytes == files

@@ -22,7 +22,7 @@ def plan(opts: RunOptions, as_json: bool, gpus: list[str] | None = None, ram_fre
     """
     devices = [parse_gpu(spec) for spec in gpus] if gpus else None
     ram = parse_bytes(ram_free, "--ram-free") if ram_free else None
-    result = build_plan(opts, fetch=False, devices=devices, ram_free_bytes=ram)
+    result = build_plan(opts, fetch=False, devices=devices, ram_free_bytes=ram, detailed=True)
     if as_json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

@@ -91,6 +91,18 @@ def plan(
     return placed
 
 
+def cpu_only(files: Sequence[Path], ram_free_bytes: int | None = None) -> offload.OffloadPlan:
+    """Return the plan for a machine without a GPU: everything in RAM, counted as the model files
+    (memory-mapped weights; KV cache and compute buffers not estimated, nothing is read)."""
+    ram = sum(total_file_bytes(Path(f)) for f in files)
+    free = sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes
+    return offload.OffloadPlan(
+        target_gpu_layers=0, target_n_slots=0, target_tensor_split=(), draft_device=None, draft_gpu_layers=0,
+        op_offload=False, device_bytes=(), device_limit_bytes=(), ram_bytes=ram,
+        ram_limit_bytes=max(0, free - offload.DEFAULT_MARGIN_BYTES), overridden=False, warnings=(),
+    )
+
+
 def gpu_layers(
     target_path: Path,
     draft_path: Path | None,

@@ -190,12 +190,15 @@ def build_plan(
     devices: list | None = None,
     ram_free_bytes: int | None = None,
     sizes: tuple[offload.ModelSize, offload.ModelSize | None] | None = None,
+    detailed: bool = False,
 ) -> Plan:
     """Return the plan for these options.
 
     `shape` forces a tree (tuning calibrates with one). `devices` (engine.DeviceInfo-like),
     `ram_free_bytes` and `sizes` replace what this machine and the model files say: that is how
-    GPU plans are reviewed on a machine without a GPU, or before a model is downloaded.
+    GPU plans are reviewed on a machine without a GPU, or before a model is downloaded. Without a
+    GPU nothing needs placing, so the models' shapes are read (seconds for a large vocabulary)
+    only when `detailed` asks for the memory estimate; otherwise RAM is counted as the files.
     """
     files = resolve_models(opts, fetch=fetch)
     if shape is not None and files.draft_name is None:
@@ -220,14 +223,18 @@ def build_plan(
     if devices is None:
         devices = engine.list_devices()
     gpus = tuple(offload.Device(d.name, d.free_bytes, d.total_bytes) for d in devices if d.kind in placement.GPU_KINDS)
-    target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
-    draft_size = None
-    if tree is not None:
-        draft_size = sizes[1] if sizes else _model_size(files.draft_name, files.draft_path)
-    placed = placement.plan(
-        target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
-        ram_free_bytes=ram_free_bytes,
-    )
+    draft_path = files.draft_path if tree is not None else None
+    if not gpus and sizes is None and not detailed:
+        placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes)
+    else:
+        target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
+        draft_size = None
+        if tree is not None:
+            draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
+        placed = placement.plan(
+            target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
+            ram_free_bytes=ram_free_bytes,
+        )
     return Plan(
         files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
         threads=opts.threads or engine.default_threads(), placement=placed, devices=gpus, untuned=untuned,
