@@ -372,11 +372,13 @@ def plan(
         "specrun pull qwen2.5-14b qwen2.5-0.5b",
         "specrun pull hf:bartowski/Llama-3.2-1B-Instruct-GGUF/Llama-3.2-1B-Instruct-Q4_K_M.gguf",
         "HF_TOKEN=hf_... specrun pull llama3.1-8b",
+        "specrun pull --force qwen2.5-14b     # fetch again, e.g. after a checksum mismatch",
     )
 )
 def pull(
     models: Annotated[list[str], typer.Argument(help="Model aliases (see `specrun models`) or hf:owner/repo/file.gguf.", show_default=False)],
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Fetch again even if present; the old file is replaced only once the new copy verifies.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Download (or build) models now; print each one's local path on stdout."""
@@ -384,7 +386,7 @@ def pull(
     with _user_errors():
         from specrun.commands import models as models_commands
 
-        models_commands.pull(models, quiet)
+        models_commands.pull(models, quiet, force)
 
 
 @app.command(
