@@ -74,7 +74,7 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
     t_start = time.monotonic()
     _check_profiles_writable()
     hardware = profiler.probe_hardware()
-    report.warn_if_busy(hardware)
+    report.warn_if_busy(hardware.cores)
     max_budget = min(opts.budget or settings.max_budget, MAX_BUDGET)
     depth = opts.depth or settings.depth
     calibration_shape = TreeShape(max_budget, depth, min(settings.width, max_budget), min(settings.top_k, max_budget))

@@ -11,11 +11,11 @@ import llama_cpp as C
 from specrun import sysinfo
 from specrun.engine.backend import (
     Owner,
-    check_gguf_file,
     ensure_backend,
     last_llama_error,
     recent_errors,
 )
+from specrun.engine.gguf import check_complete_gguf
 from specrun.errors import EngineError, ModelFileError
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class Model(Owner):
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False):
         ensure_backend()
-        self.path = check_gguf_file(Path(path))
+        self.path = check_complete_gguf(Path(path))
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
@@ -178,7 +178,7 @@ class Model(Owner):
 def quantize(src: str | Path, dst: str | Path, ftype: str = "F32", threads: int = 0) -> None:
     """Convert a GGUF file to another precision with llama_model_quantize (e.g. Q4_1 -> F32)."""
     ensure_backend()
-    check_gguf_file(Path(src))
+    check_complete_gguf(Path(src))
     if ftype not in _FTYPES:
         raise ValueError(f"unsupported ftype {ftype!r}; choose one of {sorted(_FTYPES)}")
     params = C.llama_model_quantize_default_params()
