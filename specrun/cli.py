@@ -62,7 +62,14 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cp
 # ---- sampling options shared by chat and generate ----
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="Sampling temperature; 0 = greedy.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k likeliest tokens (0 = off).")]
-TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")]
+def _top_p_range(value: float) -> float:
+    """Accept exactly what sampling accepts: 0 < p <= 1 (a nucleus of no mass keeps nothing)."""
+    if not 0.0 < value <= 1.0:
+        raise typer.BadParameter(f"{value:g} is not in the range 0<x<=1.")
+    return value
+
+
+TopPOpt = Annotated[float, typer.Option("--top-p", callback=_top_p_range, help="Nucleus sampling mass, 0 < p <= 1 (1 = off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below min-p x the best probability.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Random seed for sampling (default: a fresh one each run).")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (chat mode).")]
@@ -106,19 +113,21 @@ def _main(
 
 
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
+    from specrun.inputs import check_utf8, decode_utf8, read_stdin
+
     if prompt is not None and file is not None:
         raise UsageError("give the prompt either as an argument or with --file, not both")
     if file is not None:
         try:
-            return file.read_text(encoding="utf-8")
+            return decode_utf8(file.read_bytes(), f"prompt file {file}")
+        except IsADirectoryError:
+            raise UsageError(f"prompt file {file} is a directory") from None
         except OSError as e:
             raise UsageError(f"cannot read prompt file {file}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise UsageError(f"prompt file {file} is not UTF-8 text") from None
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read()
+        return read_stdin()
     if prompt is not None:
-        return prompt
+        return check_utf8(prompt, "the prompt argument")
     raise UsageError("no prompt: pass it as an argument, with --file, or on stdin")
 
 
@@ -128,8 +137,12 @@ def _read_prompt(prompt: str | None, file: Path | None) -> str:
         "cat prompt.txt | specrun generate --max-tokens 200 --stats",
         'specrun generate --raw --no-spec "def fib(n):"',
         'specrun generate --json --stop "." "Name one colour."',
+        "cat prompts.txt | specrun generate --lines --json > results.jsonl",
         "cat requests.jsonl | specrun generate --jsonl > results.jsonl",
         note=(
+            "Text on stdin or in --file is ONE prompt, all lines joined; --lines makes each line a",
+            "prompt of its own (answers separated by a blank line, or one JSON object per line).",
+            "",
             "Each --jsonl line: {\"prompt\": ..., \"max_tokens\"?, \"temperature\"?, \"top_k\"?, \"top_p\"?,",
             "\"min_p\"?, \"seed\"?, \"stop\"?, \"chat\"?, \"system\"?, \"id\"?}; each result: text, token_ids,",
             "n_tokens, tokens_per_s, accepted_per_pass, finish_reason (or error and line).",
@@ -150,6 +163,7 @@ def generate(
     system: SystemOpt = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print a summary on stderr.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and stats.")] = False,
+    lines: Annotated[bool, typer.Option("--lines", help="Each input line (stdin or --file) is a prompt of its own; models load once.")] = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="Read JSON requests line by line; write one JSON result per line.")] = False,
     target: TargetOpt = None,
     draft: DraftOpt = None,
@@ -161,7 +175,11 @@ def generate(
     no_spec: NoSpecOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Generate text for a prompt (argument, --file or stdin), streaming it to stdout."""
+    """Generate text for a prompt (argument, --file or stdin), streaming it to stdout.
+
+    Text from stdin or --file is one prompt (all its lines together); --lines answers each line
+    on its own, --jsonl answers one JSON request per line.
+    """
     _setup_logging(verbose)
     with _user_errors():
         from specrun.commands import generate as generate_command
@@ -169,6 +187,10 @@ def generate(
 
         if jsonl and as_json:
             raise UsageError("--json and --jsonl do not go together (--jsonl already writes JSON)")
+        if jsonl and lines:
+            raise UsageError("--lines and --jsonl do not go together (--jsonl already reads one request per line)")
+        if system is not None and chat is False:
+            raise UsageError("--system needs chat mode (drop --raw)")
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
         request = Request(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -178,6 +200,12 @@ def generate(
             if prompt is not None and prompt != "-":
                 raise UsageError("--jsonl reads requests from stdin or --file, not from an argument")
             generate_command.generate_jsonl(opts, request, file)
+            return
+        if lines:
+            if prompt is not None and prompt != "-":
+                raise UsageError("--lines reads prompts from stdin or --file, not from an argument")
+            if generate_command.generate_lines(opts, request, file, show_stats=stats, as_json=as_json):
+                raise typer.Exit(2)  # some lines were refused (each one said why)
             return
         text = _read_prompt(prompt, file)
         generate_command.generate_one(opts, request, text, show_stats=stats, as_json=as_json)
@@ -390,11 +418,13 @@ def plan(
         "specrun pull qwen2.5-14b qwen2.5-0.5b",
         "specrun pull hf:bartowski/Llama-3.2-1B-Instruct-GGUF/Llama-3.2-1B-Instruct-Q4_K_M.gguf",
         "HF_TOKEN=hf_... specrun pull llama3.1-8b",
+        "specrun pull --force qwen2.5-14b     # fetch again, e.g. after a checksum mismatch",
     )
 )
 def pull(
     models: Annotated[list[str], typer.Argument(help="Model aliases (see `specrun models`) or hf:owner/repo/file.gguf.", show_default=False)],
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Fetch again even if present; the old file is replaced only once the new copy verifies.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Download (or build) models now; print each one's local path on stdout."""
@@ -402,7 +432,7 @@ def pull(
     with _user_errors():
         from specrun.commands import models as models_commands
 
-        models_commands.pull(models, quiet)
+        models_commands.pull(models, quiet, force)
 
 
 @app.command(

@@ -53,18 +53,45 @@ def read_json(path: Path, kind: type, what: str) -> Any | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        log.warning("ignoring %s %s: %s", what, path, e.strerror or e)
+        _warn_once(path, f"ignoring {what} {path}: {e.strerror or e}")
         return None
     try:
         value = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        log.warning("ignoring %s %s: it is not valid JSON (it will be rebuilt)", what, path)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        _warn_once(path, f"ignoring {what} {path}: it is not valid JSON (it will be rebuilt)")
         return None
     if not isinstance(value, kind):
-        log.warning("ignoring %s %s: expected a JSON %s, found %s (it will be rebuilt)",
-                    what, path, _json_type(kind), type(value).__name__)
+        _warn_once(path, f"ignoring {what} {path}: expected a JSON {_json_type(kind)}, found "
+                         f"{type(value).__name__} (it will be rebuilt)")
         return None
     return value
+
+
+# Warnings already given in this process: one run may read the same bad file several times.
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(path: Path, message: str) -> None:
+    key = (str(path), message)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", message)
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Return why files cannot be created in directory (made if missing), or None when they can.
+
+    Asks the file system itself (creates and removes a probe file): permission bits say nothing
+    about read-only mounts, and root passes every permission check.
+    """
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def file_key(path: Path) -> dict:

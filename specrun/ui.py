@@ -12,7 +12,9 @@ import sys
 
 from rich.console import Console
 
+from specrun.errors import UsageError
 from specrun.files import human_size
+from specrun.inputs import check_utf8, decode_utf8
 
 _err: Console | None = None
 _err_key: tuple = ()
@@ -155,12 +157,24 @@ class LineReader:
         return "\n".join(lines).strip("\n")
 
     def _input(self, prompt: str) -> str | None:
+        """Return one line without its newline, or None at end of input.
+
+        A line that is not UTF-8 raises UsageError (the chat reports it and reads on); from a
+        pipe, lines are read as bytes so one bad line cannot spoil the ones after it.
+        """
+        if not self.interactive and getattr(sys.stdin, "buffer", None) is not None:
+            raw = sys.stdin.buffer.readline()
+            if not raw:
+                return None
+            return decode_utf8(raw, "this message").rstrip("\r\n")
         try:
-            return input(prompt if self.interactive else "")
+            return check_utf8(input(prompt if self.interactive else ""), "this message")
         except EOFError:
             if self.interactive:
                 sys.stdout.write("\n")
             return None
+        except UnicodeDecodeError as e:
+            raise UsageError(f"this message is not UTF-8 text (invalid byte 0x{e.object[e.start]:02x})") from None
 
     def close(self) -> None:
         """Save the history (best effort: a read-only home must not break leaving the chat)."""

@@ -246,10 +246,9 @@ def test_save_to_an_unwritable_place_keeps_chatting(chat, tmp_path):
 
 
 def test_full_context_is_reported_and_reset_recovers(chat):
-    # A long system prompt leaves room for a short answer only (llama.cpp rounds the context up
-    # to 256 tokens).
+    # A long system prompt (~244 tokens) leaves room for a short answer only.
     system = "You are a storyteller. Tell long stories full of detail. " * 17
-    args = [*PLAIN[:-1], "64", "--system", system]
+    args = [*PLAIN[:-1], "256", "--system", system]
 
     # (no /exit: the end of the input ends the chat, like Ctrl-D)
     result = chat("Write a long story about a dragon.", "Another one, please.", "/reset", "/stats", args=args)

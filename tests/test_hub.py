@@ -185,29 +185,73 @@ def test_reuploaded_file_is_refused_before_downloading(env):
     assert env.hub.gets(FILE) == []
 
 
-def test_cached_file_damaged_later_is_removed(env):
+def test_cached_file_damaged_later_is_kept_reported_and_replaced_by_pull_force(env):
     spec = serve_tiny(env)
     path = hub.ensure_local(spec, progress=False)
     time.sleep(0.01)
     with open(path.resolve(), "r+b") as f:  # bit rot / a tool writing into the cache
         f.seek(100)
         f.write(b"\0" * 16)
+    damaged = path.read_bytes()
 
-    with pytest.raises(DownloadError, match="no longer matches"):
+    with pytest.raises(DownloadError, match="no longer matches|pins sha256") as failure:
         hub.ensure_local(spec, progress=False)
-    assert not path.exists()
+    message = str(failure.value)
+    assert "'tiny'" in message and sha(DATA) in message and sha(damaged) in message
+    assert str(path) in message and "specrun pull --force tiny" in message
+    assert path.read_bytes() == damaged  # never deleted: the user decides
+
+    assert hub.ensure_local(spec, progress=False, force=True) == path
+    assert path.read_bytes() == DATA
+    assert leftovers(env.hf_cache) == []
+    assert not list(env.hf_cache.rglob("*.replacement"))
 
 
-def test_blob_left_by_another_tool_is_verified_before_use(env):
+def test_blob_left_by_another_tool_is_verified_before_use_and_kept(env):
     spec = serve_tiny(env)
     blobs = env.hf_cache / "models--fake--tiny-GGUF" / "blobs"
     blobs.mkdir(parents=True)
     (blobs / sha(DATA)).write_bytes(b"not the model")  # a blob without its snapshot link
 
-    with pytest.raises(DownloadError, match="no longer matches"):
+    with pytest.raises(DownloadError, match="pull --force tiny"):
         hub.ensure_local(spec, progress=False)
-    assert not (blobs / sha(DATA)).exists()
-    assert hub.ensure_local(spec, progress=False).read_bytes() == DATA
+    assert (blobs / sha(DATA)).read_bytes() == b"not the model"
+    assert hub.ensure_local(spec, progress=False, force=True).read_bytes() == DATA
+
+
+def test_pull_force_keeps_the_old_file_when_the_new_copy_fails_to_verify(env):
+    spec = serve_tiny(env)
+    path = hub.ensure_local(spec, progress=False)
+    corrupted = bytearray(DATA)
+    corrupted[5000] ^= 0xFF
+    env.hub.add_file(REPO, FILE, bytes(corrupted), etag=sha(DATA))  # the hub now sends bad bytes
+
+    with pytest.raises(DownloadError, match="no longer matches"):
+        hub.ensure_local(spec, progress=False, force=True)
+    assert path.read_bytes() == DATA
+    assert leftovers(env.hf_cache) == [] and not list(env.hf_cache.rglob("*.replacement"))
+
+
+def test_wrong_pin_in_a_second_alias_never_deletes_a_shared_cached_file(env, monkeypatch):
+    """Issue 13, case 1: alias `fake` pins the file right, `fakebad2` pins it wrong."""
+    env.hub.add_file(REPO, FILE, DATA)
+    user_toml(hf_alias("fake", REPO, [FILE], [sha(DATA)]) + hf_alias("fakebad2", REPO, [FILE], ["0" * 64]))
+    path = hub.ensure_local(registry.resolve("fake"), progress=False)
+    blob = path.resolve()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    with pytest.raises(DownloadError) as failure:
+        hub.ensure_local(registry.resolve("fakebad2"), progress=False)
+    message = str(failure.value)
+    assert "'fakebad2'" in message and "0" * 64 in message and sha(DATA) in message
+    assert "specrun pull --force fakebad2" in message
+    assert path.read_bytes() == DATA and blob.read_bytes() == DATA and path.is_symlink()
+    assert hub.ensure_local(registry.resolve("fake"), progress=False) == path
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(DownloadError, match="nothing was downloaded"):  # the hub disagrees with the pin
+        hub.ensure_local(registry.resolve("fakebad2"), progress=False, force=True)
+    assert path.read_bytes() == DATA
 
 
 def test_split_model_fetches_every_shard_and_returns_the_first(env):

@@ -264,10 +264,10 @@ def test_same_vocabulary_passes_even_with_padding_and_renamed_controls():
     "draft_change, problem",
     [
         (dict(texts=VOCAB[:700] + [b"other"] + VOCAB[701:]), "token 700 is b'tok700' in the target but b'other' in the draft"),
-        (dict(texts=VOCAB + [b"x"] * 129), "vocabulary sizes differ by 129"),
-        (dict(vocab_type=1), "vocabulary types differ (target BPE, draft SPM)"),
-        (dict(eos=7), "eos differs (target 2, draft 7)"),
-        (dict(add_bos=True), "add_bos differs"),
+        (dict(texts=VOCAB + [b"x"] * 129), "vocabularies differ in size (target 1000 tokens, draft 1129"),
+        (dict(vocab_type=1), "tokenizers differ (target BPE, draft SPM)"),
+        (dict(eos=7), "special tokens differ: eos is 2 in the target, 7 in the draft"),
+        (dict(add_bos=True), "special tokens differ: add_bos is"),
     ],
 )
 def test_incompatible_vocabularies_name_both_files_and_the_difference(draft_change, problem):
@@ -291,4 +291,4 @@ def test_real_vocabularies(offline_models):
             pairing.check_vocab(gemma, smol)
     message = str(failure.value)
     assert str(offline_models.smollm2_q4) in message and str(offline_models.gemma_q4) in message
-    assert "vocabulary types differ (target SPM, draft BPE)" in message
+    assert "tokenizers differ (target SPM, draft BPE)" in message

@@ -77,7 +77,8 @@ class ChatFormat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text.strip()}]
             return self.tokenize_start(self.render(messages, add_generation_prompt=True))
         if system:
-            raise UsageError("--system needs chat mode (drop --raw)")
+            raise UsageError("a system prompt needs chat mode, and this prompt is raw text "
+                             "(chat mode is off, or the model has no chat template)")
         return self.model.tokenize(text, add_special=True, parse_special=False)
 
 

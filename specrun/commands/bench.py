@@ -7,13 +7,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
-from specrun import ui
+from specrun import engine, ui
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import token_ids
 from specrun.errors import UsageError
+from specrun.inputs import decode_utf8
 from specrun.runtime.plan import DEFAULT_SHAPE, RunOptions, TreePlan, build_plan
 from specrun.runtime.runtime import Runtime, make_decoder
+from specrun.tuning import report
 
 BENCH_PROMPTS = [
     "Explain why the sky is blue to a ten-year-old.",
@@ -29,7 +31,7 @@ def load_prompts(path: Path | None) -> list[str]:
     if path is None:
         return list(BENCH_PROMPTS)
     try:
-        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        lines = [line.strip() for line in decode_utf8(path.read_bytes(), f"prompts file {path}").splitlines()]
     except OSError as e:
         raise UsageError(f"cannot read prompts file {path}: {e.strerror}") from None
     prompts = [line for line in lines if line]
@@ -79,6 +81,7 @@ def bench(
     configs = bench_configs(opts, budgets, width, children)
     largest = max(configs, key=lambda c: c[1].shape.budget)[1].shape
     rows = []
+    report.warn_if_busy(engine.default_threads(), "speedups measured now may not hold on a quiet machine")
     with Runtime(build_plan(opts, largest)) as rt:
         prompts = [rt.tokenize_prompt(t, chat=True) for t in texts]
         plain = PlainDecoder(rt.target, rt.target_ctx)

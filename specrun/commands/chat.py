@@ -50,6 +50,9 @@ def _chat_loop(session, reader, params, max_tokens: int | None) -> None:
     while True:
         try:
             line = reader.read()
+        except SpecrunError as e:  # e.g. a line that is not UTF-8: say so, the chat goes on
+            ui.error(str(e))
+            continue
         except KeyboardInterrupt:
             if interrupted:
                 ui.write_text("\n")

@@ -1,16 +1,18 @@
-"""`specrun generate`: one prompt streamed to stdout, or JSONL requests answered line by line."""
+"""`specrun generate`: one prompt streamed to stdout, one prompt per input line (--lines), or JSONL
+requests answered line by line (--jsonl). Models load once per command."""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
-from dataclasses import replace
 from pathlib import Path
-from typing import IO
+from typing import BinaryIO, Iterator
 
 from specrun import ui
 from specrun.errors import SpecrunError, UsageError
+from specrun.inputs import decode_utf8
+from specrun.runtime import request_json
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.request import Request, run_request
 from specrun.runtime.runtime import Runtime
@@ -35,23 +37,32 @@ def generate_one(opts: RunOptions, request: Request, text: str, show_stats: bool
         raise UsageError("the prompt is empty")
     with Runtime(opts) as rt:
         announce(rt)
-        if as_json:
-            result = run_request(rt, request, text)
-            print(json.dumps(_result_json(result, rt), ensure_ascii=False), flush=True)
-        else:
-            last = ""
+        _answer(rt, request, text, show_stats, as_json)
 
-            def show(piece: str) -> None:
-                nonlocal last
-                ui.write_text(piece)
-                last = piece or last
 
-            try:
-                result = run_request(rt, request, text, on_text=show)
-            finally:
-                ui.end_text(last)  # also after Ctrl-C: the shell prompt starts on its own line
-        if show_stats:
-            ui.dim(ui.stats_line(result.stats.as_dict()))
+def _answer(rt: Runtime, request: Request, text: str, show_stats: bool, as_json: bool) -> None:
+    """Answer one prompt on loaded models: streamed text or one JSON line; a cut-short answer says so."""
+    if as_json:
+        result = run_request(rt, request, text)
+        print(json.dumps(_result_json(result, rt), ensure_ascii=False), flush=True)
+    else:
+        last = ""
+
+        def show(piece: str) -> None:
+            nonlocal last
+            ui.write_text(piece)
+            last = piece or last
+
+        try:
+            result = run_request(rt, request, text, on_text=show)
+        finally:
+            ui.end_text(last)  # also after Ctrl-C: the shell prompt starts on its own line
+    stats = result.stats.as_dict()
+    if stats["finish_reason"] == "context":
+        ui.warn(f"the context is full ({rt.target_ctx.n_ctx} tokens): the answer stops after "
+                f"{stats['n_tokens']} tokens; a larger --ctx-size gives it room")
+    if show_stats:
+        ui.dim(ui.stats_line(stats) + f" · finished: {stats['finish_reason']}")
 
 
 def _result_json(result, rt: Runtime) -> dict:
@@ -68,63 +79,94 @@ def _result_json(result, rt: Runtime) -> dict:
     }
 
 
-_JSONL_KEYS = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "id"}
-
-
-def _parse_request_line(line: str, base: Request) -> tuple[Request, str, object]:
+def _input_lines(file: Path | None) -> Iterator[tuple[int, bytes]]:
+    """Yield (line number, raw bytes) of --file or stdin; bytes, so each line is decoded on its own."""
+    if file is not None:
+        try:
+            stream: BinaryIO = file.open("rb")
+        except OSError as e:
+            raise UsageError(f"cannot read {file}: {e.strerror}") from None
+    else:
+        stream = getattr(sys.stdin, "buffer", None)
+        if stream is None:  # a text-only stdin (embedding): encode back, surrogates kept for the check
+            stream = iter([line.encode("utf-8", "surrogatepass") for line in sys.stdin])
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise UsageError("each line must be a JSON object")
-    unknown = set(obj) - _JSONL_KEYS
-    if unknown:
-        raise UsageError(f"unknown key(s): {', '.join(sorted(unknown))}")
-    prompt = obj.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise UsageError('missing "prompt" (a non-empty string)')
-    fields = {k: obj[k] for k in obj if k not in ("prompt", "id")}
-    if "stop" in fields:
-        stop = fields["stop"]
-        fields["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-    try:
-        request = replace(base, **fields)
-        request.sampling()
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-        raise UsageError("max_tokens must be a whole number >= 1")
-    return request, prompt, obj.get("id")
-
-
-def _line_id(line: str):
-    """Return the "id" of a request line that failed, if it has one, so results can be matched."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return obj.get("id") if isinstance(obj, dict) else None
+        yield from enumerate(stream, start=1)
+    finally:
+        if file is not None:
+            stream.close()
 
 
 def generate_jsonl(opts: RunOptions, base: Request, file: Path | None) -> None:
-    """Answer one JSON request per input line with one JSON result per output line."""
-    stream: IO[str] = file.open(encoding="utf-8") if file else sys.stdin
+    """Answer one JSON request per input line with one JSON result (or error) per output line.
+
+    Every non-blank line gets its own line of output, in order, whatever happens to the others.
+    """
     with Runtime(opts) as rt:
         announce(rt)
-        for line_no, line in enumerate(stream, start=1):
-            if not line.strip():
+        for line_no, raw in _input_lines(file):
+            if not raw.strip():
                 continue
-            req_id = None
-            try:
-                request, prompt, req_id = _parse_request_line(line, base)
-                out = _result_json(run_request(rt, request, prompt), rt)
-            except SpecrunError as e:
-                out = {"error": str(e), "line": line_no}
-                req_id = _line_id(line)
-                # A failure inside a decoder step may leave half a step in the caches.
-                rt.reset_cache()
-            if req_id is not None:
-                out["id"] = req_id
-            print(json.dumps(out, ensure_ascii=False), flush=True)
+            print(request_json.dumps(_jsonl_result(rt, base, line_no, raw)), flush=True)
 
+
+def _jsonl_result(rt: Runtime, base: Request, line_no: int, raw: bytes) -> dict:
+    line = ""
+    try:
+        line = decode_utf8(raw, f"line {line_no}")
+        request, prompt, req_id = request_json.parse_line(line, base)
+    except request_json.FieldError as e:
+        return _with_id({"error": str(e), "line": line_no, "field": e.field}, line)
+    except UsageError as e:
+        return _with_id({"error": str(e), "line": line_no}, line)
+    try:
+        out = _result_json(run_request(rt, request, prompt), rt)
+    except Exception as e:  # one line's failure must not end the batch
+        out = {"error": _failure_text(e), "line": line_no}
+        rt.reset_cache()  # a failure inside a decoder step may leave half a step in the caches
+    return _with_id(out, line, req_id)
+
+
+def _with_id(out: dict, line: str, req_id=None) -> dict:
+    if req_id is None and line:
+        req_id = request_json.line_id(line)
+    if req_id is not None:
+        out["id"] = req_id
+    return out
+
+
+def _failure_text(error: Exception) -> str:
+    if isinstance(error, SpecrunError):
+        return str(error)
+    log.debug("request failed", exc_info=error)
+    return f"unexpected {type(error).__name__}: {error}"
+
+
+def generate_lines(opts: RunOptions, request: Request, file: Path | None, show_stats: bool, as_json: bool) -> int:
+    """Answer each non-blank input line as a prompt of its own; return the number of lines refused.
+
+    Text answers follow one another separated by a blank line; with as_json, one JSON object per
+    line (an error object for a line that could not be answered).
+    """
+    request.sampling()  # validate before loading anything
+    failed = 0
+    first = True
+    with Runtime(opts) as rt:
+        announce(rt)
+        for line_no, raw in _input_lines(file):
+            if not raw.strip():
+                continue
+            try:
+                text = decode_utf8(raw, f"line {line_no}")
+                if not first and not as_json:
+                    ui.write_text("\n")
+                first = False
+                _answer(rt, request, text, show_stats, as_json)
+            except SpecrunError as e:
+                failed += 1
+                rt.reset_cache()
+                if as_json:
+                    print(json.dumps({"error": str(e), "line": line_no}), flush=True)
+                else:
+                    ui.error(f"line {line_no}: {e}" if not str(e).startswith("line ") else str(e))
+    return failed

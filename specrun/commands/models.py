@@ -9,17 +9,23 @@ from specrun import ui
 from specrun.models import hub, registry
 
 
-def pull(names: list[str], quiet: bool = False) -> list[Path]:
-    """Fetch (or build) each named model, saying what and how big; print each local path on stdout."""
+def pull(names: list[str], quiet: bool = False, force: bool = False) -> list[Path]:
+    """Fetch (or build) each named model, saying what and how big; print each local path on stdout.
+
+    force: fetch again even what is present; the old file is replaced only once the new copy is
+    complete and verified.
+    """
     specs = [registry.resolve(name) for name in names]  # a typo fails before any download
     paths = []
     for spec in specs:
         missing = hub.describe_missing(spec)
-        if missing:
+        if force:
+            ui.info(f"pulling {spec.name} again from {spec.sources[0].describe()}...")
+        elif missing:
             ui.info(f"pulling {missing}...")
         else:
             ui.dim(f"{spec.name} is already here")
-        path = Path(hub.ensure_local(spec, progress=not quiet, console=ui.err_console()))
+        path = Path(hub.ensure_local(spec, progress=not quiet, console=ui.err_console(), force=force))
         print(path, flush=True)
         paths.append(path)
     return paths

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from specrun import __version__, ui
+from specrun import __version__, files, paths, ui
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.decoding.plain import PlainDecoder
@@ -72,8 +72,9 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
     """Measure, choose, check and store; return the stored profile."""
 
     t_start = time.monotonic()
+    _check_profiles_writable()
     hardware = profiler.probe_hardware()
-    report.warn_if_busy(hardware)
+    report.warn_if_busy(hardware.cores)
     max_budget = min(opts.budget or settings.max_budget, MAX_BUDGET)
     depth = opts.depth or settings.depth
     calibration_shape = TreeShape(max_budget, depth, min(settings.width, max_budget), min(settings.top_k, max_budget))
@@ -98,9 +99,23 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
         )
         profile = _profile(key, rt, hardware, settings, measured, choice, best_tree, check)
     profile["seconds"] = round(time.monotonic() - t_start, 1)
-    path = profiles.save(profile)
+    try:
+        path = profiles.save(profile)
+    except OSError as e:
+        raise SpecrunError(f"cannot save the tuning profile in {paths.profiles_dir()}: {e.strerror or e}") from None
     ui.dim(f"profile saved to {path}")
     return profile
+
+
+def _check_profiles_writable() -> None:
+    """Refuse before minutes of measuring when the profile could not be saved afterwards."""
+    folder = paths.profiles_dir()
+    reason = files.unwritable_reason(folder)
+    if reason:
+        raise SpecrunError(
+            f"cannot save tuning profiles in {folder} ({reason}): make it writable, or point SPECRUN_HOME "
+            "(or SPECRUN_PROFILES) at a writable directory"
+        )
 
 
 @dataclass

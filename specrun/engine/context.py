@@ -177,7 +177,10 @@ class Context(Owner):
             raise EngineError(f"cannot create a context for {model.path.name}: {last_llama_error('out of memory?')}")
         self._ptr = ptr
         self._mem = C.llama_get_memory(ptr)
-        self.n_ctx = C.llama_n_ctx(ptr)
+        # llama.cpp pads the cache to a multiple of 256 cells (a --ctx-size of 64 gets 256): specrun
+        # keeps to the size asked for, so the limit the user set is the one decoding stops at.
+        allocated = C.llama_n_ctx(ptr)
+        self.n_ctx = min(n_ctx, allocated) if n_ctx > 0 else allocated
         self.n_batch = C.llama_n_batch(ptr)
         self.n_ubatch = C.llama_n_ubatch(ptr)
         self.n_seq_max = C.llama_n_seq_max(ptr)

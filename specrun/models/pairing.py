@@ -47,21 +47,23 @@ def check_vocab(target, draft, target_name: str | None = None, draft_name: str |
     def refuse(problem: str) -> RegistryError:
         return RegistryError(f"draft {d_name} cannot draft for target {t_name}: {problem}")
 
+    # Reasons in the order a user understands them: tokenizer kind, vocabulary size, then the
+    # special-token details that only matter once those agree.
     if target.vocab_type != draft.vocab_type:
         raise refuse(
-            f"vocabulary types differ (target {VOCAB_TYPES.get(target.vocab_type, target.vocab_type)}, "
+            f"their tokenizers differ (target {VOCAB_TYPES.get(target.vocab_type, target.vocab_type)}, "
             f"draft {VOCAB_TYPES.get(draft.vocab_type, draft.vocab_type)})"
+        )
+    difference = abs(target.n_vocab - draft.n_vocab)
+    if difference > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
+        raise refuse(
+            f"their vocabularies differ in size (target {target.n_vocab} tokens, draft {draft.n_vocab}; "
+            f"at most {SPEC_VOCAB_MAX_SIZE_DIFFERENCE} apart)"
         )
     for attr in ("bos", "eos", "add_bos", "add_eos"):
         t_value, d_value = getattr(target, attr, None), getattr(draft, attr, None)
         if t_value != d_value:
-            raise refuse(f"{attr} differs (target {t_value}, draft {d_value})")
-    difference = abs(target.n_vocab - draft.n_vocab)
-    if difference > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
-        raise refuse(
-            f"vocabulary sizes differ by {difference} (target {target.n_vocab}, draft {draft.n_vocab}; "
-            f"at most {SPEC_VOCAB_MAX_SIZE_DIFFERENCE} allowed)"
-        )
+            raise refuse(f"their special tokens differ: {attr} is {t_value} in the target, {d_value} in the draft")
     key = _pair_key(target, draft)
     if key is not None and key in _known_pairs():
         return  # these exact files passed before; the text comparison takes ~1 s for 262k tokens

@@ -236,7 +236,7 @@ def resolve(name: str, registry: Registry | None = None) -> ModelSpec:
     spec = registry.get(name)
     if spec is not None:
         return spec
-    if name.lower().endswith(".gguf") or os.sep in name or "/" in name or Path(name).expanduser().is_file():
+    if name.lower().endswith(".gguf") or os.sep in name or "/" in name or Path(name).expanduser().exists():
         return _local_spec(name)
     close = registry.suggestions(name)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
@@ -292,6 +292,10 @@ def _hf_spec(name: str) -> ModelSpec:
     parts = name[3:].strip("/").split("/")
     if len(parts) < 3 or not parts[-1].lower().endswith(".gguf") or not all(parts):
         raise RegistryError(f"'{name}' is not of the form hf:owner/repo/file.gguf (or hf:owner/repo@revision/file.gguf)")
+    if any(part in (".", "..") for part in parts) or "\\" in name:
+        # A file name is a path inside the repo: '..' would step out of the repo's cache folder.
+        raise RegistryError(f"'{name}' has a '.' or '..' path segment or a backslash; an hf: reference "
+                            "names a file inside the repo: hf:owner/repo/folder/file.gguf")
     owner, repo, file = parts[0], parts[1], "/".join(parts[2:])
     repo, _, revision = repo.partition("@")
     files = shard_names(file)
@@ -307,6 +311,8 @@ def _hf_spec(name: str) -> ModelSpec:
 
 def _local_spec(name: str) -> ModelSpec:
     path = Path(name).expanduser()
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory, not a model file: give the .gguf file inside it")
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}")
     shard = specs.SHARD_RE.match(path.name)

@@ -49,3 +49,13 @@ def mismatch_error(spec: ModelSpec, src: Source, name: str, expected: str, diges
         f"trust the new file, pin its hash in {paths.user_models_toml()}) or the download was corrupted "
         f"(pull again)"
     )
+
+
+def cached_mismatch_error(spec: ModelSpec, name: str, path: Path, expected: str, digest: str) -> DownloadError:
+    """Return the error for a file already on disk whose sha256 is not the one pinned (it is kept)."""
+    return DownloadError(
+        f"'{spec.name}' pins sha256 {expected} for {name} ({spec.origin}), but the file on disk has sha256 "
+        f"{digest}: {path}. The file was left as it is (other tools or aliases may use it). If it is damaged, "
+        f"`specrun pull --force {spec.name}` downloads it again and replaces it once the new copy verifies; "
+        f"if the pin is wrong, correct it"
+    )

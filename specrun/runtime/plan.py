@@ -209,6 +209,11 @@ def build_plan(
         tree, why, untuned = choose_tree(opts, files)
     n_ctx = opts.ctx_size
     notes = []
+    threads, cores = opts.threads or engine.default_threads(), engine.default_threads()
+    if threads > cores:
+        # More threads than cores only makes them wait for each other (and 999 would start 999).
+        notes.append(f"--threads {threads} is more than the {cores} CPU cores this process may use: using {cores}")
+        threads = cores
     if tree is not None and tree.shape.budget + 1 > n_ctx:
         # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
         notes.append(f"a tree of {tree.shape.budget} tokens does not fit a {n_ctx}-token context: "
@@ -237,7 +242,7 @@ def build_plan(
         )
     return Plan(
         files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
-        threads=opts.threads or engine.default_threads(), placement=placed, devices=gpus, untuned=untuned,
+        threads=threads, placement=placed, devices=gpus, untuned=untuned,
         notes=tuple(notes),
     )
 

@@ -32,6 +32,8 @@ class Runtime:
         else:
             self.opts = None
         self.plan = plan
+        for note in plan.notes:
+            ui.warn(note)
         self.models = plan.files
         self.shape = plan.tree.shape if plan.tree else None
         self._owned: list = []

@@ -17,9 +17,9 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
-
 from specrun import engine, files, paths
+from specrun.core.shapes import TreeShape, template_shape
+from specrun.errors import SpecrunError
 from specrun.tuning import measure as profiler
 from specrun.tuning.cost_model import Choice
 
@@ -98,35 +98,52 @@ def load(target_path: Path, draft_path: Path | None, threads: int | None = None)
 
 
 def load_key(key: dict) -> dict | None:
-    """Return the profile stored under `key`, or None when absent, unreadable or corrupt."""
+    """Return the profile stored under `key`, or None when absent, unreadable or corrupt.
+
+    A bad file (not UTF-8, not JSON, a configuration no tree can be built from) is reported once,
+    naming the file, and counts as no profile: the run goes on with its defaults.
+    """
     path = profile_path(key)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    profile = files.read_json(path, dict, "tuning profile")
+    if profile is None:
         return None
-    except OSError as e:
-        log.warning("ignoring tuning profile %s: %s", path, e.strerror or e)
-        return None
-    try:
-        profile = json.loads(text)
-        problem = _problem(profile, key)
-    except (ValueError, TypeError, KeyError) as e:
-        problem = f"not valid profile JSON ({e})"
+    problem = _problem(profile, key)
     if problem:
-        log.warning("ignoring tuning profile %s: %s; run `specrun tune` again", path, problem)
+        if path not in _reported:
+            _reported.add(path)
+            log.warning("ignoring tuning profile %s: %s; run `specrun tune` again", path, problem)
         return None
     return profile
 
 
-def _problem(profile: Any, key: dict) -> str | None:
+# Profiles already reported as unusable in this process (a run may look one up more than once).
+_reported: set[Path] = set()
+
+
+def _problem(profile: dict, key: dict) -> str | None:
     """Return why a parsed profile cannot be used for `key`, or None."""
 
-    if not isinstance(profile, dict):
-        return "not a JSON object"
     if profile.get("key") != key:
         return "it was made for other files, hardware or llama.cpp build"
-    Choice.from_dict(profile["config"])  # raises on a malformed configuration
+    try:
+        _checked_choice(profile.get("config"))
+    except (ValueError, TypeError, KeyError, AttributeError, SpecrunError) as e:
+        return f"its configuration is not usable ({e})"
     return None
+
+
+def _checked_choice(config) -> Choice:
+    """Return the Choice a stored configuration stands for; raise if no decoder could be built from it."""
+    if not isinstance(config, dict):
+        raise TypeError("config is not a JSON object")
+    choice = Choice.from_dict(config)
+    if choice.kind == "specexec":
+        TreeShape(choice.budget, choice.depth, choice.width, choice.top_k)  # raises on sizes out of range
+    elif choice.kind == "sequoia" and choice.tree is None:
+        raise ValueError("a Sequoia choice without its tree")
+    elif choice.kind == "sequoia":
+        template_shape(choice.tree)
+    return choice
 
 
 def choice_for(target_path: Path, draft_path: Path | None, threads: int | None = None):
@@ -142,4 +159,4 @@ def choice_for(target_path: Path, draft_path: Path | None, threads: int | None =
     profile = load(target_path, draft_path, threads)
     if profile is None:
         return None
-    return Choice.from_dict(profile["config"])
+    return _checked_choice(profile["config"])

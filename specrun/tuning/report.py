@@ -134,25 +134,22 @@ def gpu_note(hardware: Hardware) -> str:
     return ", " + ", ".join(f"{g.name} ({g.free_bytes / 2**30:.1f} of {g.total_bytes / 2**30:.1f} GiB free)" for g in gpus)
 
 
-def warn_if_busy(hardware: Hardware) -> None:
+def warn_if_busy(cores: int, what: str = "the profile may not fit a quiet machine") -> None:
     """Warn when other work is using the CPU: every timing would be slower and noisier."""
     busy = sysinfo.cpu_busy_fraction()
     if busy is not None:
         if busy > BUSY_FRACTION:
             ui.warn(
-                f"the machine is busy ({busy:.0%} of {hardware.cores} cores in use by other work): "
-                "timings will be noisy and the profile may not fit a quiet machine"
+                f"the machine is busy ({busy:.0%} of {cores} cores in use by other work): "
+                f"timings will be noisy and {what}"
             )
         return
     try:
         load = os.getloadavg()[0]  # no /proc/stat: the load average also counts work just ended
     except (OSError, AttributeError):
         return
-    if load > 0.5 * hardware.cores + 0.5:
-        ui.warn(
-            f"the machine is busy (load {load:.1f} on {hardware.cores} cores): timings will be noisy "
-            "and the profile may not fit a quiet machine"
-        )
+    if load > 0.5 * cores + 0.5:
+        ui.warn(f"the machine is busy (load {load:.1f} on {cores} cores): timings will be noisy and {what}")
 
 
 

@@ -1,0 +1,84 @@
+"""Is a GGUF file whole? Its header says where every tensor's data ends; the file must reach there.
+
+llama.cpp refuses a truncated file with a generic "failed to load model"; reading the header with
+ggml's own GGUF reader (metadata only, no tensor data) lets specrun say what is wrong. libggml
+ships beside libllama; llama-cpp-python does not bind these functions, so a few ctypes
+declarations do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from specrun.engine.backend import check_gguf_file, recent_errors
+from specrun.engine.devices import _ggml_lib
+from specrun.errors import EngineError, ModelFileError
+from specrun.files import human_size
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+_declared = None
+
+
+def _gguf_lib():
+    """Return libggml with the GGUF reader's functions declared, or None where it is not found."""
+    global _declared
+    if _declared is None:
+        try:
+            lib = _ggml_lib()
+            ptr, size_t, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64
+            for name, argtypes, restype in (
+                ("gguf_init_from_file", [ctypes.c_char_p, _InitParams], ptr),
+                ("gguf_free", [ptr], None),
+                ("gguf_get_n_tensors", [ptr], i64),
+                ("gguf_get_data_offset", [ptr], size_t),
+                ("gguf_get_tensor_offset", [ptr, i64], size_t),
+                ("gguf_get_tensor_size", [ptr, i64], size_t),
+            ):
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, restype
+            _declared = lib
+        except (EngineError, AttributeError, OSError):
+            _declared = False
+    return _declared or None
+
+
+def data_end(path: Path) -> int | None:
+    """Return the byte offset where the file's last tensor ends, per its header.
+
+    Raises ModelFileError when the header itself cannot be read (cut short or damaged); returns
+    None when libggml's reader is not available here.
+    """
+    lib = _gguf_lib()
+    if lib is None:
+        return None
+    recent_errors.clear()
+    handle = lib.gguf_init_from_file(str(path).encode(), _InitParams(True, None))
+    if not handle:
+        detail = recent_errors[-1] if recent_errors else "unreadable metadata"
+        recent_errors.clear()
+        raise ModelFileError(f"the GGUF header of {path} is cut short or damaged ({detail}); download or copy it again")
+    try:
+        start = lib.gguf_get_data_offset(handle)
+        ends = [lib.gguf_get_tensor_offset(handle, i) + lib.gguf_get_tensor_size(handle, i)
+                for i in range(lib.gguf_get_n_tensors(handle))]
+        return start + max(ends, default=0)
+    finally:
+        lib.gguf_free(handle)
+
+
+def check_complete_gguf(path: Path) -> Path:
+    """Return path if it is a GGUF file at least as long as its header says; raise ModelFileError."""
+    path = check_gguf_file(path)
+    end = data_end(path)
+    size = path.stat().st_size
+    if end is not None and size < end:
+        raise ModelFileError(
+            f"{path} is shorter than its header says: {human_size(size)} ({size} bytes) of {human_size(end)} "
+            f"({end} bytes); the file is truncated (an interrupted copy or download?): get it again"
+        )
+    return path

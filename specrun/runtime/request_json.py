@@ -1,0 +1,128 @@
+"""One --jsonl request line -> a Request and its prompt, every field checked for type and range.
+
+Errors name the JSON field (never a command-line flag), so a batch's caller can fix the line.
+`null` for an optional field means "not given" (the command line's value, or the default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+from specrun.errors import UsageError
+from specrun.inputs import check_utf8
+from specrun.runtime.request import Request
+
+FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "id")
+
+
+class FieldError(UsageError):
+    """A request line's field has the wrong type or range."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _int_at_least(name: str, value, low: int) -> int:
+    if not _is_int(value) or value < low:
+        raise FieldError(name, f"{name} must be a whole number >= {low}, got {json.dumps(value)}")
+    return value
+
+
+def _number_in(name: str, value, low: float, high: float | None, low_open: bool = False) -> float:
+    ok = _is_number(value) and (value > low if low_open else value >= low) and (high is None or value <= high)
+    if not ok:
+        left = f"> {low:g}" if low_open else f">= {low:g}"
+        rule = f"{left} and <= {high:g}" if high is not None else left
+        raise FieldError(name, f"{name} must be a number {rule}, got {json.dumps(value)}")
+    return float(value)
+
+
+def _text(name: str, value) -> str:
+    if not isinstance(value, str):
+        raise FieldError(name, f"{name} must be a string, got {json.dumps(value)}")
+    try:
+        return check_utf8(value, name)
+    except UsageError as e:
+        raise FieldError(name, str(e)) from None
+
+
+def _stop(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (_text("stop", value),)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(_text("stop", s) for s in value)
+    raise FieldError("stop", f"stop must be a string or a list of strings, got {json.dumps(value)}")
+
+
+def _chat(value) -> bool:
+    if not isinstance(value, bool):
+        raise FieldError("chat", f"chat must be true or false, got {json.dumps(value)}")
+    return value
+
+
+_CHECKS = {
+    "max_tokens": lambda v: _int_at_least("max_tokens", v, 1),
+    "temperature": lambda v: _number_in("temperature", v, 0.0, None),
+    "top_k": lambda v: _int_at_least("top_k", v, 0),
+    "top_p": lambda v: _number_in("top_p", v, 0.0, 1.0, low_open=True),
+    "min_p": lambda v: _number_in("min_p", v, 0.0, 1.0),
+    "seed": lambda v: _int_at_least("seed", v, 0),
+    "stop": _stop,
+    "chat": _chat,
+    "system": lambda v: _text("system", v),
+}
+
+
+def parse_line(line: str, base: Request) -> tuple[Request, str, object]:
+    """Return (request, prompt, id) for one JSON line; raise UsageError (FieldError for a field)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise UsageError("not valid JSON (nested too deeply)") from None
+    if not isinstance(obj, dict):
+        raise UsageError("each line must be a JSON object")
+    unknown = sorted(set(obj) - set(FIELDS))
+    if unknown:
+        raise FieldError(unknown[0], f"unknown field(s): {', '.join(unknown)} (known: {', '.join(FIELDS)})")
+    if "prompt" not in obj:
+        raise FieldError("prompt", 'missing "prompt" (a non-empty string)')
+    prompt = _text("prompt", obj["prompt"])
+    if not prompt.strip():
+        raise FieldError("prompt", "prompt is empty")
+    fields = {name: _CHECKS[name](value) for name, value in obj.items() if name in _CHECKS and value is not None}
+    request = replace(base, **fields)
+    if request.system and request.chat is False:
+        raise FieldError("system", 'system needs chat mode ("chat": true, or leave "chat" out)')
+    return request, prompt, obj.get("id")
+
+
+def line_id(line: str):
+    """Return the "id" of a request line that failed, if it has one, so results can be matched."""
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return obj.get("id") if isinstance(obj, dict) else None
+
+
+def dumps(obj: dict) -> str:
+    """Return one output line: UTF-8 JSON, with \\u escapes only where a value holds a lone surrogate."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return json.dumps(obj)
