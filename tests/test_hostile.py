@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from specrun.models import hub, registry
 from specrun.tuning import profiles
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -7,7 +7,6 @@ import errno
 import json
 import logging
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -36,7 +36,7 @@ class DeviceInfo:
 _ggml = None
 
 
-def _ggml_lib():
+def ggml_lib():
     """Return libggml (the copy libllama already loaded), with the device functions declared."""
     global _ggml
     if _ggml is not None:
@@ -75,7 +75,7 @@ def _text(raw: bytes | None) -> str:
 
 def list_devices() -> list[DeviceInfo]:
     """Return every device llama.cpp can compute on (the CPU included), with its free/total memory."""
-    lib = _ggml_lib()
+    lib = ggml_lib()
     devices = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
@@ -97,7 +97,7 @@ def list_devices() -> list[DeviceInfo]:
 
 def backend_names() -> list[str]:
     """Return the llama.cpp backends compiled in or loaded (e.g. ['CPU'], ['CUDA', 'CPU'])."""
-    lib = _ggml_lib()
+    lib = ggml_lib()
     return [_text(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))) for i in range(lib.ggml_backend_reg_count())]
 
 

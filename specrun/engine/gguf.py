@@ -12,7 +12,7 @@ import ctypes
 from pathlib import Path
 
 from specrun.engine.backend import check_gguf_file, recent_errors
-from specrun.engine.devices import _ggml_lib
+from specrun.engine.devices import ggml_lib
 from specrun.errors import EngineError, ModelFileError
 from specrun.files import human_size
 
@@ -29,7 +29,7 @@ def _gguf_lib():
     global _declared
     if _declared is None:
         try:
-            lib = _ggml_lib()
+            lib = ggml_lib()
             ptr, size_t, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64
             for name, argtypes, restype in (
                 ("gguf_init_from_file", [ctypes.c_char_p, _InitParams], ptr),

@@ -34,7 +34,12 @@ from specrun.models.specs import (
     human_size,
     shard_names,
 )
-from specrun.models.verified import cached_mismatch_error, known_digest, mismatch_error, remember_digest
+from specrun.models.verified import (
+    cached_mismatch_error,
+    known_digest,
+    mismatch_error,
+    remember_digest,
+)
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 

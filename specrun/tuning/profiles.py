@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+
 from specrun import engine, files, paths
 from specrun.core.shapes import TreeShape, template_shape
 from specrun.errors import SpecrunError
