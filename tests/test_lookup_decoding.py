@@ -8,18 +8,7 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
-
-from specrun.core.sampling import SamplingParams, make_rng
-from specrun.core.shapes import TreeShape
-from specrun.decoding.drafters.best_first import TreeGrower
-from specrun.decoding.drafters.hybrid import HybridDrafter
-from specrun.decoding.drafters.lookup import LookupDrafter
-from specrun.decoding.lookup_index import LookupIndex
-from specrun.decoding.plain import PlainDecoder
-from specrun.decoding.speculative import SpeculativeDecoder
-from specrun.decoding.stream import token_ids
 from test_speculative import (
     GREEDY,
     Contexts,
@@ -30,6 +19,16 @@ from test_speculative import (
     first_three,
     plain_reference,
 )
+
+from specrun.core.sampling import SamplingParams, make_rng
+from specrun.core.shapes import TreeShape
+from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.hybrid import HybridDrafter
+from specrun.decoding.drafters.lookup import LookupDrafter
+from specrun.decoding.lookup_index import LookupIndex
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.stream import token_ids
 
 N_CTX = 1024
 TREE_BATCH = 320  # the largest tree below (draft 16 + lookup 256 nodes) + root
