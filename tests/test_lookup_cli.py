@@ -92,8 +92,10 @@ def test_bench_workload_rows_compare_four_modes(tmp_path, offline_models):
     for row in rows:
         assert row["workload"] == "prompts" and row["tokens_per_s"] > 0 and row["n_tokens"] == 8
         assert row["ratio_to_plain"] == pytest.approx(row["tokens_per_s"] / rows[0]["tokens_per_s"], rel=0.02)
-    assert rows[2]["lookup_share"] > 0 and rows[2]["draft_tokens"] == 0
-    assert rows[1]["lookup_tokens"] == 0
+    # Which tokens came from where (how many is timing-dependent: both lookup modes adapt).
+    assert rows[0]["lookup_tokens"] == rows[0]["draft_tokens"] == 0
+    assert rows[1]["lookup_tokens"] == 0 and rows[2]["draft_tokens"] == 0
+    assert rows[2]["lookup_share"] == round(rows[2]["lookup_tokens"] / 8, 3)
 
 
 def test_bench_workload_options(tmp_path, offline_models):
