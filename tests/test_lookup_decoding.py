@@ -21,6 +21,7 @@ from test_speculative import (
     plain_reference,
 )
 
+from specrun.commands.bench_prompts import FUNCTION, LIGHTHOUSE
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.shapes import TreeShape
 from specrun.decoding.adaptive import SpeedGuard
@@ -35,28 +36,10 @@ from specrun.decoding.stream import token_ids
 N_CTX = 1024
 TREE_BATCH = 320  # the largest tree below (draft 16 + lookup 256 nodes) + root
 
-SOURCE = '''def moving_average(values, window):
-    """Return the moving averages of values over window items."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    out = []
-    total = 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            out.append(total / window)
-    return out
-'''
-TEXT = (
-    "The lighthouse keeper climbed the stairs every night at nine. He wound the clockwork, trimmed "
-    "the wick and wrote the weather in his log: wind from the west, a light swell, fog after midnight."
-)
 # Prompts whose answers copy (code edit, quote) and a free-form one with nothing to copy (few, for time).
 COPY_PROMPTS = [
-    f"Add type hints to this function and output the whole function:\n\n{SOURCE}",
-    f"Quote the first sentence of this text verbatim:\n\n{TEXT}",
+    f"Add type hints to this function and output the whole function:\n\n{FUNCTION}",
+    f"Quote the first sentence of this text verbatim:\n\n{LIGHTHOUSE}",
 ]
 FREE_PROMPTS = [
     "Write a haiku about autumn leaves.",

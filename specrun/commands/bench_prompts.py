@@ -7,7 +7,8 @@ from pathlib import Path
 
 from specrun.errors import UsageError
 
-_FUNCTION = '''def moving_average(values, window):
+# Pasted texts, also the copy prompts of the lookup tests.
+FUNCTION = '''def moving_average(values, window):
     """Return the moving averages of values over window items."""
     if window <= 0:
         raise ValueError("window must be positive")
@@ -34,7 +35,7 @@ _PARSER = '''def parse_config(lines):
         config[key.strip()] = value.strip()
     return config
 '''
-_LIGHTHOUSE = (
+LIGHTHOUSE = (
     "The lighthouse keeper climbed the stairs every night at nine. He wound the clockwork, trimmed "
     "the wick and wrote the weather in his log: wind from the west, a light swell, fog after "
     "midnight. In forty years he had missed one night, when the storm of 1953 tore the door off "
@@ -55,15 +56,15 @@ CHAT = [
 ]
 # A pasted function rewritten with a small change, the whole function in the answer.
 CODE = [
-    f"Add type hints to this function. Output the whole function.\n\n{_FUNCTION}",
-    f"Rename the variable `total` to `running_sum` in this code and output all of it.\n\n{_FUNCTION}",
+    f"Add type hints to this function. Output the whole function.\n\n{FUNCTION}",
+    f"Rename the variable `total` to `running_sum` in this code and output all of it.\n\n{FUNCTION}",
     f"Make this function also skip lines that start with ';'. Output the whole function.\n\n{_PARSER}",
     f"Add a docstring example to this function and output the whole function.\n\n{_PARSER}",
 ]
 # A pasted text copied with small changes, or sentences extracted verbatim.
 REWRITE = [
-    f"Copy this text, replacing 'lighthouse keeper' with 'keeper of the light':\n\n{_LIGHTHOUSE}",
-    f"Quote the first two sentences of this text verbatim:\n\n{_LIGHTHOUSE}",
+    f"Copy this text, replacing 'lighthouse keeper' with 'keeper of the light':\n\n{LIGHTHOUSE}",
+    f"Quote the first two sentences of this text verbatim:\n\n{LIGHTHOUSE}",
     f"Rewrite this text in the past perfect tense, changing nothing else:\n\n{_MEETING}",
     f"Extract, word for word, the sentence about the cost:\n\n{_MEETING}",
 ]
