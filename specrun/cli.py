@@ -50,13 +50,14 @@ app = typer.Typer(
 
 # ---- options shared by chat, generate, bench and tune (declared once) ----
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias, .gguf path or hf:owner/repo/file.gguf (default: the offline demo pair).")]
-DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (default: the target family's recommended draft).")]
+DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (default: the target family's recommended draft), or 'lookup': trees from the session's own text, no draft model.")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", min=0, help="Target layers to put on the GPU (default: planned from free GPU memory).")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=64, help="Context size in tokens.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
 BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2048, help="Draft tree size in nodes (default: tuned profile).")]
 DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help="Maximum draft tree depth.")]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no draft model.")]
+LookupOpt = Annotated[bool, typer.Option("--lookup", help="Add lookup branches (continuations of earlier occurrences in the session's text) to the draft model's trees.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
 
 # ---- sampling options shared by chat and generate ----
@@ -86,12 +87,12 @@ def _setup_logging(verbose: bool) -> None:
     logging.getLogger("specrun.llama").setLevel(logging.INFO if verbose else logging.CRITICAL)
 
 
-def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, quiet=False):
+def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=False, quiet=False):
     from specrun.runtime.plan import RunOptions
 
     return RunOptions(
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
-        budget=budget, depth=depth, no_spec=no_spec, quiet=quiet,
+        budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet,
     )
 
 
@@ -173,6 +174,7 @@ def generate(
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
+    lookup: LookupOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Generate text for a prompt (argument, --file or stdin), streaming it to stdout.
@@ -191,7 +193,7 @@ def generate(
             raise UsageError("--lines and --jsonl do not go together (--jsonl already reads one request per line)")
         if system is not None and chat is False:
             raise UsageError("--system needs chat mode (drop --raw)")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
         request = Request(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seed=seed, stop=tuple(stop or ()), chat=chat, system=system,
@@ -242,6 +244,7 @@ def chat(
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
+    lookup: LookupOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Chat with a model in the terminal, using its own chat template; answers stream as they are made."""
@@ -250,7 +253,7 @@ def chat(
         from specrun.commands import chat as chat_command
         from specrun.runtime.request import Request
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
         chat_command.chat(opts, request, max_tokens)
 
@@ -284,6 +287,7 @@ def serve(
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
+    lookup: LookupOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat UIs, editors, scripts)."""
@@ -296,7 +300,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
         settings = ServerSettings(api_key=api_key or None, cors_origins=tuple(cors or ()))
         run_server(opts, host, port, settings, queue_size)
 
@@ -308,23 +312,31 @@ def serve(
 @app.command(
     epilog=_examples(
         "specrun bench",
+        "specrun bench --workload code --max-tokens 256",
         "specrun bench --budget 4 --budget 16 --budget 64 --json",
-        "specrun bench --target qwen2.5-14b --prompts my_prompts.txt",
+        "specrun bench --target qwen2.5-14b --prompts my_prompts.jsonl",
+        note=(
+            "By workload (default): plain, draft tree, lookup and hybrid per prompt set, modes alternating.",
+            "--budget/--width/--children: plain vs trees of each size instead.",
+            "A prompts file holds one prompt per line, or JSONL lines {\"prompt\": \"...\"} for multi-line prompts.",
+        ),
     )
 )
 def bench(
     budgets: Annotated[Optional[list[int]], typer.Option("--budget", "-b", min=1, max=2048, help="Tree budget to measure (repeatable).")] = None,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="File with one prompt per line (default: built-in chat/code/prose set).")] = None,
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Built-in prompt set: chat, code, rewrite or all  [default: all].", show_default=False)] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="File of prompts: one per line, or JSONL {\"prompt\": ...} (default: the built-in sets).")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Tokens per prompt.")] = 128,
     depth: DepthOpt = None,
     width: Annotated[Optional[int], typer.Option("--width", min=1, max=256, help="Tree nodes the draft expands per pass (default: the tuned tree's; 1 with --children 1 is a chain).")] = None,
     children: Annotated[Optional[int], typer.Option("--children", min=1, max=256, help="Children per expanded tree node (default: the tuned tree's).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per budget on stdout.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")] = False,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
+    lookup: LookupOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Measure plain vs speculative decoding tokens/s on the same prompts."""
@@ -332,8 +344,8 @@ def bench(
     with _user_errors():
         from specrun.commands import bench as bench_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False)
-        bench_command.bench(opts, budgets, prompts, max_tokens, as_json, width=width, children=children)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup)
+        bench_command.bench(opts, budgets, prompts, max_tokens, as_json, width=width, children=children, workload=workload)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +372,7 @@ def tune(
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
+    lookup: LookupOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Profile this machine with a target/draft pair and store the fastest tree settings."""
@@ -371,7 +384,7 @@ def tune(
             if e.name != "specrun.tuning":
                 raise
             raise SpecrunError("`specrun tune` is not available in this build (the specrun.tuning module is missing)") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup)
         tune_command.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
 
 
@@ -398,6 +411,7 @@ def plan(
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
+    lookup: LookupOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Show what a run would load and where (files, tree, GPU layers, memory), without loading weights."""
@@ -405,7 +419,7 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
         plan_command.plan(opts, as_json, gpu, ram_free)
 
 

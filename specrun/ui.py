@@ -83,6 +83,8 @@ def stats_line(stats: dict, prefill: bool = True) -> str:
     ]
     if stats.get("n_passes"):
         parts.append(f"{stats['accepted_per_pass']:.2f} accepted/pass")
+    if stats.get("lookup_tokens"):
+        parts.append(f"drafts accepted: {stats['lookup_tokens']} from lookup, {stats.get('draft_tokens', 0)} from the draft model")
     if prefill and stats.get("n_prefilled") is not None:
         parts.append(f"prefill {stats['n_prefilled']} tokens in {stats['prefill_s']:.2f}s")
     return " · ".join(parts)

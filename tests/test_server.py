@@ -203,6 +203,29 @@ def test_greedy_text_is_what_generate_prints(client, tmp_path):
     assert reply.choices[0].text == cli_raw
 
 
+def test_lookup_drafting_through_the_server(offline_models, tmp_path):
+    """`serve --draft lookup`: text that repeats what the conversation holds is drafted from it,
+    the answer is still the target's greedy text, and timings say where accepted tokens came from."""
+    passage = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
+               "and wrote the weather in a leather logbook before the ships came in.")
+    request = f"Repeat this sentence exactly: {passage}"
+    srv = ServerProcess(tmp_path / "home", "--draft", "lookup")
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        meta = client.models.list().data[0].model_extra["meta"]
+        assert meta["draft"] is None and meta["drafter"] == "lookup"  # no draft model loaded
+        reply = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": request}],
+                                               max_tokens=40, temperature=0)
+    finally:
+        assert srv.terminate() == 0, srv.stderr
+    (cli_text,) = _generate_cli(tmp_path, [{"prompt": request, "max_tokens": 40, "chat": True}])
+    assert reply.choices[0].message.content == cli_text
+    timings = reply.model_extra["timings"]
+    assert timings["lookup_n_accepted"] > 0 and timings["lookup_n_accepted"] == timings["draft_n_accepted"]
+    assert timings["accepted_per_pass"] > 1.0
+
+
 def test_seeded_sampling_is_reproducible(client):
     def sample(seed: int) -> str:
         reply = client.chat.completions.create(

@@ -94,6 +94,8 @@ class TurnStats:
     n_reused: int = 0  # of those, already in the KV cache from earlier turns
     n_tokens: int = 0  # generated
     n_passes: int = 0  # target forward passes while generating
+    lookup_tokens: int = 0  # draft tokens accepted that came from text lookup
+    draft_tokens: int = 0  # draft tokens accepted that came from the draft model
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str | None = None  # eog, length, context, stopped
@@ -119,6 +121,8 @@ class SessionTotals:
     n_prefilled: int = 0
     decode_s: float = 0.0
     n_passes: int = 0
+    lookup_tokens: int = 0
+    draft_tokens: int = 0
 
 
 class ChatSession:
@@ -212,6 +216,8 @@ class ChatSession:
         ds = self.rt.decoder.stats
         stats.n_tokens = len(generated)
         stats.n_passes = ds.n_passes
+        counts = ds.as_dict()
+        stats.lookup_tokens, stats.draft_tokens = counts["lookup_tokens"], counts["draft_tokens"]
         stats.prefill_s = ds.prefill_s
         stats.decode_s = ds.decode_s if ds.decode_s else max(0.0, time.perf_counter() - t0 - ds.prefill_s)
         self.last = stats
@@ -221,6 +227,8 @@ class ChatSession:
         t.n_prefilled += stats.n_prefilled
         t.decode_s += stats.decode_s
         t.n_passes += stats.n_passes
+        t.lookup_tokens += stats.lookup_tokens
+        t.draft_tokens += stats.draft_tokens
         self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
         self.tokens = list(prompt) + generated
         # The generated tokens spell the reply plus, when the model ended its turn, the

@@ -31,8 +31,11 @@ def chat(opts: RunOptions, request: Request, max_tokens: int | None) -> None:
     with Runtime(opts) as rt:
         announce(rt)
         session = ChatSession(rt, system=request.system)
-        if rt.speculative:
+        if rt.plan.drafter == "lookup":
+            how = f"with lookup drafting (tree budget {rt.shape.budget})"
+        elif rt.speculative:
             how = f"with draft {rt.models.draft_name} (tree budget {rt.shape.budget})"
+            how += " and lookup" if rt.plan.drafter == "hybrid" else ""
         else:
             how = "without a draft (plain decoding)"
         ui.dim(f"specrun chat: {rt.models.target_name} {how}, {session.n_ctx}-token context")
@@ -154,7 +157,8 @@ def _answer(session, text: str, params, max_tokens: int | None) -> None:
     turn = session.last
     line = ui.stats_line(
         {"n_tokens": turn.n_tokens, "tokens_per_s": turn.tokens_per_s,
-         "n_passes": turn.n_passes, "accepted_per_pass": turn.accepted_per_pass}, prefill=False
+         "n_passes": turn.n_passes, "accepted_per_pass": turn.accepted_per_pass,
+         "lookup_tokens": turn.lookup_tokens, "draft_tokens": turn.draft_tokens}, prefill=False
     )
     if turn.finish_reason == "stopped":
         line += " · stopped"
@@ -178,6 +182,9 @@ def _session_stats(session) -> str:
             f"last answer: {turn.n_tokens} tokens in {turn.decode_s:.2f}s · {turn.tokens_per_s:.1f} tok/s · "
             f"{turn.accepted_per_pass:.2f} accepted/pass · {turn.n_passes} target passes · ended: {turn.finish_reason}"
         )
+        if rt.speculative:
+            lines.append(f"last answer's accepted drafts: {turn.lookup_tokens} from lookup, "
+                         f"{turn.draft_tokens} from the draft model")
         lines.append(
             f"last prompt: {turn.n_prompt} tokens · {turn.n_reused} reused from the KV cache · "
             f"{turn.n_prefilled} prefilled in {turn.prefill_s:.2f}s"
@@ -189,11 +196,11 @@ def _session_stats(session) -> str:
         f"session: {t.turns} answers · {t.n_tokens} tokens · {tps:.1f} tok/s · {per_pass:.2f} accepted/pass · "
         f"{t.n_prefilled} tokens prefilled"
     )
+    if rt.speculative:
+        lines.append(f"session's accepted drafts: {t.lookup_tokens} from lookup, {t.draft_tokens} from the draft model")
     lines.append(f"context: {session.n_used} of {session.n_ctx} tokens used")
     if rt.speculative:
-        s = rt.shape
-        lines.append(f"models: target {rt.models.target_name}, draft {rt.models.draft_name} "
-                     f"(tree budget {s.budget}, depth {s.depth}, width {s.width})")
+        lines.append(f"models: target {rt.models.target_name}, drafter {rt.plan.drafter}: {rt.plan.tree.describe()}")
     else:
         lines.append(f"models: target {rt.models.target_name}, plain decoding")
     return "\n".join(lines)

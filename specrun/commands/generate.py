@@ -23,9 +23,8 @@ log = logging.getLogger("specrun")
 def announce(rt: Runtime) -> None:
     """Say (with --verbose) which models and which tree this run uses."""
     if rt.speculative:
-        s = rt.shape
-        log.info("target %s, draft %s, tree budget %d depth %d width %d top-k %d",
-                 rt.models.target_name, rt.models.draft_name, s.budget, s.depth, s.width, s.top_k)
+        log.info("target %s, draft %s, drafter %s: %s", rt.models.target_name, rt.models.draft_name or "none",
+                 rt.plan.drafter, rt.plan.tree.describe())
     else:
         log.info("target %s, plain decoding", rt.models.target_name)
 
@@ -75,6 +74,7 @@ def _result_json(result, rt: Runtime) -> dict:
         "accepted_per_pass": stats["accepted_per_pass"],
         "finish_reason": stats["finish_reason"],
         "speculative": rt.speculative,
+        "drafter": rt.plan.drafter,
         "stats": stats,
     }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -326,7 +326,7 @@ def _generate(decoder, prompt: list[int], params, max_tokens: int, seconds: floa
 
 def choice_decoder(rt, choice: tuner.Choice):
     """Return a decoder on the runtime's contexts for a tuner choice (plain, SpecExec or Sequoia)."""
-    return make_decoder(tree_of_choice(choice), rt.target, rt.target_ctx, rt.draft, rt.draft_ctx)
+    return make_decoder(tree_of_choice(choice), rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, guard=False)
 
 
 def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree, check: CheckResult) -> dict:
@@ -394,6 +394,14 @@ def run_tune(opts: RunOptions, quick: bool, show: bool, as_json: bool, plot: Pat
     """Tune (or with show=True print the stored profile); JSON on stdout with as_json, PNG with plot."""
     if plot is not None:
         report.require_matplotlib()
+    if opts.lookup_only:
+        # Nothing to profile: lookup trees size themselves from what each run measures.
+        ui.info("lookup drafting needs no tuning: it adapts to each run's acceptance and target cost "
+                "(`specrun bench --draft lookup` measures it here)")
+        return
+    if opts.lookup:
+        ui.dim("--lookup: tuning the draft model's tree; lookup branches join it and adapt online")
+        opts = replace(opts, lookup=False)
     if show:
         profile = stored_profile(opts)
     else:

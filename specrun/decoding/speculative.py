@@ -8,6 +8,7 @@ the rest. The committed prefix stays cached across steps, so nothing is ever pre
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Iterator, Sequence
 
@@ -17,17 +18,20 @@ from specrun.core.sampling import SamplingParams
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.core.tree import DraftTree
 from specrun.core.verify import accept_path
+from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.steps import GenerationStats, Step
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
 
+log = logging.getLogger("specrun")
+
 
 class SpeculativeDecoder:
     """Decodes with the target, proposing trees with the draft. Output is exactly the target's."""
 
-    def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape):
+    def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None):
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
         if target_ctx.n_seq_max < MAX_SEQ:
@@ -40,6 +44,11 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
+        # Optional: caps the tree, down to plain steps, while speculation is measured slower than
+        # plain decoding on this machine.
+        self.guard = guard
+        self._guard_said = 0
+        self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
 
     def reset(self) -> None:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
@@ -61,6 +70,8 @@ class SpeculativeDecoder:
             # Never draft deeper than what may still be emitted, nor more nodes than fit the cache.
             depth = min(shape.depth, remaining - 1, room - 1)
             budget = min(shape.budget, room - 1)
+            if self.guard is not None:
+                budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
             proposal = None
             if depth >= 1 and budget >= 1:
                 proposal = self.drafter.propose(cache.tokens, pending, budget, depth)
@@ -69,12 +80,24 @@ class SpeculativeDecoder:
             stats.steps.append(step)
             stats.n_generated += len(step.tokens)
             stats.decode_s += step.total_s
+            self._observe(step)
             yield step
             if step.tokens[-1] in self.eog:
                 stats.finish_reason = "eog"
                 return
             pending = step.tokens[-1]
         stats.finish_reason = "length"
+
+    def _observe(self, step: Step) -> None:
+        """Let an adapting drafter and the speed guard see the step's measurements."""
+        if self._observe_drafter is not None:
+            self._observe_drafter(step)
+        if self.guard is not None:
+            self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
+            for event in self.guard.events[self._guard_said :]:
+                # Said once with --verbose; what follows (retries, further shrinking) at debug level.
+                (log.info if self._guard_said == 0 else log.debug)("%s", event)
+                self._guard_said += 1
 
     def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int) -> Step:
         """Score root + tree with one target pass, walk it, and keep the accepted path in the cache."""
@@ -108,6 +131,8 @@ class SpeculativeDecoder:
             draft_passes=proposal.draft_passes if proposal else 0,
             path_ranks=proposal.path_ranks(acceptance.nodes) if proposal else (),
             child_ranks=_child_ranks(tree, acceptance),
+            accepted=len(acceptance.nodes) - 1,
+            lookup_tokens=proposal.lookup_tokens(acceptance.nodes) if proposal else 0,
         )
 
 

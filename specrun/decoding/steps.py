@@ -26,6 +26,8 @@ class Step:
     tree_depth: int = 0
     tree_leaves: int = 0
     draft_passes: int = 0
+    accepted: int = 0  # tree tokens the target accepted (the bonus token not counted)
+    lookup_tokens: int = 0  # of those, how many came from text lookup rather than the draft model
     # Calibration data for the tuner: best-first rank of each accepted tree node, and for each
     # node the walk visited, the rank among its children of the child the target chose (0: none).
     path_ranks: tuple[int, ...] = ()
@@ -73,6 +75,8 @@ class GenerationStats:
             "n_passes": self.n_passes,
             "tokens_per_s": round(self.tokens_per_s, 3),
             "accepted_per_pass": round(self.accepted_per_pass, 3),
+            "lookup_tokens": int(self.total("lookup_tokens")),
+            "draft_tokens": int(self.total("accepted") - self.total("lookup_tokens")),
             "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
             "target_s": round(target_s, 4),

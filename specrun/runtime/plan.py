@@ -3,8 +3,10 @@
 `build_plan(opts)` decides everything a run needs, in this order, and nothing later changes it:
 
 1. the model files (registry aliases resolved; missing files fetched unless `fetch=False`);
-2. the tree: explicit --budget/--depth > the stored tuning profile > the default chain; or plain
-   decoding (no draft, --no-spec, or a profile that found speculation does not pay);
+2. the drafter and its tree: explicit --budget/--depth > the stored tuning profile > the default
+   chain; or plain decoding (no draft, --no-spec, or a profile that found speculation does not
+   pay). `--draft lookup` drafts from the session's text alone (no draft model); `--lookup` adds
+   lookup branches to the draft model's trees (hybrid);
 3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
    one pass (a tree split over ubatches pays the weight transfer again when offloading);
 4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specrun import engine, ui
-from specrun.core.shapes import TreeShape, TreeTemplate, template_shape
+from specrun.core.shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
 from specrun.errors import UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
@@ -36,6 +38,11 @@ DEFAULT_CTX = 4096
 DEFAULT_SHAPE = TreeShape.chain(5)
 # Prompts are prefilled in batches of this many tokens.
 PREFILL_BATCH = 512
+# `--draft lookup` names no model: trees come from earlier occurrences in the session's text.
+LOOKUP = "lookup"
+# The largest lookup tree a step may verify (the drafter adapts below it to what pays): deep
+# enough for a long verbatim copy, wide enough for a few different continuations.
+LOOKUP_SHAPE = TreeShape(budget=64, depth=32, width=1, top_k=1)
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,18 @@ class RunOptions:
     budget: int | None = None
     depth: int | None = None
     no_spec: bool = False
+    lookup: bool = False  # add lookup branches to the draft model's trees (hybrid drafting)
     quiet: bool = False  # no download progress bars
+
+    @property
+    def lookup_only(self) -> bool:
+        """Whether --draft lookup: lookup trees and no draft model."""
+        return is_lookup(self.draft)
+
+
+def is_lookup(draft: str | None) -> bool:
+    """Whether a --draft value asks for the draft-free lookup drafter."""
+    return draft is not None and draft.strip().lower() == LOOKUP
 
 
 @dataclass(frozen=True)
@@ -67,23 +85,51 @@ class ModelFiles:
 class TreePlan:
     """The tree a speculative run grows, and why this one."""
 
-    shape: TreeShape
+    shape: TreeShape  # the draft model's tree (lookup only: the largest lookup tree)
     template: TreeTemplate | None  # a tuned Sequoia tree, grown as is (None: best-first growth)
     source: str  # "flags", "profile" or "default"
+    lookup: TreeShape | None = None  # lookup nodes a step may add (None: no lookup)
+    draft_model: bool = True  # False: lookup alone proposes, no draft model is loaded
+    plain_s: float | None = None  # plain decoding's seconds per token by the tuning profile
+
+    @property
+    def drafter(self) -> str:
+        """"draft model", "sequoia" (static, draft model), "lookup" (no model) or "hybrid"."""
+        if not self.draft_model:
+            return "lookup"
+        if self.lookup is not None:
+            return "hybrid"
+        return "sequoia" if self.template is not None else "draft model"
 
     @property
     def kind(self) -> str:
+        if not self.draft_model:
+            return "lookup"
         if self.template is not None:
             return "sequoia"
         return "chain" if self.shape.is_chain else "specexec"
 
+    @property
+    def verified(self) -> TreeShape:
+        """The largest tree one target pass verifies: the draft model's plus lookup branches."""
+        if self.lookup is None or not self.draft_model:
+            return self.shape
+        return replace(self.shape, budget=min(MAX_BUDGET, self.shape.budget + self.lookup.budget),
+                       depth=max(self.shape.depth, self.lookup.depth))
+
     def describe(self) -> str:
         s = self.shape
+        if not self.draft_model:
+            return f"lookup trees of up to {s.budget} tokens from the session's text, depth {s.depth} (no draft model)"
         if self.template is not None:
-            return f"Sequoia static tree of {s.budget} draft tokens, depth {s.depth}"
-        if s.is_chain:
-            return f"chain of {s.budget} draft tokens"
-        return f"best-first tree of {s.budget} draft tokens, depth {s.depth}, width {s.width}, top-k {s.top_k}"
+            text = f"Sequoia static tree of {s.budget} draft tokens, depth {s.depth}"
+        elif s.is_chain:
+            text = f"chain of {s.budget} draft tokens"
+        else:
+            text = f"best-first tree of {s.budget} draft tokens, depth {s.depth}, width {s.width}, top-k {s.top_k}"
+        if self.lookup is not None:
+            text += f" + up to {self.lookup.budget} lookup tokens from the session's text"
+        return text
 
 
 @dataclass(frozen=True)
@@ -120,10 +166,13 @@ class Plan:
 
     @property
     def drafter(self) -> str:
-        """Which drafter proposes trees: "draft model", "sequoia" (static, draft model) or "none"."""
-        if self.tree is None:
-            return "none"
-        return "sequoia" if self.tree.template is not None else "draft model"
+        """Which drafter proposes trees: "draft model", "sequoia", "lookup", "hybrid" or "none"."""
+        return "none" if self.tree is None else self.tree.drafter
+
+    @property
+    def draft_loaded(self) -> bool:
+        """Whether a draft model is loaded (speculating, and not with lookup alone)."""
+        return self.tree is not None and self.tree.draft_model
 
     @property
     def target_gpu_layers(self) -> int:
@@ -140,11 +189,13 @@ class Plan:
         if self.tree is not None:
             s = self.tree.shape
             tree = {"kind": self.tree.kind, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
-                    "width": s.width, "top_k": s.top_k, "text": self.tree.describe()}
+                    "width": s.width, "top_k": s.top_k, "text": self.tree.describe(),
+                    "lookup_budget": self.tree.lookup.budget if self.tree.lookup else 0,
+                    "verified_budget": self.tree.verified.budget}
         return {
             "target": {"name": f.target_name, "path": _path(f.target_path), "gpu_layers": self.target_gpu_layers,
                        "layer_slots": self.placement.target_n_slots},
-            "draft": None if f.draft_name is None or self.tree is None else {
+            "draft": None if f.draft_name is None or not self.draft_loaded else {
                 "name": f.draft_name, "path": _path(f.draft_path), "gpu_layers": self.draft_gpu_layers,
                 "device": (self.devices[self.placement.draft_device].name
                            if self.placement.draft_device is not None else "RAM"),
@@ -214,27 +265,29 @@ def build_plan(
         # More threads than cores only makes them wait for each other (and 999 would start 999).
         notes.append(f"--threads {threads} is more than the {cores} CPU cores this process may use: using {cores}")
         threads = cores
-    if tree is not None and tree.shape.budget + 1 > n_ctx:
+    if tree is not None and tree.verified.budget + 1 > n_ctx:
         # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
-        notes.append(f"a tree of {tree.shape.budget} tokens does not fit a {n_ctx}-token context: "
+        notes.append(f"a tree of {tree.verified.budget} tokens does not fit a {n_ctx}-token context: "
                      f"using {n_ctx - 1}")
-        tree = TreePlan(tree.shape.resized(n_ctx - 1), None, tree.source)
+        tree = _fit_tree(tree, n_ctx - 1)
+    draft_ctx = None
     if tree is not None:
-        tree_tokens = tree.shape.budget + 1
+        tree_tokens = tree.verified.budget + 1
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
-        draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), MAX_SEQ)
+        if tree.draft_model:
+            draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), MAX_SEQ)
     else:
-        target_ctx, draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1), None
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1)
     if devices is None:
         devices = engine.list_devices()
     gpus = tuple(offload.Device(d.name, d.free_bytes, d.total_bytes) for d in devices if d.kind in placement.GPU_KINDS)
-    draft_path = files.draft_path if tree is not None else None
+    draft_path = files.draft_path if tree is not None and tree.draft_model else None
     if not gpus and sizes is None and not detailed:
         placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes)
     else:
         target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
         draft_size = None
-        if tree is not None:
+        if draft_path is not None or (sizes and tree is not None and tree.draft_model):
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
         placed = placement.plan(
             target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
@@ -245,6 +298,15 @@ def build_plan(
         threads=threads, placement=placed, devices=gpus, untuned=untuned,
         notes=tuple(notes),
     )
+
+
+def _fit_tree(tree: TreePlan, budget: int) -> TreePlan:
+    """Return the tree cut to `budget` verified nodes: lookup branches give way first."""
+    if tree.lookup is not None and tree.draft_model and tree.shape.budget < budget:
+        return replace(tree, lookup=tree.lookup.resized(budget - tree.shape.budget))
+    shape = tree.shape.resized(budget)
+    lookup = shape if not tree.draft_model else None
+    return replace(tree, shape=shape, template=None, lookup=lookup)
 
 
 def _model_size(name: str, path: Path | None) -> offload.ModelSize:
@@ -264,7 +326,9 @@ def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
         target_name, default_draft = opts.target, None
     target_spec = registry.resolve(target_name)
     draft_spec = None
-    if not opts.no_spec:
+    if opts.no_spec and (opts.lookup or opts.lookup_only):
+        raise UsageError("--no-spec decodes without drafting: it does not go with --lookup or --draft lookup")
+    if not opts.no_spec and not opts.lookup_only:
         if opts.draft is not None:
             draft_spec = registry.resolve(opts.draft)
         elif default_draft is not None and opts.target is None:
@@ -291,18 +355,30 @@ def _local_path(spec, quiet: bool, fetch: bool) -> Path | None:
 def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, str, bool]:
     """Return (the tree or None for plain decoding, why, whether the pair is untuned).
 
-    Explicit --budget/--depth win; else the stored tuning profile (which may say plain decoding
-    is faster here); else the default chain.
+    `--draft lookup`: lookup trees alone. Otherwise explicit --budget/--depth win; else the stored
+    tuning profile (which may say plain decoding is faster here); else the default chain. With
+    `--lookup`, lookup branches join the draft model's tree, or stand alone where there is no
+    draft model or the profile found its trees slower than plain decoding.
     """
+    if opts.lookup_only:
+        return _lookup_tree(opts, None), "--draft lookup: trees from the session's text, no draft model", False
     if files.draft_name is None:
+        if opts.lookup:
+            return _lookup_tree(opts, None), f"--lookup without a draft model for {files.target_name}: lookup alone", False
         why = "--no-spec" if opts.no_spec else f"no draft model for {files.target_name} (pass --draft)"
         return None, why, False
     choice = None
     if files.target_path is not None and files.draft_path is not None:
         choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads)
+    plain_s = None
+    if choice is not None and choice.predicted_tokens_per_s > 0:
+        plain_s = choice.predicted_speedup / choice.predicted_tokens_per_s  # tokens/s / speedup = plain's
     overridden = opts.budget is not None or opts.depth is not None
     if choice is not None and choice.kind == "plain" and not overridden:
-        return None, "the tuning profile found plain decoding fastest for this pair here", False
+        why = "the tuning profile found plain decoding fastest for this pair here"
+        if opts.lookup:
+            return _lookup_tree(opts, plain_s), why + " (with the draft model): lookup alone", False
+        return None, why, False
     tuned = tree_of_choice(choice) if choice is not None else None
     if tuned is not None:
         tree, why = tuned, "tuned profile for this pair on this machine"
@@ -316,7 +392,18 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
             shape = replace(shape, depth=opts.depth)
         # explicit sizes: grow best-first trees of that size, of the tuned (or default) kind
         tree, why = TreePlan(shape, None, "flags"), "--budget/--depth"
+    tree = replace(tree, plain_s=plain_s)
+    if opts.lookup:
+        tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; --lookup adds branches from the session's text"
     return tree, why, choice is None
+
+
+def _lookup_tree(opts: RunOptions, plain_s: float | None) -> TreePlan:
+    """Return lookup trees alone: LOOKUP_SHAPE, or the --budget/--depth given."""
+    shape, source = LOOKUP_SHAPE, "default"
+    if opts.budget is not None or opts.depth is not None:
+        shape, source = TreeShape(opts.budget or shape.budget, opts.depth or shape.depth, 1, 1), "flags"
+    return TreePlan(shape, None, source, lookup=shape, draft_model=False, plain_s=plain_s)
 
 
 def tree_of_choice(choice: Choice) -> TreePlan | None:

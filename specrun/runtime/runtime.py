@@ -11,7 +11,10 @@ import logging
 
 from specrun import engine, ui
 from specrun.chat.session import ChatFormat
+from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.hybrid import HybridDrafter
+from specrun.decoding.drafters.lookup import LookupDrafter
 from specrun.decoding.drafters.sequoia import StaticTreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
@@ -42,11 +45,11 @@ class Runtime:
         target_load, draft_load = load_arguments(plan)
         try:
             self.target = self._load(plan.files.target_path, **target_load)
-            if plan.tree is not None:
+            if plan.draft_loaded:
                 self.draft = self._load(plan.files.draft_path, **draft_load)
                 pairing.check_vocab(self.target, self.draft, plan.files.target_name, plan.files.draft_name)
             self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"])
-            if plan.tree is not None:
+            if plan.draft_loaded:
                 self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"])
         except BaseException:
             self.close()
@@ -126,13 +129,27 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     return target, draft
 
 
-def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None):
+def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True):
     """Return the decoder for a tree plan: plain decoding (None), or speculative decoding with the
-    drafter the plan names (a Sequoia template grown as is, else best-first growth)."""
+    drafter the plan names. With `guard`, a speed guard shrinks the tree (down to plain steps)
+    while speculation measures slower than plain decoding (bench and tune measure trees as given).
+    The drafter lives as long as the decoder: a lookup index learns from every request it serves.
+    """
     if tree is None:
         return PlainDecoder(target, target_ctx)
+    shape = tree.verified
+    speed_guard = SpeedGuard(shape.budget, plain_s=tree.plain_s) if guard else None
+    return SpeculativeDecoder(target, target_ctx, make_drafter(tree, draft, draft_ctx), shape, guard=speed_guard)
+
+
+def make_drafter(tree: TreePlan, draft=None, draft_ctx=None):
+    """Return the drafter a tree plan names: draft model (best-first or Sequoia), lookup or hybrid."""
+    if not tree.draft_model:
+        return LookupDrafter(tree.shape.budget)
     if tree.template is not None:
-        drafter = StaticTreeGrower(draft, draft_ctx, tree.template)
+        model_drafter = StaticTreeGrower(draft, draft_ctx, tree.template)
     else:
-        drafter = TreeGrower(draft, draft_ctx, tree.shape)
-    return SpeculativeDecoder(target, target_ctx, drafter, tree.shape)
+        model_drafter = TreeGrower(draft, draft_ctx, tree.shape)
+    if tree.lookup is None:
+        return model_drafter
+    return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth)

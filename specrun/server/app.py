@@ -167,7 +167,8 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
     async def models() -> JSONResponse:
         info = _ready_model(worker)
         entry = {"id": info.target, "object": "model", "created": 0, "owned_by": "specrun",
-                 "meta": {"draft": info.draft, "n_ctx": info.n_ctx, "tree_budget": info.tree_budget}}
+                 "meta": {"draft": info.draft, "drafter": info.drafter, "n_ctx": info.n_ctx,
+                          "tree_budget": info.tree_budget}}
         return JSONResponse({"object": "list", "data": [entry]})
 
     @app.post("/v1/chat/completions")

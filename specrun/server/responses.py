@@ -59,9 +59,11 @@ def timings(started: Started, stats: GenerationStats) -> dict:
         "predicted_ms": round(stats.decode_s * 1000, 3),
         "predicted_per_token_ms": _per_token_ms(predicted_n, stats.decode_s),
         "predicted_per_second": _rate(predicted_n, stats.decode_s),
-        # Draft tokens the target checked, and those it kept (tree nodes on the accepted paths).
+        # Proposed tokens the target checked, and those it kept (tree nodes on the accepted paths);
+        # of the kept ones, how many came from text lookup rather than the draft model.
         "draft_n": sum(step.tree_nodes for step in stats.steps),
-        "draft_n_accepted": sum(len(step.path_ranks) for step in stats.steps),
+        "draft_n_accepted": sum(step.accepted for step in stats.steps),
+        "lookup_n_accepted": sum(step.lookup_tokens for step in stats.steps),
         "n_passes": stats.n_passes,
         "accepted_per_pass": round(stats.accepted_per_pass, 3),
     }

@@ -62,7 +62,8 @@ class ModelInfo:
     """What /v1/models says about the loaded pair."""
 
     target: str
-    draft: str | None
+    draft: str | None  # the draft model, if one is loaded
+    drafter: str  # what proposes trees (see runtime.plan.Plan.drafter): "none" for plain decoding
     n_ctx: int
     tree_budget: int | None
 
@@ -131,8 +132,8 @@ class GenerationWorker:
             self._on_load_error(e)
             return
         try:
-            self.model = ModelInfo(rt.models.target_name, rt.models.draft_name if rt.speculative else None,
-                                   rt.target_ctx.n_ctx, rt.shape.budget if rt.speculative else None)
+            self.model = ModelInfo(rt.models.target_name, rt.models.draft_name if rt.draft is not None else None,
+                                   rt.plan.drafter, rt.target_ctx.n_ctx, rt.shape.budget if rt.speculative else None)
             self.runtime = rt
             if not self._stopping.is_set():
                 self.state = "ready"

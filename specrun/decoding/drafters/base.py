@@ -21,6 +21,12 @@ class Proposal:
     tree: DraftTree
     draft_s: float = 0.0  # seconds spent in draft-model forward passes
     draft_passes: int = 0
+    lookup_from: int | None = None  # node ids >= this came from text lookup (None: none did)
+
+    def lookup_tokens(self, nodes: Sequence[int]) -> int:
+        """Return how many of the accepted nodes (root first) came from text lookup."""
+        first = self.lookup_from
+        return 0 if first is None else sum(1 for n in nodes[1:] if n >= first)
 
     def path_ranks(self, nodes: Sequence[int]) -> tuple[int, ...]:
         """Return calibration ranks of the accepted nodes (best-first drafters only; else empty)."""
@@ -43,3 +49,6 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget any cached state (after an error left the caches in an unknown state)."""
         ...
+
+    # Optional: `observe(step)`, called with every Step the decoder made (its timings and tree
+    # size), for drafters that adapt to what this run measures (lookup, hybrid).

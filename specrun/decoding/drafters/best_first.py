@@ -128,7 +128,7 @@ class TreeGrower:
             kept = kept[tree.prune_to_best(len(tree) - 1 - n_over)]
         new_id = {int(old): new for new, old in enumerate(kept.tolist())}
         node_seq = {new_id[old]: seq for old, seq in node_seq.items() if old in new_id}
-        return GrownTree(tree, draft_s, passes, node_seq)
+        return GrownTree(tree, draft_s, passes, node_seq=node_seq)
 
     def commit(self, grown: GrownTree, accepted_nodes: Sequence[int]) -> None:
         """Keep the draft's cache of the accepted path and free every other tree sequence."""

@@ -94,7 +94,7 @@ class StaticTreeGrower(TreeGrower):
             draft_s += time.perf_counter() - t0
             passes += 1
             logits = ctx.logits()
-        return GrownTree(tree, draft_s, passes, node_seq)
+        return GrownTree(tree, draft_s, passes, node_seq=node_seq)
 
 
 def _children_by_node(template: TreeTemplate) -> list[list[int]]:

@@ -1,0 +1,108 @@
+"""`specrun bench`'s prompts: built-in sets per workload, or a file (JSONL or one prompt per line)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specrun.errors import UsageError
+from specrun.inputs import decode_utf8
+
+# Pasted texts, also the copy prompts of the lookup tests.
+FUNCTION = '''def moving_average(values, window):
+    """Return the moving averages of values over window items."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+'''
+_PARSER = '''def parse_config(lines):
+    """Return the key = value pairs of lines as a dict, skipping comments and blank lines."""
+    config = {}
+    for number, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "=" not in line:
+            raise ValueError(f"line {number}: expected key = value")
+        key, value = line.split("=", 1)
+        config[key.strip()] = value.strip()
+    return config
+'''
+LIGHTHOUSE = (
+    "The lighthouse keeper climbed the stairs every night at nine. He wound the clockwork, trimmed "
+    "the wick and wrote the weather in his log: wind from the west, a light swell, fog after "
+    "midnight. In forty years he had missed one night, when the storm of 1953 tore the door off "
+    "its hinges, and even then the light had turned until dawn."
+)
+_MEETING = (
+    "The council met on Tuesday to discuss the new bus routes. Residents of the north district "
+    "asked for a stop near the school. The transport office said the change would cost about "
+    "twelve thousand euros a year. A decision was postponed until the budget review in March."
+)
+
+# Free-form questions: little to copy from the prompt.
+CHAT = [
+    "Explain why the sky is blue to a ten-year-old.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "List five tips for staying productive when working from home.",
+    "What are the main differences between TCP and UDP?",
+]
+# A pasted function rewritten with a small change, the whole function in the answer.
+CODE = [
+    f"Add type hints to this function. Output the whole function.\n\n{FUNCTION}",
+    f"Rename the variable `total` to `running_sum` in this code and output all of it.\n\n{FUNCTION}",
+    f"Make this function also skip lines that start with ';'. Output the whole function.\n\n{_PARSER}",
+    f"Add a docstring example to this function and output the whole function.\n\n{_PARSER}",
+]
+# A pasted text copied with small changes, or sentences extracted verbatim.
+REWRITE = [
+    f"Copy this text, replacing 'lighthouse keeper' with 'keeper of the light':\n\n{LIGHTHOUSE}",
+    f"Quote the first two sentences of this text verbatim:\n\n{LIGHTHOUSE}",
+    f"Rewrite this text in the past perfect tense, changing nothing else:\n\n{_MEETING}",
+    f"Extract, word for word, the sentence about the cost:\n\n{_MEETING}",
+]
+WORKLOADS = {"chat": CHAT, "code": CODE, "rewrite": REWRITE}
+
+
+def workload_prompts(workload: str, path: Path | None) -> dict[str, list[str]]:
+    """Return {workload: prompts}: the file's prompts (as one workload, "prompts"), or the built-in
+    set named (all of them for "all")."""
+    if path is not None:
+        return {"prompts": load_prompts(path)}
+    if workload == "all":
+        return {name: list(prompts) for name, prompts in WORKLOADS.items()}
+    if workload not in WORKLOADS:
+        raise UsageError(f"unknown workload {workload!r}: choose chat, code, rewrite or all")
+    return {workload: list(WORKLOADS[workload])}
+
+
+def load_prompts(path: Path) -> list[str]:
+    """Return a file's prompts: JSONL ({"prompt": "..."} per line, for multi-line prompts) or one
+    prompt per line."""
+    try:
+        lines = [line.strip() for line in decode_utf8(path.read_bytes(), f"prompts file {path}").splitlines()]
+    except OSError as e:
+        raise UsageError(f"cannot read prompts file {path}: {e.strerror}") from None
+    lines = [line for line in lines if line]
+    if not lines:
+        raise UsageError(f"prompts file {path} has no prompts")
+    if not lines[0].startswith("{"):
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"prompts file {path}, line {number}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+            raise UsageError(f'prompts file {path}, line {number}: expected {{"prompt": "..."}}')
+        prompts.append(obj["prompt"])
+    return prompts

@@ -1,0 +1,303 @@
+"""How much one speculative step should verify, from what this run has measured.
+
+Three pieces, all pure:
+
+- `Hindsight`: for every budget of a grid, how many tokens a tree cut to that budget would have
+  had accepted, learned by matching each step's full proposal against the tokens the target went
+  on to emit. At any temperature every emitted token is the target's own draw, the same whatever
+  tree was verified (verify.py), so the walk down any tree would have met exactly those tokens:
+  one proposal per step measures every smaller budget at once.
+- `TargetCost`: seconds of one target pass over n tokens here: the tuning profile's curve scaled
+  to this run's measurements, or a line fitted online.
+- `SpeedGuard`: when measured seconds per emitted token stay above plain decoding's, it halves
+  the budget, down to plain decoding, and tries a larger one again now and then.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from specrun.core.tree import DraftTree
+
+# Budgets compared each step: dense where trees are cheap, sparse where a pass gets dear.
+BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# Recent steps count most (half weight after this many): a session alternates long copies and
+# free-form text, and the choice should follow within a few dozen tokens.
+HALF_LIFE = 24
+# Before this run has measured a multi-token pass: each extra verified token costs this fraction
+# of a one-token pass (the CPU demo pair measures 0.06-0.11; a GPU far less).
+PRIOR_TOKEN_COST = 0.1
+
+
+def _decay(half_life: float) -> float:
+    return 0.5 ** (1.0 / half_life)
+
+
+class Average:
+    """An exponentially weighted mean of arrays (or floats), with early steps not biased to 0."""
+
+    def __init__(self, half_life: float, shape=()):
+        self.keep = _decay(half_life)
+        self.sum = np.zeros(shape)
+        self.weight = 0.0
+
+    def add(self, value) -> None:
+        self.sum = self.keep * self.sum + np.asarray(value, np.float64)
+        self.weight = self.keep * self.weight + 1.0
+
+    @property
+    def known(self) -> bool:
+        return self.weight > 0
+
+    @property
+    def mean(self):
+        return self.sum / self.weight if self.weight else self.sum
+
+
+class _Watch:
+    """One step's proposal, walked down by the tokens emitted since its root."""
+
+    def __init__(self, tree: DraftTree | None, nodes: np.ndarray, base: DraftTree | None):
+        self.tree, self.nodes, self.base = tree, nodes, base
+        self.node = 0 if tree is not None and len(tree) > 1 else None
+        self.base_node = 0 if base is not None and len(base) > 1 else None
+        # Nodes grafted onto `base` after this watch began are not the base's own.
+        self.base_len = len(base) if base is not None else 0
+        self.base_depth = 0
+        self.ranks: list[int] = []
+        if self.node is not None:
+            order = np.argsort(-tree.logps[1:], kind="stable")
+            self.rank = np.empty(len(tree), np.int64)
+            self.rank[0] = 0
+            self.rank[1 + order] = np.arange(1, len(tree))
+
+    @property
+    def done(self) -> bool:
+        return self.node is None and self.base_node is None
+
+    @property
+    def at_leaf(self) -> bool:
+        """Whether no further token can go deeper in either tree."""
+        tree_end = self.node is None or self.tree.is_leaf(self.node)
+        base_end = self.base_node is None or self.base.is_leaf(self.base_node)
+        return tree_end and base_end
+
+    def feed(self, token: int) -> None:
+        if self.node is not None:
+            child = self.tree.find_child(self.node, token)
+            self.node = child
+            if child is not None:
+                self.ranks.append(int(self.rank[child]))
+        if self.base_node is not None:
+            child = self.base.find_child(self.base_node, token)
+            if child is not None and child >= self.base_len:
+                child = None
+            self.base_node = child
+            self.base_depth += child is not None
+
+    def accepted(self, budgets: np.ndarray) -> np.ndarray:
+        """Tokens accepted at each budget: ranks rise along a path (a child scores below its
+        parent), so a cut to budget B keeps exactly the path nodes ranked <= B."""
+        depth = np.searchsorted(np.array(self.ranks, np.int64), budgets, side="right")
+        return np.maximum(depth, self.base_depth)
+
+
+class Hindsight:
+    """Per budget of a grid: mean tokens accepted and nodes verified per step, learned after the fact.
+
+    Each step the caller `watch`es the largest tree it could verify (ranked by logp, as
+    `DraftTree.prune_to_best` cuts), then `feed`s every emitted token. A step may also verify a
+    fixed `base` tree (the draft model's) with the watched tree's nodes grafted onto it: then the
+    accepted depth is the deeper of the two walks, and `nodes` counts base + grafted nodes.
+    """
+
+    def __init__(self, max_budget: int, half_life: float = HALF_LIFE):
+        budgets = sorted({b for b in BUDGETS if b < max_budget} | {max_budget})
+        self.budgets = np.array(budgets, np.int64)
+        self._accepted = Average(half_life, len(budgets))
+        self._nodes = Average(half_life, len(budgets))
+        self._open: list[_Watch] = []
+
+    def watch(self, tree: DraftTree | None, base: DraftTree | None = None, new_by_rank: np.ndarray | None = None) -> None:
+        """Follow this step's proposal. `new_by_rank[r]`: whether the tree's r-th best node adds a
+        node to `base` (all do when there is no base)."""
+        n = len(tree) - 1 if tree is not None else 0
+        added = np.ones(n, np.int64) if new_by_rank is None else np.asarray(new_by_rank, np.int64)
+        cumulative = np.concatenate([[0], np.cumsum(added)])
+        nodes = cumulative[np.minimum(self.budgets, n)] + (len(base) - 1 if base is not None else 0)
+        watch = _Watch(tree, nodes, base)
+        if watch.done or watch.at_leaf:
+            self._finish(watch)
+        else:
+            self._open.append(watch)
+
+    def feed(self, tokens) -> None:
+        """Take the tokens the target emitted (in order, across steps)."""
+        for token in tokens:
+            if not self._open:
+                return
+            for watch in self._open:
+                watch.feed(int(token))
+            for watch in [w for w in self._open if w.done or w.at_leaf]:
+                self._finish(watch)
+                self._open.remove(watch)
+
+    def forget_open(self) -> None:
+        """Drop proposals still being followed (the text was replaced: they will never finish)."""
+        self._open.clear()
+
+    def _finish(self, watch: _Watch) -> None:
+        self._accepted.add(watch.accepted(self.budgets))
+        self._nodes.add(watch.nodes)
+
+    @property
+    def known(self) -> bool:
+        return self._accepted.known
+
+    @property
+    def matching(self) -> bool:
+        """Whether a proposal still being followed has matched a token already (text repeating now)."""
+        return any(w.ranks or w.base_depth for w in self._open)
+
+    def accepted(self) -> np.ndarray:
+        """Mean tokens accepted per step, per budget (the bonus token not counted).
+
+        Proposals still being followed count with what they matched so far (a lower bound), as
+        the newest steps: a copy that just began shows at once, not only once it ends.
+        """
+        return self._with_open(self._accepted, lambda w: w.accepted(self.budgets))
+
+    def nodes(self) -> np.ndarray:
+        """Mean nodes verified per step, per budget."""
+        return self._with_open(self._nodes, lambda w: w.nodes)
+
+    def _with_open(self, average: Average, value) -> np.ndarray:
+        total, weight = average.sum, average.weight
+        for watch in self._open:
+            total = average.keep * total + value(watch)
+            weight = average.keep * weight + 1.0
+        return total / weight if weight else total
+
+    def best(self, step_seconds: Callable[[np.ndarray], np.ndarray]) -> tuple[int, float]:
+        """Return (budget, tokens/s) with the most tokens per second, given the seconds of a step
+        that verifies n nodes: `step_seconds(n)` (vectorised)."""
+        rates = (self.accepted() + 1.0) / step_seconds(self.nodes())
+        i = int(np.argmax(rates))
+        return int(self.budgets[i]), float(rates[i])
+
+
+class TargetCost:
+    """Seconds of one target pass over n tokens on this machine, as measured so far.
+
+    With the tuning profile's curve, the curve scaled by the measured/profiled ratio; without
+    one, a line t(n) = base + per_token * (n - 1): base from one-token passes, per_token from the
+    others (PRIOR_TOKEN_COST * base until one was measured).
+    """
+
+    def __init__(self, curve: Callable[[np.ndarray], np.ndarray] | None = None, half_life: float = 4 * HALF_LIFE):
+        self.curve = curve
+        self._ratio = Average(half_life)
+        self._base = Average(half_life)
+        self._per_token = Average(half_life)
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens < 1 or seconds <= 0:
+            return
+        if self.curve is not None:
+            self._ratio.add(seconds / float(self.curve(np.array([n_tokens]))[0]))
+        if n_tokens == 1:
+            self._base.add(seconds)
+        elif self._base.known:
+            self._per_token.add(max(0.0, seconds - self._base.mean) / (n_tokens - 1))
+
+    @property
+    def known(self) -> bool:
+        return self._ratio.known or self._base.known or self._per_token.known
+
+    def plain_s(self) -> float | None:
+        """Seconds of a one-token pass, or None when nothing was measured or profiled."""
+        if self.curve is not None:
+            return float(self(np.array([1]))[0])
+        return float(self._base.mean) if self._base.known else None
+
+    def __call__(self, n_tokens: np.ndarray) -> np.ndarray:
+        n = np.asarray(n_tokens, np.float64)
+        if self.curve is not None:
+            ratio = self._ratio.mean if self._ratio.known else 1.0
+            return self.curve(n) * ratio
+        base = float(self._base.mean) if self._base.known else 1.0
+        per_token = float(self._per_token.mean) if self._per_token.known else PRIOR_TOKEN_COST * base
+        return base + per_token * (n - 1)
+
+
+class SpeedGuard:
+    """Shrinks the tree (down to plain decoding) while speculation is measured slower than plain.
+
+    Every `window` speculative steps it compares their seconds per emitted token with a plain
+    step's (the profile's, else measured by an occasional plain step the decoder makes when
+    `wants_plain_step` says so). Slower by more than `margin`: the budget cap halves (0 = plain
+    decoding). After `retry_after` steps at a lower cap it tries twice the cap again, so a run
+    whose text turns copyable, or a machine that becomes idle, gets its speedup back.
+    """
+
+    def __init__(self, budget: int, plain_s: float | None = None, window: int = 16, margin: float = 0.03, retry_after: int = 256, probe_every: int = 256):
+        self.budget = budget
+        self.cap = budget
+        self.window = window
+        self.margin = margin
+        self.retry_after = retry_after
+        self.probe_every = probe_every
+        self._profiled_plain_s = plain_s
+        self._plain = Average(8)
+        self._spec_s = 0.0
+        self._spec_tokens = 0
+        self._spec_steps = 0
+        self._since_plain = 0
+        self._since_shrink = 0
+        self.events: list[str] = []  # what the guard did, for --verbose (the caller says it once)
+
+    def plain_s(self) -> float | None:
+        if self._plain.known:
+            return float(self._plain.mean)
+        return self._profiled_plain_s
+
+    def wants_plain_step(self) -> bool:
+        """Whether the next step should decode plainly, to measure plain decoding on this machine."""
+        if self.cap == 0:
+            return True
+        if self._profiled_plain_s is not None and not self._plain.known:
+            return False
+        return self._since_plain >= (self.probe_every if self._plain.known else self.window // 2)
+
+    def record(self, n_tokens: int, seconds: float, tree_nodes: int) -> None:
+        """Take one step's emitted tokens, seconds and verified tree size."""
+        self._since_shrink += 1
+        if tree_nodes == 0:
+            self._plain.add(seconds / max(n_tokens, 1))
+            self._since_plain = 0
+        else:
+            self._since_plain += 1
+            self._spec_s += seconds
+            self._spec_tokens += n_tokens
+            self._spec_steps += 1
+        if self.cap < self.budget and self._since_shrink >= self.retry_after:
+            self.cap = max(1, 2 * self.cap)
+            self._since_shrink = 0
+            self.events.append(f"trying a tree of up to {self.cap} nodes again")
+        if self._spec_steps >= self.window:
+            self._judge()
+
+    def _judge(self) -> None:
+        per_token = self._spec_s / max(self._spec_tokens, 1)
+        self._spec_s, self._spec_tokens, self._spec_steps = 0.0, 0, 0
+        plain = self.plain_s()
+        if plain is None or per_token <= plain * (1 + self.margin):
+            return
+        self.cap //= 2
+        self._since_shrink = 0
+        what = f"a tree of at most {self.cap} nodes" if self.cap else "plain decoding"
+        self.events.append(
+            f"speculation ran at {1e3 * per_token:.1f} ms per token, plain decoding at {1e3 * plain:.1f}: switching to {what}"
+        )

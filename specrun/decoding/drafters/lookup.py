@@ -1,0 +1,106 @@
+"""`--draft lookup`: a drafter with no model. Each step proposes a tree from what followed earlier
+occurrences of the latest tokens in the session's text (decoding/lookup_index.py), cut to the budget that this
+run's measurements say pays (decoding/adaptive.py); when nothing does, it proposes nothing and the step
+costs what a plain step costs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from specrun.decoding.adaptive import Average, Hindsight, TargetCost
+from specrun.decoding.drafters.base import Proposal
+from specrun.decoding.lookup_index import LookupIndex, cut
+
+# Tokens compared with the index's copy of the text before indexing a step's tokens: a cheap
+# check that the caller's text only grew; anything else is compared in full (LookupIndex.sync).
+_TAIL_CHECK = 16
+# While no budget pays, the full tree is proposed (to keep measuring) only every this many steps:
+# free-form text then costs almost nothing over plain decoding.
+_IDLE_SAMPLE = 4
+
+
+def lookup_proposal(tree) -> Proposal:
+    """A tree of lookup nodes only: no draft pass, no draft cache to keep."""
+    return Proposal(tree, lookup_from=1)
+
+
+class SessionText:
+    """The lookup index of a drafter's session, told what the caller's text became each step."""
+
+    def __init__(self, index: LookupIndex | None = None, max_step: int = 2048):
+        self.index = index if index is not None else LookupIndex()  # (an empty index is falsy)
+        self.max_step = max_step
+
+    def catch_up(self, committed: Sequence[int], root: int) -> list[int] | None:
+        """Index committed + [root]; return the tokens emitted since the last root, or None when
+        the text was replaced (a new prompt: what was being followed will never finish)."""
+        live = self.index.live
+        known, total = len(live), len(committed) + 1
+        if 0 < known <= total:
+            start = max(0, known - _TAIL_CHECK)
+            tail = list(committed[start:known]) if known <= len(committed) else list(committed[start:]) + [root]
+            if tail == live[start:known].tolist():
+                new = list(committed[known:]) + [root] if known <= len(committed) else []
+                self.index.extend(new)
+                return new if len(new) <= self.max_step else None
+        self.index.sync(list(committed) + [root])
+        return None
+
+
+class LookupDrafter:
+    """Proposes lookup trees; adapts their size to measured acceptance and target cost."""
+
+    def __init__(self, max_budget: int, index: LookupIndex | None = None, cost: TargetCost | None = None, adapt: bool = True):
+        self.text = SessionText(index, max_step=max_budget + 1)
+        self.max_budget = max_budget
+        self.adapt = adapt
+        self.hindsight = Hindsight(max_budget)
+        self.cost = cost or TargetCost()
+        self.step_s = Average(24)  # seconds of a step outside the target pass (lookup, walk, KV)
+        self.chosen = max_budget  # the budget the last step chose
+        self._idle = 0
+
+    @property
+    def index(self) -> LookupIndex:
+        return self.text.index
+
+    def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
+        emitted = self.text.catch_up(committed, root)
+        if emitted is None:
+            self.hindsight.forget_open()
+        else:
+            self.hindsight.feed(emitted)
+        if not self.adapt:
+            tree = self.index.propose(self.index.live, budget, depth)
+            return lookup_proposal(tree) if tree is not None else None
+        if self.chosen == 0 and self.hindsight.known and not self.hindsight.matching:
+            self._idle += 1
+            if self._idle % _IDLE_SAMPLE:
+                return None
+        tree = self.index.propose(self.index.live, budget, depth)
+        self.hindsight.watch(tree)
+        self.chosen = self.best_budget(budget)
+        if tree is None or self.chosen == 0:
+            return None
+        self._idle = 0
+        return lookup_proposal(cut(tree, self.chosen))
+
+    def best_budget(self, budget: int) -> int:
+        """The budget with the most tokens per second measured so far (all of it until measured)."""
+        if not self.hindsight.known:
+            return budget
+        overhead = float(self.step_s.mean) if self.step_s.known else 0.0
+        best, _ = self.hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead)
+        return min(best, budget)
+
+    def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
+        pass  # the next propose reads what was accepted from the committed text
+
+    def observe(self, step) -> None:
+        """Take one step's measurements (from the decoder)."""
+        self.cost.observe(step.tree_nodes + 1, step.target_s)
+        self.step_s.add(max(0.0, step.total_s - step.target_s))
+
+    def reset(self) -> None:
+        self.hindsight.forget_open()
