@@ -37,7 +37,7 @@ WARMUP_REQUESTS = 8
 
 def main() -> None:
     args = _parse_args()
-    from specrun.commands.bench import BENCH_PROMPTS
+    from specrun.commands.bench_prompts import CHAT as BENCH_PROMPTS
 
     server = ServerProcess(args)
     try:
