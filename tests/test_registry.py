@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -292,3 +293,19 @@ def test_real_vocabularies(offline_models):
     message = str(failure.value)
     assert str(offline_models.smollm2_q4) in message and str(offline_models.gemma_q4) in message
     assert "tokenizers differ (target SPM, draft BPE)" in message
+
+
+@pytest.mark.parametrize("typed, alias", [
+    ("Qwen2.5-14B", "qwen2.5-14b"), ("qwen-14b", "qwen2.5-14b"), ("qwen_2.5_14b", "qwen2.5-14b"),
+    ("llama-3.1-8b", "llama3.1-8b"), ("llama3.1:8b", "llama3.1-8b"), ("LLAMA3.1 8B", "llama3.1-8b"),
+])
+def test_names_match_ignoring_case_and_separators(typed, alias):
+    assert registry.resolve(typed).name == alias
+
+
+def test_models_json_lists_every_name_a_model_answers_to(cli):
+    result = cli("models", "--json")
+    assert result.exit_code == 0
+    rows = {row["alias"]: row for row in json.loads(result.stdout)}
+    assert rows["qwen2.5-14b"]["aliases"] == ["qwen-14b"]
+    assert all(isinstance(row["aliases"], list) for row in rows.values())

@@ -60,12 +60,13 @@ class Registry:
         return self.models[alias] if alias else None
 
     def suggestions(self, name: str) -> list[str]:
-        """Return the aliases closest to a mistyped name."""
+        """Return the known names (as models.toml spells them) closest to a mistyped one."""
         wanted = name_key(name)
-        close = difflib.get_close_matches(wanted, list(self.names), n=6, cutoff=0.6)
+        spelled = {name_key(n): n for alias, spec in self.models.items() for n in (alias, *spec.aliases)}
+        close = difflib.get_close_matches(wanted, list(spelled), n=3, cutoff=0.6)
         if not close:
-            close = [n for n in self.names if n.startswith(wanted) or wanted.startswith(n)]
-        return list(dict.fromkeys(self.names[n] for n in close))[:3]
+            close = [k for k in spelled if k.startswith(wanted) or wanted.startswith(k)][:3]
+        return [spelled[k] for k in close]
 
 
 def load(user_toml: Path | None = None) -> Registry:
