@@ -96,7 +96,7 @@ def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
 
 
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
-    for name in ("ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "DRAFT", "ALSO"):
+    for name in ("ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "ALSO KNOWN AS", "DRAFT"):
         table.add_column(name, no_wrap=True, justify="right" if name == "SIZE" else "left")
     unverified = False
     for row in rows:
@@ -104,7 +104,7 @@ def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
         unverified |= not row.verified
         table.add_row(
             row.alias + mark, row.family or "-", row.params or "-", row.quant or "-",
-            human_size(row.size), "yes" if row.present else "", row.draft or "-", ", ".join(row.aliases),
+            human_size(row.size), "yes" if row.present else "", ", ".join(row.aliases), row.draft or "-",
         )
     out_console().print(table)
     if unverified:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from specrun import engine
 from specrun.core.tree import MAX_LEAVES, DraftTree
 from specrun.decoding.speculative import keep_tree_path
-from specrun.errors import ModelFileError
+from specrun.errors import ContextFullError, ModelFileError
 
 PREFIX = "The history of the printing press begins"
 TOLERANCE = 1e-3
@@ -318,7 +318,7 @@ def test_context_full_is_reported(offline_models, load_model):
             batch.set_sequence(list(range(100 + start, 164 + start)), start, 0, "none")
             ctx.decode(batch)
         batch.set_sequence([5], ctx.n_ctx, 0, "last")
-        with pytest.raises(engine.ContextFullError, match="no room"):
+        with pytest.raises(ContextFullError, match="no room"):
             ctx.decode(batch)
 
 

@@ -148,9 +148,11 @@ def test_greedy_output_equals_plain_decoding(kind, target, draft, contexts, prom
 def test_greedy_long_generation_with_adaptation(kind, target, draft, contexts, prompts, references):
     """320+ tokens with the online adaptation on: matches span the prompt and generated text."""
     spec = lookup_decoder(target, contexts, 64, adapt=True) if kind == "lookup" else hybrid_decoder(target, draft, contexts, 32, adapt=True)
-    prompt = prompts["copy"][0]
+    # Raw text (no chat turn to end): the model writes on for all LONG_TOKENS tokens.
+    prompt = target.tokenize(f"{FUNCTION}\n\n{FUNCTION}\n\ndef", add_special=True, parse_special=False)
     ref = references(prompt, LONG_TOKENS)
     out = token_ids(spec, prompt, GREEDY, LONG_TOKENS)
+    assert len(out) >= 300, f"the generation ended after {len(out)} tokens"
     check_divergences([d for d in [compare(ref, out, LONG_TOKENS, f"long {kind}")] if d], 1, f"long {kind}")
     lookup, drafted = lookup_share(spec.stats)
     print(f"\nlong {kind}: {len(out)} tokens, {spec.stats.as_dict()}")
