@@ -80,7 +80,7 @@ class SpeculativeDecoder:
             stats.steps.append(step)
             stats.n_generated += len(step.tokens)
             stats.decode_s += step.total_s
-            self._observe(step)
+            self._observe(step, first=len(stats.steps) == 1)
             yield step
             if step.tokens[-1] in self.eog:
                 stats.finish_reason = "eog"
@@ -88,11 +88,13 @@ class SpeculativeDecoder:
             pending = step.tokens[-1]
         stats.finish_reason = "length"
 
-    def _observe(self, step: Step) -> None:
+    def _observe(self, step: Step, first: bool) -> None:
         """Let an adapting drafter and the speed guard see the step's measurements."""
         if self._observe_drafter is not None:
             self._observe_drafter(step)
-        if self.guard is not None:
+        # A generation's first step also brings the draft model up to the prompt (its prefill):
+        # a one-off, like the target's prefill, not what a step costs.
+        if self.guard is not None and not first:
             self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
             for event in self.guard.events[self._guard_said :]:
                 # Said once with --verbose; what follows (retries, further shrinking) at debug level.
