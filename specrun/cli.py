@@ -381,9 +381,9 @@ def tune(
         try:
             from specrun.commands import tune as tune_command
         except ModuleNotFoundError as e:
-            if e.name != "specrun.tuning":
+            if e.name not in ("specrun.tuning", "specrun.commands.tune"):
                 raise
-            raise SpecrunError("`specrun tune` is not available in this build (the specrun.tuning module is missing)") from None
+            raise SpecrunError(f"`specrun tune` is not available in this build (the {e.name} module is missing)") from None
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup)
         tune_command.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
 

@@ -362,6 +362,7 @@ def test_tune_without_the_tuning_module_says_so(cli, monkeypatch):
     import specrun
 
     monkeypatch.setitem(sys.modules, "specrun.tuning", None)
+    monkeypatch.setitem(sys.modules, "specrun.commands.tune", None)  # may be imported by an earlier test
     monkeypatch.delattr(specrun, "tuning", raising=False)
     result = cli("tune", "--quick")
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from specrun import engine
 from specrun.core.tree import MAX_LEAVES, DraftTree
 from specrun.decoding.speculative import keep_tree_path
-from specrun.errors import ContextFullError, ModelFileError
+from specrun.errors import ContextFullError, EngineError, ModelFileError
 
 PREFIX = "The history of the printing press begins"
 TOLERANCE = 1e-3
@@ -329,5 +329,5 @@ def test_owners_close_once_and_in_order(offline_models):
     assert ctx._ptr is None
     model.close()
     ctx.close()
-    with pytest.raises(engine.EngineError):
+    with pytest.raises(EngineError):
         _ = model.n_layer

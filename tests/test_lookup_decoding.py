@@ -156,7 +156,9 @@ def test_greedy_long_generation_with_adaptation(kind, target, draft, contexts, p
     check_divergences([d for d in [compare(ref, out, LONG_TOKENS, f"long {kind}")] if d], 1, f"long {kind}")
     lookup, drafted = lookup_share(spec.stats)
     print(f"\nlong {kind}: {len(out)} tokens, {spec.stats.as_dict()}")
-    assert lookup > 0
+    # Lookup alone must find the pasted function; the hybrid's adaptation may leave a confident
+    # draft model to do all of it (it weighs measured costs), but it must speculate.
+    assert lookup > 0 if kind == "lookup" else lookup + drafted > len(out) // 2
 
 
 # ------------------------------------------------------------------------------------------------

@@ -489,7 +489,7 @@ def test_unexpected_error_is_a_json_500():
     from specrun.server.worker import ModelInfo
 
     worker = _BrokenWorker()
-    worker.model = ModelInfo(TARGET, None, CTX, None)
+    worker.model = ModelInfo(TARGET, None, "none", CTX, None)
     with TestClient(create_app(worker, ServerSettings()), raise_server_exceptions=False) as http:
         response = http.post("/v1/chat/completions", json=_chat_body())
         assert response.status_code == 500
