@@ -364,6 +364,9 @@ def test_tune_without_the_tuning_module_says_so(cli, monkeypatch):
     monkeypatch.setitem(sys.modules, "specrun.tuning", None)
     monkeypatch.setitem(sys.modules, "specrun.commands.tune", None)  # may be imported by an earlier test
     monkeypatch.delattr(specrun, "tuning", raising=False)
+    import specrun.commands
+
+    monkeypatch.delattr(specrun.commands, "tune", raising=False)
     result = cli("tune", "--quick")
 
     assert result.exit_code == 1
