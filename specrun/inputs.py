@@ -43,8 +43,3 @@ def read_stdin(where: str = "stdin") -> str:
     if buffer is None:  # a text-only stream (tests, embedding): already decoded
         return check_utf8(sys.stdin.read(), where)
     return decode_utf8(buffer.read(), where)
-
-
-def stdin_bytes():
-    """Return stdin as a binary stream when it has one, else None."""
-    return getattr(sys.stdin, "buffer", None)

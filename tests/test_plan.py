@@ -63,7 +63,7 @@ def test_the_loaded_context_has_the_planned_ubatch_and_placement(offline_models,
             assert rt.draft_ctx.n_ubatch == plan.draft_ctx.n_ubatch
     # The GPU layers were planned for exactly the context that was loaded.
     sizes = placement.model_size(offline_models.smollm2_f32), placement.model_size(offline_models.smollm2_q4)
-    gpus = [placement.offload.Device(d.name, d.free_bytes, d.total_bytes) for d in FAKE_GPU]
+    gpus = placement.gpus_of(FAKE_GPU)
     again = placement.plan(sizes[0], sizes[1] if plan.tree else None, gpus, opts.ctx_size, rt.target_ctx.n_ubatch,
                            ram_free_bytes=16 * GB)
     assert plan.placement == again

@@ -153,10 +153,6 @@ def _lookup_plan(shape) -> TreePlan:
     return TreePlan(shape, None, "flags", lookup=shape, draft_model=False)
 
 
-# The four ways a workload row decodes, in the order of the first prompt.
-MODES = ("plain", "draft tree", "lookup", "hybrid")
-
-
 def bench_workloads(opts: RunOptions, workload: str, prompts_file: Path | None, max_tokens: int, as_json: bool) -> list[dict]:
     """Per workload: plain, the draft model's tree, lookup and hybrid on the same prompts, the
     modes alternating prompt by prompt; print one row per workload and mode."""
@@ -189,7 +185,8 @@ def bench_workloads(opts: RunOptions, workload: str, prompts_file: Path | None, 
 
 
 def _mode_trees(plan) -> dict[str, TreePlan | None]:
-    """Return each mode's tree (the modes this plan can run: no draft model, no draft rows)."""
+    """Return each mode's tree in the order a workload row decodes them (plain, draft tree,
+    lookup, hybrid; without a draft model, no draft rows)."""
     trees: dict[str, TreePlan | None] = {"plain": None}
     lookup = _lookup_plan(LOOKUP_SHAPE) if plan.tree is None or plan.tree.draft_model else plan.tree
     if plan.draft_loaded:

@@ -68,6 +68,11 @@ def _meta_int(model, key: str, default: int) -> int:
 
 
 
+def gpus_of(devices) -> tuple[offload.Device, ...]:
+    """Return the planner's view of the GPUs among llama.cpp's devices (engine.DeviceInfo-like)."""
+    return tuple(offload.Device(d.name, d.free_bytes, d.total_bytes) for d in devices if d.kind in GPU_KINDS)
+
+
 def plan(
     target: offload.ModelSize,
     draft: offload.ModelSize | None,
@@ -115,7 +120,7 @@ def gpu_layers(
     """Return (target n_gpu_layers, draft n_gpu_layers) for these files on these devices."""
     if devices is None:
         devices = engine.list_devices()
-    gpus = [offload.Device(d.name, d.free_bytes, d.total_bytes) for d in devices if d.kind in GPU_KINDS]
+    gpus = gpus_of(devices)
     if not gpus:
         return (override or 0), 0
     placed = plan(model_size(target_path), model_size(draft_path) if draft_path else None, gpus, n_ctx, n_ubatch,

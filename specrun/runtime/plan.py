@@ -280,7 +280,7 @@ def build_plan(
         target_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1)
     if devices is None:
         devices = engine.list_devices()
-    gpus = tuple(offload.Device(d.name, d.free_bytes, d.total_bytes) for d in devices if d.kind in placement.GPU_KINDS)
+    gpus = placement.gpus_of(devices)
     draft_path = files.draft_path if tree is not None and tree.draft_model else None
     if not gpus and sizes is None and not detailed:
         placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes)
