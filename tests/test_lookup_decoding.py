@@ -17,7 +17,7 @@ from test_speculative import (
     chat_prompt,
     check_divergences,
     compare,
-    first_three,
+    first_tokens,
     plain_reference,
 )
 
@@ -236,7 +236,7 @@ def tiny(offline_models, load_model):
 
 @pytest.mark.parametrize("kind", ["lookup", "hybrid"])
 def test_sampled_tokens_have_plain_distribution(kind, tiny, contexts):
-    """Chi-square on the first 3 sampled tokens, with the tiny random model as target (and draft).
+    """Chi-square on the first 4 sampled tokens (the first from the prefill, then trees), with the tiny random model as target (and draft).
 
     The drafter lives through all runs: its session index holds every earlier sample, so its
     trees branch into the continuations sampled so far -- many branches, often accepted.
@@ -254,10 +254,10 @@ def test_sampled_tokens_have_plain_distribution(kind, tiny, contexts):
     spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64), drafter, shape)
     prompt = chat_prompt(tiny, "Hi")
     plain_rng, spec_rng = make_rng(1), make_rng(2)
-    plain_samples = [first_three(plain, prompt, params, plain_rng) for _ in range(SAMPLES)]
+    plain_samples = [first_tokens(plain, prompt, params, plain_rng) for _ in range(SAMPLES)]
     spec_samples, from_lookup, from_draft = [], 0, 0
     for _ in range(SAMPLES):
-        spec_samples.append(first_three(spec, prompt, params, spec_rng))
+        spec_samples.append(first_tokens(spec, prompt, params, spec_rng))
         lookup, drafted = lookup_share(spec.stats)
         from_lookup, from_draft = from_lookup + lookup, from_draft + drafted
     table = binned(plain_samples, spec_samples)

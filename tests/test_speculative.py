@@ -330,8 +330,8 @@ SAMPLING_SHAPE = TreeShape(budget=6, depth=2, width=2, top_k=3)
 MIN_BIN = 10  # outcomes seen fewer times (both runs together) share a bin with their prefix
 
 
-def first_three(decoder, prompt, params, rng) -> tuple[int, ...]:
-    return tuple(t for step in decoder.steps(prompt, params, 3, rng) for t in step.tokens)
+def first_tokens(decoder, prompt, params, rng) -> tuple[int, ...]:
+    return tuple(t for step in decoder.steps(prompt, params, 4, rng) for t in step.tokens)
 
 
 def binned(samples_a: list[tuple], samples_b: list[tuple]) -> np.ndarray:
@@ -373,19 +373,20 @@ def tiny_pair(offline_models, load_model, contexts):
     ids=["temperature-1", "top-k-top-p"],
 )
 def test_sampled_first_tokens_have_plain_distribution(params, tiny_pair):
-    """Chi-square: the first 3 sampled tokens follow the same distribution as plain sampling."""
+    """Chi-square: the first 4 sampled tokens follow the same distribution as plain sampling (the
+    first comes from the prefill, the others through trees)."""
     from scipy.stats import chi2_contingency
 
     model, plain, spec = tiny_pair
     prompt = chat_prompt(model, SAMPLING_PROMPT)
     t0 = time.perf_counter()
     plain_rng = make_rng(1)
-    plain_samples = [first_three(plain, prompt, params, plain_rng) for _ in range(SAMPLES)]
+    plain_samples = [first_tokens(plain, prompt, params, plain_rng) for _ in range(SAMPLES)]
     t1 = time.perf_counter()
     spec_rng = make_rng(2)
     spec_samples, accepted = [], 0
     for _ in range(SAMPLES):
-        spec_samples.append(first_three(spec, prompt, params, spec_rng))
+        spec_samples.append(first_tokens(spec, prompt, params, spec_rng))
         accepted += sum(len(s.tokens) - 1 for s in spec.stats.steps)
     t2 = time.perf_counter()
     table = binned(plain_samples, spec_samples)
@@ -660,8 +661,8 @@ def test_kv_caches_hold_exactly_the_committed_tokens(target, spec_decoders, prom
     draft_decode = grower.ctx.decode
     monkeypatch.setattr(grower.ctx, "decode", lambda batch: (draft_batches.append(batch.n_tokens), draft_decode(batch))[1])
     out2 = token_ids(spec, follow, GREEDY, 16)
-    assert spec.stats.n_prefilled == len(follow) - 1 - len(committed)
-    assert draft_batches[0] == len(follow) - len(drafted)  # the draft's catch-up: new tokens + root
+    assert spec.stats.n_prefilled == len(follow) - len(committed)  # the first token comes from the prefill
+    assert draft_batches[0] == len(follow) + 1 - len(drafted)  # the draft's catch-up: new tokens + root
     check_divergences([d for d in [compare(references(follow, 16), out2, 16, "follow-up turn")] if d], 1, "follow-up turn")
 
 
@@ -673,8 +674,10 @@ def test_step_stats_describe_each_pass(spec_decoders, prompts):
     stats = spec.stats
     assert stats.n_generated == len(out) == sum(len(s.tokens) for s in stats.steps)
     with_tree = [s for s in stats.steps if s.tree_nodes]
-    assert len(with_tree) >= len(stats.steps) - 1
-    for s in stats.steps:
+    assert len(with_tree) >= len(stats.steps) - 2
+    first = stats.steps[0]  # the first token comes from the prompt's prefill: no pass of its own
+    assert len(first.tokens) == 1 and first.tree_nodes == 0 and first.target_s == 0
+    for s in stats.steps[1:]:
         assert 1 <= len(s.tokens) <= s.tree_depth + 1
         assert s.target_s > 0 and s.total_s >= s.target_s + s.draft_s and s.overhead_s >= 0
     for s in with_tree:

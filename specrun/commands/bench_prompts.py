@@ -55,12 +55,13 @@ CHAT = [
     "List five tips for staying productive when working from home.",
     "What are the main differences between TCP and UDP?",
 ]
-# A pasted function rewritten with a small change, the whole function in the answer.
+# A pasted function (fenced, as chat users paste code) rewritten with a small change, the whole
+# function in the answer.
 CODE = [
-    f"Add type hints to this function. Output the whole function.\n\n{FUNCTION}",
-    f"Rename the variable `total` to `running_sum` in this code and output all of it.\n\n{FUNCTION}",
-    f"Make this function also skip lines that start with ';'. Output the whole function.\n\n{_PARSER}",
-    f"Add a docstring example to this function and output the whole function.\n\n{_PARSER}",
+    f"Add type hints to this Python function and reply with the complete updated function.\n\n```python\n{FUNCTION}```",
+    f"Rename the variable `total` to `running_sum` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
+    f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with ';'. Show the full updated function.",
+    f"```python\n{_PARSER}```\n\nAdd a docstring example to the function above. Output the whole function.",
 ]
 # A pasted text copied with small changes, or sentences extracted verbatim.
 REWRITE = [

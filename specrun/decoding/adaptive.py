@@ -26,9 +26,24 @@ BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 
 # Recent steps count most (half weight after this many): a session alternates long copies and
 # free-form text, and the choice should follow within a few dozen tokens.
 HALF_LIFE = 24
+# Per kind of lookup proposal (HindsightByKind) a kind's steps are fewer and what they mean
+# changes with the text (a copy, then free text): its memory is shorter.
+KIND_HALF_LIFE = 8
 # Before this run has measured a multi-token pass: each extra verified token costs this fraction
 # of a one-token pass (the CPU demo pair measures 0.06-0.11; a GPU far less).
 PRIOR_TOKEN_COST = 0.1
+# A lookup proposal found by an n-gram this long or longer is "strong" (HindsightByKind).
+STRONG_ORDER = 3
+# Steps of "nothing accepted" each kind starts from (Hindsight.doubt): a proposal made while the
+# text follows an earlier one is credible sooner than one after a chance match.
+DOUBT, RUN_DOUBT = 8.0, 2.0
+LONG_RUN = 6
+# The most tokens a walk still matching is expected to match on (Hindsight.expected_more).
+MAX_MORE = 64.0
+# ... and at most this many times what it has matched so far.
+RAMP = 2.0
+# A lookup tree must be expected this much faster than a plain step to be verified.
+MARGIN = 0.05
 
 
 def _decay(half_life: float) -> float:
@@ -42,10 +57,12 @@ class Average:
         self.keep = _decay(half_life)
         self.sum = np.zeros(shape)
         self.weight = 0.0
+        self.count = 0
 
     def add(self, value) -> None:
         self.sum = self.keep * self.sum + np.asarray(value, np.float64)
         self.weight = self.keep * self.weight + 1.0
+        self.count += 1
 
     @property
     def known(self) -> bool:
@@ -67,6 +84,8 @@ class _Watch:
         self.base_len = len(base) if base is not None else 0
         self.base_depth = 0
         self.ranks: list[int] = []
+        self.fed = 0  # tokens fed so far
+        self.missed = False  # the tree's walk ended at a token it did not hold
         if self.node is not None:
             order = np.argsort(-tree.logps[1:], kind="stable")
             self.rank = np.empty(len(tree), np.int64)
@@ -85,8 +104,10 @@ class _Watch:
         return tree_end and base_end
 
     def feed(self, token: int) -> None:
+        self.fed += 1
         if self.node is not None:
             child = self.tree.find_child(self.node, token)
+            self.missed = child is None  # (a walk that reached a leaf ends without a miss)
             self.node = child
             if child is not None:
                 self.ranks.append(int(self.rank[child]))
@@ -97,10 +118,15 @@ class _Watch:
             self.base_node = child
             self.base_depth += child is not None
 
-    def accepted(self, budgets: np.ndarray) -> np.ndarray:
+    def accepted(self, budgets: np.ndarray, more: float = 0.0) -> np.ndarray:
         """Tokens accepted at each budget: ranks rise along a path (a child scores below its
-        parent), so a cut to budget B keeps exactly the path nodes ranked <= B."""
-        depth = np.searchsorted(np.array(self.ranks, np.int64), budgets, side="right")
+        parent), so a cut to budget B keeps exactly the path nodes ranked <= B. `more`: tokens
+        expected to match after those matched so far (for a walk still going), taken to be the
+        next-ranked nodes."""
+        depth = np.searchsorted(np.array(self.ranks, np.int64), budgets, side="right").astype(np.float64)
+        if more and self.node is not None:
+            last = self.ranks[-1] if self.ranks else 0
+            depth += np.clip(budgets - last, 0, more)
         return np.maximum(depth, self.base_depth)
 
 
@@ -113,11 +139,15 @@ class Hindsight:
     accepted depth is the deeper of the two walks, and `nodes` counts base + grafted nodes.
     """
 
-    def __init__(self, max_budget: int, half_life: float = HALF_LIFE):
+    def __init__(self, max_budget: int, half_life: float = HALF_LIFE, doubt: float = 0.0):
         budgets = sorted({b for b in BUDGETS if b < max_budget} | {max_budget})
         self.budgets = np.array(budgets, np.int64)
+        # Steps of "nothing accepted" assumed before any was watched: a lucky first proposal or
+        # two must not make every later one look good (each weighs as one step, then fades).
+        self.doubt = doubt
         self._accepted = Average(half_life, len(budgets))
         self._nodes = Average(half_life, len(budgets))
+        self._walks = Average(half_life, 2)  # [tokens matched, walk ended by a miss] per proposal
         self._open: list[_Watch] = []
 
     def watch(self, tree: DraftTree | None, base: DraftTree | None = None, new_by_rank: np.ndarray | None = None) -> None:
@@ -138,11 +168,19 @@ class Hindsight:
         for token in tokens:
             if not self._open:
                 return
-            for watch in self._open:
-                watch.feed(int(token))
-            for watch in [w for w in self._open if w.done or w.at_leaf]:
-                self._finish(watch)
-                self._open.remove(watch)
+            self.feed_one(int(token))
+
+    def feed_one(self, token: int) -> bool:
+        """Take one emitted token; return whether a proposal being followed held it."""
+        held = False
+        for watch in self._open:
+            depth = len(watch.ranks)
+            watch.feed(token)
+            held |= len(watch.ranks) > depth
+        for watch in [w for w in self._open if w.done or w.at_leaf]:
+            self._finish(watch)
+            self._open.remove(watch)
+        return held
 
     def forget_open(self) -> None:
         """Drop proposals still being followed (the text was replaced: they will never finish)."""
@@ -151,15 +189,27 @@ class Hindsight:
     def _finish(self, watch: _Watch) -> None:
         self._accepted.add(watch.accepted(self.budgets))
         self._nodes.add(watch.nodes)
+        self._walks.add([len(watch.ranks), float(watch.missed)])
+
+    def expected_more(self) -> float:
+        """Tokens a walk that is still matching is expected to match on: with each token matching
+        with probability p, p / (1 - p), p estimated from the tokens matched and the misses of
+        the proposals watched (those still going count what they matched; `doubt` adds misses)."""
+        matched, misses = self._walks.sum if self._walks.known else (0.0, 0.0)
+        for watch in self._open:
+            matched += len(watch.ranks)
+        misses += self.doubt * self._walks.keep ** self._walks.count
+        return float(min(MAX_MORE, matched / misses)) if misses > 0 else float(MAX_MORE)
 
     @property
     def known(self) -> bool:
-        return self._accepted.known
+        """Whether any proposal was watched (finished, or still followed: a lower bound)."""
+        return self._accepted.known or bool(self._open)
 
-    @property
-    def matching(self) -> bool:
-        """Whether a proposal still being followed has matched a token already (text repeating now)."""
-        return any(w.ranks or w.base_depth for w in self._open)
+    def matching(self, tokens: int = 1) -> bool:
+        """Whether a proposal still being followed has matched `tokens` tokens already (text
+        repeating now)."""
+        return any(max(len(w.ranks), w.base_depth) >= tokens for w in self._open)
 
     def accepted(self) -> np.ndarray:
         """Mean tokens accepted per step, per budget (the bonus token not counted).
@@ -167,40 +217,96 @@ class Hindsight:
         Proposals still being followed count with what they matched so far (a lower bound), as
         the newest steps: a copy that just began shows at once, not only once it ends.
         """
-        return self._with_open(self._accepted, lambda w: w.accepted(self.budgets))
+        # Trusted only as far as a walk has shown itself: one matched token may be chance.
+        more = self.expected_more()
+        return self._with_open(self._accepted, lambda w: w.accepted(self.budgets, min(more, RAMP * len(w.ranks))), self.doubt)
 
     def nodes(self) -> np.ndarray:
         """Mean nodes verified per step, per budget."""
         return self._with_open(self._nodes, lambda w: w.nodes)
 
-    def _with_open(self, average: Average, value) -> np.ndarray:
+    def _with_open(self, average: Average, value, doubt: float = 0.0) -> np.ndarray:
         total, weight = average.sum, average.weight
         for watch in self._open:
+            if watch.fed == 0:
+                continue  # made this step: nothing known about it yet
             total = average.keep * total + value(watch)
             weight = average.keep * weight + 1.0
+        # The doubt steps came first: they fade as real steps follow.
+        weight += doubt * average.keep ** (average.count + sum(w.fed > 0 for w in self._open))
         return total / weight if weight else total
 
-    def best(self, step_seconds: Callable[[np.ndarray], np.ndarray]) -> tuple[int, float]:
+    def best(self, step_seconds: Callable[[np.ndarray], np.ndarray], margin: float = 0.0) -> tuple[int, float]:
         """Return (budget, tokens/s) with the most tokens per second, given the seconds of a step
-        that verifies n nodes: `step_seconds(n)` (vectorised)."""
+        that verifies n nodes: `step_seconds(n)` (vectorised). A tree must beat no tree (budget
+        0) by `margin`: a bet that only breaks even on estimates loses to their noise."""
         rates = (self.accepted() + 1.0) / step_seconds(self.nodes())
         i = int(np.argmax(rates))
+        if i and rates[i] < rates[0] * (1.0 + margin):
+            i = 0
         return int(self.budgets[i]), float(rates[i])
+
+
+class HindsightByKind:
+    """A Hindsight per kind of proposal: how a proposal was found says much about its chances.
+
+    A kind is (run, strong). `run` says how long the emitted text has been following earlier
+    proposals (every latest token held by one): 0 (not, or for one token, which may be chance),
+    1 (a few tokens) or 2 (LONG_RUN tokens or more). `strong`:
+    the proposal's longest n-gram match has at least STRONG_ORDER tokens. Mid-copy, proposals
+    are accepted for long stretches; in free text, a match on the last token or two rarely is.
+    """
+
+    def __init__(self, max_budget: int, half_life: float = KIND_HALF_LIFE):
+        self.kinds = {
+            (run, strong): Hindsight(max_budget, half_life, doubt=RUN_DOUBT if run else DOUBT)
+            for run in (0, 1, 2)
+            for strong in (False, True)
+        }
+        self.streak = 0  # the latest emitted tokens that some proposal held, in a row
+
+    def __getitem__(self, kind: tuple[int, bool]) -> Hindsight:
+        return self.kinds[kind]
+
+    def kind(self, order: int) -> tuple[int, bool]:
+        """The kind of a proposal made now, whose longest n-gram match has `order` tokens."""
+        run = 2 if self.run(LONG_RUN) else 1 if self.run(2) else 0
+        return run, order >= STRONG_ORDER
+
+    def run(self, tokens: int = 2) -> bool:
+        """Whether the text has followed earlier proposals for the last `tokens` tokens at least
+        (across proposals: one that ended at its deepest node hands over to the next)."""
+        return self.streak >= tokens
+
+    def feed(self, tokens) -> None:
+        for token in tokens:
+            held = [hindsight.feed_one(int(token)) for hindsight in self.kinds.values()]
+            self.streak = self.streak + 1 if any(held) else 0
+
+    def forget_open(self) -> None:
+        self.streak = 0
+        for hindsight in self.kinds.values():
+            hindsight.forget_open()
 
 
 class TargetCost:
     """Seconds of one target pass over n tokens on this machine, as measured so far.
 
-    With the tuning profile's curve, the curve scaled by the measured/profiled ratio; without
-    one, a line t(n) = base + per_token * (n - 1): base from one-token passes, per_token from the
-    others (PRIOR_TOKEN_COST * base until one was measured).
+    With the tuning profile's curve, the curve scaled by the measured/profiled ratio. Without one,
+    two pieces: one-token passes (their mean), and a line fitted to the passes over more tokens
+    (recent ones weigh most). On a CPU the first extra token costs far more than each one after
+    it (the batched kernels take over), so the line is not forced through the one-token figure;
+    while every multi-token pass so far had the same size, the line runs from the one-token
+    figure to theirs. Before any multi-token pass, each extra token costs PRIOR_TOKEN_COST of a
+    one-token pass.
     """
 
     def __init__(self, curve: Callable[[np.ndarray], np.ndarray] | None = None, half_life: float = 4 * HALF_LIFE):
         self.curve = curve
         self._ratio = Average(half_life)
         self._base = Average(half_life)
-        self._per_token = Average(half_life)
+        # Weighted sums for the line over x = n - 1: [1, x, x*x, seconds, seconds*x].
+        self._fit = Average(half_life, 5)
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         if n_tokens < 1 or seconds <= 0:
@@ -209,12 +315,13 @@ class TargetCost:
             self._ratio.add(seconds / float(self.curve(np.array([n_tokens]))[0]))
         if n_tokens == 1:
             self._base.add(seconds)
-        elif self._base.known:
-            self._per_token.add(max(0.0, seconds - self._base.mean) / (n_tokens - 1))
+        else:
+            x = n_tokens - 1
+            self._fit.add([1.0, x, x * x, seconds, seconds * x])
 
     @property
     def known(self) -> bool:
-        return self._ratio.known or self._base.known or self._per_token.known
+        return self._ratio.known or self._base.known or self._fit.known
 
     def plain_s(self) -> float | None:
         """Seconds of a one-token pass, or None when nothing was measured or profiled."""
@@ -228,8 +335,21 @@ class TargetCost:
             ratio = self._ratio.mean if self._ratio.known else 1.0
             return self.curve(n) * ratio
         base = float(self._base.mean) if self._base.known else 1.0
-        per_token = float(self._per_token.mean) if self._per_token.known else PRIOR_TOKEN_COST * base
-        return base + per_token * (n - 1)
+        intercept, slope = self._line(base)
+        return np.where(n <= 1, base, np.maximum(base, intercept + slope * (n - 1)))
+
+    def _line(self, base: float) -> tuple[float, float]:
+        """Return (intercept, seconds per extra token) of passes over more than one token."""
+        if not self._fit.known:
+            return base, PRIOR_TOKEN_COST * base
+        w, sx, sxx, sy, sxy = (float(v) for v in self._fit.sum)
+        spread = w * sxx - sx * sx
+        if spread > 1e-9 * w * w:  # passes of different sizes: fit the line
+            slope = max(0.0, (w * sxy - sx * sy) / spread)
+            return (sy - slope * sx) / w, slope
+        # One size so far: from the one-token figure to theirs.
+        slope = max(0.0, (sy / w - base) / (sx / w))
+        return base, slope
 
 
 class SpeedGuard:

@@ -94,6 +94,7 @@ class LookupIndex:
         self._live = np.empty(_MIN_CAPACITY, np.int32)  # the caller's current sequence
         self._n_live = 0
         self._live_at_end = True  # the history ends with the live sequence: appends continue it
+        self.last_order = 0  # the longest n-gram order the last proposal matched (0: none)
 
     def __len__(self) -> int:
         """Tokens of history kept (separators and context copies included)."""
@@ -164,12 +165,15 @@ class LookupIndex:
         falls along every path, so the tree keeps the `budget` best nodes (and at most
         `max_leaves` leaves), as `DraftTree.prune_to_best` would. None when nothing matched.
         """
+        self.last_order = 0
         if budget < 1 or depth < 1 or len(context) == 0:
             return None
         query = np.asarray(context[-self.orders[0] :], np.int64)
-        positions, weights = self._matches(query)
+        positions, orders = self._matches(query)
         if len(positions) == 0:
             return None
+        self.last_order = int(orders.max())
+        weights = ORDER_WEIGHT ** (orders - 1)
         rows, weights = self._continuations(positions, weights, depth)
         if len(rows) == 0:
             return None
@@ -179,7 +183,7 @@ class LookupIndex:
 
     def _matches(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return history positions where a suffix of `query` ended, newest first per order, and
-        their weights (by the longest order that matched there)."""
+        the longest order that matched at each."""
         found: dict[int, int] = {}
         hist, n_hist = self._hist, self._n
         for n in self.orders:
@@ -198,8 +202,7 @@ class LookupIndex:
                         found[position] = n
                 position = int(prev[position])
         positions = np.fromiter(found.keys(), np.int64, len(found))
-        orders = np.fromiter(found.values(), np.float64, len(found))
-        return positions, ORDER_WEIGHT ** (orders - 1)
+        return positions, np.fromiter(found.values(), np.float64, len(found))
 
     def _continuations(self, positions: np.ndarray, weights: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
         """Return the tokens that followed each position [m, depth] (-1 past the end) and their

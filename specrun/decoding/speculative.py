@@ -14,9 +14,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from specrun.core.sampling import SamplingParams
+from specrun.core.sampling import SamplingParams, choose_token
 from specrun.core.shapes import MAX_BUDGET, TreeShape
-from specrun.core.tree import DraftTree
 from specrun.core.verify import accept_path
 from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.base import Drafter, Proposal
@@ -41,6 +40,7 @@ class SpeculativeDecoder:
         self.shape = shape
         self.cache = CachedSequence(target_ctx, Batch(target_ctx.n_batch, 1))
         self.tree_batch = Batch(target_ctx.n_batch, MAX_SEQ)
+        self.one = Batch(1, 1)
         self.drafter = drafter
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
@@ -49,6 +49,7 @@ class SpeculativeDecoder:
         self.guard = guard
         self._guard_said = 0
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
+        self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
 
     def reset(self) -> None:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
@@ -57,8 +58,29 @@ class SpeculativeDecoder:
         self.drafter.reset()
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
+        yield from self._steps(prompt, params, max_tokens, rng)
+        # The generation ended (not interrupted): a drafter that learns from the session's text
+        # reads all of it, the last step's tokens included.
+        if self._learn is not None:
+            self._learn([*prompt, *(t for step in self.stats.steps for t in step.tokens)])
+
+    def _steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         self.stats = stats = GenerationStats(n_prompt=len(prompt))
-        pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt)
+        if max_tokens < 1:
+            stats.finish_reason = "length"
+            return
+        # The whole new part of the prompt goes in one batch and its last row gives the first
+        # token, as in plain decoding: no pass of its own for the first token.
+        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
+        t_start = time.perf_counter()
+        pending = choose_token(self.ctx.logits_row(-1), params, rng)
+        step = Step([pending], total_s=time.perf_counter() - t_start)
+        stats.steps.append(step)
+        stats.n_generated, stats.decode_s = 1, step.total_s
+        yield step
+        if pending in self.eog:
+            stats.finish_reason = "eog"
+            return
         cache, shape = self.cache, self.shape
         while stats.n_generated < max_tokens:
             room = cache.room()
@@ -80,7 +102,7 @@ class SpeculativeDecoder:
             stats.steps.append(step)
             stats.n_generated += len(step.tokens)
             stats.decode_s += step.total_s
-            self._observe(step, first=len(stats.steps) == 1)
+            self._observe(step, first=len(stats.steps) == 2)
             yield step
             if step.tokens[-1] in self.eog:
                 stats.finish_reason = "eog"
@@ -92,8 +114,8 @@ class SpeculativeDecoder:
         """Let an adapting drafter and the speed guard see the step's measurements."""
         if self._observe_drafter is not None:
             self._observe_drafter(step)
-        # A generation's first step also brings the draft model up to the prompt (its prefill):
-        # a one-off, like the target's prefill, not what a step costs.
+        # A generation's first drafted step also brings the draft model up to the prompt (its
+        # prefill): a one-off, like the target's prefill, not what a step costs.
         if self.guard is not None and not first:
             self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
             for event in self.guard.events[self._guard_said :]:
@@ -106,7 +128,9 @@ class SpeculativeDecoder:
 
         ctx, cache, batch = self.ctx, self.cache, self.tree_batch
         p0 = cache.n_cached
-        tree = proposal.tree if proposal else DraftTree(pending)
+        if proposal is None:
+            return self._plain_step(pending, params, rng)
+        tree = proposal.tree
         layout = tree.colour_batch()
         # Every colour must see the committed prefix: copy seq 0 into colours 1.. before the pass.
         for colour in range(1, layout.n_colours):
@@ -121,21 +145,30 @@ class SpeculativeDecoder:
         acceptance = accept_path(tree, ctx.logits(), params, rng, self.eog, max_tokens=remaining)
         keep_tree_path(ctx, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
-        if proposal:
-            self.drafter.commit(proposal, acceptance.nodes)
+        self.drafter.commit(proposal, acceptance.nodes)
         return Step(
             list(acceptance.tokens),
             target_s=target_s,
-            draft_s=proposal.draft_s if proposal else 0.0,
+            draft_s=proposal.draft_s,
             tree_nodes=len(tree) - 1,
             tree_depth=tree.max_depth,
             tree_leaves=layout.n_colours if len(tree) > 1 else 0,
-            draft_passes=proposal.draft_passes if proposal else 0,
-            path_ranks=proposal.path_ranks(acceptance.nodes) if proposal else (),
+            draft_passes=proposal.draft_passes,
+            path_ranks=proposal.path_ranks(acceptance.nodes),
             child_ranks=_child_ranks(tree, acceptance),
             accepted=len(acceptance.nodes) - 1,
-            lookup_tokens=proposal.lookup_tokens(acceptance.nodes) if proposal else 0,
+            lookup_tokens=proposal.lookup_tokens(acceptance.nodes),
         )
+
+    def _plain_step(self, pending: int, params: SamplingParams, rng) -> Step:
+        """A step without a tree: the root alone, as plain decoding does it (and no dearer)."""
+        cache = self.cache
+        self.one.set_arrays([pending], [cache.n_cached], [0], True)
+        t0 = time.perf_counter()
+        self.ctx.decode(self.one)
+        target_s = time.perf_counter() - t0
+        cache.tokens.append(pending)
+        return Step([choose_token(self.ctx.logits_row(-1), params, rng)], target_s=target_s)
 
 
 def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:

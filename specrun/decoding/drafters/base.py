@@ -51,4 +51,5 @@ class Drafter(Protocol):
         ...
 
     # Optional: `observe(step)`, called with every Step the decoder made (its timings and tree
-    # size), for drafters that adapt to what this run measures (lookup, hybrid).
+    # size), for drafters that adapt to what this run measures (lookup, hybrid); `learn(text)`,
+    # called with prompt + answer when a generation ends, for drafters that index the text.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from specrun.core.tree import MAX_LEAVES
-from specrun.decoding.adaptive import Average, Hindsight, TargetCost
+from specrun.decoding.adaptive import Average, Hindsight, HindsightByKind, TargetCost
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.drafters.lookup import SessionText, lookup_proposal
 from specrun.decoding.lookup_index import LookupIndex, cut, graft, new_by_rank
@@ -33,7 +33,7 @@ class HybridDrafter:
         self.text = SessionText(index, max_step=draft_budget + lookup_budget + 1)
         self.adapt = adapt
         self.with_draft = Hindsight(lookup_budget)  # lookup nodes grafted onto the draft tree
-        self.alone = Hindsight(lookup_budget)  # the lookup tree alone
+        self.alone = HindsightByKind(lookup_budget)  # the lookup tree alone, per kind of match
         self.cost = cost or TargetCost()
         self.draft_s = Average(24)  # draft-model seconds of a step that runs it
         self.step_s = Average(24)  # seconds of a step outside the target and draft passes
@@ -46,21 +46,30 @@ class HybridDrafter:
     def index(self) -> LookupIndex:
         return self.text.index
 
-    def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
+    def learn(self, text: Sequence[int]) -> None:
+        """Index a finished generation's text (prompt + answer) and finish watching its proposals."""
+        self._read(text[:-1], text[-1])
+
+    def _read(self, committed: Sequence[int], root: int) -> None:
         emitted = self.text.catch_up(committed, root)
         for hindsight in (self.with_draft, self.alone):
             if emitted is None:
                 hindsight.forget_open()
             else:
                 hindsight.feed(emitted)
+
+    def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
+        self._read(committed, root)
         lookup_budget = min(self.lookup_budget, budget)
         branches = self.index.propose(self.index.live, lookup_budget, depth) if lookup_budget else None
-        self.alone.watch(branches)
+        kind = self.alone.kind(self.index.last_order)
+        alone = self.alone[kind]
+        alone.watch(branches)
         self._lean_proposal = None
-        self.leaning = branches is not None and self._should_lean()
+        self.leaning = branches is not None and self._should_lean(alone, long_run=kind[0] == 2)
         if self.leaning:
             self._lean_steps += 1
-            self.chosen = self._best(self.alone, lookup_budget, draft_s=0.0)
+            self.chosen = self._best(alone, lookup_budget, draft_s=0.0)
             if self.chosen:
                 self._lean_proposal = lookup_proposal(cut(branches, self.chosen))
                 return self._lean_proposal
@@ -89,14 +98,16 @@ class HybridDrafter:
         best, _ = hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead)
         return min(best, budget)
 
-    def _should_lean(self) -> bool:
-        """Whether lookup alone has been measured faster than the draft tree with lookup."""
-        if not self.adapt or not (self.alone.known and self.with_draft.known):
+    def _should_lean(self, alone: Hindsight, long_run: bool) -> bool:
+        """Whether lookup alone has been measured faster than the draft tree with lookup, for
+        this kind of lookup proposal. Mid-copy the draft model rests: running it again would
+        first have to bring it up to all the text copied since it last ran."""
+        if not self.adapt or not (alone.known and self.with_draft.known):
             return False
-        if self._lean_steps >= _LEAN_REFRESH:
+        if self._lean_steps >= _LEAN_REFRESH and not long_run:
             return False
         step_s = float(self.step_s.mean) if self.step_s.known else 0.0
-        _, alone = self.alone.best(lambda nodes: self.cost(nodes + 1) + step_s)
+        _, alone = alone.best(lambda nodes: self.cost(nodes + 1) + step_s)
         _, hybrid = self.with_draft.best(lambda nodes: self.cost(nodes + 1) + step_s + float(self.draft_s.mean))
         return alone > hybrid
 

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specrun.decoding.adaptive import Average, Hindsight, TargetCost
+from specrun.decoding.adaptive import (
+    MARGIN,
+    Average,
+    Hindsight,
+    HindsightByKind,
+    TargetCost,
+)
 from specrun.decoding.drafters.base import Proposal
 from specrun.decoding.lookup_index import LookupIndex, cut
 
@@ -49,49 +55,61 @@ class SessionText:
 
 
 class LookupDrafter:
-    """Proposes lookup trees; adapts their size to measured acceptance and target cost."""
+    """Proposes lookup trees; adapts their size to measured acceptance and target cost.
+
+    Each kind of proposal (mid-copy or not, long n-gram match or short: HindsightByKind) gets the
+    budget its own measurements say pays, none until they show one does: watching a proposal costs
+    no target pass, so learning is free and a new session starts with plain steps.
+    """
 
     def __init__(self, max_budget: int, index: LookupIndex | None = None, cost: TargetCost | None = None, adapt: bool = True):
         self.text = SessionText(index, max_step=max_budget + 1)
         self.max_budget = max_budget
         self.adapt = adapt
-        self.hindsight = Hindsight(max_budget)
+        self.seen = HindsightByKind(max_budget)
         self.cost = cost or TargetCost()
         self.step_s = Average(24)  # seconds of a step outside the target pass (lookup, walk, KV)
-        self.chosen = max_budget  # the budget the last step chose
+        self.chosen = 0  # the budget the last step chose
         self._idle = 0
 
     @property
     def index(self) -> LookupIndex:
         return self.text.index
 
-    def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
+    def learn(self, text: Sequence[int]) -> None:
+        """Index a finished generation's text (prompt + answer) and finish watching its proposals."""
+        self._read(text[:-1], text[-1])
+
+    def _read(self, committed: Sequence[int], root: int) -> None:
         emitted = self.text.catch_up(committed, root)
         if emitted is None:
-            self.hindsight.forget_open()
+            self.seen.forget_open()
         else:
-            self.hindsight.feed(emitted)
+            self.seen.feed(emitted)
+
+    def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
+        self._read(committed, root)
         if not self.adapt:
             tree = self.index.propose(self.index.live, budget, depth)
             return lookup_proposal(tree) if tree is not None else None
-        if self.chosen == 0 and self.hindsight.known and not self.hindsight.matching:
+        run = self.seen.run()
+        if self.chosen == 0 and not run:
             self._idle += 1
             if self._idle % _IDLE_SAMPLE:
                 return None
         tree = self.index.propose(self.index.live, budget, depth)
-        self.hindsight.watch(tree)
-        self.chosen = self.best_budget(budget)
-        if tree is None or self.chosen == 0:
+        hindsight = self.seen[self.seen.kind(self.index.last_order)]
+        hindsight.watch(tree)
+        self.chosen = self.best_budget(hindsight, budget) if tree is not None else 0
+        if self.chosen == 0:
             return None
         self._idle = 0
         return lookup_proposal(cut(tree, self.chosen))
 
-    def best_budget(self, budget: int) -> int:
-        """The budget with the most tokens per second measured so far (all of it until measured)."""
-        if not self.hindsight.known:
-            return budget
+    def best_budget(self, hindsight: Hindsight, budget: int) -> int:
+        """The budget with the most tokens per second this kind of proposal has measured."""
         overhead = float(self.step_s.mean) if self.step_s.known else 0.0
-        best, _ = self.hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead)
+        best, _ = hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead, MARGIN)
         return min(best, budget)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
@@ -103,4 +121,4 @@ class LookupDrafter:
         self.step_s.add(max(0.0, step.total_s - step.target_s))
 
     def reset(self) -> None:
-        self.hindsight.forget_open()
+        self.seen.forget_open()
