@@ -334,9 +334,19 @@ class TargetCost:
         if self.curve is not None:
             ratio = self._ratio.mean if self._ratio.known else 1.0
             return self.curve(n) * ratio
-        base = float(self._base.mean) if self._base.known else 1.0
+        base = self._one_token_s()
         intercept, slope = self._line(base)
         return np.where(n <= 1, base, np.maximum(base, intercept + slope * (n - 1)))
+
+    def _one_token_s(self) -> float:
+        """Seconds of a one-token pass: measured, else the multi-token passes' mean taken back
+        to one token at the prior cost per extra token (1 s before anything was measured)."""
+        if self._base.known:
+            return float(self._base.mean)
+        if self._fit.known:
+            w, sx, _, sy, _ = (float(v) for v in self._fit.sum)
+            return (sy / w) / (1.0 + PRIOR_TOKEN_COST * sx / w)
+        return 1.0
 
     def _line(self, base: float) -> tuple[float, float]:
         """Return (intercept, seconds per extra token) of passes over more than one token."""

@@ -50,6 +50,7 @@ class SpeculativeDecoder:
         self._guard_said = 0
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
         self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
+        self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
 
     def reset(self) -> None:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
@@ -58,11 +59,14 @@ class SpeculativeDecoder:
         self.drafter.reset()
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
+        if self._start is not None:
+            self._start(len(prompt), max_tokens)
         yield from self._steps(prompt, params, max_tokens, rng)
         # The generation ended (not interrupted): a drafter that learns from the session's text
         # reads all of it, the last step's tokens included.
         if self._learn is not None:
-            self._learn([*prompt, *(t for step in self.stats.steps for t in step.tokens)])
+            text = [*prompt, *(t for step in self.stats.steps for t in step.tokens)]
+            self._learn(text, complete=self.stats.finish_reason == "eog")
 
     def _steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         self.stats = stats = GenerationStats(n_prompt=len(prompt))

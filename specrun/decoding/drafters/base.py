@@ -51,5 +51,7 @@ class Drafter(Protocol):
         ...
 
     # Optional: `observe(step)`, called with every Step the decoder made (its timings and tree
-    # size), for drafters that adapt to what this run measures (lookup, hybrid); `learn(text)`,
-    # called with prompt + answer when a generation ends, for drafters that index the text.
+    # size), for drafters that adapt to what this run measures (lookup, hybrid); `learn(text,
+    # complete)`, called with prompt + answer when a generation ends (complete: the model ended
+    # it, rather than a token limit), for drafters that index the text;
+    # `start(n_prompt, max_tokens)`, called when a generation begins.

@@ -23,6 +23,9 @@ from specrun.decoding.kv import CachedSequence
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
 
+# Cached tokens compared with the text before trusting the cache to hold a prefix of it.
+_DEBT_CHECK = 16
+
 
 @dataclass
 class GrownTree(Proposal):
@@ -62,10 +65,22 @@ class TreeGrower:
         self._free_seqs: list[int] = []
         self._used_seqs: list[int] = []
         self.p0 = 0
+        self.last_catch_up = (0, 0.0)  # (tokens, seconds) the last proposal's catch-up decoded
+
+    def debt(self, committed: Sequence[int], root: int) -> int:
+        """Return how many tokens the next proposal's catch-up would decode (the root included)."""
+        cached = self.cache.tokens
+        n = len(cached)
+        # Within an answer the cache holds a prefix of the text: its last tokens tell (cheaply).
+        if 0 < n <= len(committed) and cached[-_DEBT_CHECK:] == list(committed[max(0, n - _DEBT_CHECK) : n]):
+            return len(committed) + 1 - n
+        text = [*committed, root]
+        return len(text) - self.cache.reusable(text)
 
     def _catch_up(self, committed: Sequence[int], root: int) -> np.ndarray:
         """Make the draft cache hold committed + root; return the draft's logits after the root."""
-        self.cache.sync([*committed, root], include_last=True)
+        _, tokens, seconds = self.cache.sync([*committed, root], include_last=True)
+        self.last_catch_up = (tokens, seconds)
         return self.ctx.logits_row(-1)
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> GrownTree:

@@ -2,27 +2,44 @@
 
 Each step the lookup index proposes a tree from the session's text (decoding/lookup_index.py). Its best nodes
 are grafted onto the draft model's tree (as many as measured acceptance and the target's cost per
-extra verified token say pay, decoding/adaptive.py). When the text clearly repeats -- lookup alone has
-been measured faster than draft tree + lookup -- the step leans on lookup and skips the draft
-model's passes, running it again every few steps to keep measuring it.
+extra verified token say pay, decoding/adaptive.py). When the text clearly repeats -- lookup alone is
+expected faster than draft tree + lookup, the draft model's catch-up with the text it has not read
+counted -- the step leans on lookup and skips the draft model's passes, running it again every few
+steps (when catching up is cheap) to keep measuring it.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from specrun.core.tree import MAX_LEAVES
-from specrun.decoding.adaptive import Average, Hindsight, HindsightByKind, TargetCost
+from specrun.decoding.adaptive import (
+    MARGIN,
+    Average,
+    Hindsight,
+    HindsightByKind,
+    TargetCost,
+)
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.drafters.lookup import SessionText, lookup_proposal
 from specrun.decoding.lookup_index import LookupIndex, cut, graft, new_by_rank
 
-# Steps leaning on lookup alone before the draft model runs again (to measure it again).
+# Steps leaning on lookup alone before the draft model runs again (to measure it again), when
+# bringing it up costs no more than catching up this many tokens.
 _LEAN_REFRESH = 8
+_REFRESH_DEBT = 16
+# An answer that has outlived the session's typical length is expected to go on at least this long.
+_MIN_AHEAD = 16
 
 
 class HybridDrafter:
-    """The draft model's tree plus lookup branches; leans on lookup while the text repeats."""
+    """The draft model's tree plus lookup branches; leans on lookup while the text repeats.
+
+    `draft` is a draft-model drafter (best_first.TreeGrower or a subclass): it says how far its
+    cache is behind (`debt`) and what its last catch-up cost (`last_catch_up`).
+    """
 
     def __init__(self, draft: Drafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
                  cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None):
@@ -35,20 +52,31 @@ class HybridDrafter:
         self.with_draft = Hindsight(lookup_budget)  # lookup nodes grafted onto the draft tree
         self.alone = HindsightByKind(lookup_budget)  # the lookup tree alone, per kind of match
         self.cost = cost or TargetCost()
-        self.draft_s = Average(24)  # draft-model seconds of a step that runs it
+        self.draft_s = Average(24)  # draft-model seconds of a step that runs it, catch-up aside
+        self.catch_up = TargetCost()  # seconds of the draft's catch-up pass over n tokens
         self.step_s = Average(24)  # seconds of a step outside the target and draft passes
         self.chosen = lookup_budget  # lookup nodes the last step grafted (or verified alone)
         self.leaning = False  # the last step skipped the draft model
         self._lean_steps = 0
         self._lean_proposal: Proposal | None = None
+        self.answer_len = Average(8)  # tokens of this session's answers
+        self._n_prompt, self._max_tokens = 0, 1 << 30  # the generation under way (see start)
 
     @property
     def index(self) -> LookupIndex:
         return self.text.index
 
-    def learn(self, text: Sequence[int]) -> None:
-        """Index a finished generation's text (prompt + answer) and finish watching its proposals."""
+    def start(self, n_prompt: int, max_tokens: int) -> None:
+        """A generation begins: a prompt of n_prompt tokens, at most max_tokens to generate."""
+        self._n_prompt, self._max_tokens = n_prompt, max_tokens
+
+    def learn(self, text: Sequence[int], complete: bool = True) -> None:
+        """Index a finished generation's text (prompt + answer) and finish watching its proposals.
+        An answer the model ended (`complete`) tells how long answers run in this session; one cut
+        by a token limit would have run longer, by how much nobody knows."""
         self._read(text[:-1], text[-1])
+        if complete:
+            self.answer_len.add(len(text) - self._n_prompt)
 
     def _read(self, committed: Sequence[int], root: int) -> None:
         emitted = self.text.catch_up(committed, root)
@@ -66,17 +94,19 @@ class HybridDrafter:
         alone = self.alone[kind]
         alone.watch(branches)
         self._lean_proposal = None
-        self.leaning = branches is not None and self._should_lean(alone, long_run=kind[0] == 2)
+        self.leaning = self._should_lean(alone, branches is not None, kind[0] == 2, committed, root)
         if self.leaning:
             self._lean_steps += 1
-            self.chosen = self._best(alone, lookup_budget, draft_s=0.0)
-            if self.chosen:
-                self._lean_proposal = lookup_proposal(cut(branches, self.chosen))
-                return self._lean_proposal
+            self.chosen = self._best(alone, lookup_budget, draft_s=0.0) if branches is not None else 0
+            if not self.chosen:
+                return None  # a plain step beats the draft model's tree here
+            self._lean_proposal = lookup_proposal(cut(branches, self.chosen))
+            return self._lean_proposal
         self._lean_steps = 0
-        self.leaning = False
         grown = self.draft.propose(committed, root, min(self.draft_budget, budget), min(self.draft_depth or depth, depth))
-        self.draft_s.add(grown.draft_s)
+        caught, catch_up_s = self.draft.last_catch_up
+        self.catch_up.observe(caught, catch_up_s)
+        self.draft_s.add(max(0.0, grown.draft_s - catch_up_s))
         tree = grown.tree
         base_len = len(tree)
         room = budget - (base_len - 1)
@@ -84,7 +114,7 @@ class HybridDrafter:
             self.with_draft.watch(None, base=tree)
             return grown
         self.with_draft.watch(branches, base=tree, new_by_rank=new_by_rank(tree, branches))
-        self.chosen = min(room, self._best(self.with_draft, lookup_budget, draft_s=float(self.draft_s.mean)))
+        self.chosen = min(room, self._best(self.with_draft, lookup_budget, draft_s=self._draft_step_s(1)))
         if self.chosen:
             graft(tree, cut(branches, self.chosen), MAX_LEAVES)
             if len(tree) > base_len:
@@ -95,21 +125,48 @@ class HybridDrafter:
         if not self.adapt or not hindsight.known:
             return budget
         overhead = draft_s + (float(self.step_s.mean) if self.step_s.known else 0.0)
-        best, _ = hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead)
+        best, _ = hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead, MARGIN)
         return min(best, budget)
 
-    def _should_lean(self, alone: Hindsight, long_run: bool) -> bool:
-        """Whether lookup alone has been measured faster than the draft tree with lookup, for
-        this kind of lookup proposal. Mid-copy the draft model rests: running it again would
-        first have to bring it up to all the text copied since it last ran."""
-        if not self.adapt or not (alone.known and self.with_draft.known):
+    def _draft_step_s(self, debt: int) -> float:
+        """Seconds the draft model would spend on a step: its catch-up over `debt` tokens (the
+        root included) and its expansion passes."""
+        catch_up = float(self.catch_up(np.array([debt]))[0]) if self.catch_up.known else 0.0
+        return catch_up + (float(self.draft_s.mean) if self.draft_s.known else 0.0)
+
+    def _should_lean(self, alone: Hindsight, proposed: bool, long_run: bool, committed: Sequence[int], root: int) -> bool:
+        """Whether to skip the draft model this step: lookup alone (or a plain step, when lookup
+        proposes nothing or nothing that pays) is expected faster than the draft tree with lookup.
+
+        The draft model may first have to catch up with text it has not read (a whole prompt, or
+        what was copied since it last ran). That pays off over the rest of the answer: its cost
+        is spread over the tokens this answer is expected to still have (answers so far in this
+        session, at most what max_tokens leaves). While the text repeats, lookup carries on and
+        the draft model is brought up only when it pays.
+        """
+        if not self.adapt or not self.with_draft.known or (proposed and not alone.known):
             return False
-        if self._lean_steps >= _LEAN_REFRESH and not long_run:
+        debt = self.draft.debt(committed, root)
+        if self._lean_steps >= _LEAN_REFRESH and not long_run and debt <= _REFRESH_DEBT:
             return False
         step_s = float(self.step_s.mean) if self.step_s.known else 0.0
-        _, alone = alone.best(lambda nodes: self.cost(nodes + 1) + step_s)
-        _, hybrid = self.with_draft.best(lambda nodes: self.cost(nodes + 1) + step_s + float(self.draft_s.mean))
-        return alone > hybrid
+        if proposed:
+            _, lean = alone.best(lambda nodes: self.cost(nodes + 1) + step_s)
+        else:
+            lean = 1.0 / (float(self.cost(np.array([1]))[0]) + step_s)
+        ahead = self._tokens_ahead(len(committed) + 1)
+        draft_s, catch_up_s = self._draft_step_s(1), self._draft_step_s(debt) - self._draft_step_s(1)
+        accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
+        seconds = self.cost(nodes + 1) + step_s + draft_s + catch_up_s * accepted / ahead
+        return lean > float(np.max(accepted / seconds))
+
+    def _tokens_ahead(self, n_text: int) -> float:
+        """Tokens this answer is expected to still generate (at least 1)."""
+        generated = max(0, n_text - self._n_prompt)
+        left = max(1, self._max_tokens - generated)
+        if not self.answer_len.known:
+            return float(left)
+        return float(min(left, max(_MIN_AHEAD, float(self.answer_len.mean) - generated)))
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         if proposal is not self._lean_proposal:

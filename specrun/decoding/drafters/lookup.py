@@ -76,7 +76,7 @@ class LookupDrafter:
     def index(self) -> LookupIndex:
         return self.text.index
 
-    def learn(self, text: Sequence[int]) -> None:
+    def learn(self, text: Sequence[int], complete: bool = True) -> None:
         """Index a finished generation's text (prompt + answer) and finish watching its proposals."""
         self._read(text[:-1], text[-1])
 
