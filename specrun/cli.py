@@ -57,7 +57,7 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU
 BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2048, help="Draft tree size in nodes (default: tuned profile).")]
 DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help="Maximum draft tree depth.")]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no draft model.")]
-LookupOpt = Annotated[bool, typer.Option("--lookup", help="Add lookup branches (continuations of earlier occurrences in the session's text) to the draft model's trees.")]
+LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="Add lookup branches (continuations of earlier occurrences in the session's text) to the draft model's trees  [default: on with a draft model; --lookup also drafts from the text where no draft model runs].", show_default=False)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
 
 # ---- sampling options shared by chat and generate ----
@@ -87,7 +87,7 @@ def _setup_logging(verbose: bool) -> None:
     logging.getLogger("specrun.llama").setLevel(logging.INFO if verbose else logging.CRITICAL)
 
 
-def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=False, quiet=False):
+def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False):
     from specrun.runtime.plan import RunOptions
 
     return RunOptions(
@@ -174,7 +174,7 @@ def generate(
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
-    lookup: LookupOpt = False,
+    lookup: LookupOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Generate text for a prompt (argument, --file or stdin), streaming it to stdout.
@@ -244,7 +244,7 @@ def chat(
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
-    lookup: LookupOpt = False,
+    lookup: LookupOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Chat with a model in the terminal, using its own chat template; answers stream as they are made."""
@@ -287,7 +287,7 @@ def serve(
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
-    lookup: LookupOpt = False,
+    lookup: LookupOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat UIs, editors, scripts)."""
@@ -336,7 +336,7 @@ def bench(
     gpu_layers: GpuLayersOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
-    lookup: LookupOpt = False,
+    lookup: LookupOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Measure plain vs speculative decoding tokens/s on the same prompts."""
@@ -372,7 +372,7 @@ def tune(
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
-    lookup: LookupOpt = False,
+    lookup: LookupOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Profile this machine with a target/draft pair and store the fastest tree settings."""
@@ -411,7 +411,7 @@ def plan(
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
-    lookup: LookupOpt = False,
+    lookup: LookupOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Show what a run would load and where (files, tree, GPU layers, memory), without loading weights."""

@@ -43,6 +43,17 @@ def test_plan_with_lookup_is_hybrid_and_sizes_the_target_batch_for_both(offline_
     assert "hybrid" in invoke("plan", "--lookup").stdout
 
 
+def test_lookup_branches_join_the_draft_model_by_default_and_no_lookup_turns_them_off(offline_models):
+    default = json.loads(invoke("plan", "--json").stdout)
+    assert default["drafter"] == "hybrid" and default["tree"]["lookup_budget"] > 0
+    off = json.loads(invoke("plan", "--no-lookup", "--json").stdout)
+    assert off["drafter"] == "draft model" and off["tree"]["lookup_budget"] == 0
+    plain = invoke("plan", "--no-spec", "--json")
+    assert plain.exit_code == 0 and json.loads(plain.stdout)["drafter"] == "none"
+    refused = invoke("plan", "--no-spec", "--lookup")
+    assert refused.exit_code != 0 and "--no-spec" in refused.output
+
+
 def test_no_spec_does_not_go_with_lookup(offline_models):
     for args in (["--lookup"], ["--draft", "lookup"]):
         result = invoke("plan", "--no-spec", *args)

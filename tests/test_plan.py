@@ -53,13 +53,13 @@ def test_the_loaded_context_has_the_planned_ubatch_and_placement(offline_models,
         _store(offline_models, choice)
     opts = replace(OPTS, **flags)
     plan = build_plan(opts, shape, devices=FAKE_GPU, ram_free_bytes=16 * GB)
-    tree_tokens = plan.tree.shape.budget + 1 if plan.tree else 1
+    tree_tokens = plan.tree.verified.budget + 1 if plan.tree else 1  # the draft model's tree + lookup branches
     assert tree_tokens <= plan.target_ctx.n_ubatch <= opts.ctx_size  # a tree never outgrows the context
     assert plan.target_ctx.n_ubatch == min(opts.ctx_size, max(PREFILL_BATCH, tree_tokens))
     with Runtime(plan) as rt:
         assert rt.target_ctx.n_ubatch == rt.target_ctx.n_batch == plan.target_ctx.n_ubatch
         if plan.tree is not None:
-            assert rt.decoder.shape == plan.tree.shape
+            assert rt.decoder.shape == plan.tree.verified
             assert rt.draft_ctx.n_ubatch == plan.draft_ctx.n_ubatch
     # The GPU layers were planned for exactly the context that was loaded.
     sizes = placement.model_size(offline_models.smollm2_f32), placement.model_size(offline_models.smollm2_q4)
@@ -81,12 +81,13 @@ def test_plan_says_why(offline_models):
 def test_a_bigger_tree_leaves_fewer_layers_on_a_nearly_full_gpu():
     """qwen2.5-14b + qwen2.5-0.5b on a made-up 8 GB GPU, planned before either file exists."""
     gpu = [DeviceInfo("RTX 4060", "assumed", "gpu", "CUDA", int(7.6 * GB), 8 * GB)]
-    opts = RunOptions(target="qwen2.5-14b", ctx_size=4096, quiet=True)
+    opts = RunOptions(target="qwen2.5-14b", ctx_size=4096, lookup=False, quiet=True)
     sizes = (QWEN25_14B_Q4KM, QWEN25_05B_Q4KM)
     small = build_plan(opts, fetch=False, devices=gpu, ram_free_bytes=32 * GB, sizes=sizes)
     big = build_plan(replace(opts, budget=2000), fetch=False, devices=gpu, ram_free_bytes=32 * GB, sizes=sizes)
     assert small.files.target_path is None  # nothing downloaded: the plan works from sizes
     assert small.files.draft_name == "qwen2.5-0.5b" and small.drafter == "draft model"
+    assert build_plan(replace(opts, lookup=None), fetch=False, devices=gpu, ram_free_bytes=32 * GB, sizes=sizes).drafter == "hybrid"
     assert small.target_ctx.n_ubatch == PREFILL_BATCH and big.target_ctx.n_ubatch == 2001
     assert 0 < small.target_gpu_layers < QWEN25_14B_Q4KM.n_layer + 1  # the 14B model is split
     assert small.placement.draft_device == 0  # the draft fits whole on the GPU
@@ -98,7 +99,7 @@ def test_specrun_plan_prints_the_plan_without_loading_weights(offline_models, cl
     result = cli("plan", "--json", "--ctx-size", "1024", "--gpu", "Fake GPU=1.5GiB/2GiB", "--ram-free", "16GiB")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["drafter"] == "draft model" and data["tree"]["kind"] == "chain"
+    assert data["drafter"] == "hybrid" and data["tree"]["kind"] == "chain"
     assert data["contexts"]["target"]["n_ubatch"] == PREFILL_BATCH
     assert data["memory"]["devices"][0]["name"] == "Fake GPU"
     assert 0 < data["target"]["gpu_layers"] <= data["target"]["layer_slots"]

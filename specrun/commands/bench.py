@@ -82,6 +82,7 @@ def bench_budgets(
     expanded per draft pass and children per node.
     """
     texts = load_prompts(prompts_file) if prompts_file else workload_prompts("chat", None)["chat"]
+    opts = replace(opts, lookup=opts.lookup is True)  # tree sizes compare the draft model's trees
     configs = bench_configs(opts, budgets, width, children)
     largest = max(configs, key=lambda c: c[1].verified.budget)[1]
     rows = []
