@@ -21,7 +21,7 @@ from specrun.runtime.runtime import Runtime
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice
 
-OPTS = RunOptions(threads=1, ctx_size=512, quiet=True)
+OPTS = RunOptions(threads=1, ctx_size=512, quiet=True, lookup=False)  # the draft model's tree alone (lookup branches join it by default)
 PLAIN = Choice("plain", 0, 0, 0, 0, 20.0, 1.0)
 # A root with two children; the first has one child of its own.
 TEMPLATE = TreeTemplate(parents=(-1, 0, 0, 1), ranks=(0, 1, 2, 1))

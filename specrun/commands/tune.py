@@ -399,9 +399,9 @@ def run_tune(opts: RunOptions, quick: bool, show: bool, as_json: bool, plot: Pat
         ui.info("lookup drafting needs no tuning: it adapts to each run's acceptance and target cost "
                 "(`specrun bench --draft lookup` measures it here)")
         return
-    if opts.lookup is not False and not show:
-        ui.dim("tuning the draft model's tree; lookup branches join it when it runs and adapt online")
-    opts = replace(opts, lookup=False)
+    if opts.lookup:
+        ui.dim("--lookup: tuning the draft model's tree; lookup branches join it and adapt online")
+    opts = replace(opts, lookup=False)  # tune measures the draft model's trees alone
     if show:
         profile = stored_profile(opts)
     else:
