@@ -17,7 +17,6 @@ import time
 
 from specrun.commands import bench
 from specrun.commands.bench_prompts import workload_prompts
-from specrun.core.sampling import SamplingParams
 from specrun.runtime.plan import RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
 
