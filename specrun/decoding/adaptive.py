@@ -206,11 +206,6 @@ class Hindsight:
         """Whether any proposal was watched (finished, or still followed: a lower bound)."""
         return self._accepted.known or bool(self._open)
 
-    def matching(self, tokens: int = 1) -> bool:
-        """Whether a proposal still being followed has matched `tokens` tokens already (text
-        repeating now)."""
-        return any(max(len(w.ranks), w.base_depth) >= tokens for w in self._open)
-
     def accepted(self) -> np.ndarray:
         """Mean tokens accepted per step, per budget (the bonus token not counted).
 

@@ -55,7 +55,6 @@ class HybridDrafter:
         self.draft_s = Average(24)  # draft-model seconds of a step that runs it, catch-up aside
         self.catch_up = TargetCost()  # seconds of the draft's catch-up pass over n tokens
         self.step_s = Average(24)  # seconds of a step outside the target and draft passes
-        self.chosen = lookup_budget  # lookup nodes the last step grafted (or verified alone)
         self.leaning = False  # the last step skipped the draft model
         self._lean_steps = 0
         self._lean_proposal: Proposal | None = None
@@ -74,20 +73,12 @@ class HybridDrafter:
         """Index a finished generation's text (prompt + answer) and finish watching its proposals.
         An answer the model ended (`complete`) tells how long answers run in this session; one cut
         by a token limit would have run longer, by how much nobody knows."""
-        self._read(text[:-1], text[-1])
+        self.text.read(text[:-1], text[-1], self.with_draft, self.alone)
         if complete:
             self.answer_len.add(len(text) - self._n_prompt)
 
-    def _read(self, committed: Sequence[int], root: int) -> None:
-        emitted = self.text.catch_up(committed, root)
-        for hindsight in (self.with_draft, self.alone):
-            if emitted is None:
-                hindsight.forget_open()
-            else:
-                hindsight.feed(emitted)
-
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
-        self._read(committed, root)
+        self.text.read(committed, root, self.with_draft, self.alone)
         lookup_budget = min(self.lookup_budget, budget)
         branches = self.index.propose(self.index.live, lookup_budget, depth) if lookup_budget else None
         kind = self.alone.kind(self.index.last_order)
@@ -97,10 +88,10 @@ class HybridDrafter:
         self.leaning = self._should_lean(alone, branches is not None, kind[0] == 2, committed, root)
         if self.leaning:
             self._lean_steps += 1
-            self.chosen = self._best(alone, lookup_budget, draft_s=0.0) if branches is not None else 0
-            if not self.chosen:
+            chosen = self._best(alone, lookup_budget, draft_s=0.0) if branches is not None else 0
+            if not chosen:
                 return None  # a plain step beats the draft model's tree here
-            self._lean_proposal = lookup_proposal(cut(branches, self.chosen))
+            self._lean_proposal = lookup_proposal(cut(branches, chosen))
             return self._lean_proposal
         self._lean_steps = 0
         grown = self.draft.propose(committed, root, min(self.draft_budget, budget), min(self.draft_depth or depth, depth))
@@ -114,9 +105,9 @@ class HybridDrafter:
             self.with_draft.watch(None, base=tree)
             return grown
         self.with_draft.watch(branches, base=tree, new_by_rank=new_by_rank(tree, branches))
-        self.chosen = min(room, self._best(self.with_draft, lookup_budget, draft_s=self._draft_step_s(1)))
-        if self.chosen:
-            graft(tree, cut(branches, self.chosen), MAX_LEAVES)
+        chosen = min(room, self._best(self.with_draft, lookup_budget, draft_s=self._draft_step_s(1)))
+        if chosen:
+            graft(tree, cut(branches, chosen), MAX_LEAVES)
             if len(tree) > base_len:
                 grown.lookup_from = base_len
         return grown
@@ -155,7 +146,8 @@ class HybridDrafter:
         else:
             lean = 1.0 / (float(self.cost(np.array([1]))[0]) + step_s)
         ahead = self._tokens_ahead(len(committed) + 1)
-        draft_s, catch_up_s = self._draft_step_s(1), self._draft_step_s(debt) - self._draft_step_s(1)
+        draft_s = self._draft_step_s(1)
+        catch_up_s = self._draft_step_s(debt) - draft_s  # beyond the usual one-token catch-up
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
         seconds = self.cost(nodes + 1) + step_s + draft_s + catch_up_s * accepted / ahead
         return lean > float(np.max(accepted / seconds))

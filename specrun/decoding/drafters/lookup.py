@@ -53,6 +53,16 @@ class SessionText:
         self.index.sync(list(committed) + [root])
         return None
 
+    def read(self, committed: Sequence[int], root: int, *watchers) -> None:
+        """`catch_up`, then feed the emitted tokens to each watcher (a Hindsight or
+        HindsightByKind), or, when the text was replaced, make it drop what it follows."""
+        emitted = self.catch_up(committed, root)
+        for watcher in watchers:
+            if emitted is None:
+                watcher.forget_open()
+            else:
+                watcher.feed(emitted)
+
 
 class LookupDrafter:
     """Proposes lookup trees; adapts their size to measured acceptance and target cost.
@@ -78,17 +88,10 @@ class LookupDrafter:
 
     def learn(self, text: Sequence[int], complete: bool = True) -> None:
         """Index a finished generation's text (prompt + answer) and finish watching its proposals."""
-        self._read(text[:-1], text[-1])
-
-    def _read(self, committed: Sequence[int], root: int) -> None:
-        emitted = self.text.catch_up(committed, root)
-        if emitted is None:
-            self.seen.forget_open()
-        else:
-            self.seen.feed(emitted)
+        self.text.read(text[:-1], text[-1], self.seen)
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
-        self._read(committed, root)
+        self.text.read(committed, root, self.seen)
         if not self.adapt:
             tree = self.index.propose(self.index.live, budget, depth)
             return lookup_proposal(tree) if tree is not None else None
