@@ -70,17 +70,18 @@ def tokens_of(decoder, prompt, n, params=GREEDY, seed=0) -> list[int]:
     return [t for step in decoder.steps(prompt, params, n, make_rng(seed)) for t in step.tokens]
 
 
-def spec_decoder(ctx_of, target_path, drafter_kind: str, depth: int, draft_path=None):
-    """Return a speculative decoder (no speed guard) for a target that verifies chains of `depth`."""
-    target, ctx = ctx_of(target_path, n_rs_seq=depth)
-    shape = TreeShape.chain(depth)
+def spec_decoder(ctx_of, target_path, drafter_kind: str, depth: int, draft_path=None, chains: int = 1):
+    """Return a speculative decoder (no speed guard) for a target that verifies up to `chains`
+    chains of `depth` drafts (the drafter grows trees of that many branches)."""
+    target, ctx = ctx_of(target_path, n_rs_seq=depth, n_seq_max=chains)
+    shape = TreeShape.chain(depth) if chains == 1 else TreeShape(chains * depth, depth, chains, chains)
     if drafter_kind == "lookup":
-        drafter = LookupDrafter(depth, adapt=False)
+        drafter = LookupDrafter(shape.budget, adapt=False)
     else:
-        draft, dctx = ctx_of(draft_path, n_seq_max=depth + 2)
+        draft, dctx = ctx_of(draft_path, n_seq_max=shape.budget + 2)
         drafter = TreeGrower(draft, dctx, shape)
         if drafter_kind == "hybrid":
-            drafter = HybridDrafter(drafter, depth, depth, draft_depth=depth)
+            drafter = HybridDrafter(drafter, shape.budget, shape.budget, draft_depth=depth)
     return target, SpeculativeDecoder(target, ctx, drafter, shape)
 
 
@@ -90,7 +91,7 @@ def test_tiny_models_load_as_their_architectures(tiny, load_model):
         assert model.architecture == arch
         assert model.has_state == architectures.has_state(arch)
         assert model.is_recurrent == architectures.is_recurrent(arch)
-    assert architectures.speculation_support("qwen35").shape == "chain"
+    assert architectures.speculation_support("qwen35").shape == "chains"
     assert architectures.speculation_support("jamba").shape == "plain"
     assert architectures.speculation_support("mamba").shape == "plain"
     assert architectures.speculation_support("gpt-oss").shape == "tree"
@@ -103,13 +104,17 @@ def test_greedy_chain_speculation_equals_plain_decoding(arch, drafter_kind, tiny
     model, plain_ctx = ctx_of(tiny[arch])
     prompt = model.tokenize(PROMPT)
     reference = tokens_of(PlainDecoder(model, plain_ctx), prompt, 40)
-    for depth in (1, 3, 8):
-        _, spec = spec_decoder(ctx_of, tiny[arch], drafter_kind, depth, tiny["qwen35-draft"])
-        out = tokens_of(spec, prompt, 40)
-        rejected = sum(1 for s in spec.stats.steps if s.tree_nodes > s.accepted)
-        assert out == reference, f"{arch} {drafter_kind} depth {depth}: differs from plain decoding"
+    shapes = {"draft": ((1, 1), (8, 1), (3, 3), (6, 4)), "hybrid": ((3, 1), (6, 4)), "lookup": ((8, 1), (6, 4))}
+    for depth, chains in shapes[drafter_kind]:
+        _, spec = spec_decoder(ctx_of, tiny[arch], drafter_kind, depth, tiny["qwen35-draft"], chains)
+        out = tokens_of(spec, prompt, 32)
+        label = f"{arch} {drafter_kind} {chains} chain(s) of {depth}"
+        assert out == reference, f"{label}: differs from plain decoding"
         if drafter_kind != "lookup":
-            assert rejected > 0, "a random draft should be rejected (rollbacks exercised)"
+            rejected = sum(1 for s in spec.stats.steps if s.tree_nodes > s.accepted)
+            assert rejected > 0, f"{label}: a random draft should be rejected (rollbacks exercised)"
+            if chains > 1:
+                assert max(s.tree_leaves for s in spec.stats.steps) > 1, f"{label}: several chains per step"
 
 
 def test_target_as_its_own_draft_accepts_whole_chains(tiny, ctx_of):
@@ -213,11 +218,11 @@ def test_plan_says_chain_or_plain_and_why(tiny, cli):
     chain = cli("plan", "--target", str(tiny["qwen35"]), "--draft", str(tiny["qwen35-draft"]), "--json")
     assert chain.exit_code == 0, chain.output
     data = json.loads(chain.stdout)
-    assert data["tree"]["verify"] == "chain"
+    assert data["tree"]["verify"] == "chains"
     assert data["contexts"]["target"]["n_rs_seq"] >= data["tree"]["depth"]
-    assert data["contexts"]["target"]["n_seq_max"] == 1
+    assert data["contexts"]["target"]["n_seq_max"] == 4
     text = cli("plan", "--target", str(tiny["qwen35"]), "--draft", "lookup")
-    assert "verifies one chain" in text.stdout and "rolls back only along one sequence" in text.stdout
+    assert "chains of up to 8 drafts" in text.stdout and "independent chains, not as one tree" in text.stdout
     plain = cli("plan", "--target", str(tiny["jamba"]), "--draft", str(tiny["qwen35-draft"]))
     assert plain.exit_code == 0
     assert "decoding plain" in plain.stdout and "cannot roll back" in plain.stdout
