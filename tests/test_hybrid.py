@@ -103,7 +103,7 @@ def test_greedy_chain_speculation_equals_plain_decoding(arch, drafter_kind, tiny
     """Greedy output of chain verification with rollback is token for token plain decoding's."""
     model, plain_ctx = ctx_of(tiny[arch])
     prompt = model.tokenize(PROMPT)
-    reference = tokens_of(PlainDecoder(model, plain_ctx), prompt, 40)
+    reference = tokens_of(PlainDecoder(model, plain_ctx), prompt, 32)
     shapes = {"draft": ((1, 1), (8, 1), (3, 3), (6, 4)), "hybrid": ((3, 1), (6, 4)), "lookup": ((8, 1), (6, 4))}
     for depth, chains in shapes[drafter_kind]:
         _, spec = spec_decoder(ctx_of, tiny[arch], drafter_kind, depth, tiny["qwen35-draft"], chains)
