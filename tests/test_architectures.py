@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,13 +27,14 @@ def shipped():
 
 @pytest.fixture(scope="module")
 def llama_cpp_arch_names() -> set[str]:
-    """Every architecture name the pinned llama.cpp knows (its gguf-py's MODEL_ARCH_NAMES)."""
-    sys.path.insert(0, str(gguf_py()))
-    try:
-        import gguf
-    finally:
-        sys.path.remove(str(gguf_py()))
-    return set(gguf.MODEL_ARCH_NAMES.values())
+    """Every architecture name the pinned llama.cpp knows (its gguf-py's MODEL_ARCH_NAMES).
+
+    Read from the pinned constants.py itself: an installed `gguf` package may be older.
+    """
+    spec = importlib.util.spec_from_file_location("pinned_gguf_constants", gguf_py() / "gguf" / "constants.py")
+    constants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(constants)
+    return set(constants.MODEL_ARCH_NAMES.values())
 
 
 # ---------------------------------------------------------------------------------------------
