@@ -9,8 +9,8 @@ can say what each registry entry will do before anything is downloaded:
   a chain ("chain") until trees are shown exact on the recurrent memory's equal-split ubatches;
 - other hybrids and pure recurrent models cannot drop part of a sequence: plain decoding ("plain").
 
-MTP layers (next-token-prediction heads) are reported beside the mode; whether specrun can drive
-them as a drafter is a separate question (`MTP_DRAFTING`).
+MTP layers (next-token-prediction heads) are reported beside the mode; whether specrun drafts
+with them is `MTP_DRAFTING`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv
 # Not standalone models: heads loaded beside their target (Gemma 4's MTP assistants).
 HEADS = frozenset({"gemma4-assistant"})
 
-# specrun cannot drive MTP heads from Python yet (see the issue-17 notes): the staging functions
-# that expose the target's hidden rows are C++ symbols outside the binding.
+# Whether specrun drafts with MTP heads (`--draft mtp`). The pinned library allows it from Python
+# (scripts/mtp_probe.py drives a head exactly: load_mtp, an MTP context, the target's nextn rows
+# through C++ staging symbols the binding lacks), but no decoder uses it yet.
 MTP_DRAFTING = False
 
 
