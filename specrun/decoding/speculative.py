@@ -4,6 +4,10 @@ Per step: a drafter (drafters/base.py) proposes a tree below the pending token; 
 tree in ONE batch, each leaf a sequence of its own (tree.py's colours); the acceptance walk
 (verify.py) keeps what the target itself draws; both KV caches keep the accepted path and drop
 the rest. The committed prefix stays cached across steps, so nothing is ever prefilled twice.
+
+A target with a recurrent state (a hybrid that llama.cpp can roll back) verifies one chain per
+step instead: the tree's best path, at most `n_rs_seq` drafts, in sequence 0; the rejected tail is
+rolled back, which is exact because the same decode held the pending token before it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 
 from specrun.core.sampling import SamplingParams, choose_token
 from specrun.core.shapes import MAX_BUDGET, TreeShape
+from specrun.core.tree import DraftTree
 from specrun.core.verify import accept_path
 from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.base import Drafter, Proposal
@@ -33,7 +38,11 @@ class SpeculativeDecoder:
     def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None):
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
-        if target_ctx.n_seq_max < MAX_SEQ:
+        # A recurrent state rolls back along one sequence only: verify chains (see the module doc).
+        self.chain_only = target_ctx.has_state
+        if self.chain_only and target_ctx.n_rs_seq < 1:
+            raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")
+        if target_ctx.n_seq_max < MAX_SEQ and not self.chain_only:
             raise ValueError("speculative contexts need n_seq_max = 256 (one sequence per tree leaf)")
         self.model = target_model
         self.ctx = target_ctx
@@ -95,6 +104,8 @@ class SpeculativeDecoder:
             remaining = max_tokens - stats.n_generated
             # Never draft deeper than what may still be emitted, nor more nodes than fit the cache.
             depth = min(shape.depth, remaining - 1, room - 1)
+            if self.chain_only:
+                depth = min(depth, self.ctx.n_rs_seq)
             budget = min(shape.budget, room - 1)
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
@@ -134,6 +145,8 @@ class SpeculativeDecoder:
         p0 = cache.n_cached
         if proposal is None:
             return self._plain_step(pending, params, rng)
+        if self.chain_only:
+            return self._verify_chain(proposal, params, rng, remaining)
         tree = proposal.tree
         layout = tree.colour_batch()
         # Every colour must see the committed prefix: copy seq 0 into colours 1.. before the pass.
@@ -162,6 +175,36 @@ class SpeculativeDecoder:
             child_ranks=_child_ranks(tree, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(acceptance.nodes),
+        )
+
+    def _verify_chain(self, proposal: Proposal, params: SamplingParams, rng, remaining: int) -> Step:
+        """Score the proposal's best path in sequence 0 and roll the rejected drafts back."""
+        ctx, cache, tree = self.ctx, self.cache, proposal.tree
+        p0 = cache.n_cached
+        path = tree.best_path()[: self.ctx.n_rs_seq + 1]
+        chain = DraftTree.chain(int(tree.tokens[0]), tree.tokens[path[1:]], tree.logps[path[1:]])
+        self.tree_batch.set_arrays(chain.tokens, p0 + np.arange(len(chain)), 0, True)
+        t0 = time.perf_counter()
+        ctx.decode(self.tree_batch)
+        target_s = time.perf_counter() - t0
+        acceptance = accept_path(chain, ctx.logits(), params, rng, self.eog, max_tokens=remaining)
+        cache.tokens.extend(int(t) for t in chain.tokens)
+        # At most len(chain) - 1 drafts go, fewer than this decode held: an exact rollback.
+        cache.roll_back(p0 + len(acceptance.nodes), last_decode=len(chain))
+        nodes = [path[n] for n in acceptance.nodes]  # the proposal's own node ids
+        self.drafter.commit(proposal, nodes)
+        return Step(
+            list(acceptance.tokens),
+            target_s=target_s,
+            draft_s=proposal.draft_s,
+            tree_nodes=len(chain) - 1,
+            tree_depth=chain.max_depth,
+            tree_leaves=1 if len(chain) > 1 else 0,
+            draft_passes=proposal.draft_passes,
+            path_ranks=proposal.path_ranks(nodes),
+            child_ranks=_child_ranks(chain, acceptance),
+            accepted=len(acceptance.nodes) - 1,
+            lookup_tokens=proposal.lookup_tokens(nodes),
         )
 
     def _plain_step(self, pending: int, params: SamplingParams, rng) -> Step:

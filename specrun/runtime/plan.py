@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specrun import engine, ui
+from specrun import architectures, engine, ui
 from specrun.core.shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
 from specrun.errors import UsageError
 from specrun.hardware import offload, placement
@@ -94,6 +94,9 @@ class TreePlan:
     lookup: TreeShape | None = None  # lookup nodes a step may add (None: no lookup)
     draft_model: bool = True  # False: lookup alone proposes, no draft model is loaded
     plain_s: float | None = None  # plain decoding's seconds per token by the tuning profile
+    # How the target verifies: "tree" (attention KV cache) or "chain" (a recurrent state that
+    # rolls back along one sequence: each step checks the proposal's best path).
+    verify: str = architectures.TREE
 
     @property
     def drafter(self) -> str:
@@ -121,6 +124,12 @@ class TreePlan:
                        depth=max(self.shape.depth, self.lookup.depth))
 
     def describe(self) -> str:
+        text = self._describe_drafts()
+        if self.verify == architectures.CHAIN:
+            text += f"; the target verifies one chain of up to {self.verified.depth} drafts per step"
+        return text
+
+    def _describe_drafts(self) -> str:
         s = self.shape
         if not self.draft_model:
             return f"lookup trees of up to {s.budget} tokens from the session's text, depth {s.depth} (no draft model)"
@@ -142,6 +151,7 @@ class ContextPlan:
     n_ctx: int
     n_batch: int
     n_seq_max: int
+    n_rs_seq: int = 0  # recurrent-state snapshots per sequence (rollback of a verified chain)
 
     @property
     def n_ubatch(self) -> int:
@@ -191,7 +201,7 @@ class Plan:
         tree = None
         if self.tree is not None:
             s = self.tree.shape
-            tree = {"kind": self.tree.kind, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
+            tree = {"kind": self.tree.kind, "verify": self.tree.verify, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
                     "width": s.width, "top_k": s.top_k, "text": self.tree.describe(),
                     "lookup_budget": self.tree.lookup.budget if self.tree.lookup else 0,
                     "verified_budget": self.tree.verified.budget}
@@ -229,7 +239,8 @@ def _path(path: Path | None) -> str | None:
 
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
-    return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max}
+    return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
+            "n_rs_seq": ctx.n_rs_seq}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +274,12 @@ def build_plan(
         tree, why, untuned = choose_tree(opts, files)
     n_ctx = opts.ctx_size
     notes = []
+    target_arch = engine.gguf_architecture(files.target_path) if files.target_path is not None else None
+    draft_arch = engine.gguf_architecture(files.draft_path) if files.draft_path is not None else None
+    if tree is not None and target_arch is not None:
+        tree, why, note = fit_tree_to_target(tree, why, target_arch)
+        if note:
+            notes.append(note)
     threads, cores = opts.threads or engine.default_threads(), engine.default_threads()
     if threads > cores:
         # More threads than cores only makes them wait for each other (and 999 would start 999).
@@ -276,9 +293,16 @@ def build_plan(
     draft_ctx = None
     if tree is not None:
         tree_tokens = tree.verified.budget + 1
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
+        if tree.verify == architectures.CHAIN:
+            # One sequence, and snapshots to roll the state back by the rejected drafts.
+            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), 1, tree.verified.depth)
+        else:
+            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
         if tree.draft_model:
-            draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), MAX_SEQ)
+            # A draft with a recurrent state keeps one state per tree sequence: only as many as
+            # its tree has nodes (each node's state is its parent's, copied, plus its token).
+            seqs = min(MAX_SEQ, tree.shape.budget + 1) if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
+            draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs)
     else:
         target_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1)
     if devices is None:
@@ -301,6 +325,32 @@ def build_plan(
         threads=threads, placement=placed, devices=gpus, untuned=untuned,
         notes=tuple(notes),
     )
+
+
+# The longest chain a target with a recurrent state verifies per step: llama.cpp keeps one state
+# snapshot per draft token (memory: the recurrent state times this), and chains gain little beyond.
+MAX_CHAIN = 8
+
+
+def fit_tree_to_target(tree: TreePlan, why: str, arch: str) -> tuple[TreePlan | None, str, str | None]:
+    """Return (the tree the target's architecture can verify exactly or None, why, a note or None).
+
+    Attention targets verify trees as planned. Targets whose recurrent state rolls back verify
+    chains: the drafts become chains (a lookup or hybrid tree is cut to its best path each step).
+    Targets whose state cannot roll back decode plainly, said in one line.
+    """
+    support = architectures.speculation_support(arch)
+    if support.shape == architectures.TREE:
+        return tree, why, None
+    if support.shape == architectures.PLAIN:
+        return None, support.reason, f"plain decoding: {support.reason}"
+    depth = min(MAX_CHAIN, tree.verified.depth)
+    shape = TreeShape.chain(min(depth, tree.shape.depth))
+    lookup = TreeShape(depth, depth, 1, 1) if tree.lookup is not None else None
+    if not tree.draft_model:
+        shape = lookup
+    chained = replace(tree, shape=shape, template=None, lookup=lookup, verify=architectures.CHAIN)
+    return chained, f"{why}; {support.reason}", None
 
 
 def _fit_tree(tree: TreePlan, budget: int) -> TreePlan:

@@ -66,7 +66,7 @@ class Runtime:
 
     def _context(self, model, sizes: ContextPlan, op_offload: bool | None):
         ctx = engine.Context(model, n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_seq_max=sizes.n_seq_max,
-                             threads=self.plan.threads, op_offload=op_offload)
+                             threads=self.plan.threads, op_offload=op_offload, n_rs_seq=sizes.n_rs_seq)
         self._owned.append(ctx)
         return ctx
 
