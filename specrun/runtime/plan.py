@@ -52,7 +52,7 @@ class RunOptions:
     target: str | None = None
     draft: str | None = None
     gpu_layers: int | None = None
-    ctx_size: int = DEFAULT_CTX
+    ctx_size: int | None = DEFAULT_CTX  # None: the model's trained context, as far as memory holds it
     threads: int | None = None
     budget: int | None = None
     depth: int | None = None
@@ -172,6 +172,8 @@ class Plan:
     devices: tuple[offload.Device, ...] = ()
     untuned: bool = False  # speculating with the default tree: no profile for the pair
     notes: tuple[str, ...] = field(default=())
+    ctx_why: str = "--ctx-size"  # why this context size
+    n_ctx_train: int = 0  # the target's trained context, when read (0: not read)
 
     @property
     def speculative(self) -> bool:
@@ -220,6 +222,7 @@ class Plan:
                 "target": _ctx_dict(self.target_ctx),
                 "draft": _ctx_dict(self.draft_ctx) if self.draft_ctx else None,
             },
+            "context": {"n_ctx": self.target_ctx.n_ctx, "why": self.ctx_why, "n_ctx_train": self.n_ctx_train or None},
             "threads": self.threads,
             "memory": {
                 "devices": [
@@ -272,7 +275,6 @@ def build_plan(
         tree, why, untuned = TreePlan(shape, None, "flags"), "tree given by the caller", False
     else:
         tree, why, untuned = choose_tree(opts, files)
-    n_ctx = opts.ctx_size
     notes = []
     target_arch = engine.gguf_architecture(files.target_path) if files.target_path is not None else None
     draft_arch = engine.gguf_architecture(files.draft_path) if files.draft_path is not None else None
@@ -285,6 +287,22 @@ def build_plan(
         # More threads than cores only makes them wait for each other (and 999 would start 999).
         notes.append(f"--threads {threads} is more than the {cores} CPU cores this process may use: using {cores}")
         threads = cores
+    if devices is None:
+        devices = engine.list_devices()
+    gpus = placement.gpus_of(devices)
+    draft_path = files.draft_path if tree is not None and tree.draft_model else None
+    auto_ctx = opts.ctx_size is None
+    target_size = draft_size = None
+    if gpus or sizes is not None or detailed or auto_ctx:
+        target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
+        if draft_path is not None or (sizes and tree is not None and tree.draft_model):
+            draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
+    if auto_ctx:
+        widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
+        n_ctx, ctx_why = placement.largest_context(target_size, draft_size, gpus, widest, opts.gpu_layers,
+                                                   ram_free_bytes)
+    else:
+        n_ctx, ctx_why = opts.ctx_size, "--ctx-size"
     if tree is not None and tree.verified.budget + 1 > n_ctx:
         # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
         notes.append(f"a tree of {tree.verified.budget} tokens does not fit a {n_ctx}-token context: "
@@ -305,17 +323,9 @@ def build_plan(
             draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs)
     else:
         target_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1)
-    if devices is None:
-        devices = engine.list_devices()
-    gpus = placement.gpus_of(devices)
-    draft_path = files.draft_path if tree is not None and tree.draft_model else None
-    if not gpus and sizes is None and not detailed:
+    if target_size is None:
         placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes)
     else:
-        target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
-        draft_size = None
-        if draft_path is not None or (sizes and tree is not None and tree.draft_model):
-            draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
         placed = placement.plan(
             target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
             ram_free_bytes=ram_free_bytes,
@@ -323,7 +333,7 @@ def build_plan(
     return Plan(
         files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
         threads=threads, placement=placed, devices=gpus, untuned=untuned,
-        notes=tuple(notes),
+        notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
     )
 
 
