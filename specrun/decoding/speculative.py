@@ -54,9 +54,11 @@ class SpeculativeDecoder:
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
         # Optional: caps the tree, down to plain steps, while speculation is measured slower than
-        # plain decoding on this machine.
+        # plain decoding on this machine. One guard per kind of request (greedy, sampled): what
+        # sampled answers measured must not cut the trees of greedy ones (see _guard_for).
         self.guard = guard
-        self._guard_said = 0
+        self._guards: dict[str, SpeedGuard] = {}
+        self._guard_told = False  # the guard's first event was said (at info level)
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
         self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
         self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
@@ -70,6 +72,9 @@ class SpeculativeDecoder:
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         if self._start is not None:
             self._start(len(prompt), max_tokens)
+        if self.guard is not None:
+            self.guard = self._guard_for(params)
+            self.guard.new_request()
         yield from self._steps(prompt, params, max_tokens, rng)
         # The generation ended (not interrupted): a drafter that learns from the session's text
         # reads all of it, the last step's tokens included.
@@ -125,6 +130,15 @@ class SpeculativeDecoder:
             pending = step.tokens[-1]
         stats.finish_reason = "length"
 
+    def _guard_for(self, params: SamplingParams) -> SpeedGuard:
+        """The speed guard of this kind of request (greedy or sampled: acceptance differs)."""
+        kind = "sampled" if params.temperature > 0 else "greedy"
+        if not self._guards:
+            self._guards[kind] = self.guard  # the guard given stands for the first kind seen
+        elif kind not in self._guards:
+            self._guards[kind] = self.guard.copy()
+        return self._guards[kind]
+
     def _observe(self, step: Step, first: bool) -> None:
         """Let an adapting drafter and the speed guard see the step's measurements."""
         if self._observe_drafter is not None:
@@ -133,10 +147,11 @@ class SpeculativeDecoder:
         # prefill): a one-off, like the target's prefill, not what a step costs.
         if self.guard is not None and not first:
             self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
-            for event in self.guard.events[self._guard_said :]:
+            for event in self.guard.events[self.guard.said :]:
                 # Said once with --verbose; what follows (retries, further shrinking) at debug level.
-                (log.info if self._guard_said == 0 else log.debug)("%s", event)
-                self._guard_said += 1
+                (log.debug if self._guard_told else log.info)("%s", event)
+                self._guard_told = True
+                self.guard.said += 1
 
     def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int) -> Step:
         """Score root + tree with one target pass, walk it, and keep the accepted path in the cache."""

@@ -4,9 +4,10 @@
 
 1. the model files (registry aliases resolved; missing files fetched unless `fetch=False`);
 2. the drafter and its tree: explicit --budget/--depth > the stored tuning profile > the default
-   chain; or plain decoding (no draft, --no-spec, or a profile that found speculation does not
-   pay). `--draft lookup` drafts from the session's text alone (no draft model); `--lookup` adds
-   lookup branches to the draft model's trees (hybrid);
+   chain; or plain decoding (no draft, --no-spec, or --no-lookup with a profile that measured the
+   draft model's trees slower than plain decoding: without --no-lookup such a profile leaves
+   lookup alone on). `--draft lookup` drafts from the session's text alone (no draft model);
+   lookup branches join the draft model's trees by default (hybrid);
 3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
    one pass (a tree split over ubatches pays the weight transfer again when offloading);
 4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from specrun import architectures, engine, ui
 from specrun.core.shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
+from specrun.decoding.adaptive import DraftPrior
 from specrun.errors import UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
@@ -97,6 +99,7 @@ class TreePlan:
     # How the target verifies: "tree" (attention KV cache) or "chain" (a recurrent state that
     # rolls back along one sequence: each step checks the proposal's best path).
     verify: str = architectures.TREE
+    prior: DraftPrior | None = None  # the profile's figures for the draft model (hybrid's first steps)
 
     @property
     def drafter(self) -> str:
@@ -419,10 +422,11 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
     """Return (the tree or None for plain decoding, why, whether the pair is untuned).
 
     `--draft lookup`: lookup trees alone. Otherwise explicit --budget/--depth win; else the stored
-    tuning profile (which may say plain decoding is faster here); else the default chain. Lookup
-    branches join the draft model's tree unless --no-lookup; with an explicit `--lookup` they
-    also stand alone where there is no draft model or the profile found its trees slower than
-    plain decoding.
+    tuning profile; else the default chain. Lookup branches join the draft model's tree unless
+    --no-lookup. A profile that measured the draft model's trees slower than plain decoding
+    turns off the draft model only: lookup alone runs (plain decoding only with --no-lookup).
+    With an explicit `--lookup` lookup also stands alone where there is no draft model. The
+    profile's figures (`prior`) decide the hybrid's first steps in a fresh process.
     """
     if opts.lookup_only:
         return _lookup_tree(opts, None), "--draft lookup: trees from the session's text, no draft model", False
@@ -431,18 +435,22 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
             return _lookup_tree(opts, None), f"--lookup without a draft model for {files.target_name}: lookup alone", False
         why = "--no-spec" if opts.no_spec else f"no draft model for {files.target_name} (pass --draft)"
         return None, why, False
-    choice = None
+    choice = facts = None
     if files.target_path is not None and files.draft_path is not None:
         choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads)
+        facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads) if choice else None
     plain_s = None
     if choice is not None and choice.predicted_tokens_per_s > 0:
         plain_s = choice.predicted_speedup / choice.predicted_tokens_per_s  # tokens/s / speedup = plain's
     overridden = opts.budget is not None or opts.depth is not None
     if choice is not None and choice.kind == "plain" and not overridden:
-        why = "the tuning profile found plain decoding fastest for this pair here"
-        if opts.lookup is True:
-            return _lookup_tree(opts, plain_s), why + " (with the draft model): lookup alone", False
-        return None, why, False
+        # The profile measured the draft model's trees slower than plain decoding here. That says
+        # nothing about lookup, which costs no draft pass and sizes its trees online (plain steps
+        # where it has nothing that pays): it stays on unless --no-lookup.
+        why = "the tuning profile measured the draft model's trees slower than plain decoding here"
+        if opts.lookup is False:
+            return None, why + " (--no-lookup: plain decoding)", False
+        return _lookup_tree(opts, plain_s), why + ": lookup alone, sized online", False
     tuned = tree_of_choice(choice) if choice is not None else None
     if tuned is not None:
         tree, why = tuned, "tuned profile for this pair on this machine"
@@ -456,7 +464,7 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
             shape = replace(shape, depth=opts.depth)
         # explicit sizes: grow best-first trees of that size, of the tuned (or default) kind
         tree, why = TreePlan(shape, None, "flags"), "--budget/--depth"
-    tree = replace(tree, plain_s=plain_s)
+    tree = replace(tree, plain_s=plain_s, prior=facts.draft_prior(tree.shape) if facts is not None else None)
     if opts.lookup is True:
         tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; --lookup adds branches from the session's text"
     elif opts.lookup is None:
@@ -470,6 +478,16 @@ def _lookup_tree(opts: RunOptions, plain_s: float | None) -> TreePlan:
     if opts.budget is not None or opts.depth is not None:
         shape, source = TreeShape(opts.budget or shape.budget, opts.depth or shape.depth, 1, 1), "flags"
     return TreePlan(shape, None, source, lookup=shape, draft_model=False, plain_s=plain_s)
+
+
+def tuned_default(choice: Choice, facts: profiles.Facts | None) -> TreePlan:
+    """The tree a run without flags grows from a profile: the profile's tree with lookup branches
+    (the profile's figures deciding the hybrid's first steps), or lookup alone where the profile
+    measured the draft model's trees slower than plain decoding."""
+    tree = tree_of_choice(choice)
+    if tree is None:
+        return TreePlan(LOOKUP_SHAPE, None, "profile", lookup=LOOKUP_SHAPE, draft_model=False)
+    return replace(tree, lookup=LOOKUP_SHAPE, prior=facts.draft_prior(tree.shape) if facts is not None else None)
 
 
 def tree_of_choice(choice: Choice) -> TreePlan | None:

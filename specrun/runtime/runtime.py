@@ -153,4 +153,5 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None):
         model_drafter = TreeGrower(draft, draft_ctx, tree.shape)
     if tree.lookup is None:
         return model_drafter
-    return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth)
+    return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
+                         prior=tree.prior)
