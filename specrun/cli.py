@@ -363,7 +363,7 @@ def bench(
         if report:
             from specrun.commands import bench_report
 
-            settings = bench_report.ReportSettings(calibration_tokens=max_tokens,
+            settings = bench_report.ReportSettings(calibration_tokens=max(16, max_tokens),
                                                    **({"max_tree": max(budgets)} if budgets else {}))
             bench_report.bench_report(opts, settings, workload or "all", prompts, max_tokens, as_json)
             return
