@@ -168,6 +168,8 @@ def _build_source(alias, src, toml, raw, families, models, building) -> Source:
         ftype=src.get("ftype", "F32"),
         seed=src.get("seed", 0),
         verified=verified,
+        shape=src.get("shape", ""),
+        scaled=tuple(src.get("scaled", ())),
     )
 
 

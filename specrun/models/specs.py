@@ -15,7 +15,7 @@ from specrun.models.architectures import Speculation
 SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 QUANT_RE = re.compile(r"(?i)(?:^|[-_.])((?:IQ|Q)\d[A-Z0-9_]*?|F16|BF16|F32)(?:-\d{5}-of-\d{5})?\.gguf$")
-DERIVED_OPS = ("quantize", "random")
+DERIVED_OPS = ("quantize", "random", "shape")
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,12 @@ class DerivedSource:
     ftype: str = "F32"
     seed: int = 0
     verified: bool = True
+    shape: str = ""  # op "shape": a key of models.shapes.SHAPES
+    scaled: tuple[int, ...] = ()  # op "shape": (n_layer, n_embd, n_ff) to shrink it to
 
     def describe(self) -> str:
+        if self.op == "shape":
+            return f"random weights in {self.shape}'s shapes at Q4_K_M with {self.parent.name}'s tokenizer, made locally"
         what = f"{self.ftype} conversion" if self.op == "quantize" else "random-weight copy"
         return f"{what} of {self.parent.name}, made locally"
 

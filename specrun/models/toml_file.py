@@ -77,7 +77,7 @@ _SOURCE_KEYS = {
     "hf": {"hf", "file", "files", "revision", "sha256", "sizes", "verified"},
     "pypi": {"pypi", "members", "sha256", "file", "verified"},
     "path": {"path", "verified"},
-    "derived": {"derived", "op", "ftype", "seed", "file", "verified"},
+    "derived": {"derived", "op", "ftype", "seed", "file", "verified", "shape", "scaled"},
 }
 
 
@@ -154,6 +154,13 @@ def _validate_source(toml: TomlFile, alias: str, src: Any, index: int) -> None:
             raise toml.error(f"model '{alias}': op must be one of {', '.join(DERIVED_OPS)}", alias, "op")
         if "seed" in src:
             _check_type(toml, src["seed"], int, f"model '{alias}': seed", alias, "seed")
+        if src.get("op") == "shape":
+            _check_type(toml, src.get("shape"), str, f"model '{alias}': shape", alias, "shape")
+            scaled = src.get("scaled", [])
+            if not isinstance(scaled, list) or len(scaled) not in (0, 3) or not all(
+                isinstance(n, int) and n > 0 for n in scaled
+            ):
+                raise toml.error(f"model '{alias}': scaled must be [n_layer, n_embd, n_ff]", alias, "scaled")
     if "sha256" in src:
         for digest in _string_list(toml, src["sha256"], f"model '{alias}': sha256", alias, "sha256"):
             if not SHA256_RE.fullmatch(digest):

@@ -64,6 +64,8 @@ class RunOptions:
     # about twice as fast on text that repeats: see README); False: --no-lookup.
     lookup: bool | None = None
     quiet: bool = False  # no download progress bars
+    # --gpu-memory: use at most this many bytes of each GPU (a big card stands in for a smaller one)
+    gpu_memory: int | None = None
 
     @property
     def lookup_only(self) -> bool:
@@ -293,6 +295,10 @@ def build_plan(
     if devices is None:
         devices = engine.list_devices()
     gpus = placement.gpus_of(devices)
+    if opts.gpu_memory is not None:
+        if not gpus:
+            notes.append("--gpu-memory has no effect: no GPU was found")
+        gpus = offload.capped_devices(gpus, opts.gpu_memory)
     draft_path = files.draft_path if tree is not None and tree.draft_model else None
     auto_ctx = opts.ctx_size is None
     target_size = draft_size = None
@@ -437,8 +443,8 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
         return None, why, False
     choice = facts = None
     if files.target_path is not None and files.draft_path is not None:
-        choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads)
-        facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads) if choice else None
+        choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory)
+        facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory) if choice else None
     plain_s = None
     if choice is not None and choice.predicted_tokens_per_s > 0:
         plain_s = choice.predicted_speedup / choice.predicted_tokens_per_s  # tokens/s / speedup = plain's
