@@ -17,17 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# llm_arch_supports_rs_rollback: hybrids whose recurrent state rolls back by up to n_rs_seq tokens.
-ROLLBACK_HYBRIDS = frozenset({
-    "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h", "nemotron_h_moe",
-    "lfm2", "lfm2moe", "kimi-k3", "bailingmoe3",
-})
-# llm_arch_is_hybrid minus the above: their recurrent state cannot be cut back at all.
-FIXED_HYBRIDS = frozenset({
-    "jamba", "falcon-h1", "granitehybrid", "qwen3next", "plamo2", "kimi-linear", "minimax-01",
-})
-# llm_arch_is_recurrent: no attention cache at all.
-RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+from specrun import architectures
+
+# The sets are llama.cpp's facts, kept once in specrun.architectures (what the plan verifies with).
+ROLLBACK_HYBRIDS = architectures.ROLLBACK
+FIXED_HYBRIDS = architectures.HYBRID - architectures.ROLLBACK  # their recurrent state cannot be cut back
+RECURRENT = architectures.RECURRENT
 # Not standalone models: heads loaded beside their target (Gemma 4's MTP assistants).
 HEADS = frozenset({"gemma4-assistant"})
 
