@@ -10,6 +10,8 @@ that does not escape HTML, `raise_exception` and `strftime_now`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import functools
 import json
 import logging
@@ -21,7 +23,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from specrun.chat import templates
-from specrun.chat.templates import render_chat, render_incremental
+from specrun.chat.templates import render_chat
 from tests.pinned_sources import template, vocab_gguf
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +175,32 @@ def test_thinking_sections_render_as_hugging_face(name, no_fallback):
 # Incremental rendering (chat KV reuse)
 
 
+@dataclass
+class Turn:
+    full: str
+    suffix: str | None
+
+
+@pytest.fixture(scope="module")
+def render_incremental(offline_models):
+    """Return render(template, history, new, rendered_history=None) -> Turn, as a chat session renders a turn."""
+    from specrun.chat.session import ChatFormat
+    from specrun.engine.model import Model
+
+    model = Model(offline_models.smollm2_q4, vocab_only=True)
+
+    def render(template_text, history, new, rendered_history=None):
+        fmt = ChatFormat(model)
+        fmt.template, fmt.bos_text, fmt.eos_text = template_text, "", ""  # as render_chat renders by default
+        full, start = fmt.render_turn(history, new, rendered_history)
+        return Turn(full.text, None if start is None else full.text[start:])
+
+    yield render
+    model.close()
+
+
 @pytest.mark.parametrize("name", list(TEMPLATES))
-def test_incremental_turns_agree_with_the_full_rendering(name, no_fallback):
+def test_incremental_turns_agree_with_the_full_rendering(name, no_fallback, render_incremental):
     history = [SYSTEM, U1, A1]
     for new, after in [([U2], [A2]), ([U3], [])]:
         turn = render_incremental(template(name), history, new)
@@ -185,7 +211,7 @@ def test_incremental_turns_agree_with_the_full_rendering(name, no_fallback):
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
-def test_incremental_turn_after_a_generated_reply(name, no_fallback):
+def test_incremental_turn_after_a_generated_reply(name, no_fallback, render_incremental):
     """The chat session's own history text (prompt + reply + end-of-turn marker) either prefixes the
     next rendering, giving the suffix to decode, or the prompt is prefilled again: never a wrong
     suffix."""
