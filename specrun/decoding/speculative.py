@@ -5,9 +5,10 @@ tree in ONE batch, each leaf a sequence of its own (tree.py's colours); the acce
 (verify.py) keeps what the target itself draws; both KV caches keep the accepted path and drop
 the rest. The committed prefix stays cached across steps, so nothing is ever prefilled twice.
 
-A target with a recurrent state (a hybrid that llama.cpp can roll back) verifies one chain per
-step instead: the tree's best path, at most `n_rs_seq` drafts, in sequence 0; the rejected tail is
-rolled back, which is exact because the same decode held the pending token before it.
+A target with a recurrent state (a hybrid that llama.cpp can roll back) verifies chains instead:
+the tree's best paths (at most `n_rs_seq` drafts, up to one per sequence of the context), each in
+a sequence of its own; the accepted chain's rejected tail is rolled back in its own sequence, which
+is exact because the same decode held the pending token and all of that chain before it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from specrun.core.sampling import SamplingParams, choose_token
+from specrun.core.rules import PathRules
+from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.core.tree import DraftTree
 from specrun.core.verify import accept_path
@@ -38,7 +40,7 @@ class SpeculativeDecoder:
     def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None):
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
-        # A recurrent state rolls back along one sequence only: verify chains (see the module doc).
+        # A recurrent state rolls back only in the sequence that made it: verify chains (module doc).
         self.chain_only = target_ctx.has_state
         self.n_chains = target_ctx.n_seq_max if self.chain_only else 0
         if self.chain_only and target_ctx.n_rs_seq < 1:
@@ -55,9 +57,11 @@ class SpeculativeDecoder:
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
         # Optional: caps the tree, down to plain steps, while speculation is measured slower than
-        # plain decoding on this machine.
+        # plain decoding on this machine. One guard per kind of request (greedy, sampled): what
+        # sampled answers measured must not cut the trees of greedy ones (see _guard_for).
         self.guard = guard
-        self._guard_said = 0
+        self._guards: dict[str, SpeedGuard] = {}
+        self._guard_told = False  # the guard's first event was said (at info level)
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
         self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
         self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
@@ -72,6 +76,9 @@ class SpeculativeDecoder:
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         if self._start is not None:
             self._start(len(prompt), max_tokens)
+        if self.guard is not None:
+            self.guard = self._guard_for(params)
+            self.guard.new_request()
         yield from self._steps(prompt, params, max_tokens, rng)
         # The generation ended (not interrupted): a drafter that learns from the session's text
         # reads all of it, the last step's tokens included.
@@ -88,8 +95,10 @@ class SpeculativeDecoder:
         # token, as in plain decoding: no pass of its own for the first token.
         _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
         t_start = time.perf_counter()
-        pending = choose_token(self.ctx.logits_row(-1), params, rng)
-        step = Step([pending], total_s=time.perf_counter() - t_start)
+        rules = PathRules.of(params)
+        step = _first_step(self.ctx.logits_row(-1), params, rng, rules)
+        pending = step.tokens[0]
+        step.total_s = time.perf_counter() - t_start
         stats.steps.append(step)
         stats.n_generated, stats.decode_s = 1, step.total_s
         yield step
@@ -112,9 +121,14 @@ class SpeculativeDecoder:
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
             proposal = None
-            if depth >= 1 and budget >= 1:
+            # Where a grammar allows one continuation only, that run is the tree: free drafts, no
+            # draft model asked (a chain fits the batch planned for the budget).
+            forced = [] if rules is None else rules.forced(min(shape.budget, remaining - 1, room - 1))
+            if forced:
+                proposal = Proposal(DraftTree.chain(pending, forced))
+            elif depth >= 1 and budget >= 1:
                 proposal = self.drafter.propose(cache.tokens, pending, budget, depth)
-            step = self._verify(proposal, pending, params, rng, remaining)
+            step = self._verify(proposal, pending, params, rng, remaining, rules, forced=bool(forced))
             step.total_s = time.perf_counter() - t_start
             stats.steps.append(step)
             stats.n_generated += len(step.tokens)
@@ -127,6 +141,15 @@ class SpeculativeDecoder:
             pending = step.tokens[-1]
         stats.finish_reason = "length"
 
+    def _guard_for(self, params: SamplingParams) -> SpeedGuard:
+        """The speed guard of this kind of request (greedy or sampled: acceptance differs)."""
+        kind = "sampled" if params.temperature > 0 else "greedy"
+        if not self._guards:
+            self._guards[kind] = self.guard  # the guard given stands for the first kind seen
+        elif kind not in self._guards:
+            self._guards[kind] = self.guard.copy()
+        return self._guards[kind]
+
     def _observe(self, step: Step, first: bool) -> None:
         """Let an adapting drafter and the speed guard see the step's measurements."""
         if self._observe_drafter is not None:
@@ -135,20 +158,22 @@ class SpeculativeDecoder:
         # prefill): a one-off, like the target's prefill, not what a step costs.
         if self.guard is not None and not first:
             self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
-            for event in self.guard.events[self._guard_said :]:
+            for event in self.guard.events[self.guard.said :]:
                 # Said once with --verbose; what follows (retries, further shrinking) at debug level.
-                (log.info if self._guard_said == 0 else log.debug)("%s", event)
-                self._guard_said += 1
+                (log.debug if self._guard_told else log.info)("%s", event)
+                self._guard_told = True
+                self.guard.said += 1
 
-    def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int) -> Step:
+    def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int,
+                rules: PathRules | None = None, forced: bool = False) -> Step:
         """Score root + tree with one target pass, walk it, and keep the accepted path in the cache."""
 
         ctx, cache, batch = self.ctx, self.cache, self.tree_batch
         p0 = cache.n_cached
         if proposal is None:
-            return self._plain_step(pending, params, rng)
+            return self._plain_step(pending, params, rng, rules)
         if self.chain_only:
-            return self._verify_chain(proposal, params, rng, remaining)
+            return self._verify_chain(proposal, params, rng, remaining, rules, forced)
         tree = proposal.tree
         layout = tree.colour_batch()
         # Every colour must see the committed prefix: copy seq 0 into colours 1.. before the pass.
@@ -161,11 +186,14 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         ctx.decode(batch)
         target_s = time.perf_counter() - t0
-        acceptance = accept_path(tree, ctx.logits(), params, rng, self.eog, max_tokens=remaining)
+        logits = ctx.logits()
+        acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
         keep_tree_path(ctx, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
-        self.drafter.commit(proposal, acceptance.nodes)
-        return Step(
+        if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
+            self.drafter.commit(proposal, acceptance.nodes)
+        n_tokens = len(acceptance.tokens)
+        step = Step(
             list(acceptance.tokens),
             target_s=target_s,
             draft_s=proposal.draft_s,
@@ -177,9 +205,15 @@ class SpeculativeDecoder:
             child_ranks=_child_ranks(tree, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(acceptance.nodes),
+            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
         )
+        if params.logprobs is not None:  # token i was drawn from node i's row: no extra pass
+            rows = logits[list(acceptance.nodes[:n_tokens])]
+            step.logprobs = token_logprobs(rows, acceptance.tokens, params.logprobs)
+        return step
 
-    def _verify_chain(self, proposal: Proposal, params: SamplingParams, rng, remaining: int) -> Step:
+    def _verify_chain(self, proposal: Proposal, params: SamplingParams, rng, remaining: int,
+                      rules: PathRules | None = None, forced: bool = False) -> Step:
         """Score the proposal's best paths as independent chains and keep the accepted one.
 
         Measured on hybrid models (Gated DeltaNet, short-conv): chains of equal length, one
@@ -216,7 +250,8 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         ctx.decode(batch)
         target_s = time.perf_counter() - t0
-        acceptance = accept_path(trie, ctx.logits()[rows], params, rng, self.eog, max_tokens=remaining)
+        logits = ctx.logits()[rows]  # row i: after trie node i
+        acceptance = accept_path(trie, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
         chosen = owner[acceptance.nodes[-1]]
         seq = seqs[chosen]
         if len(paths) > 1:
@@ -227,8 +262,9 @@ class SpeculativeDecoder:
         cache.roll_back(p0 + len(acceptance.nodes), last_decode=length)
         path = paths[chosen]
         nodes = path[: min(len(acceptance.nodes), len(path))]  # the proposal's own node ids
-        self.drafter.commit(proposal, nodes)
-        return Step(
+        if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
+            self.drafter.commit(proposal, nodes)
+        step = Step(
             list(acceptance.tokens),
             target_s=target_s,
             draft_s=proposal.draft_s,
@@ -240,9 +276,14 @@ class SpeculativeDecoder:
             child_ranks=_child_ranks(trie, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(nodes),
+            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
         )
+        if params.logprobs is not None:  # the trie's rows are its node ids
+            rows = logits[list(acceptance.nodes[: len(acceptance.tokens)])]
+            step.logprobs = token_logprobs(rows, acceptance.tokens, params.logprobs)
+        return step
 
-    def _plain_step(self, pending: int, params: SamplingParams, rng) -> Step:
+    def _plain_step(self, pending: int, params: SamplingParams, rng, rules: PathRules | None = None) -> Step:
         """A step without a tree: the root alone, as plain decoding does it (and no dearer)."""
         cache = self.cache
         self.one.set_arrays([pending], [cache.n_cached], [cache.seq], True)
@@ -250,7 +291,18 @@ class SpeculativeDecoder:
         self.ctx.decode(self.one)
         target_s = time.perf_counter() - t0
         cache.tokens.append(pending)
-        return Step([choose_token(self.ctx.logits_row(-1), params, rng)], target_s=target_s)
+        return _first_step(self.ctx.logits_row(-1), params, rng, rules, target_s=target_s)
+
+
+def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules | None, target_s: float = 0.0) -> Step:
+    """Return a one-token step drawn from one logit row, as plain decoding draws it."""
+    token = choose_token(row if rules is None else rules.shape(row), params, rng)
+    if rules is not None:
+        rules.accept(token)
+    step = Step([token], target_s=target_s)
+    if params.logprobs is not None:
+        step.logprobs = token_logprobs(row, [token], params.logprobs)
+    return step
 
 
 def best_chains(tree: DraftTree, n_chains: int, max_drafts: int) -> list[list[int]]:

@@ -84,6 +84,11 @@ class Model(Owner):
 
     # -- metadata --
     @property
+    def vocab_ptr(self):
+        """The llama_vocab pointer (for llguidance's tokenizer, engine.grammar)."""
+        return self._vocab
+
+    @property
     def n_layer(self) -> int:
         return C.llama_model_n_layer(self.ptr)
 
