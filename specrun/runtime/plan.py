@@ -288,6 +288,10 @@ def build_plan(
         tree, why, note = fit_tree_to_target(tree, why, target_arch)
         if note:
             notes.append(note)
+    if tree is not None and tree.template is not None and draft_arch and architectures.has_state(draft_arch):
+        # A draft with a recurrent state has one sequence per tree node (its context keeps few):
+        # it grows best-first trees of the template's size rather than the static template.
+        tree = replace(tree, template=None)
     threads, cores = opts.threads or engine.default_threads(), engine.default_threads()
     if threads > cores:
         # More threads than cores only makes them wait for each other (and 999 would start 999).
