@@ -32,6 +32,16 @@ root = prompt[-1]; p0 = len(prompt) - 1
 K, L = 3, 4
 chains = [list(rng.integers(0, 1000, L)) for _ in range(K)]
 
+def chains_context():
+    """Return a context whose sequences 0..K-1 hold the prompt and have scored one chain each."""
+    c = ctx(K); prefill(c, K)
+    b = Batch(128, K)
+    for s, ch in enumerate(chains):
+        for j, t in enumerate([root] + ch):
+            b.add(int(t), p0 + j, [s], True)
+    c.decode(b)
+    return c
+
 # A: K independent chains, one seq each, root duplicated, equal lengths.
 c = ctx(K); prefill(c, K)
 b = Batch(128, K)
@@ -60,12 +70,7 @@ except Exception as e:
 c.close()
 
 # A2: rollback after copying the chosen chain's seq to 0 first
-c = ctx(K); prefill(c, K)
-b = Batch(128, K)
-for s, ch in enumerate(chains):
-    for j, t in enumerate([root] + ch):
-        b.add(int(t), p0 + j, [s], True)
-c.decode(b)
+c = chains_context()
 a = 1
 c.seq_cp(2, 0, -1, -1); c.seq_keep(0); c.seq_rm(0, p0 + 1 + a, -1)
 b1 = Batch(8, 1); b1.set_sequence([nxt], p0 + 1 + a, 0, "last"); c.decode(b1)
@@ -74,12 +79,7 @@ print("A2 cp chain 2 to 0, keep 0, then roll back seq 0: diff", float(np.abs(c.l
 c.close()
 
 # A3: the accepted chain is seq 0 itself (chains in seqs 0..K-1)
-c = ctx(K); prefill(c, K)
-b = Batch(128, K)
-for s, ch in enumerate(chains):
-    for j, t in enumerate([root] + ch):
-        b.add(int(t), p0 + j, [s], True)
-c.decode(b)
+c = chains_context()
 a = 2
 c.seq_keep(0); c.seq_rm(0, p0 + 1 + a, -1)
 b1 = Batch(8, 1); b1.set_sequence([nxt], p0 + 1 + a, 0, "last"); c.decode(b1)
@@ -117,12 +117,7 @@ def check_main(label, c, main, kept_tokens, pos):
 
 # A4: chains; the accepted chain's seq becomes the main sequence (keep it, roll it back)
 for acc_seq, a in ((1, 2), (2, 0), (0, 4)):
-    c = ctx(K); prefill(c, K)
-    b = Batch(128, K)
-    for s, ch in enumerate(chains):
-        for j, t in enumerate([root] + ch):
-            b.add(int(t), p0 + j, [s], True)
-    c.decode(b)
+    c = chains_context()
     c.seq_keep(acc_seq); c.seq_rm(acc_seq, p0 + 1 + a, -1)
     check_main(f"A4 chains: keep seq {acc_seq}, roll back to {a} drafts, go on in it:", c, acc_seq, chains[acc_seq][:a], p0 + 1 + a)
     c.close()
