@@ -4,8 +4,8 @@ Attention models drop rejected draft tokens by removing their KV cells, so a who
 verified in one pass. A recurrent state (Mamba, RWKV, Gated DeltaNet, short convolutions) cannot
 be cut back to an earlier position: llama.cpp rolls it back only for the architectures in
 `llm_arch_supports_rs_rollback` (src/llama-arch.cpp), by up to `n_rs_seq` tokens of the last
-decode, once per step. Those verify a chain (the pending token + the drafts in one sequence, the
-rejected tail rolled back); the rest decode plainly. The lists are the vendored llama.cpp's
+decode, once per step. Those verify chains (each the pending token + drafts in a sequence of its
+own; the accepted one's rejected tail is rolled back in that sequence); the rest decode plainly. The lists are the vendored llama.cpp's
 (src/llama-arch.cpp `llm_arch_is_recurrent`, `llm_arch_is_hybrid`, `llm_arch_supports_rs_rollback`).
 """
 
@@ -24,15 +24,16 @@ ROLLBACK = frozenset({
     "lfm2", "lfm2moe", "bailingmoe3",
 })
 
-# The speculative shapes, most capable first.
-TREE, CHAIN, PLAIN = "tree", "chain", "plain"
+# The speculative shapes, most capable first: one tree (shared prefixes), several independent
+# chains of equal length, one chain, none.
+TREE, CHAINS, CHAIN, PLAIN = "tree", "chains", "chain", "plain"
 
 
 @dataclass(frozen=True)
 class Support:
     """How a target of one architecture can verify drafts: `shape` and the one-line reason."""
 
-    shape: str  # "tree", "chain" or "plain"
+    shape: str  # "tree", "chains", "chain" or "plain"
     reason: str
 
 
@@ -59,8 +60,8 @@ def can_roll_back(arch: str) -> bool:
 def speculation_support(arch: str) -> Support:
     """Return the most capable speculative shape a target of `arch` verifies exactly, and why."""
     if arch in ROLLBACK:
-        return Support(CHAIN, f"{arch} keeps a recurrent state that llama.cpp rolls back only along one "
-                              "sequence: drafts are verified as a chain")
+        return Support(CHAINS, f"{arch} keeps a recurrent state that llama.cpp rolls back only in the sequence "
+                               "that made it: drafts are verified as independent chains, not as one tree")
     if arch in HYBRID:
         return Support(PLAIN, f"{arch} keeps a recurrent state that llama.cpp cannot roll back: "
                               "rejected drafts could not be undone, so it decodes plainly")

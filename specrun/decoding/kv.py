@@ -24,6 +24,9 @@ class CachedSequence:
         self.ctx = ctx
         self.batch = batch
         self.tokens: list[int] = []
+        # The sequence holding the text: 0, except after a hybrid target accepted a chain that
+        # was scored in another sequence (its state rolls back exactly only where it was made).
+        self.seq = 0
 
     @property
     def n_cached(self) -> int:
@@ -65,10 +68,11 @@ class CachedSequence:
             if n == 0:  # llama.cpp's recurrent memory refuses seq_rm over all sequences
                 self.ctx.clear()
                 self.tokens.clear()
+                self.seq = 0
                 return
             if n < len(self.tokens):
                 raise EngineError(f"a recurrent state cannot be cut back from {len(self.tokens)} to {n} tokens")
-            self.ctx.seq_keep(0)  # nothing to drop from the text; stale draft sequences go
+            self.ctx.seq_keep(self.seq)  # nothing to drop from the text; stale draft sequences go
             return
         self.ctx.seq_rm(-1, n, -1)
         del self.tokens[n:]
@@ -85,7 +89,7 @@ class CachedSequence:
             return
         if self.ctx.has_state and (drop >= last_decode or drop > self.ctx.n_rs_seq):
             raise EngineError(f"cannot roll a recurrent state back by {drop} tokens after a decode of {last_decode}")
-        self.ctx.seq_rm(0, n_keep, -1)
+        self.ctx.seq_rm(self.seq, n_keep, -1)
         del self.tokens[n_keep:]
 
     def extend(self, tokens: Sequence[int], want_last_logits: bool = False) -> None:
@@ -94,7 +98,7 @@ class CachedSequence:
         for start in range(0, len(tokens), step):
             chunk = tokens[start : start + step]
             last = start + step >= len(tokens)
-            self.batch.set_sequence(chunk, self.n_cached, 0, "last" if (want_last_logits and last) else "none")
+            self.batch.set_sequence(chunk, self.n_cached, self.seq, "last" if (want_last_logits and last) else "none")
             self.ctx.decode(self.batch)
             self.tokens.extend(chunk)
 

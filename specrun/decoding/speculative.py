@@ -5,9 +5,10 @@ tree in ONE batch, each leaf a sequence of its own (tree.py's colours); the acce
 (verify.py) keeps what the target itself draws; both KV caches keep the accepted path and drop
 the rest. The committed prefix stays cached across steps, so nothing is ever prefilled twice.
 
-A target with a recurrent state (a hybrid that llama.cpp can roll back) verifies one chain per
-step instead: the tree's best path, at most `n_rs_seq` drafts, in sequence 0; the rejected tail is
-rolled back, which is exact because the same decode held the pending token before it.
+A target with a recurrent state (a hybrid that llama.cpp can roll back) verifies chains instead:
+the tree's best paths (at most `n_rs_seq` drafts, up to one per sequence of the context), each in
+a sequence of its own; the accepted chain's rejected tail is rolled back in its own sequence, which
+is exact because the same decode held the pending token and all of that chain before it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class SpeculativeDecoder:
     def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None):
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
-        # A recurrent state rolls back along one sequence only: verify chains (see the module doc).
+        # A recurrent state rolls back only in the sequence that made it: verify chains (module doc).
         self.chain_only = target_ctx.has_state
+        self.n_chains = target_ctx.n_seq_max if self.chain_only else 0
         if self.chain_only and target_ctx.n_rs_seq < 1:
             raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")
         if target_ctx.n_seq_max < MAX_SEQ and not self.chain_only:
@@ -68,6 +70,7 @@ class SpeculativeDecoder:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
         self.ctx.clear()
         self.cache.tokens.clear()
+        self.cache.seq = 0
         self.drafter.reset()
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
@@ -211,38 +214,71 @@ class SpeculativeDecoder:
 
     def _verify_chain(self, proposal: Proposal, params: SamplingParams, rng, remaining: int,
                       rules: PathRules | None = None, forced: bool = False) -> Step:
-        """Score the proposal's best path in sequence 0 and roll the rejected drafts back."""
+        """Score the proposal's best paths as independent chains and keep the accepted one.
+
+        Measured on hybrid models (Gated DeltaNet, short-conv): chains of equal length, one
+        sequence each with the committed state copied in, score exactly; the accepted chain's
+        sequence then rolls back exactly and becomes the committed one. A rollback in another
+        sequence followed by a copy, or one inside a prefix shared by several sequences, is wrong.
+        """
         ctx, cache, tree = self.ctx, self.cache, proposal.tree
-        p0 = cache.n_cached
-        path = tree.best_path()[: self.ctx.n_rs_seq + 1]
-        chain = DraftTree.chain(int(tree.tokens[0]), tree.tokens[path[1:]], tree.logps[path[1:]])
-        self.tree_batch.set_arrays(chain.tokens, p0 + np.arange(len(chain)), 0, True)
+        p0, main = cache.n_cached, cache.seq
+        paths = best_chains(tree, min(self.n_chains, ctx.n_seq_max), ctx.n_rs_seq)
+        length = max(len(path) for path in paths)
+        trie = DraftTree(int(tree.tokens[0]), capacity=len(paths) * length + 1)
+        rows, owner = [0], [0]  # per trie node: its logits row in the batch, the chain it came from
+        seqs = [main] + [s for s in range(ctx.n_seq_max) if s != main][: len(paths) - 1]
+        batch = self.tree_batch
+        batch.clear()
+        for c, (path, seq) in enumerate(zip(paths, seqs)):
+            if seq != main:
+                ctx.seq_cp(main, seq, -1, -1)
+            # Equal lengths keep the recurrent memory's equal split in one ubatch: a short chain
+            # repeats its last token (any token is a valid proposal: only target draws are kept).
+            tokens = [int(tree.tokens[n]) for n in path] + [int(tree.tokens[path[-1]])] * (length - len(path))
+            node = 0
+            for depth, token in enumerate(tokens):
+                batch.add(token, p0 + depth, [seq], True)
+                if depth == 0:
+                    continue
+                child = trie.find_child(node, token)
+                if child is None:
+                    child = trie.add(node, token, 0.0)
+                    rows.append(c * length + depth)
+                    owner.append(c)
+                node = child
         t0 = time.perf_counter()
-        ctx.decode(self.tree_batch)
+        ctx.decode(batch)
         target_s = time.perf_counter() - t0
-        logits = ctx.logits()
-        acceptance = accept_path(chain, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
-        cache.tokens.extend(int(t) for t in chain.tokens)
-        # At most len(chain) - 1 drafts go, fewer than this decode held: an exact rollback.
-        cache.roll_back(p0 + len(acceptance.nodes), last_decode=len(chain))
-        nodes = [path[n] for n in acceptance.nodes]  # the proposal's own node ids
+        logits = ctx.logits()[rows]  # row i: after trie node i
+        acceptance = accept_path(trie, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
+        chosen = owner[acceptance.nodes[-1]]
+        seq = seqs[chosen]
+        if len(paths) > 1:
+            ctx.seq_keep(seq)
+        cache.seq = seq
+        cache.tokens.extend(int(batch.tokens[chosen * length + d]) for d in range(length))
+        # At most length - 1 drafts go, fewer than this decode held for the sequence: exact.
+        cache.roll_back(p0 + len(acceptance.nodes), last_decode=length)
+        path = paths[chosen]
+        nodes = path[: min(len(acceptance.nodes), len(path))]  # the proposal's own node ids
         if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
             self.drafter.commit(proposal, nodes)
         step = Step(
             list(acceptance.tokens),
             target_s=target_s,
             draft_s=proposal.draft_s,
-            tree_nodes=len(chain) - 1,
-            tree_depth=chain.max_depth,
-            tree_leaves=1 if len(chain) > 1 else 0,
+            tree_nodes=len(paths) * length - 1,
+            tree_depth=length - 1,
+            tree_leaves=len(paths) if length > 1 else 0,
             draft_passes=proposal.draft_passes,
             path_ranks=proposal.path_ranks(nodes),
-            child_ranks=_child_ranks(chain, acceptance),
+            child_ranks=_child_ranks(trie, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(nodes),
             forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
         )
-        if params.logprobs is not None:  # the chain's rows are its node ids
+        if params.logprobs is not None:  # the trie's rows are its node ids
             rows = logits[list(acceptance.nodes[: len(acceptance.tokens)])]
             step.logprobs = token_logprobs(rows, acceptance.tokens, params.logprobs)
         return step
@@ -250,7 +286,7 @@ class SpeculativeDecoder:
     def _plain_step(self, pending: int, params: SamplingParams, rng, rules: PathRules | None = None) -> Step:
         """A step without a tree: the root alone, as plain decoding does it (and no dearer)."""
         cache = self.cache
-        self.one.set_arrays([pending], [cache.n_cached], [0], True)
+        self.one.set_arrays([pending], [cache.n_cached], [cache.seq], True)
         t0 = time.perf_counter()
         self.ctx.decode(self.one)
         target_s = time.perf_counter() - t0
@@ -267,6 +303,22 @@ def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules |
     if params.logprobs is not None:
         step.logprobs = token_logprobs(row, [token], params.logprobs)
     return step
+
+
+def best_chains(tree: DraftTree, n_chains: int, max_drafts: int) -> list[list[int]]:
+    """Return up to n_chains root-to-node paths (node ids) of at most max_drafts drafts each:
+    the best path first, then the paths to the best-scored other leaves."""
+    paths = [tree.best_path()[: max_drafts + 1]]
+    if n_chains > 1 and len(tree) > 1:
+        leaves = [int(n) for n in tree.leaves() if n != 0]
+        leaves.sort(key=lambda n: (-tree.logps[n], n))
+        for leaf in leaves:
+            if len(paths) >= n_chains:
+                break
+            path = tree.path(leaf)[: max_drafts + 1]
+            if all(path[: len(p)] != p and p[: len(path)] != path for p in paths):
+                paths.append(path)
+    return paths
 
 
 def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:

@@ -48,6 +48,10 @@ def model_size(path: Path) -> offload.ModelSize:
         n_ff = _meta_int(model, f"{arch}.feed_forward_length", 0)
         n_ctx_train = _meta_int(model, f"{arch}.context_length", 0)
     file_bytes = total_file_bytes(Path(path))
+    _, tensors = engine.gguf_header_facts(Path(path))
+    if tensors and not _SHARD.search(Path(path).name):
+        return size_from_tensors(tensors, file_bytes, n_layer, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head,
+                                 n_head_kv=n_head_kv, n_ff=n_ff)
     # Bytes per weight from a parameter estimate: attention ~ (2 + 2*kv/heads) n_embd^2, MLP 3 n_embd n_ff.
     per_layer_params = (2 + 2 * n_head_kv / max(n_head, 1)) * n_embd * n_embd + 3 * n_embd * max(n_ff, 4 * n_embd)
     params = n_layer * per_layer_params + 2 * n_vocab * n_embd
@@ -56,6 +60,42 @@ def model_size(path: Path) -> offload.ModelSize:
     return offload.ModelSize.from_totals(
         file_bytes, n_layer, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv,
         n_ff=n_ff, input_bytes=embedding, output_bytes=min(embedding, file_bytes // 4), n_ctx_train=n_ctx_train,
+    )
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+# Tensors of the output head (the rest outside blk.* is the input side: embeddings and norms).
+_OUTPUT = ("output.weight", "output.bias", "output_norm.weight", "output_norm.bias")
+
+
+def size_from_tensors(tensors: dict[str, int], file_bytes: int, n_layer: int, **shape: int) -> offload.ModelSize:
+    """Return the planner's view from the GGUF header's own tensor sizes.
+
+    Exact where the parameter estimate is not: a mixture-of-experts layer holds all its experts
+    (`ffn_*_exps`, most of the file in gpt-oss or Qwen3.5-MoE) wherever the layer is placed, and
+    its largest tensor is a whole stack of experts. Layers past n_layer (MTP / next-token heads)
+    count with the last layer.
+    """
+    layers = [0] * n_layer
+    input_bytes = output_bytes = largest = 0
+    for name, size in tensors.items():
+        match = _BLOCK.match(name)
+        if match:
+            layers[min(int(match.group(1)), n_layer - 1)] += size
+            largest = max(largest, size)
+        elif name in _OUTPUT:
+            output_bytes += size
+        else:
+            input_bytes += size
+    if "output.weight" not in tensors:  # tied: llama.cpp keeps a copy of the embedding for the head
+        output_bytes += tensors.get("token_embd.weight", 0)
+    n_head = shape.pop("n_head")
+    n_head_kv = shape.pop("n_head_kv")
+    head_dim = shape["n_embd"] // max(n_head, 1)
+    return offload.ModelSize(
+        file_bytes=file_bytes, layer_bytes=tuple(layers), input_bytes=input_bytes, output_bytes=output_bytes,
+        n_head=n_head, n_embd_k_gqa=n_head_kv * head_dim, n_embd_v_gqa=n_head_kv * head_dim,
+        largest_tensor_bytes=largest, **shape,
     )
 
 

@@ -98,8 +98,9 @@ class TreePlan:
     lookup: TreeShape | None = None  # lookup nodes a step may add (None: no lookup)
     draft_model: bool = True  # False: lookup alone proposes, no draft model is loaded
     plain_s: float | None = None  # plain decoding's seconds per token by the tuning profile
-    # How the target verifies: "tree" (attention KV cache) or "chain" (a recurrent state that
-    # rolls back along one sequence: each step checks the proposal's best path).
+    # How the target verifies: "tree" (attention KV cache) or "chains" (a recurrent state that
+    # rolls back only in the sequence that made it: each step checks the proposal's best paths,
+    # each in a sequence of its own).
     verify: str = architectures.TREE
     prior: DraftPrior | None = None  # the profile's figures for the draft model (hybrid's first steps)
 
@@ -130,8 +131,8 @@ class TreePlan:
 
     def describe(self) -> str:
         text = self._describe_drafts()
-        if self.verify == architectures.CHAIN:
-            text += f"; the target verifies one chain of up to {self.verified.depth} drafts per step"
+        if self.verify == architectures.CHAINS:
+            text += f"; the target verifies up to {MAX_CHAINS} chains of up to {self.verified.depth} drafts per step"
         return text
 
     def _describe_drafts(self) -> str:
@@ -287,6 +288,10 @@ def build_plan(
         tree, why, note = fit_tree_to_target(tree, why, target_arch)
         if note:
             notes.append(note)
+    if tree is not None and tree.template is not None and draft_arch and architectures.has_state(draft_arch):
+        # A draft with a recurrent state has one sequence per tree node (its context keeps few):
+        # it grows best-first trees of the template's size rather than the static template.
+        tree = replace(tree, template=None)
     threads, cores = opts.threads or engine.default_threads(), engine.default_threads()
     if threads > cores:
         # More threads than cores only makes them wait for each other (and 999 would start 999).
@@ -320,9 +325,10 @@ def build_plan(
     draft_ctx = None
     if tree is not None:
         tree_tokens = tree.verified.budget + 1
-        if tree.verify == architectures.CHAIN:
-            # One sequence, and snapshots to roll the state back by the rejected drafts.
-            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), 1, tree.verified.depth)
+        if tree.verify == architectures.CHAINS:
+            # A sequence per chain, and snapshots to roll the state back by the rejected drafts.
+            chain_tokens = MAX_CHAINS * (tree.verified.depth + 1)
+            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), MAX_CHAINS, tree.verified.depth)
         else:
             target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
         if tree.draft_model:
@@ -349,13 +355,16 @@ def build_plan(
 # The longest chain a target with a recurrent state verifies per step: llama.cpp keeps one state
 # snapshot per draft token (memory: the recurrent state times this), and chains gain little beyond.
 MAX_CHAIN = 8
+# Chains per step: each holds a recurrent state and its snapshots (memory: times this).
+MAX_CHAINS = 4
 
 
 def fit_tree_to_target(tree: TreePlan, why: str, arch: str) -> tuple[TreePlan | None, str, str | None]:
     """Return (the tree the target's architecture can verify exactly or None, why, a note or None).
 
     Attention targets verify trees as planned. Targets whose recurrent state rolls back verify
-    chains: the drafts become chains (a lookup or hybrid tree is cut to its best path each step).
+    chains: trees no deeper than MAX_CHAIN whose best paths (up to MAX_CHAINS) are scored each in
+    a sequence of its own.
     Targets whose state cannot roll back decode plainly, said in one line.
     """
     support = architectures.speculation_support(arch)
@@ -364,11 +373,12 @@ def fit_tree_to_target(tree: TreePlan, why: str, arch: str) -> tuple[TreePlan | 
     if support.shape == architectures.PLAIN:
         return None, support.reason, f"plain decoding: {support.reason}"
     depth = min(MAX_CHAIN, tree.verified.depth)
-    shape = TreeShape.chain(min(depth, tree.shape.depth))
-    lookup = TreeShape(depth, depth, 1, 1) if tree.lookup is not None else None
+    s = tree.shape
+    shape = TreeShape(min(s.budget, MAX_CHAINS * depth), min(s.depth, depth), s.width, s.top_k)
+    lookup = TreeShape(MAX_CHAINS * depth, depth, 1, 1) if tree.lookup is not None else None
     if not tree.draft_model:
         shape = lookup
-    chained = replace(tree, shape=shape, template=None, lookup=lookup, verify=architectures.CHAIN)
+    chained = replace(tree, shape=shape, template=None, lookup=lookup, verify=architectures.CHAINS)
     return chained, f"{why}; {support.reason}", None
 
 
