@@ -68,4 +68,4 @@ def speculation_support(arch: str) -> Support:
     if arch in RECURRENT:
         return Support(PLAIN, f"{arch} is a recurrent model whose state llama.cpp cannot roll back: "
                               "rejected drafts could not be undone, so it decodes plainly")
-    return Support(TREE, "attention KV cache: rejected branches are dropped, whole draft trees are verified")
+    return Support(TREE, f"{arch} keeps an attention KV cache: rejected branches are dropped, whole draft trees are verified")

@@ -110,7 +110,7 @@ def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
     out_console().print(table)
     if unverified:
         dim("* file name or checksum seen in one public catalog only")
-    dim("speculates: tree = draft trees, chain = one draft chain per step (hybrids that roll back), "
+    dim("speculates: tree = draft trees, chains = up to four draft chains per step (hybrids that roll back), "
         "plain only = no speculation; MTP = the file has MTP layers (not used as a drafter yet); "
         "`specrun models --json` gives the reason")
     if default_pair:

@@ -42,8 +42,8 @@ def llama_cpp_arch_names() -> set[str]:
 
 
 @pytest.mark.parametrize("arch, mode", [
-    ("qwen35", "chain"), ("qwen35moe", "chain"), ("nemotron_h", "chain"), ("lfm2", "chain"),
-    ("kimi-k3", "chain"), ("deepseek4", "chain"), ("glm5-next", "chain"),
+    ("qwen35", "chains"), ("qwen35moe", "chains"), ("nemotron_h", "chains"), ("lfm2", "chains"),
+    ("kimi-k3", "chains"), ("deepseek4", "chains"), ("glm5-next", "chains"),
     ("jamba", "plain"), ("falcon-h1", "plain"), ("granitehybrid", "plain"), ("qwen3next", "plain"),
     ("plamo2", "plain"), ("kimi-linear", "plain"), ("minimax-01", "plain"),
     ("mamba", "plain"), ("mamba2", "plain"), ("rwkv7", "plain"), ("gemma4-assistant", "plain"),
@@ -65,12 +65,12 @@ def test_every_named_architecture_exists_in_the_pinned_llama_cpp(llama_cpp_arch_
 
 
 def test_labels_say_mtp_beside_the_mode():
-    assert speculation("qwen35", mtp=True).label == "chain, MTP"
+    assert speculation("qwen35", mtp=True).label == "chains, MTP"
     assert speculation("jamba").label == "plain only"
     assert speculation(None, mtp=True).label == "?"
     assert speculation("llama").label == "tree"
     assert speculation("qwen35", mtp=True).as_dict() == {
-        "mode": "chain", "reason": speculation("qwen35").reason, "mtp": True,
+        "mode": "chains", "reason": speculation("qwen35").reason, "mtp": True,
         "mtp_drafting": architectures.MTP_DRAFTING,
     }
 
@@ -131,14 +131,14 @@ def test_pinned_hashes_are_listed_with_sizes_and_unconfirmed_ones_are_marked(shi
 
 def test_rows_say_how_each_model_speculates(shipped):
     rows = {row.alias: row for row in registry.list_models(shipped)}
-    assert rows["qwen3.5-27b"].speculation.mode == "chain"
-    assert rows["qwen3.5-4b-mtp"].speculation.label == "chain, MTP"
+    assert rows["qwen3.5-27b"].speculation.mode == "chains"
+    assert rows["qwen3.5-4b-mtp"].speculation.label == "chains, MTP"
     assert rows["gemma4-31b"].speculation.mode == "tree"
     assert rows["gpt-oss-120b"].speculation.mode == "tree"
-    assert rows["lfm2.5-1.2b"].speculation.mode == "chain"
+    assert rows["lfm2.5-1.2b"].speculation.mode == "chains"
     assert rows["qwen2.5-14b"].speculation.mode == "tree"
     data = rows["qwen3.5-27b"].as_dict()
-    assert data["arch"] == "qwen35" and data["speculation"]["mode"] == "chain"
+    assert data["arch"] == "qwen35" and data["speculation"]["mode"] == "chains"
     json.dumps(data)  # the row is JSON as it is
 
 

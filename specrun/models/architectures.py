@@ -6,7 +6,8 @@ can say what each registry entry will do before anything is downloaded:
 - attention-only models verify a whole draft tree in one batch ("tree");
 - hybrids whose recurrent state keeps rollback snapshots (`llm_arch_supports_rs_rollback`) can
   drop the rejected tail of a verify batch, by at most the tokens of the last decode: they verify
-  a chain ("chain") until trees are shown exact on the recurrent memory's equal-split ubatches;
+  up to four independent chains per step ("chains": measured exact, while a tree whose shared
+  prefix carries several sequences rolls back wrong);
 - other hybrids and pure recurrent models cannot drop part of a sequence: plain decoding ("plain").
 
 MTP layers (next-token-prediction heads) are reported beside the mode; whether specrun drafts
@@ -34,7 +35,7 @@ MTP_DRAFTING = False
 
 @dataclass(frozen=True)
 class Speculation:
-    """How a model speculates: mode is "tree", "chain", "plain" or "unknown", with the reason."""
+    """How a model speculates: mode is "tree", "chains", "plain" or "unknown", with the reason."""
 
     mode: str
     reason: str
@@ -42,7 +43,7 @@ class Speculation:
 
     @property
     def label(self) -> str:
-        """The short form `specrun models` shows: "tree", "chain", "plain only", "chain, MTP"..."""
+        """The short form `specrun models` shows: "tree", "chains", "plain only", "chains, MTP"..."""
         text = {"plain": "plain only", "unknown": "?"}.get(self.mode, self.mode)
         return f"{text}, MTP" if self.mtp and self.mode != "unknown" else text
 
@@ -57,14 +58,5 @@ def speculation(arch: str | None, mtp: bool = False) -> Speculation:
     arch = arch.lower()
     if arch in HEADS:
         return Speculation("plain", f"{arch} is a drafting head, not a standalone model", mtp)
-    if arch in RECURRENT:
-        return Speculation("plain", f"{arch} is recurrent: its state cannot roll back rejected drafts", mtp)
-    if arch in FIXED_HYBRIDS:
-        return Speculation("plain", f"{arch} is a hybrid whose recurrent state cannot roll back", mtp)
-    if arch in ROLLBACK_HYBRIDS:
-        return Speculation(
-            "chain",
-            f"{arch} is a hybrid: its recurrent state rolls back within one verify batch, so drafts are verified as a chain",
-            mtp,
-        )
-    return Speculation("tree", f"{arch} keeps an attention cache: draft trees are verified in one batch", mtp)
+    support = architectures.speculation_support(arch)  # what the plan itself will verify with
+    return Speculation(support.shape, support.reason, mtp)
