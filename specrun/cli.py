@@ -53,6 +53,8 @@ TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (default: the target family's recommended draft), or 'lookup': trees from the session's own text, no draft model.")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", min=0, help="Target layers to put on the GPU (default: planned from free GPU memory).")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=64, help="Context size in tokens.")]
+# chat, serve and plan: by default the model's trained context, lowered to what memory holds.
+AutoCtxOpt = Annotated[Optional[int], typer.Option("--ctx-size", "-c", min=64, show_default=False, help="Context size in tokens  [default: the model's trained context, lowered to what memory holds].")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
 BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2048, help="Draft tree size in nodes (default: tuned profile).")]
 DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help="Maximum draft tree depth.")]
@@ -113,18 +115,25 @@ def _main(
 # generate
 
 
+def _read_text_file(file: Path, what: str) -> str:
+    """Return a UTF-8 text file's contents, or raise a one-line error naming `what` it is."""
+    from specrun.inputs import decode_utf8
+
+    try:
+        return decode_utf8(file.read_bytes(), f"{what} {file}")
+    except IsADirectoryError:
+        raise UsageError(f"{what} {file} is a directory") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {file}: {e.strerror}") from None
+
+
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
-    from specrun.inputs import check_utf8, decode_utf8, read_stdin
+    from specrun.inputs import check_utf8, read_stdin
 
     if prompt is not None and file is not None:
         raise UsageError("give the prompt either as an argument or with --file, not both")
     if file is not None:
-        try:
-            return decode_utf8(file.read_bytes(), f"prompt file {file}")
-        except IsADirectoryError:
-            raise UsageError(f"prompt file {file} is a directory") from None
-        except OSError as e:
-            raise UsageError(f"cannot read prompt file {file}: {e.strerror}") from None
+        return _read_text_file(file, "prompt file")
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         return read_stdin()
     if prompt is not None:
@@ -239,7 +248,7 @@ def chat(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
-    ctx_size: CtxOpt = 4096,
+    ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
@@ -279,10 +288,12 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECRUN_API_KEY", show_envvar=True, help="Require this key (Authorization: Bearer KEY) on every /v1 route.")] = None,
     cors: Annotated[Optional[list[str]], typer.Option("--cors", metavar="ORIGIN", help="Allow browser pages from this origin (repeatable; * for any). Off by default.")] = None,
     queue_size: Annotated[int, typer.Option("--queue-size", min=1, help="Requests that may wait while one is answered; more get 503 with Retry-After.")] = 32,
+    reasoning_format: Annotated[str, typer.Option("--reasoning-format", help="Reasoning models' thinking: auto (in reasoning_content) or none (left in content); a request's reasoning_format overrides it.")] = "auto",
+    chat_template: Annotated[Optional[Path], typer.Option("--chat-template", metavar="FILE", help="Jinja chat template to use instead of the model's own.")] = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
-    ctx_size: CtxOpt = 4096,
+    ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
@@ -301,8 +312,20 @@ def serve(
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
-        settings = ServerSettings(api_key=api_key or None, cors_origins=tuple(cors or ()))
-        run_server(opts, host, port, settings, queue_size)
+        settings = ServerSettings(api_key=api_key or None, cors_origins=tuple(cors or ()), verbose=verbose)
+        run_server(opts, host, port, settings, queue_size, _chat_settings(reasoning_format, chat_template))
+
+
+def _chat_settings(reasoning_format: str, chat_template: Path | None):
+    from specrun.chat.reasoning import normalize_format
+    from specrun.server.thinking import ChatSettings
+
+    try:
+        fmt = normalize_format(reasoning_format)
+    except ValueError as e:
+        raise UsageError(f"--reasoning-format: {e}") from None
+    template = _read_text_file(chat_template, "--chat-template file") if chat_template is not None else None
+    return ChatSettings(reasoning_format=fmt, template=template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,7 +429,7 @@ def plan(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
-    ctx_size: CtxOpt = 4096,
+    ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
     depth: DepthOpt = None,

@@ -47,8 +47,10 @@ def _env(home: Path) -> dict:
 class ServerProcess:
     """`specrun serve` in a subprocess; stderr is collected line by line as it arrives."""
 
-    def __init__(self, home: Path, *args: str, port: int = 0):
-        argv = [sys.executable, "-m", "specrun", "serve", "--port", str(port), "--ctx-size", str(CTX), *args]
+    def __init__(self, home: Path, *args: str, port: int = 0, ctx: int | None = CTX):
+        """ctx=None: the server's default context (the model's trained one)."""
+        ctx_args = ["--ctx-size", str(ctx)] if ctx is not None else []
+        argv = [sys.executable, "-m", "specrun", "serve", "--port", str(port), *ctx_args, *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(home))
         self.stderr_lines: list[str] = []
         self.stdout = ""
