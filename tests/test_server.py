@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -95,14 +96,21 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def server(offline_models, tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY)
+@contextmanager
+def running_server(home: Path, *args: str, ctx: int | None = CTX):
+    """Yield a server once it listens; then check that it stops cleanly (exit 0, nothing on stdout)."""
+    srv = ServerProcess(home, *args, ctx=ctx)
     srv.wait_ready()
     yield srv
     rc = srv.terminate()
     assert rc == 0, srv.stderr
     assert srv.stdout == "", "the server wrote to stdout"
+
+
+@pytest.fixture(scope="module")
+def server(offline_models, tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

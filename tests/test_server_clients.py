@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server import API_KEY, PROMPT, TARGET, ServerProcess
+from test_server import API_KEY, PROMPT, TARGET, running_server
 
 ollama = pytest.importorskip("ollama", reason="the ollama client library is not installed (dev extra)")
 
@@ -24,12 +24,8 @@ SECRET = "zebra-7731"  # prompt text that must not reach the log of a refused re
 
 @pytest.fixture(scope="module")
 def server(offline_models, tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY, ctx=None)
-    srv.wait_ready()
-    yield srv
-    rc = srv.terminate()
-    assert rc == 0, srv.stderr
-    assert srv.stdout == "", "the server wrote to stdout"
+    with running_server(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY, ctx=None) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import openai
 import pytest
 from pinned_sources import template
-from test_server import API_KEY, TARGET, ServerProcess
+from test_server import API_KEY, TARGET, running_server
 
 ollama = pytest.importorskip("ollama", reason="the ollama client library is not installed (dev extra)")
 
@@ -24,11 +24,8 @@ def server(offline_models, tmp_path_factory):
     home = tmp_path_factory.mktemp("serve-reasoning")
     path = home / "qwen35.jinja"
     path.write_text(template("Qwen3.5-4B"))
-    srv = ServerProcess(home, "--api-key", API_KEY, "--chat-template", str(path))
-    srv.wait_ready()
-    yield srv
-    rc = srv.terminate()
-    assert rc == 0, srv.stderr
+    with running_server(home, "--api-key", API_KEY, "--chat-template", str(path)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from specrun.server.jobs import (
     ChatPrompt,
     ClientGone,
     EventReader,
-    Failed,
     Finished,
     Job,
     Piece,
@@ -239,22 +238,12 @@ async def _answer(request: Request, worker: GenerationWorker, body: GenerationRe
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(_stream(events, started, envelope, body.include_usage),
                                  media_type="text/event-stream", headers=headers)
-    parts: list[str] = []
-    thoughts: list[str] = []
     try:
-        while True:
-            event = await events.next()
-            if isinstance(event, Piece):
-                parts.append(event.text)
-                thoughts.append(event.reasoning)
-            elif isinstance(event, Finished):
-                break
+        text, thoughts, finished = await events.rest()
     except ClientGone:
         return Response(status_code=499)
-    finally:
-        job.cancel.set()  # a no-op once finished; stops the worker when this coroutine is cancelled
-    whole = envelope.whole("".join(parts), event.finish_reason, started, event.n_generated, event.stats,
-                           reasoning="".join(thoughts))
+    whole = envelope.whole(text, finished.finish_reason, started, finished.n_generated, finished.stats,
+                           reasoning=thoughts)
     return JSONResponse(whole, headers=headers)
 
 

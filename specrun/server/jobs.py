@@ -128,6 +128,21 @@ class EventReader:
             raise event.error
         return event
 
+    async def rest(self) -> tuple[str, str, Finished]:
+        """Return the rest of the answer: its text, its thinking and the Finished event (raise as next())."""
+        texts: list[str] = []
+        thoughts: list[str] = []
+        try:
+            while True:
+                event = await self.next()
+                if isinstance(event, Piece):
+                    texts.append(event.text)
+                    thoughts.append(event.reasoning)
+                elif isinstance(event, Finished):
+                    return "".join(texts), "".join(thoughts), event
+        finally:
+            self.job.cancel.set()  # a no-op once finished; stops the worker when the caller is cancelled
+
 
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", code="server_shutting_down")

@@ -246,22 +246,12 @@ async def _answer(request: Request, worker: GenerationWorker, body: _Request, pr
     if body.stream:
         return StreamingResponse(_lines(events, started, info, chat, t0), media_type="application/x-ndjson",
                                  headers=headers)
-    texts: list[str] = []
-    thoughts: list[str] = []
     try:
-        while True:
-            event = await events.next()
-            if isinstance(event, Piece):
-                texts.append(event.text)
-                thoughts.append(event.reasoning)
-            elif isinstance(event, Finished):
-                break
+        text, thoughts, finished = await events.rest()
     except ClientGone:
         return Response(status_code=499)
-    finally:
-        job.cancel.set()
-    return JSONResponse(_piece(info, chat, "".join(texts), "".join(thoughts).strip(), done=True,
-                               **_final_fields(started, event, t0)), headers=headers)
+    return JSONResponse(_piece(info, chat, text, thoughts.strip(), done=True, **_final_fields(started, finished, t0)),
+                        headers=headers)
 
 
 async def _lines(events: EventReader, started: Started, info: ModelInfo, chat: bool, t0: float):
