@@ -110,12 +110,20 @@ class ChatBody(_Request):
 
     @field_validator("messages", mode="before")
     @classmethod
-    def _thinking_back(cls, messages: Any) -> Any:
-        """Ollama sends an assistant's thinking back as `thinking`; the template reads reasoning_content."""
-        if isinstance(messages, list):
-            messages = [dict(m, reasoning_content=m["thinking"]) if isinstance(m, dict) and isinstance(m.get("thinking"), str)
-                        and "reasoning_content" not in m else m for m in messages]
-        return messages
+    def _ollama_messages(cls, messages: Any) -> Any:
+        """Refuse images; Ollama sends an assistant's thinking back as `thinking`, which becomes
+        reasoning_content (what the templates read)."""
+        if not isinstance(messages, list):
+            return messages
+        out = []
+        for m in messages:
+            if isinstance(m, dict):
+                if m.get("images"):
+                    raise ValueError("images are not supported by specrun")
+                if isinstance(m.get("thinking"), str) and "reasoning_content" not in m:
+                    m = dict(m, reasoning_content=m["thinking"])
+            out.append(m)
+        return out
 
     @field_validator("tools")
     @classmethod
