@@ -55,6 +55,8 @@ GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", min=0, help
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=64, help="Context size in tokens.")]
 # chat, serve and plan: by default the model's trained context, lowered to what memory holds.
 AutoCtxOpt = Annotated[Optional[int], typer.Option("--ctx-size", "-c", min=64, show_default=False, help="Context size in tokens  [default: the model's trained context, lowered to what memory holds].")]
+ReasoningFormatOpt = Annotated[str, typer.Option("--reasoning-format", help="Reasoning models' thinking: auto (apart: reasoning_content in the API, dimmed on stderr in chat) or none (left in the answer).")]
+ChatTemplateOpt = Annotated[Optional[Path], typer.Option("--chat-template", metavar="FILE", help="Jinja chat template to use instead of the model's own.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
 BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2048, help="Draft tree size in nodes (default: tuned profile).")]
 DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help="Maximum draft tree depth.")]
@@ -245,6 +247,8 @@ def chat(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
+    reasoning_format: ReasoningFormatOpt = "auto",
+    chat_template: ChatTemplateOpt = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
@@ -264,7 +268,7 @@ def chat(
 
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
-        chat_command.chat(opts, request, max_tokens)
+        chat_command.chat(opts, request, max_tokens, _chat_settings(reasoning_format, chat_template))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,8 +292,8 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECRUN_API_KEY", show_envvar=True, help="Require this key (Authorization: Bearer KEY) on every /v1 route.")] = None,
     cors: Annotated[Optional[list[str]], typer.Option("--cors", metavar="ORIGIN", help="Allow browser pages from this origin (repeatable; * for any). Off by default.")] = None,
     queue_size: Annotated[int, typer.Option("--queue-size", min=1, help="Requests that may wait while one is answered; more get 503 with Retry-After.")] = 32,
-    reasoning_format: Annotated[str, typer.Option("--reasoning-format", help="Reasoning models' thinking: auto (in reasoning_content) or none (left in content); a request's reasoning_format overrides it.")] = "auto",
-    chat_template: Annotated[Optional[Path], typer.Option("--chat-template", metavar="FILE", help="Jinja chat template to use instead of the model's own.")] = None,
+    reasoning_format: ReasoningFormatOpt = "auto",
+    chat_template: ChatTemplateOpt = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
@@ -317,8 +321,7 @@ def serve(
 
 
 def _chat_settings(reasoning_format: str, chat_template: Path | None):
-    from specrun.chat.reasoning import normalize_format
-    from specrun.server.thinking import ChatSettings
+    from specrun.chat.reasoning import ChatSettings, normalize_format
 
     try:
         fmt = normalize_format(reasoning_format)

@@ -84,3 +84,20 @@ def test_format_names(name, want):
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="unknown reasoning format"):
         reasoning.normalize_format("sideways")
+
+
+def test_chat_shows_thinking_dimmed_on_stderr_and_the_answer_on_stdout(offline_models, cli, tmp_path):
+    """`specrun chat` with Qwen3.5's template (it opens <think>): the demo model's text is all
+    thinking, so stdout stays empty; with --reasoning-format none the same text is the answer."""
+    path = tmp_path / "qwen35.jinja"
+    path.write_text(template("Qwen3.5-4B"))
+    args = ["chat", "--target", "smollm2-135m-f32", "--no-spec", "--threads", "1", "--ctx-size", "512", "-n", "8",
+            "--chat-template", str(path)]
+    apart = cli(*args, input="What is 2+2?\n")
+    whole = cli(*args, "--reasoning-format", "none", input="What is 2+2?\n")
+    assert apart.exit_code == 0 and whole.exit_code == 0, apart.output + whole.output
+    answer = whole.stdout.strip()
+    assert answer and apart.stdout == ""
+    assert answer in apart.stderr
+    bad = cli(*args, "--reasoning-format", "sideways", input="hi\n")
+    assert bad.exit_code == 2 and "--reasoning-format" in bad.output

@@ -52,6 +52,24 @@ def template_syntax(template: str | None) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class ChatSettings:
+    """What a front end (server, terminal chat) does with chats: where thinking goes (auto: apart,
+    none: left in the answer), and a chat template replacing the model's (--chat-template)."""
+
+    reasoning_format: str = "auto"
+    template: str | None = None
+
+
+def parser_for(template: str | None, rendered_prompt: str, reasoning_format: str = "auto") -> "ReasoningParser | None":
+    """Return the parser that splits the thinking out of answers to this prompt, or None to leave
+    them whole (reasoning format "none", or a template whose model does not think)."""
+    syntax = template_syntax(template)
+    if syntax is None or reasoning_format == "none":
+        return None
+    return ReasoningParser(syntax, in_reasoning=syntax == "think" and opens_thinking(rendered_prompt))
+
+
 def opens_thinking(prompt: str) -> bool:
     """Whether a rendered prompt ends inside an opened `<think>` (the answer starts with thoughts)."""
     return prompt.rstrip().endswith(THINK_OPEN)

@@ -20,11 +20,11 @@ import socket
 import uvicorn
 
 from specrun import ui
+from specrun.chat.reasoning import ChatSettings
 from specrun.errors import UsageError
 from specrun.runtime.plan import RunOptions, resolve_models
 from specrun.runtime.runtime import Runtime
 from specrun.server.app import ServerSettings, create_app
-from specrun.server.thinking import ChatSettings
 from specrun.server.worker import GenerationWorker
 
 # How long a stopping server waits for answers to wind up before it closes their connections.

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specrun import ui
-from specrun.chat.reasoning import ReasoningParser
+from specrun.chat import reasoning
+from specrun.chat.reasoning import ChatSettings, ReasoningParser
 from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import stream
 from specrun.errors import SpecrunError
@@ -46,10 +47,8 @@ from specrun.server.jobs import (
     TextPrompt,
     shutting_down,
 )
-from specrun.server import thinking
 from specrun.server.prompts import ConversationMemory, token_budget
 from specrun.server.schemas import APIError
-from specrun.server.thinking import ChatSettings
 
 log = logging.getLogger("specrun.server")
 
@@ -217,8 +216,8 @@ class GenerationWorker:
         prompt, rendered = self._prompt_tokens(job.prompt)
         parser = None
         if rendered is not None:
-            parser = thinking.parser_for(rt.chat_format.template, rendered,
-                                         job.prompt.reasoning_format or self.chat.reasoning_format)
+            parser = reasoning.parser_for(rt.chat_format.template, rendered,
+                                          job.prompt.reasoning_format or self.chat.reasoning_format)
         param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
         limit = token_budget(len(prompt), rt.target_ctx.n_ctx, job.max_tokens, param)
         started = Started(len(prompt), rt.decoder.cache.reusable(prompt), limit, job.max_tokens,
