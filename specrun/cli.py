@@ -281,7 +281,8 @@ def chat(
         "specrun serve --target qwen2.5-14b --port 8000",
         "SPECRUN_API_KEY=secret specrun serve --host 0.0.0.0 --cors https://chat.example.org",
         note=(
-            "OpenAI-compatible: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions.",
+            "OpenAI-compatible: GET /health, GET /v1/models, GET /props, POST /v1/chat/completions, POST /v1/completions.",
+            "Ollama's API beside it: /api/chat, /api/generate, /api/tags, /api/show, /api/version, /api/ps.",
             "Point a client at http://127.0.0.1:8080/v1 (any API key unless --api-key is set).",
         ),
     )
