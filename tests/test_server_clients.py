@@ -194,7 +194,9 @@ def test_health_answers_at_once_while_an_answer_decodes_and_the_queue_is_reporte
                 times.append(time.perf_counter() - t0)
                 time.sleep(0.2)
         assert not finished.is_set(), "the long answer ended before the checks: they proved nothing"
-        assert max(times) < 1.0, times
+        # A blocked server would answer after the 3000-token answer (minutes); these take milliseconds
+        # on a quiet machine, and stayed under 1.1 s with the 2 cores ~12x oversubscribed.
+        assert max(times) < 2.5, times
         held_s = 1.0
         time.sleep(held_s)  # the queued request keeps waiting behind the answer
     finally:
