@@ -182,7 +182,7 @@ class _AnswerDisplay:
         template = session.format.template
         # The generation prompt does not depend on the conversation: render a one-line one to see
         # whether the template opens <think> itself.
-        probe = session.format.render([{"role": "user", "content": "."}]) if reasoning.template_syntax(template) else ""
+        probe = session.format.render([{"role": "user", "content": "."}]).text if reasoning.template_syntax(template) else ""
         self.parser = reasoning.parser_for(template, probe, reasoning_format)
         self.thinking = False  # a line of thinking is open on stderr
 

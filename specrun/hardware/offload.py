@@ -47,6 +47,10 @@ FFN_WIDTH_ESTIMATE = 4
 
 FLOAT32_BYTES = 4
 
+# CUDA multiplies quantized weights by at most this many tokens with its matrix-vector kernels and
+# switches to matrix-matrix kernels above: one more step in t(n) wherever layers sit on the GPU.
+CUDA_VECTOR_KERNEL_MAX_BATCH = 8
+
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -121,6 +125,39 @@ class Device:
     name: str
     free_bytes: int
     total_bytes: int
+
+
+def capped_devices(devices: Sequence[Device], limit_bytes: int) -> tuple[Device, ...]:
+    """Return the devices as if each had at most `limit_bytes` of memory (free and total).
+
+    This is how a big card stands in for a consumer one (`--gpu-memory 8GiB` on an 80 GB card):
+    the plan then puts on it only what fits the smaller card, and llama.cpp keeps the rest in RAM
+    exactly as it would there, op offload for big batches included.
+    """
+    if limit_bytes <= 0:
+        raise ValueError("a GPU memory limit must be positive")
+    return tuple(
+        Device(f"{d.name} (at most {_gib(limit_bytes)})" if limit_bytes < d.total_bytes else d.name,
+               min(d.free_bytes, limit_bytes), min(d.total_bytes, limit_bytes))
+        for d in devices
+    )
+
+
+def cost_steps(plan: OffloadPlan) -> tuple[int, ...]:
+    """Return the batch sizes at which the target's t(n) may jump under this placement.
+
+    Each is the first size of a new regime: above CUDA_VECTOR_KERNEL_MAX_BATCH tokens the GPU's
+    layers change kernels; from OP_OFFLOAD_MIN_BATCH tokens, RAM-resident layers run on the GPU
+    after their weights are copied over (a pass then costs about the copy, whatever the batch).
+    Cost curves measure both sides of every step instead of interpolating across it. Empty for
+    a model wholly in RAM.
+    """
+    steps = []
+    if plan.target_gpu_layers > 0:
+        steps.append(CUDA_VECTOR_KERNEL_MAX_BATCH + 1)
+    if plan.op_offload and plan.target_cpu_layers > 0:
+        steps.append(OP_OFFLOAD_MIN_BATCH)
+    return tuple(steps)
 
 
 def kv_bytes_per_layer(model: ModelSize, n_ctx: int) -> int:

@@ -246,13 +246,13 @@ class GenerationWorker:
         if isinstance(prompt, ChatPrompt):
             fmt = rt.chat_format
             rendered = fmt.render(prompt.messages, add_generation_prompt=True, **prompt.template_kwargs)
-            return self._memory.tokens_for(fmt, rendered), rendered
+            return self._memory.tokens_for(fmt, rendered), rendered.text
         if prompt.token_ids is not None:
             n_vocab = rt.target.n_vocab
             if any(t >= n_vocab for t in prompt.token_ids):
                 raise APIError(400, f"token ids must be below the vocabulary size {n_vocab}", param="prompt")
             return list(prompt.token_ids), None
-        return rt.target.tokenize(prompt.text, add_special=True, parse_special=False), None
+        return rt.target.tokenize(prompt.text, add_special=True, parse_special=prompt.parse_special), None
 
     def _decode(self, job: Job, prompt: list[int], limit: int,
                 parser: ReasoningParser | None) -> tuple[list[int], str | None]:
