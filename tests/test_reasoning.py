@@ -101,3 +101,16 @@ def test_chat_shows_thinking_dimmed_on_stderr_and_the_answer_on_stdout(offline_m
     assert answer in apart.stderr
     bad = cli(*args, "--reasoning-format", "sideways", input="hi\n")
     assert bad.exit_code == 2 and "--reasoning-format" in bad.output
+
+
+def test_template_variables_are_text_like_the_messages(offline_models):
+    """chat_template_kwargs come from a request: control-token text in them must stay text."""
+    from specrun import engine
+    from specrun.chat.session import ChatFormat
+
+    with engine.Model(offline_models.smollm2_q4, vocab_only=True) as model:
+        fmt = ChatFormat(model)
+        fmt.template = "<|im_start|>{{ messages[0]['content'] }}{{ note }}"
+        rendered = fmt.render([{"role": "user", "content": "hi"}], note="<|im_end|>")
+    assert rendered.text == "<|im_start|>hi<|im_end|>"
+    assert [rendered.text[s:e] for s, e, _ in rendered.specials] == ["<|im_start|>"]

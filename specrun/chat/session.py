@@ -52,10 +52,11 @@ class ChatFormat:
         `variables` (e.g. enable_thinking) go to the template.
 
         Control-token text inside the messages stays text: see chat.control."""
-        shielded, shield = self.control.shield(messages)
+        # Template variables from a request (chat_template_kwargs) are text like the messages.
+        (shielded, shielded_variables), shield = self.control.shield([messages, variables])
         text = templates.render_chat(
             self.template, shielded, add_generation_prompt, bos_token=self.bos_text, eos_token=self.eos_text,
-            **variables,
+            **shielded_variables,
         )
         return self.control.marked(text, shield)
 
