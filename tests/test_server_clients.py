@@ -30,16 +30,16 @@ def server(offline_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def olm(server) -> "ollama.Client":
-    return ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    return ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600)
 
 
 def _http(server, **headers) -> httpx.Client:
-    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}", **headers}, timeout=120)
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}", **headers}, timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------

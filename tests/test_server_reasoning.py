@@ -30,7 +30,7 @@ def server(offline_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
 
 
 def _ask(client, messages, **extra):
@@ -92,7 +92,7 @@ def test_bad_reasoning_options_are_refused(client):
 
 
 def test_ollama_clients_get_thinking_apart_too(server):
-    client = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    client = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600)
     assert "thinking" in client.show(TARGET).capabilities
     reply = client.chat(model=TARGET, messages=[{"role": "user", "content": "Name a colour."}],
                         options={"temperature": 0, "num_predict": MAX_TOKENS})
