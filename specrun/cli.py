@@ -54,6 +54,10 @@ DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft mo
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", min=0, help="Target layers to put on the GPU (default: planned from free GPU memory).")]
 GpuMemoryOpt = Annotated[Optional[str], typer.Option("--gpu-memory", metavar="SIZE", help="Use at most this much of each GPU, e.g. 8GiB: a big card stands in for a smaller one, the rest of the model in RAM.")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=64, help="Context size in tokens.")]
+# chat, serve and plan: by default the model's trained context, lowered to what memory holds.
+AutoCtxOpt = Annotated[Optional[int], typer.Option("--ctx-size", "-c", min=64, show_default=False, help="Context size in tokens  [default: the model's trained context, lowered to what memory holds].")]
+ReasoningFormatOpt = Annotated[str, typer.Option("--reasoning-format", help="Reasoning models' thinking: auto (apart: reasoning_content in the API, dimmed on stderr in chat) or none (left in the answer).")]
+ChatTemplateOpt = Annotated[Optional[Path], typer.Option("--chat-template", metavar="FILE", help="Jinja chat template to use instead of the model's own.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
 BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2048, help="Draft tree size in nodes (default: tuned profile).")]
 DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help="Maximum draft tree depth.")]
@@ -122,18 +126,25 @@ def _main(
 # generate
 
 
+def _read_text_file(file: Path, what: str) -> str:
+    """Return a UTF-8 text file's contents, or raise a one-line error naming `what` it is."""
+    from specrun.inputs import decode_utf8
+
+    try:
+        return decode_utf8(file.read_bytes(), f"{what} {file}")
+    except IsADirectoryError:
+        raise UsageError(f"{what} {file} is a directory") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {file}: {e.strerror}") from None
+
+
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
-    from specrun.inputs import check_utf8, decode_utf8, read_stdin
+    from specrun.inputs import check_utf8, read_stdin
 
     if prompt is not None and file is not None:
         raise UsageError("give the prompt either as an argument or with --file, not both")
     if file is not None:
-        try:
-            return decode_utf8(file.read_bytes(), f"prompt file {file}")
-        except IsADirectoryError:
-            raise UsageError(f"prompt file {file} is a directory") from None
-        except OSError as e:
-            raise UsageError(f"cannot read prompt file {file}: {e.strerror}") from None
+        return _read_text_file(file, "prompt file")
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         return read_stdin()
     if prompt is not None:
@@ -247,11 +258,13 @@ def chat(
     top_p: TopPOpt = 1.0,
     min_p: MinPOpt = 0.0,
     seed: SeedOpt = None,
+    reasoning_format: ReasoningFormatOpt = "auto",
+    chat_template: ChatTemplateOpt = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
-    ctx_size: CtxOpt = 4096,
+    ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
@@ -267,7 +280,7 @@ def chat(
 
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
-        chat_command.chat(opts, request, max_tokens)
+        chat_command.chat(opts, request, max_tokens, _chat_settings(reasoning_format, chat_template))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +293,8 @@ def chat(
         "specrun serve --target qwen2.5-14b --port 8000",
         "SPECRUN_API_KEY=secret specrun serve --host 0.0.0.0 --cors https://chat.example.org",
         note=(
-            "OpenAI-compatible: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions.",
+            "OpenAI-compatible: GET /health, GET /v1/models, GET /props, POST /v1/chat/completions, POST /v1/completions.",
+            "Ollama's API beside it: /api/chat, /api/generate, /api/tags, /api/show, /api/version, /api/ps.",
             "Point a client at http://127.0.0.1:8080/v1 (any API key unless --api-key is set).",
         ),
     )
@@ -291,11 +305,13 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECRUN_API_KEY", show_envvar=True, help="Require this key (Authorization: Bearer KEY) on every /v1 route.")] = None,
     cors: Annotated[Optional[list[str]], typer.Option("--cors", metavar="ORIGIN", help="Allow browser pages from this origin (repeatable; * for any). Off by default.")] = None,
     queue_size: Annotated[int, typer.Option("--queue-size", min=1, help="Requests that may wait while one is answered; more get 503 with Retry-After.")] = 32,
+    reasoning_format: ReasoningFormatOpt = "auto",
+    chat_template: ChatTemplateOpt = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
-    ctx_size: CtxOpt = 4096,
+    ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
     depth: DepthOpt = None,
@@ -314,8 +330,19 @@ def serve(
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
-        settings = ServerSettings(api_key=api_key or None, cors_origins=tuple(cors or ()))
-        run_server(opts, host, port, settings, queue_size)
+        settings = ServerSettings(api_key=api_key or None, cors_origins=tuple(cors or ()), verbose=verbose)
+        run_server(opts, host, port, settings, queue_size, _chat_settings(reasoning_format, chat_template))
+
+
+def _chat_settings(reasoning_format: str, chat_template: Path | None):
+    from specrun.chat.reasoning import ChatSettings, normalize_format
+
+    try:
+        fmt = normalize_format(reasoning_format)
+    except ValueError as e:
+        raise UsageError(f"--reasoning-format: {e}") from None
+    template = _read_text_file(chat_template, "--chat-template file") if chat_template is not None else None
+    return ChatSettings(reasoning_format=fmt, template=template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +458,7 @@ def plan(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
-    ctx_size: CtxOpt = 4096,
+    ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
     depth: DepthOpt = None,

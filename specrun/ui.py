@@ -67,6 +67,13 @@ def dim(message: str) -> None:
     err_console().print(message, style="dim", markup=False)
 
 
+def thinking(text: str) -> None:
+    """Write a piece of a reasoning model's thinking on stderr, dimmed, without a line break."""
+    console = err_console()
+    console.print(text, style="dim italic", markup=False, highlight=False, end="")
+    console.file.flush()
+
+
 def warn(message: str) -> None:
     err_console().print(f"warning: {message}", style="yellow", markup=False)
 

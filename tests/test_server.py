@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -47,8 +48,10 @@ def _env(home: Path) -> dict:
 class ServerProcess:
     """`specrun serve` in a subprocess; stderr is collected line by line as it arrives."""
 
-    def __init__(self, home: Path, *args: str, port: int = 0):
-        argv = [sys.executable, "-m", "specrun", "serve", "--port", str(port), "--ctx-size", str(CTX), *args]
+    def __init__(self, home: Path, *args: str, port: int = 0, ctx: int | None = CTX):
+        """ctx=None: the server's default context (the model's trained one)."""
+        ctx_args = ["--ctx-size", str(ctx)] if ctx is not None else []
+        argv = [sys.executable, "-m", "specrun", "serve", "--port", str(port), *ctx_args, *args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(home))
         self.stderr_lines: list[str] = []
         self.stdout = ""
@@ -93,14 +96,21 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def server(offline_models, tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY)
+@contextmanager
+def running_server(home: Path, *args: str, ctx: int | None = CTX):
+    """Yield a server once it listens; then check that it stops cleanly (exit 0, nothing on stdout)."""
+    srv = ServerProcess(home, *args, ctx=ctx)
     srv.wait_ready()
     yield srv
     rc = srv.terminate()
     assert rc == 0, srv.stderr
     assert srv.stdout == "", "the server wrote to stdout"
+
+
+@pytest.fixture(scope="module")
+def server(offline_models, tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

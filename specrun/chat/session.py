@@ -47,13 +47,16 @@ class ChatFormat:
         """The vocabulary's control tokens (read once, on the first chat prompt)."""
         return ControlTokens.of(self.model)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> Marked:
-        """Return the conversation rendered, with the control tokens that the template itself wrote.
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> Marked:
+        """Return the conversation rendered, with the control tokens that the template itself wrote;
+        `variables` (e.g. enable_thinking) go to the template.
 
         Control-token text inside the messages stays text: see chat.control."""
-        shielded, shield = self.control.shield(messages)
+        # Template variables from a request (chat_template_kwargs) are text like the messages.
+        (shielded, shielded_variables), shield = self.control.shield([messages, variables])
         text = templates.render_chat(
-            self.template, shielded, add_generation_prompt, bos_token=self.bos_text, eos_token=self.eos_text
+            self.template, shielded, add_generation_prompt, bos_token=self.bos_text, eos_token=self.eos_text,
+            **shielded_variables,
         )
         return self.control.marked(text, shield)
 

@@ -7,6 +7,8 @@ import threading
 from pathlib import Path
 
 from specrun import paths, ui
+from specrun.chat import reasoning
+from specrun.chat.reasoning import ChatSettings
 from specrun.chat.session import ChatSession
 from specrun.commands.generate import announce
 from specrun.errors import ContextFullError, SpecrunError
@@ -24,12 +26,14 @@ Ctrl-C while an answer streams stops it and returns to the prompt.
 A message that starts with \"\"\" may span lines; end it with \"\"\". Start with // to send a text that begins with /."""
 
 
-def chat(opts: RunOptions, request: Request, max_tokens: int | None) -> None:
+def chat(opts: RunOptions, request: Request, max_tokens: int | None, settings: ChatSettings = ChatSettings()) -> None:
     """Run an interactive chat with the target on the terminal (or over piped lines)."""
 
     params = request.sampling()  # validate before loading anything
     with Runtime(opts) as rt:
         announce(rt)
+        if settings.template is not None:
+            rt.chat_format.template = settings.template
         session = ChatSession(rt, system=request.system)
         if rt.plan.drafter == "lookup":
             how = f"with lookup drafting (tree budget {rt.shape.budget})"
@@ -43,12 +47,12 @@ def chat(opts: RunOptions, request: Request, max_tokens: int | None) -> None:
         if reader.interactive:
             ui.dim("/help for commands, Ctrl-D to leave")
         try:
-            _chat_loop(session, reader, params, max_tokens)
+            _chat_loop(session, reader, params, max_tokens, settings.reasoning_format)
         finally:
             reader.close()
 
 
-def _chat_loop(session, reader, params, max_tokens: int | None) -> None:
+def _chat_loop(session, reader, params, max_tokens: int | None, reasoning_format: str) -> None:
     interrupted = False  # Ctrl-C at the prompt once: a second one in a row leaves
     while True:
         try:
@@ -74,7 +78,7 @@ def _chat_loop(session, reader, params, max_tokens: int | None) -> None:
             if not _chat_command(session, text):
                 return
             continue
-        _answer(session, text[1:] if text.startswith("//") else text, params, max_tokens)
+        _answer(session, text[1:] if text.startswith("//") else text, params, max_tokens, reasoning_format)
 
 
 def _chat_command(session, text: str) -> bool:
@@ -126,18 +130,19 @@ class _StopOnInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _answer(session, text: str, params, max_tokens: int | None) -> None:
+def _answer(session, text: str, params, max_tokens: int | None, reasoning_format: str = "auto") -> None:
     """Stream one answer to stdout, then the dim status line (or say why there is no answer)."""
     last = ""
+    shown = _AnswerDisplay(session, reasoning_format)
     try:
         with _StopOnInterrupt() as stop:
             answer = session.ask(text, params, max_tokens)
             try:
                 for piece in answer:
-                    ui.write_text(piece)
-                    last = piece
+                    last = shown.write(piece) or last
                     if stop.requested:
                         break
+                last = shown.finish() or last
             finally:
                 stop.abortable = False  # recording the turn must not be cut in half
                 answer.close()
@@ -168,6 +173,46 @@ def _answer(session, text: str, params, max_tokens: int | None) -> None:
     if turn.finish_reason == "context":
         ui.warn(f"the context is full ({session.n_used} of {session.n_ctx} tokens): "
                 "/reset starts a new conversation (or restart with a larger --ctx-size)")
+
+
+class _AnswerDisplay:
+    """Writes an answer: a reasoning model's thinking dimmed on stderr, the rest on stdout."""
+
+    def __init__(self, session, reasoning_format: str):
+        template = session.format.template
+        # The generation prompt does not depend on the conversation: render a one-line one to see
+        # whether the template opens <think> itself.
+        probe = session.format.render([{"role": "user", "content": "."}]).text if reasoning.template_syntax(template) else ""
+        self.parser = reasoning.parser_for(template, probe, reasoning_format)
+        self.thinking = False  # a line of thinking is open on stderr
+
+    def write(self, text: str) -> str:
+        """Show a piece; return what went to stdout."""
+        if self.parser is None:
+            ui.write_text(text)
+            return text
+        return self._show(self.parser.feed(text))
+
+    def finish(self) -> str:
+        """Show what the parser held back and end an open line of thinking; return what went to stdout."""
+        if self.parser is None:
+            return ""
+        shown = self._show(self.parser.finish())
+        if self.thinking:
+            ui.thinking("\n")
+            self.thinking = False
+        return shown
+
+    def _show(self, split: reasoning.Split) -> str:
+        if split.reasoning:
+            ui.thinking(split.reasoning.lstrip("\n") if not self.thinking else split.reasoning)
+            self.thinking = True
+        if split.content:
+            if self.thinking:
+                ui.thinking("\n")
+                self.thinking = False
+            ui.write_text(split.content)
+        return split.content
 
 
 def _session_stats(session) -> str:

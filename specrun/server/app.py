@@ -16,29 +16,32 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specrun.server.jobs import (
     ChatPrompt,
-    Failed,
+    ClientGone,
+    EventReader,
     Finished,
     Job,
     Piece,
     Started,
     TextPrompt,
 )
+from specrun.server.ollama import add_ollama_routes
+from specrun.server.requestlog import RequestLog
 from specrun.server.responses import DONE, Envelope, sse
 from specrun.server.schemas import (
+    DEFAULT_TEMPERATURE,
     APIError,
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
     error_body,
+    parse_body,
     refuse_unsupported,
-    validation_error,
 )
-from specrun.server.worker import POLL_S, GenerationWorker
+from specrun.server.worker import GenerationWorker
 
 log = logging.getLogger("specrun.server")
 
@@ -47,11 +50,18 @@ log = logging.getLogger("specrun.server")
 MAX_BODY_BYTES = 1 << 20
 
 
+# Response headers a browser page may read.
+EXPOSED_HEADERS = ["X-Request-Id", "X-Queue-Position", "X-Specrun-Max-Tokens"]
+# Routes answered without the API key: liveness checks carry no model output.
+OPEN_PATHS = frozenset({"/health"})
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
+    verbose: bool = False  # log refused requests' bodies too
 
 
 def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
@@ -59,13 +69,17 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="specrun", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
     _add_routes(app, worker)
+    add_ollama_routes(app, worker)
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
         # Added last, so it is the outermost layer: preflight requests never need the API key.
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"])
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=EXPOSED_HEADERS)
+    # Outermost: every response, refusals by the layers above included, carries the request id.
+    app.add_middleware(RequestLog, verbose=settings.verbose)
     return app
 
 
@@ -73,14 +87,16 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
 # Errors
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """Return the error as the API of `path` writes it: Ollama's under /api/, OpenAI's elsewhere."""
+    body = {"error": error.message} if path.startswith("/api/") else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -90,7 +106,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             error = APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
         else:
             error = APIError(exc.status_code, str(exc.detail))
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
@@ -100,7 +116,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class RequestGuard:
-    """ASGI middleware run before any route: the API key on /v1 routes, and the body size limit."""
+    """ASGI middleware run before any route: the API key (on every route but /health), and the body size limit."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -113,13 +129,13 @@ class RequestGuard:
             return
         refusal = self._refusal(scope)
         if refusal is not None:
-            await error_response(refusal)(scope, receive, send)
+            await error_response(refusal, scope["path"])(scope, receive, send)
             return
         await self.app(scope, self._limited(receive), send)
 
     def _refusal(self, scope) -> APIError | None:
         headers = dict(scope.get("headers") or ())
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             if not self._key_matches(headers.get(b"authorization", b"")):
                 return APIError(401, "missing or wrong API key: send the header Authorization: Bearer <key>",
                                 param=None, code="invalid_api_key")
@@ -165,17 +181,32 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        info = _ready_model(worker)
+        info = worker.ready_model()
+        # context_length (OpenRouter, LM Studio) and max_model_len (vLLM) are where clients look
+        # for the context size; meta.n_ctx_train as llama.cpp's server names it.
         entry = {"id": info.target, "object": "model", "created": 0, "owned_by": "specrun",
+                 "context_length": info.n_ctx, "max_model_len": info.n_ctx,
                  "meta": {"draft": info.draft, "drafter": info.drafter, "n_ctx": info.n_ctx,
-                          "tree_budget": info.tree_budget}}
+                          "n_ctx_train": info.n_ctx_train, "tree_budget": info.tree_budget}}
         return JSONResponse({"object": "list", "data": [entry]})
+
+    @app.get("/props")
+    async def props() -> JSONResponse:
+        # The shape of llama.cpp's server /props, which llama.cpp's web UI and some clients read.
+        info = worker.ready_model()
+        return JSONResponse({
+            "default_generation_settings": {"n_ctx": info.n_ctx, "model": info.target,
+                                            "params": {"temperature": DEFAULT_TEMPERATURE}},
+            "total_slots": 1, "model_alias": info.target, "model_path": info.file_name,
+            "chat_template": info.chat_template or "", "n_ctx_train": info.n_ctx_train,
+        })
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatRequest)
-        envelope = Envelope(_ready_model(worker).target, chat=True)
-        return await _answer(request, worker, body, ChatPrompt(body.template_messages()), envelope)
+        envelope = Envelope(worker.ready_model().target, chat=True)
+        prompt = ChatPrompt(body.template_messages(), body.chat_template_kwargs, body.reasoning_format)
+        return await _answer(request, worker, body, prompt, envelope)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -184,26 +215,14 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
             prompt = TextPrompt(text=body.prompt, parse_special=body.parse_special)
         else:
             prompt = TextPrompt(token_ids=body.prompt)
-        envelope = Envelope(_ready_model(worker).target, chat=False)
+        envelope = Envelope(worker.ready_model().target, chat=False)
         return await _answer(request, worker, body, prompt, envelope)
-
-
-def _ready_model(worker: GenerationWorker):
-    if worker.model is None or worker.state == "loading":
-        raise APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
-    return worker.model
 
 
 async def _parse(request: Request, model: type[GenerationRequest]) -> GenerationRequest:
     """Return the validated body. Parsed here rather than by FastAPI so that any content type
     works (curl -d sends form encoding) and every problem gets the same OpenAI-shaped 400."""
-    raw = await request.body()
-    if not raw.strip():
-        raise APIError(400, "the request needs a JSON object as its body", code="invalid_body")
-    try:
-        body = model.model_validate_json(raw)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
+    body = parse_body(await request.body(), model)
     refuse_unsupported(body)
     return body
 
@@ -217,24 +236,18 @@ async def _answer(request: Request, worker: GenerationWorker, body: GenerationRe
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
     headers = _limit_headers(started)
+    headers["X-Queue-Position"] = str(job.ahead)
     if body.streaming:
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(_stream(events, started, envelope, body.include_usage),
                                  media_type="text/event-stream", headers=headers)
-    parts: list[str] = []
     try:
-        while True:
-            event = await events.next()
-            if isinstance(event, Piece):
-                parts.append(event.text)
-            elif isinstance(event, Finished):
-                break
+        text, thoughts, finished = await events.rest()
     except ClientGone:
         return Response(status_code=499)
-    finally:
-        job.cancel.set()  # a no-op once finished; stops the worker when this coroutine is cancelled
-    return JSONResponse(envelope.whole("".join(parts), event.finish_reason, started, event.n_generated, event.stats),
-                        headers=headers)
+    whole = envelope.whole(text, finished.finish_reason, started, finished.n_generated, finished.stats,
+                           reasoning=thoughts)
+    return JSONResponse(whole, headers=headers)
 
 
 def _limit_headers(started: Started) -> dict[str, str]:
@@ -245,7 +258,7 @@ def _limit_headers(started: Started) -> dict[str, str]:
     return headers
 
 
-async def _stream(events: "EventReader", started: Started, envelope: Envelope, include_usage: bool):
+async def _stream(events: EventReader, started: Started, envelope: Envelope, include_usage: bool):
     """Yield the answer as server-sent events, ending with data: [DONE]."""
     try:
         if envelope.chat:
@@ -253,7 +266,7 @@ async def _stream(events: "EventReader", started: Started, envelope: Envelope, i
         while True:
             event = await events.next()
             if isinstance(event, Piece):
-                yield sse(envelope.chunk(text=event.text))
+                yield sse(envelope.chunk(text=event.text, reasoning=event.reasoning))
             elif isinstance(event, Finished):
                 yield sse(envelope.final_chunk(event.finish_reason, started, event.stats))
                 if include_usage:
@@ -268,38 +281,3 @@ async def _stream(events: "EventReader", started: Started, envelope: Envelope, i
     finally:
         # Also reached when Starlette cancels the stream because the client disconnected.
         events.job.cancel.set()
-
-
-class ClientGone(Exception):
-    """The client disconnected; its job has been cancelled."""
-
-
-class EventReader:
-    """Reads a job's events, watching for the client going away while it waits."""
-
-    def __init__(self, request: Request, job: Job):
-        self.request = request
-        self.job = job
-        self._getter: asyncio.Task | None = None
-
-    async def next(self) -> Started | Piece | Finished:
-        """Return the next event; raise a Failed event's error, or ClientGone."""
-        # One pending get() survives the polls, so an event can never be lost to a timeout.
-        if self._getter is None:
-            self._getter = asyncio.ensure_future(self.job.events.get())
-        try:
-            while True:
-                done, _ = await asyncio.wait({self._getter}, timeout=POLL_S)
-                if done:
-                    break
-                if await self.request.is_disconnected():
-                    self.job.cancel.set()
-                    raise ClientGone()
-        except BaseException:
-            self._getter.cancel()
-            self._getter = None
-            raise
-        event, self._getter = self._getter.result(), None
-        if isinstance(event, Failed):
-            raise event.error
-        return event

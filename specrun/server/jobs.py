@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.steps import GenerationStats
 from specrun.server.schemas import APIError
+
+# A request waiting for its turn (or the worker waiting for one) looks at the stop flag this often.
+POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,8 @@ class ChatPrompt:
     """A conversation, rendered with the model's own chat template."""
 
     messages: list[dict]
+    template_kwargs: dict = field(default_factory=dict)  # extra template variables (enable_thinking...)
+    reasoning_format: str | None = None  # auto, none, or None: the server's default
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Started:
     n_cached: int  # of those, reused from the KV cache
     max_tokens: int  # the limit in force
     requested_max_tokens: int | None  # the client's limit (None: none given)
+    queue_s: float = 0.0  # how long the request waited for its turn
 
     @property
     def capped(self) -> bool:
@@ -49,7 +56,8 @@ class Started:
 
 @dataclass(frozen=True)
 class Piece:
-    text: str
+    text: str  # the answer's text
+    reasoning: str = ""  # thinking text (reasoning models, when split out)
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+    ahead: int = 0  # requests before it when it arrived (the one being answered included)
 
     def emit(self, event) -> None:
         """Hand an event to the request's coroutine (called from the worker thread)."""
@@ -83,6 +93,57 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:
             pass  # the event loop has closed: the server is gone and nobody is listening
+
+
+class ClientGone(Exception):
+    """The client disconnected; its job has been cancelled."""
+
+
+class EventReader:
+    """Reads a job's events, watching for the client going away while it waits."""
+
+    def __init__(self, request, job: Job):
+        # request: the ASGI request (anything with an async is_disconnected()).
+        self.request = request
+        self.job = job
+        self._getter: asyncio.Task | None = None
+
+    async def next(self) -> Started | Piece | Finished:
+        """Return the next event; raise a Failed event's error, or ClientGone."""
+        # One pending get() survives the polls, so an event can never be lost to a timeout.
+        if self._getter is None:
+            self._getter = asyncio.ensure_future(self.job.events.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({self._getter}, timeout=POLL_S)
+                if done:
+                    break
+                if await self.request.is_disconnected():
+                    self.job.cancel.set()
+                    raise ClientGone()
+        except BaseException:
+            self._getter.cancel()
+            self._getter = None
+            raise
+        event, self._getter = self._getter.result(), None
+        if isinstance(event, Failed):
+            raise event.error
+        return event
+
+    async def rest(self) -> tuple[str, str, Finished]:
+        """Return the rest of the answer: its text, its thinking and the Finished event (raise as next())."""
+        texts: list[str] = []
+        thoughts: list[str] = []
+        try:
+            while True:
+                event = await self.next()
+                if isinstance(event, Piece):
+                    texts.append(event.text)
+                    thoughts.append(event.reasoning)
+                elif isinstance(event, Finished):
+                    return "".join(texts), "".join(thoughts), event
+        finally:
+            self.job.cancel.set()  # a no-op once finished; stops the worker when the caller is cancelled
 
 
 def shutting_down() -> APIError:

@@ -50,6 +50,7 @@ def timings(started: Started, stats: GenerationStats) -> dict:
     prompt_n = started.n_prompt - started.n_cached  # tokens that had to be evaluated
     predicted_n = stats.n_generated
     return {
+        "queue_ms": round(started.queue_s * 1000, 3),  # waiting for the turn, before the prompt
         "cache_n": started.n_cached,
         "prompt_n": prompt_n,
         "prompt_ms": round(stats.prefill_s * 1000, 3),
@@ -84,11 +85,14 @@ class Envelope:
     def _object(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, text: str, finish_reason: str, started: Started, n_generated: int, stats: GenerationStats) -> dict:
-        """Return a complete (non-streamed) answer."""
+    def whole(self, text: str, finish_reason: str, started: Started, n_generated: int, stats: GenerationStats,
+              reasoning: str = "") -> dict:
+        """Return a complete (non-streamed) answer; a chat's thinking, if split out, as reasoning_content."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning_content"] = reasoning.strip()
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             body = self._object("chat.completion", [choice])
         else:
             body = self._object("text_completion", [{"index": 0, "text": text, "logprobs": None,
@@ -97,10 +101,13 @@ class Envelope:
         body["timings"] = timings(started, stats)
         return body
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
-        """Return one stream chunk: a piece of text, the opening role, or the finish reason."""
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
+              reasoning: str = "") -> dict:
+        """Return one stream chunk: a piece of text (and of thinking), the opening role, or the finish reason."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return self._object("chat.completion.chunk", [choice])
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}

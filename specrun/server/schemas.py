@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from specrun.chat import reasoning
 from specrun.core.sampling import SamplingParams
 from specrun.errors import UsageError
 
@@ -19,6 +20,8 @@ from specrun.errors import UsageError
 DEFAULT_TEMPERATURE = 1.0
 
 ROLES = ("system", "user", "assistant")
+# Template variables the server itself fills in; chat_template_kwargs may not replace them.
+TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 # Newer OpenAI clients send "developer" where older ones sent "system"; the templates know only
 # the latter.
 ROLE_ALIASES = {"developer": "system"}
@@ -61,6 +64,16 @@ def validation_error(errors: list[dict]) -> APIError:
     where = _dotted(loc)
     return APIError(400, f"{where}: {message}" if where else message, param=str(loc[0]) if loc else None,
                     code="invalid_value")
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Return the validated body, or raise a 400 that names the first problem."""
+    if not raw.strip():
+        raise APIError(400, "the request needs a JSON object as its body", code="invalid_body")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
 
 
 def _dotted(loc: list) -> str:
@@ -107,6 +120,8 @@ class Message(BaseModel):
 
     role: str
     content: Any = None
+    # An assistant turn's thinking, as servers answer it and Open WebUI sends it back.
+    reasoning_content: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -123,7 +138,11 @@ class Message(BaseModel):
         return _text_of(content, required=info.data.get("role") != "assistant")
 
     def as_template_message(self) -> dict:
-        return {"role": self.role, "content": self.content}
+        message = {"role": self.role, "content": self.content}
+        if self.reasoning_content and self.role == "assistant":
+            # Qwen3-style templates read reasoning_content, gpt-oss's reads thinking.
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
+        return message
 
 
 class GenerationRequest(BaseModel):
@@ -204,6 +223,24 @@ class GenerationRequest(BaseModel):
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Where thinking goes: auto (reasoning_content) or none (left in content); None: the server's.
+    reasoning_format: str | None = None
+    # Extra variables for the chat template, e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, validate_default=True)  # None becomes {}
+
+    @field_validator("reasoning_format")
+    @classmethod
+    def _reasoning_format(cls, name: str | None) -> str | None:
+        return None if name is None else reasoning.normalize_format(name)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        kwargs = kwargs or {}
+        reserved = sorted(set(kwargs) & TEMPLATE_RESERVED)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here: the server sets it")
+        return kwargs
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -20,6 +20,7 @@ import socket
 import uvicorn
 
 from specrun import ui
+from specrun.chat.reasoning import ChatSettings
 from specrun.errors import UsageError
 from specrun.runtime.plan import RunOptions, resolve_models
 from specrun.runtime.runtime import Runtime
@@ -31,7 +32,8 @@ GRACEFUL_STOP_S = 10
 LISTEN_BACKLOG = 128
 
 
-def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queue_size: int) -> None:
+def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queue_size: int,
+          chat: ChatSettings = ChatSettings()) -> None:
     """Serve the pair until stopped; raise the load error when the models could not be loaded."""
     if not _is_loopback(host) and not settings.api_key:
         ui.warn(f"listening on {host} without an API key: anyone who can reach this machine can use it "
@@ -49,7 +51,7 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         if server is not None:
             server.should_exit = True
 
-    worker = GenerationWorker(opts, queue_size, on_ready, on_load_error)
+    worker = GenerationWorker(opts, queue_size, on_ready, on_load_error, chat)
     config = uvicorn.Config(
         create_app(worker, settings), lifespan="off", log_config=None, access_log=False, log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_STOP_S, server_header=False,
@@ -128,4 +130,4 @@ def _describe(rt: Runtime) -> str:
         how = f"with draft {rt.models.draft_name} (tree budget {rt.shape.budget})"
     else:
         how = "without a draft (plain decoding)"
-    return f"specrun serve: {rt.models.target_name} {how}, {rt.target_ctx.n_ctx}-token context"
+    return f"specrun serve: {rt.models.target_name} {how}, {rt.target_ctx.n_ctx}-token context ({rt.plan.ctx_why})"

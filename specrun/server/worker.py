@@ -9,6 +9,13 @@ A job's cancel flag is checked after every decoder step. Closing the text stream
 leaves the KV cache consistent, so the cache is kept and the next request prefills only what it
 does not share with it (the next turn of a conversation: just the new message). Only an error
 inside a step, which may leave half a step behind, empties the caches.
+
+Fairness today: /health and /v1/models never touch the worker, a job records when it was queued
+and how many were ahead (X-Queue-Position, timings.queue_ms). Several answers decoding together
+would take several jobs from the queue at a time, give each its own range of sequence ids (its
+committed text in its own sequence instead of seq 0, its tree colours beside the others' under
+LLAMA_MAX_SEQ) and run one target pass over all their trees; the job/event protocol (Started,
+Piece, Finished per job) stays as it is.
 """
 
 from __future__ import annotations
@@ -22,12 +29,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specrun import ui
+from specrun.chat import reasoning
+from specrun.chat.reasoning import ChatSettings, ReasoningParser
 from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import stream
 from specrun.errors import SpecrunError
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
 from specrun.server.jobs import (
+    POLL_S,
     ChatPrompt,
     Failed,
     Finished,
@@ -42,8 +52,6 @@ from specrun.server.schemas import APIError
 
 log = logging.getLogger("specrun.server")
 
-# A request waiting for its turn (or the worker waiting for one) looks at the stop flag this often.
-POLL_S = 0.25
 # Retry-After bounds, in seconds, for a client told that the queue is full.
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 120
 
@@ -66,14 +74,21 @@ class ModelInfo:
     drafter: str  # what proposes trees (see runtime.plan.Plan.drafter): "none" for plain decoding
     n_ctx: int
     tree_budget: int | None
+    n_ctx_train: int = 0  # the target's trained context (0: unknown)
+    ctx_why: str = ""  # why n_ctx: --ctx-size, or the trained context as far as memory holds it
+    architecture: str = ""
+    file_name: str = ""
+    file_bytes: int = 0
+    chat_template: str | None = None  # the template chats are rendered with (None: ChatML fallback)
 
 
 class GenerationWorker:
     """Loads the Runtime in its own thread, then answers queued jobs one at a time until stopped."""
 
     def __init__(self, opts: RunOptions, queue_size: int, on_ready: Callable[["GenerationWorker", Runtime], None],
-                 on_load_error: Callable[[BaseException], None]):
+                 on_load_error: Callable[[BaseException], None], chat: ChatSettings = ChatSettings()):
         self.opts = opts
+        self.chat = chat
         self.state = "loading"  # loading, ready, failed, stopping
         self.model: ModelInfo | None = None
         self.load_error: BaseException | None = None
@@ -83,6 +98,7 @@ class GenerationWorker:
         self._on_ready, self._on_load_error = on_ready, on_load_error
         self._memory = ConversationMemory()
         self._mean_job_s = 5.0  # for Retry-After; follows the recent jobs
+        self._started_at = 0.0  # when the job in progress got its turn
         self._thread = threading.Thread(target=self._run, name="specrun-worker", daemon=True)
 
     # -- called from the event loop --
@@ -92,15 +108,22 @@ class GenerationWorker:
     def submit(self, job: Job) -> None:
         """Queue a job, or raise a 503 (loading, stopping, queue full) that says when to retry."""
         if self.state == "loading":
-            raise APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
+            raise loading()
         if self.state != "ready":
             raise shutting_down()
         try:
+            job.ahead = self._jobs.qsize() + (self._current is not None)
             self._jobs.put_nowait(job)
         except queue.Full:
             wait = self.retry_after_s()
             raise APIError(503, f"the server is busy ({self._jobs.maxsize} requests waiting); retry in {wait} s",
                            code="queue_full", headers={"Retry-After": str(wait)}) from None
+
+    def ready_model(self) -> ModelInfo:
+        """Return what is loaded, or raise a 503 while it is still loading."""
+        if self.model is None or self.state == "loading":
+            raise loading()
+        return self.model
 
     @property
     def queued(self) -> int:
@@ -132,8 +155,9 @@ class GenerationWorker:
             self._on_load_error(e)
             return
         try:
-            self.model = ModelInfo(rt.models.target_name, rt.models.draft_name if rt.draft is not None else None,
-                                   rt.plan.drafter, rt.target_ctx.n_ctx, rt.shape.budget if rt.speculative else None)
+            if self.chat.template is not None:
+                rt.chat_format.template = self.chat.template
+            self.model = _model_info(rt)
             self.runtime = rt
             if not self._stopping.is_set():
                 self.state = "ready"
@@ -152,7 +176,7 @@ class GenerationWorker:
             if job.cancel.is_set():
                 continue  # the client left while waiting
             self._current = job
-            t0 = time.perf_counter()
+            t0 = self._started_at = time.perf_counter()
             try:
                 self._serve(job)
             finally:
@@ -190,13 +214,18 @@ class GenerationWorker:
     def _answer(self, job: Job) -> None:
         rt = self.runtime
         prompt, rendered = self._prompt_tokens(job.prompt)
+        parser = None
+        if rendered is not None:
+            parser = reasoning.parser_for(rt.chat_format.template, rendered,
+                                          job.prompt.reasoning_format or self.chat.reasoning_format)
         param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
         limit = token_budget(len(prompt), rt.target_ctx.n_ctx, job.max_tokens, param)
-        started = Started(len(prompt), rt.decoder.cache.reusable(prompt), limit, job.max_tokens)
+        started = Started(len(prompt), rt.decoder.cache.reusable(prompt), limit, job.max_tokens,
+                          queue_s=self._started_at - job.queued_at)
         if started.capped:
             ui.dim(f"{job.id}: max_tokens {job.max_tokens} lowered to {limit} to fit the {rt.target_ctx.n_ctx}-token context")
         job.emit(started)
-        generated, finish = self._decode(job, prompt, limit)
+        generated, finish = self._decode(job, prompt, limit, parser)
         stats = rt.decoder.stats
         if job.cancel.is_set():
             self._memory.forget()
@@ -216,7 +245,7 @@ class GenerationWorker:
         rt = self.runtime
         if isinstance(prompt, ChatPrompt):
             fmt = rt.chat_format
-            rendered = fmt.render(prompt.messages, add_generation_prompt=True)
+            rendered = fmt.render(prompt.messages, add_generation_prompt=True, **prompt.template_kwargs)
             return self._memory.tokens_for(fmt, rendered), rendered.text
         if prompt.token_ids is not None:
             n_vocab = rt.target.n_vocab
@@ -225,8 +254,10 @@ class GenerationWorker:
             return list(prompt.token_ids), None
         return rt.target.tokenize(prompt.text, add_special=True, parse_special=prompt.parse_special), None
 
-    def _decode(self, job: Job, prompt: list[int], limit: int) -> tuple[list[int], str | None]:
-        """Stream the answer's text to the job; return the generated tokens and the finish reason."""
+    def _decode(self, job: Job, prompt: list[int], limit: int,
+                parser: ReasoningParser | None) -> tuple[list[int], str | None]:
+        """Stream the answer's text to the job (thinking apart when a parser splits it); return the
+        generated tokens and the finish reason."""
         rt = self.runtime
         generated: list[int] = []
         finish = None
@@ -235,12 +266,16 @@ class GenerationWorker:
             for chunk in chunks:
                 generated.extend(chunk.tokens)
                 if chunk.text:
-                    job.emit(Piece(chunk.text))
+                    _emit_text(job, chunk.text, parser)
                 finish = chunk.finish_reason or finish
                 if job.cancel.is_set():
                     break
         finally:
             chunks.close()  # between steps: the caches hold exactly the committed tokens
+        if parser is not None:
+            split = parser.finish()
+            if split:
+                job.emit(Piece(split.content, split.reasoning))
         return generated, finish
 
     def _remember(self, rendered: str | None, finish: str | None, prompt: list[int], generated: list[int]) -> None:
@@ -250,6 +285,29 @@ class GenerationWorker:
             return
         answer = self.runtime.target.detokenize(generated, special=True)
         self._memory.remember(rendered + answer, prompt + generated)
+
+
+def loading() -> APIError:
+    return APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
+
+
+def _emit_text(job: Job, text: str, parser: ReasoningParser | None) -> None:
+    if parser is None:
+        job.emit(Piece(text))
+        return
+    split = parser.feed(text)
+    if split:
+        job.emit(Piece(split.content, split.reasoning))
+
+
+def _model_info(rt: Runtime) -> ModelInfo:
+    path = rt.models.target_path
+    return ModelInfo(
+        rt.models.target_name, rt.models.draft_name if rt.draft is not None else None, rt.plan.drafter,
+        rt.target_ctx.n_ctx, rt.shape.budget if rt.speculative else None, n_ctx_train=rt.target.n_ctx_train,
+        ctx_why=rt.plan.ctx_why, architecture=rt.target.architecture, file_name=path.name if path else "",
+        file_bytes=rt.target.file_size, chat_template=rt.chat_format.template,
+    )
 
 
 def _log_job(job: Job, started: Started, stats: GenerationStats, finish: str) -> None:

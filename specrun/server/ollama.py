@@ -1,0 +1,313 @@
+"""Ollama's API beside OpenAI's, for tools that speak only it (Home Assistant, editors, Open WebUI).
+
+Routes: POST /api/chat and /api/generate (newline-delimited JSON streamed by default, one object
+with `stream: false`), GET /api/tags, POST /api/show, GET /api/version, GET /api/ps. Any model name
+is answered by the loaded pair, as on /v1. Errors are Ollama's `{"error": "..."}` with the status.
+
+`options` take effect for temperature, top_p, top_k, min_p, seed, num_predict and stop; the
+context is the server's (`num_ctx` is read and ignored, as the model is not reloaded), and the
+other options (penalties, mirostat, threads...) are accepted and ignored. Without options the
+sampling follows Ollama's defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from specrun.chat import reasoning
+from specrun.core.sampling import SamplingParams
+from specrun.errors import UsageError
+from specrun.server.jobs import ChatPrompt, ClientGone, EventReader, Finished, Job, Piece, Started, TextPrompt
+from specrun.server.responses import new_id
+from specrun.server.schemas import APIError, Message, parse_body
+from specrun.server.worker import GenerationWorker, ModelInfo
+
+# The Ollama API release whose shapes these routes follow; clients compare it to enable features.
+OLLAMA_API_VERSION = "0.12.0"
+# Ollama's sampling defaults, for requests that set no option.
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0}
+# num_predict: -1 generates until the model stops, -2 until the context is full.
+UNLIMITED = (-1, -2)
+_QUANT = re.compile(r"(?:^|[-_.])(I?Q\d[A-Z0-9_]*|F16|F32|BF16)(?:[-_.]|$)", re.IGNORECASE)
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: list[str] | None = Field(default=None, max_length=16)
+    num_ctx: int | None = Field(default=None, ge=0)  # read, not used: the server's context stays
+
+    @field_validator("num_predict")
+    @classmethod
+    def _num_predict(cls, n: int | None) -> int | None:
+        if n is not None and n < 1 and n not in UNLIMITED:
+            raise ValueError("num_predict must be at least 1, or -1 (until the model stops) or -2 (until the context is full)")
+        return n
+
+    def sampling(self) -> SamplingParams:
+        values = {name: DEFAULTS[name] if getattr(self, name) is None else getattr(self, name) for name in DEFAULTS}
+        # Ollama's seed 0 and -1 mean "random", as no seed does.
+        seed = self.seed if self.seed is not None and self.seed > 0 else None
+        try:
+            return SamplingParams(values["temperature"], values["top_k"], values["top_p"], values["min_p"], seed)
+        except UsageError as e:
+            raise APIError(400, str(e), param="options") from None
+
+    def token_limit(self) -> int | None:
+        return None if self.num_predict is None or self.num_predict in UNLIMITED else self.num_predict
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    stream: bool = True
+    options: Options = Field(default_factory=Options)
+    format: Any = None
+    think: bool | str | None = None
+    keep_alive: Any = None
+
+    @field_validator("format")
+    @classmethod
+    def _no_format(cls, value: Any) -> Any:
+        if value not in (None, ""):
+            raise ValueError("structured output (format) is not supported by specrun")
+        return value
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _options(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    def template_kwargs(self) -> dict:
+        """Return the chat template variables `think` stands for: Qwen3-style enable_thinking, and
+        gpt-oss's reasoning_effort for a level ("low", "medium", "high")."""
+        if self.think is None:
+            return {}
+        if isinstance(self.think, str):
+            return {"enable_thinking": True, "reasoning_effort": self.think}
+        return {"enable_thinking": self.think}
+
+
+class ChatBody(_Request):
+    messages: list[Message] = Field(default_factory=list)
+    tools: Any = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _ollama_messages(cls, messages: Any) -> Any:
+        """Refuse images; Ollama sends an assistant's thinking back as `thinking`, which becomes
+        reasoning_content (what the templates read)."""
+        if not isinstance(messages, list):
+            return messages
+        out = []
+        for m in messages:
+            if isinstance(m, dict):
+                if m.get("images"):
+                    raise ValueError("images are not supported by specrun")
+                if isinstance(m.get("thinking"), str) and "reasoning_content" not in m:
+                    m = dict(m, reasoning_content=m["thinking"])
+            out.append(m)
+        return out
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        if value not in (None, []):
+            raise ValueError("tools are not supported by specrun")
+        return value
+
+
+class GenerateBody(_Request):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    images: Any = None
+
+    @field_validator("suffix", "template", "images", "context")
+    @classmethod
+    def _unsupported(cls, value: Any, info) -> Any:
+        if value not in (None, "", []):
+            raise ValueError(f"{info.field_name} is not supported by specrun")
+        return value
+
+
+def add_ollama_routes(app: FastAPI, worker: GenerationWorker) -> None:
+    """Register Ollama's routes on the app."""
+
+    @app.get("/api/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": OLLAMA_API_VERSION})
+
+    @app.get("/api/tags")
+    async def tags() -> JSONResponse:
+        return JSONResponse({"models": [_listing(worker.ready_model())]})
+
+    @app.get("/api/ps")
+    async def ps() -> JSONResponse:
+        info = worker.ready_model()
+        entry = dict(_listing(info), expires_at="9999-12-31T23:59:59Z", size_vram=0, context_length=info.n_ctx)
+        return JSONResponse({"models": [entry]})
+
+    @app.post("/api/show")
+    async def show(request: Request) -> JSONResponse:
+        raw = await request.body()
+        try:
+            json.loads(raw or b"{}")
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        return JSONResponse(_show(worker.ready_model()))
+
+    @app.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        body = parse_body(await request.body(), ChatBody)
+        info = worker.ready_model()
+        if not body.messages:  # Ollama loads the model and answers at once
+            return JSONResponse(_head(info, done=True, done_reason="load", message={"role": "assistant", "content": ""}))
+        messages = [m.as_template_message() for m in body.messages]
+        prompt = ChatPrompt(messages, body.template_kwargs())
+        return await _answer(request, worker, body, prompt, info, chat=True)
+
+    @app.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        body = parse_body(await request.body(), GenerateBody)
+        info = worker.ready_model()
+        if not body.prompt:
+            return JSONResponse(_head(info, done=True, done_reason="load", response=""))
+        if body.raw:
+            prompt = TextPrompt(text=body.prompt)
+        else:
+            system = [{"role": "system", "content": body.system}] if body.system else []
+            prompt = ChatPrompt(system + [{"role": "user", "content": body.prompt}], body.template_kwargs())
+        return await _answer(request, worker, body, prompt, info, chat=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _head(info: ModelInfo, **fields) -> dict:
+    return {"model": info.target, "created_at": _now(), **fields}
+
+
+def _piece(info: ModelInfo, chat: bool, text: str, thinking: str = "", done: bool = False, **fields) -> dict:
+    if chat:
+        message = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        return _head(info, message=message, done=done, **fields)
+    body = _head(info, response=text, done=done, **fields)
+    if thinking:
+        body["thinking"] = thinking
+    return body
+
+
+def _final_fields(started: Started, event: Finished, t0: float) -> dict:
+    """Return the statistics Ollama ends an answer with, durations in nanoseconds."""
+    stats = event.stats
+    return {
+        "done_reason": "length" if event.finish_reason == "length" else "stop",
+        "total_duration": int((time.perf_counter() - t0) * 1e9),
+        "load_duration": 0,
+        "prompt_eval_count": started.n_prompt,
+        "prompt_eval_duration": int(stats.prefill_s * 1e9),
+        "eval_count": event.n_generated,
+        "eval_duration": int(stats.decode_s * 1e9),
+    }
+
+
+async def _answer(request: Request, worker: GenerationWorker, body: _Request, prompt, info: ModelInfo,
+                  chat: bool) -> Response:
+    t0 = time.perf_counter()
+    options = body.options
+    job = Job(new_id("ollama"), prompt, options.sampling(), options.token_limit(), tuple(options.stop or ()),
+              asyncio.get_running_loop())
+    worker.submit(job)
+    events = EventReader(request, job)
+    try:
+        started = await events.next()
+    except ClientGone:
+        return Response(status_code=499)
+    headers = {"X-Queue-Position": str(job.ahead)}
+    if body.stream:
+        return StreamingResponse(_lines(events, started, info, chat, t0), media_type="application/x-ndjson",
+                                 headers=headers)
+    try:
+        text, thoughts, finished = await events.rest()
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(_piece(info, chat, text, thoughts.strip(), done=True, **_final_fields(started, finished, t0)),
+                        headers=headers)
+
+
+async def _lines(events: EventReader, started: Started, info: ModelInfo, chat: bool, t0: float):
+    """Yield the answer as newline-delimited JSON objects, the last one with done: true."""
+    try:
+        while True:
+            event = await events.next()
+            if isinstance(event, Piece):
+                yield _line(_piece(info, chat, event.text, event.reasoning))
+            elif isinstance(event, Finished):
+                yield _line(_piece(info, chat, "", done=True, **_final_fields(started, event, t0)))
+                return
+    except APIError as e:  # after the 200 went out, an error is a line of its own
+        yield _line({"error": e.message})
+    except ClientGone:
+        return
+    finally:
+        events.job.cancel.set()
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model, as Ollama lists and shows it
+
+
+def _details(info: ModelInfo) -> dict:
+    quant = _QUANT.search(info.file_name.removesuffix(".gguf"))
+    return {"parent_model": "", "format": "gguf", "family": info.architecture, "families": [info.architecture],
+            "parameter_size": "", "quantization_level": quant.group(1).upper() if quant else ""}
+
+
+def _listing(info: ModelInfo) -> dict:
+    return {"name": info.target, "model": info.target, "modified_at": _now(), "size": info.file_bytes,
+            "digest": "", "details": _details(info)}
+
+
+def _show(info: ModelInfo) -> dict:
+    capabilities = ["completion"]
+    if reasoning.template_syntax(info.chat_template):
+        capabilities.append("thinking")
+    model_info = {"general.architecture": info.architecture}
+    if info.n_ctx_train:
+        model_info[f"{info.architecture}.context_length"] = info.n_ctx_train
+    return {
+        "modelfile": "", "parameters": f"num_ctx {info.n_ctx}", "template": info.chat_template or "",
+        "details": _details(info), "model_info": model_info, "capabilities": capabilities,
+        "modified_at": _now(),
+    }
