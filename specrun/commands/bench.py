@@ -154,9 +154,10 @@ def _lookup_plan(shape) -> TreePlan:
     return TreePlan(shape, None, "flags", lookup=shape, draft_model=False)
 
 
-def bench_workloads(opts: RunOptions, workload: str, prompts_file: Path | None, max_tokens: int, as_json: bool) -> list[dict]:
+def bench_workloads(opts: RunOptions, workload: str, prompts_file: Path | None, max_tokens: int, as_json: bool,
+                    quiet: bool = False) -> list[dict]:
     """Per workload: plain, the draft model's tree, lookup and hybrid on the same prompts, the
-    modes alternating prompt by prompt; print one row per workload and mode."""
+    modes alternating prompt by prompt; print one row per workload and mode (unless quiet)."""
     sets = workload_prompts(workload, prompts_file)
     report.warn_if_busy(engine.default_threads(), "speedups measured now may not hold on a quiet machine")
     plan = build_plan(replace(opts, lookup=not opts.lookup_only))
@@ -183,7 +184,8 @@ def bench_workloads(opts: RunOptions, workload: str, prompts_file: Path | None, 
                 row = _workload_row(name, mode, trees[mode], totals[mode], totals["plain"], outputs[mode] == outputs["plain"])
                 row["default"] = mode == default
                 rows.append(row)
-                _print_workload_row(row, as_json)
+                if not quiet:
+                    _print_workload_row(row, as_json)
     return rows
 
 

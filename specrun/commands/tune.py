@@ -24,6 +24,7 @@ from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.decoding.plain import PlainDecoder
 from specrun.errors import SpecrunError, UsageError
+from specrun.hardware import offload
 from specrun.limits import MAX_SEQ
 from specrun.runtime.plan import RunOptions, resolve_models, tree_of_choice
 from specrun.runtime.runtime import Runtime, make_decoder
@@ -105,7 +106,8 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
         elif choice.kind == "plain" and best_tree.kind != "plain" and check.tree_speedup >= CHECK_MIN_SPEEDUP:
             choice = best_tree  # predicted to lose, measured level or faster: it stays
         key = profiles.profile_key(
-            rt.models.target_path, rt.models.draft_path, hardware.fingerprint(), rt.target_ctx.threads
+            rt.models.target_path, rt.models.draft_path, hardware.fingerprint(), rt.target_ctx.threads,
+            gpu_memory=opts.gpu_memory,
         )
         profile = _profile(key, rt, hardware, settings, measured, choice, best_tree, check)
         with report.progress() as progress:
@@ -154,10 +156,11 @@ class Measured:
 def _measure(rt, settings: TuneSettings, shape, prompts: list[list[int]], progress) -> Measured:
 
     depth = shape.depth
-    sizes = profiler.curve_sizes(shape.budget + 1)
+    steps = offload.cost_steps(rt.plan.placement)
+    sizes = profiler.curve_sizes(shape.budget + 1, steps)
     task = progress.add_task("target cost curve", total=len(sizes))
     target = profiler.measure_curve(
-        rt.target_ctx, prompts[0], sizes, repeats=settings.curve_repeats,
+        rt.target_ctx, prompts[0], sizes, repeats=settings.curve_repeats, steps=steps,
         deadline=time.monotonic() + settings.curve_seconds,
         # A tree costing more than depth + 1 plain passes loses even if all of it is accepted.
         stop_ratio=depth + 1.0,
@@ -435,7 +438,7 @@ def stored_profile(opts: RunOptions) -> dict:
     models = resolve_models(opts)
     if models.draft_path is None:
         raise UsageError(f"no draft model for {models.target_name}: pass --draft")
-    profile = profiles.load(models.target_path, models.draft_path, opts.threads)
+    profile = profiles.load(models.target_path, models.draft_path, opts.threads, opts.gpu_memory)
     if profile is None:
         raise SpecrunError(
             f"no tuning profile for {models.target_name} with {models.draft_name} on this machine "

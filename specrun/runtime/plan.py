@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specrun import engine, ui
+from specrun import architectures, engine, ui
 from specrun.core.shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
 from specrun.decoding.adaptive import DraftPrior
 from specrun.errors import UsageError
@@ -54,7 +54,7 @@ class RunOptions:
     target: str | None = None
     draft: str | None = None
     gpu_layers: int | None = None
-    ctx_size: int = DEFAULT_CTX
+    ctx_size: int | None = DEFAULT_CTX  # None: the model's trained context, as far as memory holds it
     threads: int | None = None
     budget: int | None = None
     depth: int | None = None
@@ -64,6 +64,8 @@ class RunOptions:
     # about twice as fast on text that repeats: see README); False: --no-lookup.
     lookup: bool | None = None
     quiet: bool = False  # no download progress bars
+    # --gpu-memory: use at most this many bytes of each GPU (a big card stands in for a smaller one)
+    gpu_memory: int | None = None
 
     @property
     def lookup_only(self) -> bool:
@@ -96,6 +98,9 @@ class TreePlan:
     lookup: TreeShape | None = None  # lookup nodes a step may add (None: no lookup)
     draft_model: bool = True  # False: lookup alone proposes, no draft model is loaded
     plain_s: float | None = None  # plain decoding's seconds per token by the tuning profile
+    # How the target verifies: "tree" (attention KV cache) or "chain" (a recurrent state that
+    # rolls back along one sequence: each step checks the proposal's best path).
+    verify: str = architectures.TREE
     prior: DraftPrior | None = None  # the profile's figures for the draft model (hybrid's first steps)
 
     @property
@@ -124,6 +129,12 @@ class TreePlan:
                        depth=max(self.shape.depth, self.lookup.depth))
 
     def describe(self) -> str:
+        text = self._describe_drafts()
+        if self.verify == architectures.CHAIN:
+            text += f"; the target verifies one chain of up to {self.verified.depth} drafts per step"
+        return text
+
+    def _describe_drafts(self) -> str:
         s = self.shape
         if not self.draft_model:
             return f"lookup trees of up to {s.budget} tokens from the session's text, depth {s.depth} (no draft model)"
@@ -145,6 +156,7 @@ class ContextPlan:
     n_ctx: int
     n_batch: int
     n_seq_max: int
+    n_rs_seq: int = 0  # recurrent-state snapshots per sequence (rollback of a verified chain)
 
     @property
     def n_ubatch(self) -> int:
@@ -165,6 +177,8 @@ class Plan:
     devices: tuple[offload.Device, ...] = ()
     untuned: bool = False  # speculating with the default tree: no profile for the pair
     notes: tuple[str, ...] = field(default=())
+    ctx_why: str = "--ctx-size"  # why this context size
+    n_ctx_train: int = 0  # the target's trained context, when read (0: not read)
 
     @property
     def speculative(self) -> bool:
@@ -194,7 +208,7 @@ class Plan:
         tree = None
         if self.tree is not None:
             s = self.tree.shape
-            tree = {"kind": self.tree.kind, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
+            tree = {"kind": self.tree.kind, "verify": self.tree.verify, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
                     "width": s.width, "top_k": s.top_k, "text": self.tree.describe(),
                     "lookup_budget": self.tree.lookup.budget if self.tree.lookup else 0,
                     "verified_budget": self.tree.verified.budget}
@@ -213,6 +227,7 @@ class Plan:
                 "target": _ctx_dict(self.target_ctx),
                 "draft": _ctx_dict(self.draft_ctx) if self.draft_ctx else None,
             },
+            "context": {"n_ctx": self.target_ctx.n_ctx, "why": self.ctx_why, "n_ctx_train": self.n_ctx_train or None},
             "threads": self.threads,
             "memory": {
                 "devices": [
@@ -232,7 +247,8 @@ def _path(path: Path | None) -> str | None:
 
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
-    return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max}
+    return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
+            "n_rs_seq": ctx.n_rs_seq}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,13 +280,38 @@ def build_plan(
         tree, why, untuned = TreePlan(shape, None, "flags"), "tree given by the caller", False
     else:
         tree, why, untuned = choose_tree(opts, files)
-    n_ctx = opts.ctx_size
     notes = []
+    target_arch = engine.gguf_architecture(files.target_path) if files.target_path is not None else None
+    draft_arch = engine.gguf_architecture(files.draft_path) if files.draft_path is not None else None
+    if tree is not None and target_arch is not None:
+        tree, why, note = fit_tree_to_target(tree, why, target_arch)
+        if note:
+            notes.append(note)
     threads, cores = opts.threads or engine.default_threads(), engine.default_threads()
     if threads > cores:
         # More threads than cores only makes them wait for each other (and 999 would start 999).
         notes.append(f"--threads {threads} is more than the {cores} CPU cores this process may use: using {cores}")
         threads = cores
+    if devices is None:
+        devices = engine.list_devices()
+    gpus = placement.gpus_of(devices)
+    if opts.gpu_memory is not None:
+        if not gpus:
+            notes.append("--gpu-memory has no effect: no GPU was found")
+        gpus = offload.capped_devices(gpus, opts.gpu_memory)
+    draft_path = files.draft_path if tree is not None and tree.draft_model else None
+    auto_ctx = opts.ctx_size is None
+    target_size = draft_size = None
+    if gpus or sizes is not None or detailed or auto_ctx:
+        target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
+        if draft_path is not None or (sizes and tree is not None and tree.draft_model):
+            draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
+    if auto_ctx:
+        widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
+        n_ctx, ctx_why = placement.largest_context(target_size, draft_size, gpus, widest, opts.gpu_layers,
+                                                   ram_free_bytes)
+    else:
+        n_ctx, ctx_why = opts.ctx_size, "--ctx-size"
     if tree is not None and tree.verified.budget + 1 > n_ctx:
         # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
         notes.append(f"a tree of {tree.verified.budget} tokens does not fit a {n_ctx}-token context: "
@@ -279,22 +320,21 @@ def build_plan(
     draft_ctx = None
     if tree is not None:
         tree_tokens = tree.verified.budget + 1
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
+        if tree.verify == architectures.CHAIN:
+            # One sequence, and snapshots to roll the state back by the rejected drafts.
+            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), 1, tree.verified.depth)
+        else:
+            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
         if tree.draft_model:
-            draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), MAX_SEQ)
+            # A draft with a recurrent state keeps one state per tree sequence: only as many as
+            # its tree has nodes (each node's state is its parent's, copied, plus its token).
+            seqs = min(MAX_SEQ, tree.shape.budget + 1) if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
+            draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs)
     else:
         target_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1)
-    if devices is None:
-        devices = engine.list_devices()
-    gpus = placement.gpus_of(devices)
-    draft_path = files.draft_path if tree is not None and tree.draft_model else None
-    if not gpus and sizes is None and not detailed:
+    if target_size is None:
         placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes)
     else:
-        target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
-        draft_size = None
-        if draft_path is not None or (sizes and tree is not None and tree.draft_model):
-            draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
         placed = placement.plan(
             target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
             ram_free_bytes=ram_free_bytes,
@@ -302,8 +342,34 @@ def build_plan(
     return Plan(
         files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
         threads=threads, placement=placed, devices=gpus, untuned=untuned,
-        notes=tuple(notes),
+        notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
     )
+
+
+# The longest chain a target with a recurrent state verifies per step: llama.cpp keeps one state
+# snapshot per draft token (memory: the recurrent state times this), and chains gain little beyond.
+MAX_CHAIN = 8
+
+
+def fit_tree_to_target(tree: TreePlan, why: str, arch: str) -> tuple[TreePlan | None, str, str | None]:
+    """Return (the tree the target's architecture can verify exactly or None, why, a note or None).
+
+    Attention targets verify trees as planned. Targets whose recurrent state rolls back verify
+    chains: the drafts become chains (a lookup or hybrid tree is cut to its best path each step).
+    Targets whose state cannot roll back decode plainly, said in one line.
+    """
+    support = architectures.speculation_support(arch)
+    if support.shape == architectures.TREE:
+        return tree, why, None
+    if support.shape == architectures.PLAIN:
+        return None, support.reason, f"plain decoding: {support.reason}"
+    depth = min(MAX_CHAIN, tree.verified.depth)
+    shape = TreeShape.chain(min(depth, tree.shape.depth))
+    lookup = TreeShape(depth, depth, 1, 1) if tree.lookup is not None else None
+    if not tree.draft_model:
+        shape = lookup
+    chained = replace(tree, shape=shape, template=None, lookup=lookup, verify=architectures.CHAIN)
+    return chained, f"{why}; {support.reason}", None
 
 
 def _fit_tree(tree: TreePlan, budget: int) -> TreePlan:
@@ -377,8 +443,8 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
         return None, why, False
     choice = facts = None
     if files.target_path is not None and files.draft_path is not None:
-        choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads)
-        facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads) if choice else None
+        choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory)
+        facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory) if choice else None
     plain_s = None
     if choice is not None and choice.predicted_tokens_per_s > 0:
         plain_s = choice.predicted_speedup / choice.predicted_tokens_per_s  # tokens/s / speedup = plain's

@@ -41,15 +41,17 @@ def hardware_fingerprint() -> str:
 
 
 def profile_key(
-    target_path: Path, draft_path: Path | None, fingerprint: str | None = None, threads: int | None = None
+    target_path: Path, draft_path: Path | None, fingerprint: str | None = None, threads: int | None = None,
+    gpu_memory: int | None = None,
 ) -> dict:
     """Return the key a profile for this pair on this machine and llama.cpp build is stored under.
 
     `threads` is the CPU thread count decoding runs with (None: engine.default_threads(), what a
-    run without --threads uses): on a CPU the cost curves scale with it.
+    run without --threads uses): on a CPU the cost curves scale with it. `gpu_memory` is the
+    --gpu-memory limit (an emulated smaller card places the model, and so costs, differently).
     """
 
-    return {
+    key = {
         "format": PROFILE_FORMAT,
         "hardware": fingerprint or hardware_fingerprint(),
         "llama": engine.llama_version_info(),
@@ -57,6 +59,9 @@ def profile_key(
         "target": files.file_key(target_path),
         "draft": files.file_key(draft_path) if draft_path is not None else None,
     }
+    if gpu_memory is not None:
+        key["gpu_memory"] = gpu_memory  # absent otherwise: profiles made before the option stay valid
+    return key
 
 
 def profile_path(key: dict) -> Path:
@@ -91,10 +96,11 @@ def first_suggestion(target_path: Path, draft_path: Path) -> bool:
     return True
 
 
-def load(target_path: Path, draft_path: Path | None, threads: int | None = None) -> dict | None:
+def load(target_path: Path, draft_path: Path | None, threads: int | None = None,
+         gpu_memory: int | None = None) -> dict | None:
     """Return the stored profile for this pair on this machine, or None (never raises for bad files)."""
     try:
-        key = profile_key(target_path, draft_path, threads=threads)
+        key = profile_key(target_path, draft_path, threads=threads, gpu_memory=gpu_memory)
     except OSError as e:
         log.warning("cannot identify the model files for a tuning profile: %s", e)
         return None
@@ -150,7 +156,8 @@ def _checked_choice(config) -> Choice:
     return choice
 
 
-def choice_for(target_path: Path, draft_path: Path | None, threads: int | None = None):
+def choice_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
+               gpu_memory: int | None = None):
     """Return the tuned tuner.Choice for this pair, or None without a (valid) profile.
 
     Choice.kind tells the runtime what to build: "plain" (decode without the draft), "specexec"
@@ -160,7 +167,7 @@ def choice_for(target_path: Path, draft_path: Path | None, threads: int | None =
 
     if draft_path is None:
         return None
-    profile = load(target_path, draft_path, threads)
+    profile = load(target_path, draft_path, threads, gpu_memory)
     if profile is None:
         return None
     choice = _checked_choice(profile["config"])
@@ -226,9 +233,10 @@ def facts_of(profile: dict) -> Facts | None:
         return None
 
 
-def facts_for(target_path: Path, draft_path: Path | None, threads: int | None = None) -> Facts | None:
+def facts_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
+              gpu_memory: int | None = None) -> Facts | None:
     """Return the stored profile's facts for this pair, or None."""
     if draft_path is None:
         return None
-    profile = load(target_path, draft_path, threads)
+    profile = load(target_path, draft_path, threads, gpu_memory)
     return facts_of(profile) if profile is not None else None
