@@ -1,7 +1,8 @@
 """Speed against plain decoding per workload, as users run specrun: each prompt in its own
 process (`specrun generate --json`), and all of a workload's prompts in one `--jsonl` batch.
 
-    python scripts/bench_fresh.py [--workload all] [--tokens 160] [--rounds 2] [--modes default,lookup,...]
+    python scripts/bench_fresh.py [--workload all] [--tokens 160] [--rounds 2] [--prompts N] [--batch]
+                                  [--modes default,lookup,tree] [-- more generate options]
 
 Modes: plain (`--no-spec`), default (no flag: what the stored profile, or none, makes),
 lookup (`--draft lookup`), tree (`--no-lookup`: the draft model's tree alone). They alternate
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--modes", default="plain,default,lookup,tree")
+    parser.add_argument("--prompts", type=int, default=0, help="the first N prompts of each workload (0: all)")
     parser.add_argument("--batch", action="store_true", help="a workload's prompts in one --jsonl process per mode")
     parser.add_argument("extra", nargs="*", help="more `specrun generate` options (after --)")
     args = parser.parse_args()
@@ -56,6 +58,7 @@ def main() -> None:
     if "plain" not in modes:
         modes.insert(0, "plain")
     for name, texts in workload_prompts(args.workload, None).items():
+        texts = texts[: args.prompts or None]
         totals = {m: [0, 0.0, 0, 0] for m in modes}  # tokens, seconds, passes, lookup tokens
         units = [[{"prompt": t} for t in texts]] if args.batch else [[{"prompt": t}] for t in texts]
         turn = 0
