@@ -100,6 +100,7 @@ def test_bench_workload_rows_compare_four_modes(tmp_path, offline_models):
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     assert [row["mode"] for row in rows] == ["plain", "draft tree", "lookup", "hybrid"]
+    assert [row["mode"] for row in rows if row["default"]] == ["hybrid"]  # what a run uses: no profile here
     for row in rows:
         assert row["workload"] == "prompts" and row["tokens_per_s"] > 0 and row["n_tokens"] == 8
         assert row["ratio_to_plain"] == pytest.approx(row["tokens_per_s"] / rows[0]["tokens_per_s"], rel=0.02)

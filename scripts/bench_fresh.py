@@ -1,0 +1,87 @@
+"""Speed against plain decoding per workload, as users run specrun: each prompt in its own
+process (`specrun generate --json`), and all of a workload's prompts in one `--jsonl` batch.
+
+    python scripts/bench_fresh.py [--workload all] [--tokens 160] [--rounds 2] [--prompts N] [--batch]
+                                  [--modes default,lookup,tree] [-- more generate options]
+
+Modes: plain (`--no-spec`), default (no flag: what the stored profile, or none, makes),
+lookup (`--draft lookup`), tree (`--no-lookup`: the draft model's tree alone). They alternate
+prompt by prompt (and round by round, in the other order), so a drifting machine hits all alike.
+Tokens/s counts decoding after the prefill (the draft's catch-up included), from each answer's
+own stats; model loading is not timed. SPECRUN_PROFILES picks the profile directory (a fresh
+one: no profile). Prints one line per workload and mode: tokens/s, ratio to plain, tokens per
+pass, share of tokens from lookup; and the default's ratio to lookup alone and to the tree alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from specrun.commands.bench_prompts import workload_prompts
+
+FLAGS = {"plain": ["--no-spec"], "default": [], "lookup": ["--draft", "lookup"], "tree": ["--no-lookup"]}
+
+
+def _run(mode: str, requests: list[dict], tokens: int, extra: list[str]) -> list[dict]:
+    """Answer the requests in one `specrun generate --jsonl` process; return each answer's stats."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for request in requests:
+            f.write(json.dumps({**request, "max_tokens": tokens, "chat": True}) + "\n")
+    argv = [sys.executable, "-m", "specrun", "generate", "--jsonl", "--file", f.name, *FLAGS[mode], *extra]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    Path(f.name).unlink()
+    if done.returncode != 0:
+        raise SystemExit(f"{mode}: {done.stderr.strip()}")
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    for row in rows:
+        if "error" in row:
+            raise SystemExit(f"{mode}: {row['error']}")
+    return [row["stats"] for row in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="all")
+    parser.add_argument("--tokens", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--modes", default="plain,default,lookup,tree")
+    parser.add_argument("--prompts", type=int, default=0, help="the first N prompts of each workload (0: all)")
+    parser.add_argument("--batch", action="store_true", help="a workload's prompts in one --jsonl process per mode")
+    parser.add_argument("extra", nargs="*", help="more `specrun generate` options (after --)")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    if "plain" not in modes:
+        modes.insert(0, "plain")
+    for name, texts in workload_prompts(args.workload, None).items():
+        texts = texts[: args.prompts or None]
+        totals = {m: [0, 0.0, 0, 0] for m in modes}  # tokens, seconds, passes, lookup tokens
+        units = [[{"prompt": t} for t in texts]] if args.batch else [[{"prompt": t}] for t in texts]
+        turn = 0
+        for r in range(args.rounds):
+            for unit in units:
+                order = modes[turn % len(modes):] + modes[: turn % len(modes)]
+                turn += 1
+                for mode in order if r % 2 == 0 else order[::-1]:
+                    for stats in _run(mode, unit, args.tokens, args.extra):
+                        t = totals[mode]
+                        t[0] += stats["n_tokens"]
+                        t[1] += stats["decode_s"]
+                        t[2] += stats["n_passes"]
+                        t[3] += stats["lookup_tokens"]
+        rate = {m: t[0] / t[1] if t[1] else 0.0 for m, t in totals.items()}
+        for m, t in totals.items():
+            print(f"{name:>8} {m:>8}: {rate[m]:7.2f} tok/s  x{rate[m] / rate['plain']:.3f} plain  "
+                  f"{t[0] / max(t[2], 1):.2f} tokens/pass  {t[3] / max(t[0], 1):.0%} from lookup", flush=True)
+        if "default" in rate:
+            for other in ("lookup", "tree"):
+                if other in rate and rate[other]:
+                    print(f"{name:>8}  default / {other}: x{rate['default'] / rate[other]:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
