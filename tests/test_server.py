@@ -477,6 +477,7 @@ class _BrokenWorker:
     state = "ready"
     model = None
     queued = 0
+    alive = True
 
     def submit(self, job):
         raise RuntimeError("boom")
@@ -490,7 +491,7 @@ def test_unexpected_error_is_a_json_500():
 
     worker = _BrokenWorker()
     worker.model = ModelInfo(TARGET, None, "none", CTX, None)
-    with TestClient(create_app(worker, ServerSettings()), raise_server_exceptions=False) as http:
+    with TestClient(create_app(worker, ServerSettings()), raise_server_exceptions=False, base_url="http://127.0.0.1") as http:
         response = http.post("/v1/chat/completions", json=_chat_body())
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "server_error" and "Traceback" not in response.text

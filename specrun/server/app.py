@@ -159,6 +159,8 @@ class RequestGuard:
 def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if worker.state == "ready" and not worker.alive:
+            return JSONResponse({"status": "worker stopped"}, status_code=503)
         if worker.state == "ready":
             return JSONResponse({"status": "ok", "queued": worker.queued})
         return JSONResponse({"status": worker.state}, status_code=503)

@@ -36,6 +36,7 @@ from specrun.server.jobs import (
     Started,
     TextPrompt,
     shutting_down,
+    worker_gone,
 )
 from specrun.server.prompts import ConversationMemory, token_budget
 from specrun.server.schemas import APIError
@@ -95,12 +96,19 @@ class GenerationWorker:
             raise APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
         if self.state != "ready":
             raise shutting_down()
+        if not self.alive:
+            raise worker_gone()
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
             wait = self.retry_after_s()
             raise APIError(503, f"the server is busy ({self._jobs.maxsize} requests waiting); retry in {wait} s",
                            code="queue_full", headers={"Retry-After": str(wait)}) from None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread still runs (it ends only when the server stops)."""
+        return self._thread.is_alive()
 
     @property
     def queued(self) -> int:
@@ -172,7 +180,7 @@ class GenerationWorker:
             self._answer(job)
         except APIError as e:
             job.emit(Failed(e))
-        except Exception as e:
+        except BaseException as e:  # nothing one request does may end the worker (SystemExit included)
             # The failure may have hit inside a decoder step: start the caches afresh.
             self._reset()
             if isinstance(e, SpecrunError):
