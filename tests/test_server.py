@@ -509,6 +509,6 @@ def test_cors_only_when_asked_for():
     with TestClient(create_app(_BrokenWorker(), ServerSettings(api_key="k", cors_origins=(origin,)))) as http:
         allowed = http.options("/v1/chat/completions", headers=preflight)
         assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == origin
-    with TestClient(create_app(_BrokenWorker(), ServerSettings())) as http:
+    with TestClient(create_app(_BrokenWorker(), ServerSettings()), base_url="http://127.0.0.1") as http:
         response = http.get("/health", headers={"Origin": origin})
-        assert "access-control-allow-origin" not in response.headers
+        assert "access-control-allow-origin" not in response.headers and response.status_code == 403

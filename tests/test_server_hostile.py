@@ -65,7 +65,7 @@ def test_a_closed_stderr_never_stops_the_answers(offline_models, tmp_path, when)
     try:
         _health_until_ready(url, proc)
         for _ in range(3):  # every answer writes a log line to the broken stderr
-            reply = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=60)
+            reply = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=300)
             assert reply.status_code == 200, reply.text
         health = httpx.get(url + "/health", timeout=10)
         assert health.status_code == 200 and health.json() == {"status": "ok", "queued": 0}
@@ -85,3 +85,137 @@ def test_health_says_when_the_worker_is_gone():
     with TestClient(create_app(DeadWorker(), ServerSettings()), base_url="http://127.0.0.1") as http:
         response = http.get("/health")
     assert response.status_code == 503 and response.json() == {"status": "worker stopped"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Defect 3: requests from web pages
+
+
+def test_a_page_from_another_origin_is_refused(server):
+    headers = {"Origin": "http://evil.example", "Content-Type": "text/plain"}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=300)
+    assert reply.status_code == 403 and reply.json()["error"]["code"] == "origin_not_allowed"
+    allowed = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={"Origin": "http://ui.example"}, timeout=300)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://ui.example"
+
+
+@pytest.mark.parametrize("host, status", [
+    ("rebound.evil.example", 403), ("rebound.evil.example:8080", 403),
+    ("localhost", 200), ("127.0.0.1", 200), ("[::1]:1234", 200), ("models.lan:8080", 200), ("192.168.1.7", 200),
+])
+def test_the_host_must_be_this_server(server, host, status):
+    reply = httpx.get(server.url + "/v1/models", headers={"Host": host}, timeout=30)
+    assert reply.status_code == status, reply.text
+    if status == 403:
+        assert reply.json()["error"]["code"] == "host_not_allowed"
+
+
+def test_an_empty_api_key_is_refused(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "specrun", "serve", "--api-key", "", "--port", "0"],
+                         capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+    assert out.returncode == 2 and "--api-key" in out.stderr and "empty" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Defect 2: request heads and connections
+
+
+def _connect(srv) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", _port(srv)), timeout=10)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket, limit_s: float) -> bytes:
+    sock.settimeout(limit_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, socket.timeout):
+        pytest.fail(f"the connection was still open after {limit_s} s", pytrace=False)
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_an_endless_header_is_refused_and_health_stays_fast(server):
+    sock = _connect(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Long: ")
+    try:
+        for _ in range(200):  # 200 x 4 KiB = 800 KiB: far past the limit
+            sock.sendall(b"a" * 4096)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # closed on us: that is the point
+    answer = _read_until_closed(sock, 10)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 431")
+    t0 = time.monotonic()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert time.monotonic() - t0 < 2
+
+
+def test_too_many_headers_are_refused(server):
+    sock = _connect(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n")
+    assert _read_until_closed(sock, 10).startswith(b"HTTP/1.1 431")
+    sock.close()
+
+
+def test_a_slow_header_times_out(server):
+    sock = _connect(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    t0 = time.monotonic()
+    closed = False
+    for _ in range(40):  # one header line every 0.25 s: slowloris
+        try:
+            sock.sendall(b"X-a: b\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+            break
+        sock.settimeout(0.25)
+        try:
+            answer = sock.recv(65536)
+        except (TimeoutError, socket.timeout):
+            continue
+        closed = answer == b"" or answer.startswith(b"HTTP/1.1 408")
+        break
+    sock.close()
+    assert closed and time.monotonic() - t0 < READ_TIMEOUT_S + 3
+
+
+def test_an_idle_connection_is_closed(server):
+    sock = _connect(server)
+    t0 = time.monotonic()
+    assert _read_until_closed(sock, READ_TIMEOUT_S + 5) == b""
+    assert time.monotonic() - t0 >= READ_TIMEOUT_S - 0.5
+    sock.close()
+
+
+def test_many_idle_connections_do_not_lock_out_new_clients(offline_models, tmp_path):
+    """Under a file descriptor limit of 256 (at most 128 connections), 300 idle connections."""
+    port = _free_port()
+
+    def low_fd_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    argv = [sys.executable, "-m", "specrun", "serve", "--port", str(port), "--ctx-size", "256", "--no-spec",
+            "--threads", "1", "--target", "smollm2-tiny-random"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(tmp_path),
+                            preexec_fn=low_fd_limit)
+    idle: list[socket.socket] = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _health_until_ready(url, proc)
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        time.sleep(0.5)
+        for _ in range(3):
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+        reply = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=300)
+        assert reply.status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.terminate()
+        proc.wait(60)

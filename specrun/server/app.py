@@ -38,6 +38,7 @@ from specrun.server.schemas import (
     refuse_unsupported,
     validation_error,
 )
+from specrun.server.sites import SiteGuard
 from specrun.server.worker import POLL_S, GenerationWorker
 
 log = logging.getLogger("specrun.server")
@@ -52,6 +53,10 @@ class ServerSettings:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
+    # Host names (besides localhost, this machine's name and any address) requests may be sent to.
+    allowed_hosts: tuple[str, ...] = ()
+    # Seconds a client has to send a whole request (see server.connections).
+    read_timeout_s: float = 30.0
 
 
 def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
@@ -60,6 +65,8 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app)
     _add_routes(app, worker)
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(SiteGuard, cors_origins=settings.cors_origins, allowed_hosts=settings.allowed_hosts,
+                       check_host=settings.api_key is None)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
