@@ -219,3 +219,22 @@ def test_many_idle_connections_do_not_lock_out_new_clients(offline_models, tmp_p
             sock.close()
         proc.terminate()
         proc.wait(60)
+
+
+# ---------------------------------------------------------------------------------------------
+# Defect 5: same seed, same answer
+
+
+def test_the_same_seed_gives_the_same_answer_whatever_ran_before(server):
+    body = {"messages": [{"role": "user", "content": "Tell me a fact about cats."}], "max_tokens": 48,
+            "temperature": 1.0, "seed": 42}
+    other = {**body, "messages": [{"role": "user", "content": "Write a poem about rain."}], "seed": 7}
+    answers, cached = [], []
+    for before in (None, other, None, {**other, "temperature": 0}, None):
+        if before is not None:
+            httpx.post(server.url + "/v1/chat/completions", json=before, timeout=300)
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300).json()
+        answers.append(reply["choices"][0]["message"]["content"])
+        cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(set(cached)) > 1  # the cache held different things before each request
+    assert len(set(answers)) == 1, answers

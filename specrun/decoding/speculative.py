@@ -73,6 +73,8 @@ class SpeculativeDecoder:
         if max_tokens < 1:
             stats.finish_reason = "length"
             return
+        if params.reproducible:
+            self.cache.truncate(0)  # and plain steps below: see SamplingParams.reproducible
         # The whole new part of the prompt goes in one batch and its last row gives the first
         # token, as in plain decoding: no pass of its own for the first token.
         _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
@@ -98,6 +100,8 @@ class SpeculativeDecoder:
             budget = min(shape.budget, room - 1)
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
+            if params.reproducible:
+                budget = 0
             proposal = None
             if depth >= 1 and budget >= 1:
                 proposal = self.drafter.propose(cache.tokens, pending, budget, depth)
