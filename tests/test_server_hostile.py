@@ -238,3 +238,26 @@ def test_the_same_seed_gives_the_same_answer_whatever_ran_before(server):
         cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert len(set(cached)) > 1  # the cache held different things before each request
     assert len(set(answers)) == 1, answers
+
+
+# ---------------------------------------------------------------------------------------------
+# Defects 8 and 9
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_rendering(server):
+    many = {"messages": [{"role": "user", "content": ""}] * 20_000, "max_tokens": 1}
+    huge = {"messages": [{"role": "user", "content": "<|im_start|>" * 80_000}], "max_tokens": 1}
+    for body in (many, huge):
+        t0 = time.monotonic()
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+        assert reply.status_code in (400, 413), reply.text
+        if reply.status_code == 400:
+            assert reply.json()["error"]["code"] == "context_length_exceeded"
+        assert time.monotonic() - t0 < 3
+
+
+def test_a_lone_surrogate_is_named(server):
+    raw = b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    reply = httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=30)
+    assert reply.status_code == 400
+    assert "surrogate" in reply.json()["error"]["message"] and "\\ud800" in reply.json()["error"]["message"]

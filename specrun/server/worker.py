@@ -38,7 +38,7 @@ from specrun.server.jobs import (
     shutting_down,
     worker_gone,
 )
-from specrun.server.prompts import ConversationMemory, token_budget
+from specrun.server.prompts import ConversationMemory, refuse_what_cannot_fit, token_budget
 from specrun.server.schemas import APIError
 
 log = logging.getLogger("specrun.server")
@@ -223,6 +223,7 @@ class GenerationWorker:
         """Return the prompt's tokens, and for a chat the rendered text they spell."""
         rt = self.runtime
         if isinstance(prompt, ChatPrompt):
+            refuse_what_cannot_fit(prompt.messages, rt.target_ctx.n_ctx, rt.target.max_token_bytes)
             fmt = rt.chat_format
             rendered = fmt.render(prompt.messages, add_generation_prompt=True)
             return self._memory.tokens_for(fmt, rendered), rendered.text
