@@ -226,11 +226,11 @@ def test_many_idle_connections_do_not_lock_out_new_clients(offline_models, tmp_p
 
 
 def test_the_same_seed_gives_the_same_answer_whatever_ran_before(server):
-    body = {"messages": [{"role": "user", "content": "Tell me a fact about cats."}], "max_tokens": 48,
+    body = {"messages": [{"role": "user", "content": "Tell me a fact about cats."}], "max_tokens": 24,
             "temperature": 1.0, "seed": 42}
-    other = {**body, "messages": [{"role": "user", "content": "Write a poem about rain."}], "seed": 7}
+    other = {**body, "messages": [{"role": "user", "content": "Write a poem about rain."}], "seed": 7, "max_tokens": 8}
     answers, cached = [], []
-    for before in (None, other, None, {**other, "temperature": 0}, None):
+    for before in (None, other, {**other, "temperature": 0}, None):
         if before is not None:
             httpx.post(server.url + "/v1/chat/completions", json=before, timeout=300)
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300).json()
