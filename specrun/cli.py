@@ -303,7 +303,9 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on (another than 127.0.0.1 exposes the model: set an API key).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port to listen on (0: any free one).")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECRUN_API_KEY", show_envvar=True, help="Require this key (Authorization: Bearer KEY) on every /v1 route.")] = None,
-    cors: Annotated[Optional[list[str]], typer.Option("--cors", metavar="ORIGIN", help="Allow browser pages from this origin (repeatable; * for any). Off by default.")] = None,
+    cors: Annotated[Optional[list[str]], typer.Option("--cors", metavar="ORIGIN", help="Allow browser pages from this origin (repeatable; * for any). Off by default: requests carrying another Origin get 403.")] = None,
+    allow_host: Annotated[Optional[list[str]], typer.Option("--allow-host", metavar="NAME", help="Also answer requests sent to this host name (repeatable; * for any). Without an API key only localhost, this machine's name, the --host name and addresses are answered (DNS rebinding).")] = None,
+    read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.1, help="Seconds a client has to send a whole request (and an idle connection stays open); slower ones are closed.")] = 30.0,
     queue_size: Annotated[int, typer.Option("--queue-size", min=1, help="Requests that may wait while one is answered; more get 503 with Retry-After.")] = 32,
     reasoning_format: ReasoningFormatOpt = "auto",
     chat_template: ChatTemplateOpt = None,
@@ -330,7 +332,10 @@ def serve(
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
-        settings = ServerSettings(api_key=api_key or None, cors_origins=tuple(cors or ()), verbose=verbose)
+        if api_key is not None and not api_key.strip():
+            raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
+        settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose,
+                                  allowed_hosts=(*(allow_host or ()), host), read_timeout_s=read_timeout)
         run_server(opts, host, port, settings, queue_size, _chat_settings(reasoning_format, chat_template))
 
 

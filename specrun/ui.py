@@ -32,9 +32,28 @@ def err_console() -> Console:
     key = (sys.stderr, _no_color(), os.environ.get("FORCE_COLOR"), os.environ.get("TERM"))
     if _err is None or key != _err_key:
         color = None if _no_color() else "auto"
-        _err = Console(file=sys.stderr, color_system=color, highlight=False, soft_wrap=True)
+        _err = _StderrConsole(file=sys.stderr, color_system=color, highlight=False, soft_wrap=True)
         _err_key = key
     return _err
+
+
+class _StderrConsole(Console):
+    """The stderr console, which goes quiet when stderr breaks instead of ending the program.
+
+    Rich's default answer to a broken pipe is to point stdout at /dev/null and raise SystemExit:
+    in `specrun serve | grep -m1 listening` that would kill the generation worker, and in
+    `specrun generate 2>&1 | head` it would lose model text. Messages are extras; the work goes on."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+
+
+def _say(message: str, style: str | None = None) -> None:
+    console = err_console()
+    try:
+        console.print(message, style=style, markup=False)
+    except OSError:  # stderr closed or gone (EIO from a vanished terminal): stop writing to it
+        console.quiet = True
 
 
 def write_text(text: str) -> None:
@@ -60,11 +79,11 @@ def out_console() -> Console:
 
 
 def info(message: str) -> None:
-    err_console().print(message, markup=False)
+    _say(message)
 
 
 def dim(message: str) -> None:
-    err_console().print(message, style="dim", markup=False)
+    _say(message, style="dim")
 
 
 def thinking(text: str) -> None:
@@ -75,11 +94,11 @@ def thinking(text: str) -> None:
 
 
 def warn(message: str) -> None:
-    err_console().print(f"warning: {message}", style="yellow", markup=False)
+    _say(f"warning: {message}", style="yellow")
 
 
 def error(message: str) -> None:
-    err_console().print(f"error: {message}", style="bold red", markup=False)
+    _say(f"error: {message}", style="bold red")
 
 
 def stats_line(stats: dict, prefill: bool = True) -> str:

@@ -487,6 +487,7 @@ class _BrokenWorker:
     state = "ready"
     model = None
     queued = 0
+    alive = True
 
     def submit(self, job):
         raise RuntimeError("boom")
@@ -500,7 +501,7 @@ def test_unexpected_error_is_a_json_500():
 
     worker = _BrokenWorker()
     worker.model = ModelInfo(TARGET, None, "none", CTX, None)
-    with TestClient(create_app(worker, ServerSettings()), raise_server_exceptions=False) as http:
+    with TestClient(create_app(worker, ServerSettings()), raise_server_exceptions=False, base_url="http://127.0.0.1") as http:
         response = http.post("/v1/chat/completions", json=_chat_body())
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "server_error" and "Traceback" not in response.text
@@ -518,6 +519,6 @@ def test_cors_only_when_asked_for():
     with TestClient(create_app(_BrokenWorker(), ServerSettings(api_key="k", cors_origins=(origin,)))) as http:
         allowed = http.options("/v1/chat/completions", headers=preflight)
         assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == origin
-    with TestClient(create_app(_BrokenWorker(), ServerSettings())) as http:
+    with TestClient(create_app(_BrokenWorker(), ServerSettings()), base_url="http://127.0.0.1") as http:
         response = http.get("/health", headers={"Origin": origin})
-        assert "access-control-allow-origin" not in response.headers
+        assert "access-control-allow-origin" not in response.headers and response.status_code == 403

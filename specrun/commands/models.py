@@ -34,6 +34,8 @@ def pull(names: list[str], quiet: bool = False, force: bool = False) -> list[Pat
 def list_models(as_json: bool) -> None:
     """Print the registry's aliases: a table, or a JSON array."""
     reg = registry.load()
+    for error in reg.broken.values():
+        ui.warn(f"left out: {error}")
     rows = registry.list_models(reg, hub.is_present)
     if as_json:
         print(json.dumps([row.as_dict() for row in rows], ensure_ascii=False, indent=2))

@@ -92,6 +92,16 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repeat_penalty != 1
                     or self.logit_bias or self.grammar is not None)
 
+    @property
+    def reproducible(self) -> bool:
+        """True for a seeded sample, which must come out the same whatever ran before it.
+
+        Logits depend in their last digits on how they were computed (a prompt partly reused from
+        the KV cache, a tree pass or a one-token pass), and over a long answer such a difference
+        flips a draw now and then. So decoders answer a seeded sample from a fresh prefill of the
+        whole prompt with one-token steps: the same computation every time."""
+        return self.seed is not None and not self.greedy
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -33,6 +33,8 @@ class PlainDecoder:
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         self.stats = stats = GenerationStats(n_prompt=len(prompt))
+        if params.reproducible:
+            self.cache.truncate(0)
         # The whole new part of the prompt goes in one batch, as llama.cpp's own tools do, and its
         # last row gives the first token.
         pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)

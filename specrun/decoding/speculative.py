@@ -91,6 +91,8 @@ class SpeculativeDecoder:
         if max_tokens < 1:
             stats.finish_reason = "length"
             return
+        if params.reproducible:
+            self.cache.truncate(0)  # and plain steps below: see SamplingParams.reproducible
         # The whole new part of the prompt goes in one batch and its last row gives the first
         # token, as in plain decoding: no pass of its own for the first token.
         _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
@@ -120,6 +122,8 @@ class SpeculativeDecoder:
             budget = min(shape.budget, room - 1)
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
+            if params.reproducible:
+                budget = 0
             proposal = None
             # Where a grammar allows one continuation only, that run is the tree: free drafts, no
             # draft model asked (a chain fits the batch planned for the budget).

@@ -30,8 +30,28 @@ _backend_lock = threading.Lock()
 _backend_ready = False
 
 
+# A Ctrl-C that lands while llama.cpp runs our callback cannot cross the C code back to Python
+# (ctypes prints and drops it), so the callback keeps it here and raise_if_interrupted() raises
+# it once the C call has returned.
+_interrupted = threading.Event()
+
+
 @C.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    try:
+        _log(level, text)
+    except KeyboardInterrupt:
+        _interrupted.set()
+
+
+def raise_if_interrupted() -> None:
+    """Raise the KeyboardInterrupt that arrived inside a llama.cpp callback, if one did."""
+    if _interrupted.is_set():
+        _interrupted.clear()
+        raise KeyboardInterrupt
+
+
+def _log(level: int, text: bytes) -> None:
     if level == 5:  # GGML_LOG_LEVEL_CONT continues the previous line at its level
         py_level = _last_level[0]
     else:

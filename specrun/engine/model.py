@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 from typing import Sequence
 
@@ -13,6 +14,7 @@ from specrun.engine.backend import (
     Owner,
     ensure_backend,
     last_llama_error,
+    raise_if_interrupted,
     recent_errors,
 )
 from specrun.engine.gguf import check_complete_gguf
@@ -52,6 +54,12 @@ class Model(Owner):
             params.use_extra_bufts = False
         recent_errors.clear()
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
+        try:
+            raise_if_interrupted()
+        except KeyboardInterrupt:
+            if ptr:
+                C.llama_model_free(ptr)
+            raise
         if not ptr:
             reason = last_llama_error("llama.cpp could not load it")
             raise ModelFileError(f"cannot load model {self.path}: {reason}")
@@ -187,6 +195,12 @@ class Model(Owner):
         """Return the token's text as stored in the vocabulary (for comparing vocabularies)."""
         return C.llama_vocab_get_text(self._vocab, token) or b""
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """Return the most bytes of text one token stands for (so a text of n bytes needs at least
+        n / max_token_bytes tokens)."""
+        return max((len(self.token_to_piece(t, True)) for t in range(self.n_vocab)), default=1) or 1
+
     def token_attr(self, token: int) -> int:
         return C.llama_vocab_get_attr(self._vocab, token)
 
@@ -218,6 +232,7 @@ def quantize(src: str | Path, dst: str | Path, ftype: str = "F32", threads: int 
     params.nthread = threads
     recent_errors.clear()
     rc = C.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    raise_if_interrupted()
     if rc != 0:
         raise EngineError(f"converting {src} to {ftype} failed: {last_llama_error(f'code {rc}')}")
 

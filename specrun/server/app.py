@@ -41,6 +41,7 @@ from specrun.server.schemas import (
     parse_body,
     refuse_unsupported,
 )
+from specrun.server.sites import SiteGuard
 from specrun.server.worker import GenerationWorker
 
 log = logging.getLogger("specrun.server")
@@ -62,6 +63,10 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
     verbose: bool = False  # log refused requests' bodies too
+    # Host names (besides localhost, this machine's name and any address) requests may be sent to.
+    allowed_hosts: tuple[str, ...] = ()
+    # Seconds a client has to send a whole request (see server.connections).
+    read_timeout_s: float = 30.0
 
 
 def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
@@ -71,6 +76,8 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
     _add_routes(app, worker)
     add_ollama_routes(app, worker)
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(SiteGuard, cors_origins=settings.cors_origins, allowed_hosts=settings.allowed_hosts,
+                       check_host=settings.api_key is None)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -175,6 +182,8 @@ class RequestGuard:
 def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if worker.state == "ready" and not worker.alive:
+            return JSONResponse({"status": "worker stopped"}, status_code=503)
         if worker.state == "ready":
             return JSONResponse({"status": "ok", "queued": worker.queued})
         return JSONResponse({"status": worker.state}, status_code=503)

@@ -148,3 +148,8 @@ class EventReader:
 
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", code="server_shutting_down")
+
+
+def worker_gone() -> APIError:
+    return APIError(503, "the generation worker has stopped; restart the server (its log says why)",
+                    code="worker_stopped")

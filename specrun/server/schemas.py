@@ -7,6 +7,7 @@ refused with a 400 that says so rather than silently dropped (`refuse_unsupporte
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -49,6 +50,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# A \uD800-\uDFFF escape not part of a high-low pair: JSON allows writing it, but it is no character.
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """Return a 400 describing the first problem pydantic (or the JSON parser) found in a body."""
     if not errors:
@@ -56,6 +62,10 @@ def validation_error(errors: list[dict]) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
+        surrogate = _LONE_SURROGATE.search(first.get("input") or b"") if "escape" in detail else None
+        if surrogate:
+            detail = (f"{surrogate.group().decode()} is half of a UTF-16 surrogate pair, not a character: "
+                      "send the text as UTF-8, or the escape of a whole pair")
         return APIError(400, f"the request body is not valid JSON{f' ({detail})' if detail else ''}", code="invalid_json")
     loc = [part for part in first.get("loc", ()) if part != "body"]
     if not loc and first.get("type") == "missing":

@@ -25,11 +25,14 @@ from specrun.errors import UsageError
 from specrun.runtime.plan import RunOptions, resolve_models
 from specrun.runtime.runtime import Runtime
 from specrun.server.app import ServerSettings, create_app
+from specrun.server.connections import connection_limit, guarded_protocol
 from specrun.server.worker import GenerationWorker
 
 # How long a stopping server waits for answers to wind up before it closes their connections.
 GRACEFUL_STOP_S = 10
 LISTEN_BACKLOG = 128
+# An idle connection is closed this long after its last answer (clients reconnect as needed).
+KEEP_ALIVE_S = 5
 
 
 def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queue_size: int,
@@ -55,6 +58,7 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
     config = uvicorn.Config(
         create_app(worker, settings), lifespan="off", log_config=None, access_log=False, log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_STOP_S, server_header=False,
+        http=guarded_protocol(settings.read_timeout_s, connection_limit()), timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = StoppingServer(config, worker)
     previous = _ignore_late_signals()

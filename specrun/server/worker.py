@@ -46,8 +46,9 @@ from specrun.server.jobs import (
     Started,
     TextPrompt,
     shutting_down,
+    worker_gone,
 )
-from specrun.server.prompts import ConversationMemory, token_budget
+from specrun.server.prompts import ConversationMemory, refuse_what_cannot_fit, token_budget
 from specrun.server.schemas import APIError
 
 log = logging.getLogger("specrun.server")
@@ -111,6 +112,8 @@ class GenerationWorker:
             raise loading()
         if self.state != "ready":
             raise shutting_down()
+        if not self.alive:
+            raise worker_gone()
         try:
             job.ahead = self._jobs.qsize() + (self._current is not None)
             self._jobs.put_nowait(job)
@@ -124,6 +127,11 @@ class GenerationWorker:
         if self.model is None or self.state == "loading":
             raise loading()
         return self.model
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker thread still runs (it ends only when the server stops)."""
+        return self._thread.is_alive()
 
     @property
     def queued(self) -> int:
@@ -196,7 +204,7 @@ class GenerationWorker:
             self._answer(job)
         except APIError as e:
             job.emit(Failed(e))
-        except Exception as e:
+        except BaseException as e:  # nothing one request does may end the worker (SystemExit included)
             # The failure may have hit inside a decoder step: start the caches afresh.
             self._reset()
             if isinstance(e, SpecrunError):
@@ -244,6 +252,7 @@ class GenerationWorker:
         """Return the prompt's tokens, and for a chat the rendered text they spell."""
         rt = self.runtime
         if isinstance(prompt, ChatPrompt):
+            refuse_what_cannot_fit(prompt.messages, rt.target_ctx.n_ctx, rt.target.max_token_bytes)
             fmt = rt.chat_format
             rendered = fmt.render(prompt.messages, add_generation_prompt=True, **prompt.template_kwargs)
             return self._memory.tokens_for(fmt, rendered), rendered.text
