@@ -51,7 +51,7 @@ def model_size(path: Path) -> offload.ModelSize:
     _, tensors = engine.gguf_header_facts(Path(path))
     if tensors and not _SHARD.search(Path(path).name):
         return size_from_tensors(tensors, file_bytes, n_layer, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head,
-                                 n_head_kv=n_head_kv, n_ff=n_ff)
+                                 n_head_kv=n_head_kv, n_ff=n_ff, n_ctx_train=n_ctx_train)
     # Bytes per weight from a parameter estimate: attention ~ (2 + 2*kv/heads) n_embd^2, MLP 3 n_embd n_ff.
     per_layer_params = (2 + 2 * n_head_kv / max(n_head, 1)) * n_embd * n_embd + 3 * n_embd * max(n_ff, 4 * n_embd)
     params = n_layer * per_layer_params + 2 * n_vocab * n_embd
