@@ -20,7 +20,7 @@ from typing import Sequence
 import llama_cpp as C
 import numpy as np
 
-from specrun.engine.backend import Owner, last_llama_error, recent_errors
+from specrun.engine.backend import last_llama_error, recent_errors
 from specrun.engine.context import Context
 from specrun.engine.model import Model
 from specrun.errors import EngineError
@@ -88,9 +88,10 @@ def enable_target_rows(ctx: Context) -> None:
     set_embeddings_nextn(ctx, True, False)
 
 
-class MtpContext(Owner):
+class MtpContext(Context):
     """An MTP context on a model loaded with `load_mtp`: its own small KV cache (the MTP block is
-    attention), fed (token, position, hidden row) triples in sequence 0."""
+    attention), fed (token, position, hidden row) triples in sequence 0 by `process` (not
+    `decode`). Closing, seq_rm and clear are a Context's."""
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int = 512, threads: int | None = None, layer: int = 0):
         check_mtp_support()
@@ -115,24 +116,12 @@ class MtpContext(Owner):
         self.n_ctx = min(n_ctx, C.llama_n_ctx(ptr))
         self.n_vocab = model.n_vocab
         self.n_embd = C.llama_model_n_embd_out(model.ptr)
+        self.n_seq_max, self.n_rs_seq, self.has_state, self.threads = 1, 0, False, threads
+        self._n_outputs, self.last_decode = 0, (0, 0)
         set_embeddings_nextn(self, True, True)  # its own row of the token that asks for logits
         if layer:
             set_nextn_layer_offset(self, layer)
         model._contexts.append(self)
-
-    @property
-    def ptr(self):
-        if self._ptr is None:
-            raise EngineError("MTP context is already closed")
-        return self._ptr
-
-    def close(self) -> None:
-        if self._ptr is not None:
-            C.llama_free(self._ptr)
-            self._ptr = None
-            self._mem = None
-            if self in self.model._contexts:
-                self.model._contexts.remove(self)
 
     def process(self, tokens: Sequence[int], pos0: int, rows: np.ndarray, want_last: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """Run the MTP block over tokens at pos0.. in sequence 0, token i paired with rows[i]
@@ -171,10 +160,3 @@ class MtpContext(Owner):
             raise EngineError("the MTP pass gave no logits")
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
         return logits, embeddings_nextn_row(self, -1, self.n_embd)
-
-    def seq_rm(self, p0: int) -> None:
-        """Drop positions p0.. (plain KV cells: always possible)."""
-        C.llama_memory_seq_rm(self._mem, 0, p0, -1)
-
-    def clear(self) -> None:
-        C.llama_memory_clear(self._mem, True)

@@ -67,10 +67,10 @@ class MtpDrafter:
     def _catch_up(self, text: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Feed text[keep:] (the root last) with the target's rows; return the root's (logits, row)."""
         keep = self._kept(text)
-        self.mtp.seq_rm(keep)  # also the drafts of the last step
+        self.mtp.seq_rm(0, keep)  # also the drafts of the last step
         if keep == len(text):  # the root is already in (nothing was committed since): feed it again
             keep -= 1
-            self.mtp.seq_rm(keep)
+            self.mtp.seq_rm(0, keep)
         rows = self._target_rows(keep - 1, len(text) - 1)  # token p pairs with row p - 1
         if keep == 0:
             rows = np.vstack([self._zero, rows])  # the first token has no row before it
