@@ -88,15 +88,13 @@ class MtpDrafter:
             return None
         t0 = time.perf_counter()
         logits, row = self._catch_up([*committed, root])
-        tokens, logps = [], []
+        tokens = []
         pos = len(committed)
         for i in range(k):
-            token = int(np.argmax(logits))
-            tokens.append(token)
-            logps.append(float(logits[token] - _logsumexp(logits)))
+            tokens.append(int(np.argmax(logits)))  # a chain: no scores to rank branches by
             if i + 1 < k:
-                logits, row = self.mtp.process([token], pos + 1 + i, row[None, :], want_last=True)
-        return Proposal(DraftTree.chain(root, tokens, np.cumsum(logps)), draft_s=time.perf_counter() - t0, draft_passes=k)
+                logits, row = self.mtp.process([tokens[-1]], pos + 1 + i, row[None, :], want_last=True)
+        return Proposal(DraftTree.chain(root, tokens), draft_s=time.perf_counter() - t0, draft_passes=k)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         pass  # the next catch-up feeds what was accepted, with the verify pass's rows
@@ -104,8 +102,3 @@ class MtpDrafter:
     def reset(self) -> None:
         self.mtp.clear()
         self.fed.clear()
-
-
-def _logsumexp(x: np.ndarray) -> float:
-    m = float(x.max())
-    return m + float(np.log(np.exp(x - m).sum()))
