@@ -137,7 +137,7 @@ def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
     if unverified:
         dim("* file name or checksum seen in one public catalog only")
     dim("speculates: tree = draft trees, chains = up to four draft chains per step (hybrids that roll back), "
-        "plain only = no speculation; MTP = the file has MTP layers (not used as a drafter yet); "
+        "plain only = no speculation; MTP = the file has MTP layers, which draft (--draft mtp); "
         "`specrun models --json` gives the reason")
     if default_pair:
         dim(f"default: --target {default_pair[0]} --draft {default_pair[1]} (works offline)")

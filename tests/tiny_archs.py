@@ -16,11 +16,12 @@ from specrun.models.tinyarch import write_arch_model
 LAYOUT_VERSION = 1
 
 
-def tiny_arch_model(cache: Path, arch: str, seed: int = 1) -> Path:
-    """Return the path of the tiny random `arch` model with this seed, writing it on first use."""
+def tiny_arch_model(cache: Path, arch: str, seed: int = 1, mtp: bool = False) -> Path:
+    """Return the path of the tiny random `arch` model with this seed, writing it on first use
+    (`mtp`: with one MTP block after the trunk, qwen35 only)."""
     folder = cache / "tiny-arch"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{arch}-seed{seed}-v{LAYOUT_VERSION}.gguf"
+    path = folder / f"{arch}{'-mtp' if mtp else ''}-seed{seed}-v{LAYOUT_VERSION}.gguf"
     if not path.exists():
-        write_arch_model(arch, vocab_gguf("qwen35"), path, seed=seed)
+        write_arch_model(arch, vocab_gguf("qwen35"), path, seed=seed, mtp=mtp)
     return path

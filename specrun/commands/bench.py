@@ -193,6 +193,8 @@ def _default_mode(tree: TreePlan | None) -> str:
     """The bench mode that decodes as a run does by default (the plan's drafter)."""
     if tree is None:
         return "plain"
+    if tree.mtp:
+        return "mtp"
     if not tree.draft_model:
         return "lookup"
     return "hybrid" if tree.lookup is not None else "draft tree"
@@ -202,6 +204,8 @@ def _mode_trees(plan) -> dict[str, TreePlan | None]:
     """Return each mode's tree in the order a workload row decodes them (plain, draft tree,
     lookup, hybrid; without a draft model, no draft rows)."""
     trees: dict[str, TreePlan | None] = {"plain": None}
+    if plan.tree is not None and plan.tree.mtp:  # --draft mtp: the target's MTP chains beside lookup
+        return {"plain": None, "lookup": _lookup_plan(LOOKUP_SHAPE), "mtp": plan.tree}
     lookup = _lookup_plan(LOOKUP_SHAPE) if plan.tree is None or plan.tree.draft_model else plan.tree
     if plan.draft_loaded:
         trees["draft tree"] = replace(plan.tree, lookup=None)

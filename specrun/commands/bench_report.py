@@ -29,7 +29,7 @@ from specrun.tuning import profiles
 REPORT_FORMAT = 1
 # The workload row that stands for what a run with the same options uses, by the plan's drafter.
 DEFAULT_MODES = {"hybrid": "hybrid", "lookup": "lookup", "draft model": "draft tree", "sequoia": "draft tree",
-                 "none": "plain"}
+                 "mtp": "mtp", "none": "plain"}
 
 
 @dataclass(frozen=True)

@@ -415,6 +415,10 @@ def run_tune(opts: RunOptions, quick: bool, show: bool, as_json: bool, plot: Pat
         ui.info("lookup drafting needs no tuning: it adapts to each run's acceptance and target cost "
                 "(`specrun bench --draft lookup` measures it here)")
         return
+    if opts.mtp_only:
+        ui.info("MTP drafting needs no tuning: its chain length is --depth (default 3), and the speed guard "
+                "shortens it online where it does not pay (`specrun bench --draft mtp` measures it here)")
+        return
     if opts.lookup:
         ui.dim("--lookup: tuning the draft model's tree; lookup branches join it and adapt online")
     opts = replace(opts, lookup=False)  # tune measures the draft model's trees alone

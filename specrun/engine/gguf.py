@@ -112,3 +112,8 @@ def check_complete_gguf(path: Path) -> Path:
             f"({end} bytes); the file is truncated (an interrupted copy or download?): get it again"
         )
     return path
+
+
+def has_mtp_layers(path: Path) -> bool:
+    """Whether a GGUF carries MTP (nextn) layers, from its header's tensor names; no weights read."""
+    return any(".nextn." in name for name in header_facts(path)[1])

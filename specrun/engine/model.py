@@ -33,14 +33,17 @@ class Model(Owner):
         vocab_only: bool = False,
         tensor_split: Sequence[float] = (),
         main_gpu: int | None = None,
+        load_mtp: bool = False,
     ):
         """Load a model. `tensor_split` (per GPU) spreads offloaded layers as planned; `main_gpu`
-        puts the whole model on one GPU (llama.cpp's split mode "none")."""
+        puts the whole model on one GPU (llama.cpp's split mode "none"); `load_mtp` also loads its
+        MTP layers, for drafting with them (engine.mtp)."""
         ensure_backend()
         self.path = check_complete_gguf(Path(path))
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        params.load_mtp = load_mtp
         if tensor_split:
             # llama.cpp reads llama_max_devices() floats; keep the array alive while loading.
             self._split = (ctypes.c_float * C.llama_max_devices())(*tensor_split)

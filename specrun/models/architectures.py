@@ -27,10 +27,10 @@ RECURRENT = architectures.RECURRENT
 # Not standalone models: heads loaded beside their target (Gemma 4's MTP assistants).
 HEADS = frozenset({"gemma4-assistant"})
 
-# Whether specrun drafts with MTP heads (`--draft mtp`). The pinned library allows it from Python
-# (scripts/mtp_probe.py drives a head exactly: load_mtp, an MTP context, the target's nextn rows
-# through C++ staging symbols the binding lacks), but no decoder uses it yet.
-MTP_DRAFTING = False
+# Whether specrun drafts with MTP heads (`--draft mtp`, and by default for a target that carries
+# them): engine.mtp drives them from Python (load_mtp, an MTP context, the target's nextn rows
+# through C++ staging symbols the binding lacks), decoding/drafters/mtp.py proposes the chains.
+MTP_DRAFTING = True
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,12 @@ class _Layout:
         self.tensors.append((name, tuple(int(d) for d in dims), kind))
 
 
-def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0) -> None:
+def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0, mtp: bool = False) -> None:
     """Write a random-weight `arch` model to `dst` with exactly `base_gguf`'s tokenizer.
 
-    The same arguments give a byte-identical file; the file appears atomically.
+    `mtp` appends one MTP (next-token-prediction) block after the trunk, as the publishers' *-MTP
+    files carry it (qwen35 only). The same arguments give a byte-identical file; the file appears
+    atomically.
     """
     import gguf  # dev-only dependency
 
@@ -60,7 +62,9 @@ def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0) -> No
     base_gguf, dst = Path(base_gguf), Path(dst)
     tokenizer = _tokenizer(base_gguf.resolve())
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])
-    layout = _LAYOUTS[arch](n_vocab)
+    if mtp and arch != "qwen35":
+        raise ValueError(f"no tiny MTP layout for architecture {arch!r} (qwen35 only)")
+    layout = _qwen35(n_vocab, mtp=True) if mtp else _LAYOUTS[arch](n_vocab)
 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     os.close(fd)
@@ -192,10 +196,11 @@ def _experts(lay: _Layout, blk: str, biases: bool) -> None:
         lay.tensor(f"{blk}.ffn_down_exps.bias", (N_EMBD, N_EXPERT), "zeros")
 
 
-def _qwen35(n_vocab: int, moe: bool = False) -> _Layout:
-    """Three Gated DeltaNet layers, then one gated attention layer (full_attention_interval 4)."""
+def _qwen35(n_vocab: int, moe: bool = False, mtp: bool = False) -> _Layout:
+    """Three Gated DeltaNet layers, then one gated attention layer (full_attention_interval 4);
+    with `mtp`, one MTP block after them (src/models/qwen35.cpp, load_block_mtp)."""
     n_layer = 4
-    lay = _common("qwen35moe" if moe else "qwen35", n_vocab, n_layer)
+    lay = _common("qwen35moe" if moe else "qwen35", n_vocab, n_layer + (1 if mtp else 0))
     d_state, n_group, n_v_heads, d_conv = HEAD_DIM, 2, 4, 4
     key_dim, value_dim = d_state * n_group, d_state * n_v_heads
     lay.key("feed_forward_length", N_FF)
@@ -243,7 +248,23 @@ def _qwen35(n_vocab: int, moe: bool = False) -> _Layout:
             lay.tensor(f"{blk}.ffn_down_shexp.weight", (n_shexp, N_EMBD))
         else:
             _dense_ffn(lay, blk)
+    if mtp:
+        _mtp_block(lay, f"blk.{n_layer}")
     return lay
+
+
+def _mtp_block(lay: _Layout, blk: str) -> None:
+    """One MTP block: a full-attention decoder block plus the nextn projections and norms
+    (llama.cpp counts it in block_count and names it by nextn_predict_layers)."""
+    lay.key("nextn_predict_layers", 1)
+    lay.tensor(f"{blk}.attn_norm.weight", (N_EMBD,), "ones")
+    lay.tensor(f"{blk}.post_attention_norm.weight", (N_EMBD,), "ones")
+    _attention(lay, blk, 2 * N_HEAD * HEAD_DIM, qk_norm=True)
+    _dense_ffn(lay, blk)
+    lay.tensor(f"{blk}.nextn.eh_proj.weight", (2 * N_EMBD, N_EMBD))
+    lay.tensor(f"{blk}.nextn.enorm.weight", (N_EMBD,), "ones")
+    lay.tensor(f"{blk}.nextn.hnorm.weight", (N_EMBD,), "ones")
+    lay.tensor(f"{blk}.nextn.shared_head_norm.weight", (N_EMBD,), "ones")
 
 
 def _lfm2(n_vocab: int) -> _Layout:

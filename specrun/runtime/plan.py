@@ -7,7 +7,9 @@
    chain; or plain decoding (no draft, --no-spec, or --no-lookup with a profile that measured the
    draft model's trees slower than plain decoding: without --no-lookup such a profile leaves
    lookup alone on). `--draft lookup` drafts from the session's text alone (no draft model);
-   lookup branches join the draft model's trees by default (hybrid);
+   lookup branches join the draft model's trees by default (hybrid); `--draft mtp` drafts chains
+   with the target's own MTP layers, and a target that carries them drafts so when no --draft
+   is given;
 3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
    one pass (a tree split over ubatches pays the weight transfer again when offloading);
 4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
@@ -45,6 +47,10 @@ LOOKUP = "lookup"
 # The largest lookup tree a step may verify (the drafter adapts below it to what pays): deep
 # enough for a long verbatim copy, wide enough for a few different continuations.
 LOOKUP_SHAPE = TreeShape(budget=64, depth=32, width=1, top_k=1)
+# `--draft mtp` names no model either: the target's own MTP layers draft a chain per step, this
+# long by default (llama.cpp's draft-mtp default; --depth or --budget sets it).
+MTP = "mtp"
+MTP_CHAIN = 3
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,11 @@ class RunOptions:
         """Whether --draft lookup: lookup trees and no draft model."""
         return is_lookup(self.draft)
 
+    @property
+    def mtp_only(self) -> bool:
+        """Whether --draft mtp: the target's MTP layers draft, no draft model."""
+        return self.draft is not None and self.draft.strip().lower() == MTP
+
 
 def is_lookup(draft: str | None) -> bool:
     """Whether a --draft value asks for the draft-free lookup drafter."""
@@ -86,6 +97,9 @@ class ModelFiles:
     target_path: Path | None  # None: not downloaded yet (only when planning without fetching)
     draft_name: str | None
     draft_path: Path | None
+    # The target's own MTP layers draft (--draft mtp, or a target that carries them and no --draft).
+    mtp: bool = False
+    mtp_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -103,10 +117,13 @@ class TreePlan:
     # each in a sequence of its own).
     verify: str = architectures.TREE
     prior: DraftPrior | None = None  # the profile's figures for the draft model (hybrid's first steps)
+    mtp: bool = False  # the target's MTP layers draft a chain of `shape.depth` (draft_model is False)
 
     @property
     def drafter(self) -> str:
-        """"draft model", "sequoia" (static, draft model), "lookup" (no model) or "hybrid"."""
+        """"draft model", "sequoia" (static, draft model), "lookup" (no model), "hybrid" or "mtp"."""
+        if self.mtp:
+            return "mtp"
         if not self.draft_model:
             return "lookup"
         if self.lookup is not None:
@@ -115,6 +132,8 @@ class TreePlan:
 
     @property
     def kind(self) -> str:
+        if self.mtp:
+            return "mtp"
         if not self.draft_model:
             return "lookup"
         if self.template is not None:
@@ -137,6 +156,8 @@ class TreePlan:
 
     def _describe_drafts(self) -> str:
         s = self.shape
+        if self.mtp:
+            return f"chain of {s.depth} drafts from the target's own MTP layers (no draft model)"
         if not self.draft_model:
             return f"lookup trees of up to {s.budget} tokens from the session's text, depth {s.depth} (no draft model)"
         if self.template is not None:
@@ -187,7 +208,7 @@ class Plan:
 
     @property
     def drafter(self) -> str:
-        """Which drafter proposes trees: "draft model", "sequoia", "lookup", "hybrid" or "none"."""
+        """Which drafter proposes trees: "draft model", "sequoia", "lookup", "hybrid", "mtp" or "none"."""
         return "none" if self.tree is None else self.tree.drafter
 
     @property
@@ -372,6 +393,9 @@ def fit_tree_to_target(tree: TreePlan, why: str, arch: str) -> tuple[TreePlan | 
         return tree, why, None
     if support.shape == architectures.PLAIN:
         return None, support.reason, f"plain decoding: {support.reason}"
+    if tree.mtp:
+        shape = TreeShape.chain(min(MAX_CHAIN, tree.shape.depth))
+        return replace(tree, shape=shape, verify=architectures.CHAIN), f"{why}; {support.reason}", None
     depth = min(MAX_CHAIN, tree.verified.depth)
     s = tree.shape
     shape = TreeShape(min(s.budget, MAX_CHAINS * depth), min(s.depth, depth), s.width, s.top_k)
@@ -387,7 +411,7 @@ def _fit_tree(tree: TreePlan, budget: int) -> TreePlan:
     if tree.lookup is not None and tree.draft_model and tree.shape.budget < budget:
         return replace(tree, lookup=tree.lookup.resized(budget - tree.shape.budget))
     shape = tree.shape.resized(budget)
-    lookup = shape if not tree.draft_model else None
+    lookup = shape if not tree.draft_model and not tree.mtp else None
     return replace(tree, shape=shape, template=None, lookup=lookup)
 
 
@@ -408,9 +432,17 @@ def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
         target_name, default_draft = opts.target, None
     target_spec = registry.resolve(target_name)
     draft_spec = None
-    if opts.no_spec and (opts.lookup is True or opts.lookup_only):
-        raise UsageError("--no-spec decodes without drafting: it does not go with --lookup or --draft lookup")
-    if not opts.no_spec and not opts.lookup_only:
+    if opts.no_spec and (opts.lookup is True or opts.lookup_only or opts.mtp_only):
+        raise UsageError("--no-spec decodes without drafting: it does not go with --lookup, --draft lookup or --draft mtp")
+    # A target that carries MTP layers drafts with them unless a draft model is named (the file
+    # says so once on disk; the registry's `mtp = true` before the download).
+    target_path = None
+    target_has_mtp = target_spec.mtp
+    if opts.draft is None and not opts.no_spec:
+        target_path = _local_path(target_spec, opts.quiet, fetch)
+        target_has_mtp = has_mtp_layers(target_spec, target_path)
+    auto_mtp = opts.draft is None and not opts.no_spec and opts.lookup is not True and target_has_mtp
+    if not opts.no_spec and not opts.lookup_only and not opts.mtp_only and not auto_mtp:
         if opts.draft is not None:
             draft_spec = registry.resolve(opts.draft)
         elif default_draft is not None and opts.target is None:
@@ -419,9 +451,27 @@ def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
             draft_spec = registry.recommended_draft(target_spec)
         if draft_spec is not None:
             pairing.check_pair(target_spec, draft_spec)
-    target_path = _local_path(target_spec, opts.quiet, fetch)
+    if target_path is None:
+        target_path = _local_path(target_spec, opts.quiet, fetch)
     draft_path = _local_path(draft_spec, opts.quiet, fetch) if draft_spec is not None else None
-    return ModelFiles(target_spec.name, target_path, draft_spec.name if draft_spec else None, draft_path)
+    mtp_why = ""
+    if opts.mtp_only:
+        if not has_mtp_layers(target_spec, target_path):
+            raise UsageError(f"--draft mtp: {target_spec.name} has no MTP layers (llama.cpp's nextn layers); "
+                             "pass a draft model, --draft lookup, or a file that keeps them (the *-mtp registry entries)")
+        mtp_why = "--draft mtp: the target's own MTP layers draft"
+    elif auto_mtp:
+        mtp_why = (f"{target_spec.name} carries MTP layers and no draft model was given: they draft "
+                   "(--draft MODEL or --draft lookup to choose otherwise)")
+    return ModelFiles(target_spec.name, target_path, draft_spec.name if draft_spec else None, draft_path,
+                      mtp=bool(mtp_why), mtp_why=mtp_why)
+
+
+def has_mtp_layers(spec, path: Path | None) -> bool:
+    """Whether the target carries MTP layers: its file's header says, else the registry's `mtp`."""
+    if path is not None:
+        return engine.gguf_has_mtp_layers(path)
+    return bool(spec.mtp)
 
 
 def _local_path(spec, quiet: bool, fetch: bool) -> Path | None:
@@ -446,6 +496,8 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
     """
     if opts.lookup_only:
         return _lookup_tree(opts, None), "--draft lookup: trees from the session's text, no draft model", False
+    if files.mtp:
+        return _mtp_tree(opts), files.mtp_why, False
     if files.draft_name is None:
         if opts.lookup is True:
             return _lookup_tree(opts, None), f"--lookup without a draft model for {files.target_name}: lookup alone", False
@@ -486,6 +538,13 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
     elif opts.lookup is None:
         tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; with lookup branches from the session's text (--no-lookup: without)"
     return tree, why, choice is None
+
+
+def _mtp_tree(opts: RunOptions) -> TreePlan:
+    """Return the MTP chain: MTP_CHAIN drafts, or --depth (else --budget) of them."""
+    depth = opts.depth or opts.budget
+    shape = TreeShape.chain(depth or MTP_CHAIN)
+    return TreePlan(shape, None, "flags" if depth else "default", draft_model=False, mtp=True)
 
 
 def _lookup_tree(opts: RunOptions, plain_s: float | None) -> TreePlan:

@@ -15,6 +15,7 @@ from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
+from specrun.decoding.drafters.mtp import MtpDrafter
 from specrun.decoding.drafters.sequoia import StaticTreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
@@ -51,6 +52,11 @@ class Runtime:
             self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"])
             if plan.draft_loaded:
                 self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"])
+            elif plan.tree is not None and plan.tree.mtp:
+                # The target's MTP block drafts in a context of its own, fed the target's rows.
+                engine.enable_target_rows(self.target_ctx)
+                self.draft_ctx = engine.MtpContext(self.target, plan.target_ctx.n_ctx, threads=plan.threads)
+                self._owned.append(self.draft_ctx)
         except BaseException:
             self.close()
             raise
@@ -117,6 +123,8 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     """
     placed = plan.placement
     target = {"n_gpu_layers": placed.target_gpu_layers, "op_offload": None}
+    if plan.tree is not None and plan.tree.mtp:
+        target["load_mtp"] = True
     draft = {"n_gpu_layers": plan.draft_gpu_layers, "op_offload": None}
     if not plan.devices:
         return target, draft
@@ -140,11 +148,16 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
         return PlainDecoder(target, target_ctx)
     shape = tree.verified
     speed_guard = SpeedGuard(shape.budget, plain_s=tree.plain_s) if guard else None
-    return SpeculativeDecoder(target, target_ctx, make_drafter(tree, draft, draft_ctx), shape, guard=speed_guard)
+    drafter = make_drafter(tree, draft, draft_ctx, target_ctx)
+    return SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard)
 
 
-def make_drafter(tree: TreePlan, draft=None, draft_ctx=None):
-    """Return the drafter a tree plan names: draft model (best-first or Sequoia), lookup or hybrid."""
+def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
+    """Return the drafter a tree plan names: draft model (best-first or Sequoia), lookup, hybrid,
+    or the target's MTP layers (`draft_ctx` is then the MTP context)."""
+    if tree.mtp:
+        draft_ctx.clear()  # a new drafter: its cache starts empty
+        return MtpDrafter(draft_ctx, target_ctx, tree.shape.depth)
     if not tree.draft_model:
         return LookupDrafter(tree.shape.budget)
     if tree.template is not None:

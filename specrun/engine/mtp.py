@@ -1,0 +1,162 @@
+"""A model's own MTP (next-token-prediction) layers as a drafter: the MTP context and its inputs.
+
+llama.cpp runs a model's MTP block in a context of its own (`ctx_type = LLAMA_CONTEXT_TYPE_MTP`,
+opened on the same llama_model loaded with `load_mtp`). The block reads, per token, the token and
+the target's hidden row of the position before it (the "nextn" row: the last hidden state before
+the output norm), and gives logits for the token after, plus a row of its own that feeds the next
+MTP step. Tokens and rows travel in `llama_batch_ext` batches (one embedding per token).
+
+The nextn rows and the staging switches come from src/llama-ext.h, which libllama exports with
+C++ linkage: llama-cpp-python does not bind them, so they are called here by their Itanium-mangled
+names (Linux and macOS builds), each resolved on first use. A build that does not export one
+(another ABI, another llama.cpp) gets one line saying which, and MTP drafting is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import llama_cpp as C
+import numpy as np
+
+from specrun.engine.backend import last_llama_error, recent_errors
+from specrun.engine.context import Context
+from specrun.engine.model import Model
+from specrun.errors import EngineError
+
+# name -> (mangled symbol, argument types, return type); src/llama-ext.h of the vendored llama.cpp.
+_STAGING = {
+    "set_embeddings_nextn": ("_Z26llama_set_embeddings_nextnP13llama_contextbb",
+                             [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None),
+    "get_embeddings_nextn_ith": ("_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+                                 [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)),
+    "set_nextn_layer_offset": ("_Z28llama_set_nextn_layer_offsetP13llama_contexti",
+                               [ctypes.c_void_p, ctypes.c_int32], None),
+}
+_resolved: dict[str, object] = {}
+
+
+def _staging(name: str):
+    """Return the staging function `name`, declared; EngineError when libllama lacks it."""
+    fn = _resolved.get(name)
+    if fn is None:
+        symbol, argtypes, restype = _STAGING[name]
+        try:
+            fn = getattr(C.llama_cpp._lib, symbol)
+        except AttributeError:
+            raise EngineError(f"this libllama does not export llama_{name} ({symbol}): "
+                              "it cannot drive MTP layers (another ABI or llama.cpp version?)") from None
+        fn.argtypes, fn.restype = argtypes, restype
+        _resolved[name] = fn
+    return fn
+
+
+def check_mtp_support() -> None:
+    """Raise EngineError (one line) unless every staging function MTP drafting calls is exported."""
+    for name in _STAGING:
+        _staging(name)
+
+
+def n_layer_nextn(model: Model) -> int:
+    """How many MTP (nextn) layers the model file carries (loaded or not)."""
+    return int(C.llama_model_n_layer_nextn(model.ptr))
+
+
+def set_embeddings_nextn(ctx, on: bool = True, masked: bool = False) -> None:
+    """Make a context output nextn rows: for every token of each batch (masked=False), or only for
+    the tokens that ask for logits."""
+    _staging("set_embeddings_nextn")(ctx.ptr, on, masked)
+
+
+def set_nextn_layer_offset(ctx, offset: int) -> None:
+    """Pick which MTP block (past the trunk) an MTP context runs; 0 is the first."""
+    _staging("set_nextn_layer_offset")(ctx.ptr, offset)
+
+
+def embeddings_nextn_row(ctx, i: int, n_embd: int) -> np.ndarray:
+    """Return the nextn row of token i of the last batch (a copy): unmasked contexts index it by
+    the token's place in the batch, masked ones by output."""
+    ptr = _staging("get_embeddings_nextn_ith")(ctx.ptr, i)
+    if not ptr:
+        raise EngineError(f"no nextn row {i} in the last batch: {last_llama_error('not produced')}")
+    return np.ctypeslib.as_array(ptr, shape=(n_embd,)).copy()
+
+
+def enable_target_rows(ctx: Context) -> None:
+    """Turn on a target context's nextn rows (one per token of every batch) for an MTP drafter."""
+    set_embeddings_nextn(ctx, True, False)
+
+
+class MtpContext(Context):
+    """An MTP context on a model loaded with `load_mtp`: its own small KV cache (the MTP block is
+    attention), fed (token, position, hidden row) triples in sequence 0 by `process` (not
+    `decode`). Closing, seq_rm and clear are a Context's."""
+
+    def __init__(self, model: Model, n_ctx: int, n_batch: int = 512, threads: int | None = None, layer: int = 0):
+        check_mtp_support()
+        if n_layer_nextn(model) < 1:
+            raise EngineError(f"{model.path.name} has no MTP layers (llama_model_n_layer_nextn is 0)")
+        self.model = model
+        params = C.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_seq_max = 1
+        if threads:
+            params.n_threads = params.n_threads_batch = threads
+        params.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
+        params.no_perf = True
+        recent_errors.clear()
+        ptr = C.llama_init_from_model(model.ptr, params)
+        if not ptr:
+            raise EngineError(f"cannot open an MTP context for {model.path.name}: {last_llama_error('refused')}")
+        self._ptr = ptr
+        self._mem = C.llama_get_memory(ptr)
+        self.n_batch = C.llama_n_batch(ptr)
+        self.n_ctx = min(n_ctx, C.llama_n_ctx(ptr))
+        self.n_vocab = model.n_vocab
+        self.n_embd = C.llama_model_n_embd_out(model.ptr)
+        self.n_seq_max, self.n_rs_seq, self.has_state, self.threads = 1, 0, False, threads
+        self._n_outputs, self.last_decode = 0, (0, 0)
+        set_embeddings_nextn(self, True, True)  # its own row of the token that asks for logits
+        if layer:
+            set_nextn_layer_offset(self, layer)
+        model._contexts.append(self)
+
+    def process(self, tokens: Sequence[int], pos0: int, rows: np.ndarray, want_last: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """Run the MTP block over tokens at pos0.. in sequence 0, token i paired with rows[i]
+        (float32, len(tokens) x n_embd). With want_last, return the last token's (logits, own
+        nextn row), copies; else None. At most n_batch tokens."""
+        n = len(tokens)
+        if not 0 < n <= self.n_batch:
+            raise EngineError(f"an MTP batch of {n} tokens (this context takes 1..{self.n_batch})")
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if rows.shape != (n, self.n_embd):
+            raise EngineError(f"MTP rows of shape {rows.shape}, expected ({n}, {self.n_embd})")
+        batch = C.llama_batch_ext_init(self.ptr)
+        if not batch:
+            raise EngineError("llama.cpp could not make an MTP batch")
+        position = (C.llama_pos * 4)()
+        fptr = ctypes.POINTER(ctypes.c_float)
+        try:
+            for i in range(n):
+                idx = C.llama_batch_ext_add_token(batch, 0, int(tokens[i]))
+                position[0] = pos0 + i
+                C.llama_batch_ext_set_pos(batch, idx, position)
+                embd = C.llama_embd(ctypes.cast(rows.ctypes.data + 4 * self.n_embd * i, fptr), 1, self.n_embd)
+                C.llama_batch_ext_set_embd_token(batch, idx, embd)
+                if want_last and i == n - 1:
+                    C.llama_batch_ext_set_output_logits(batch, idx, True)
+            recent_errors.clear()
+            rc = C.llama_process(self.ptr, C.LLAMA_PROCESS_TYPE_DECODE, batch)
+            if rc != 0:
+                raise EngineError(f"the MTP pass failed (code {rc}): {last_llama_error('llama_process')}")
+        finally:
+            C.llama_batch_ext_free(batch)
+        if not want_last:
+            return None
+        ptr = C.llama_get_logits_ith(self.ptr, -1)
+        if not ptr:
+            raise EngineError("the MTP pass gave no logits")
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        return logits, embeddings_nextn_row(self, -1, self.n_embd)

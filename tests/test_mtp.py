@@ -1,0 +1,191 @@
+"""MTP drafting (`--draft mtp`): a target's own MTP layers propose chains, the target verifies them.
+
+The model is a tiny random-weight qwen35 (Gated DeltaNet hybrid: chains verified with a rollback
+every step) with one MTP block, written with the real Qwen3.5 tokenizer (tests/tiny_archs.py).
+Its MTP block is random too, so its drafts are almost always rejected: every step rolls the
+target's recurrent state back and catches the MTP cache up, the strictest exactness check there is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_speculative import GREEDY, chat_prompt, check_divergences, compare, plain_reference
+from tiny_archs import tiny_arch_model
+
+from specrun import engine
+from specrun.core.sampling import SamplingParams, make_rng, target_probs
+from specrun.core.shapes import TreeShape
+from specrun.decoding.drafters.mtp import MtpDrafter
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.stream import token_ids
+from specrun.errors import EngineError
+from specrun.runtime.plan import RunOptions, build_plan
+
+N_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def mtp_path(offline_models):
+    from conftest import MODEL_CACHE
+
+    return tiny_arch_model(MODEL_CACHE, "qwen35", mtp=True)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(mtp_path, load_model):
+    return load_model(mtp_path, load_mtp=True)
+
+
+@pytest.fixture(scope="module")
+def contexts():
+    """Make target contexts (with recurrent snapshots) and MTP contexts; close them all after."""
+    owned = []
+
+    def make(model, mtp=False, **kwargs):
+        ctx = engine.MtpContext(model, **kwargs) if mtp else engine.Context(model, **kwargs)
+        owned.append(ctx)
+        return ctx
+
+    yield make
+    for ctx in reversed(owned):
+        ctx.close()
+
+
+@pytest.fixture(scope="module")
+def plain(mtp_model, contexts):
+    return PlainDecoder(mtp_model, contexts(mtp_model, n_ctx=512, n_batch=64, n_seq_max=1))
+
+
+@pytest.fixture(scope="module")
+def prompts(mtp_model):
+    return [chat_prompt(mtp_model, text) for text in ("List the planets.", "Write a haiku about the sea.")]
+
+
+@pytest.fixture(scope="module")
+def references(plain, prompts):
+    return [plain_reference(plain, p, N_TOKENS) for p in prompts]
+
+
+def mtp_decoder(model, contexts, chain: int, mtp_batch: int = 512) -> SpeculativeDecoder:
+    target_ctx = contexts(model, n_ctx=512, n_batch=64, n_seq_max=1, n_rs_seq=chain)
+    engine.enable_target_rows(target_ctx)
+    mtp_ctx = contexts(model, mtp=True, n_ctx=512, n_batch=mtp_batch)
+    return SpeculativeDecoder(model, target_ctx, MtpDrafter(mtp_ctx, target_ctx, chain), TreeShape.chain(chain))
+
+
+def test_model_carries_one_mtp_layer(mtp_path, mtp_model):
+    assert engine.n_layer_nextn(mtp_model) == 1
+    assert engine.gguf_has_mtp_layers(mtp_path)
+    assert mtp_model.n_layer == 4  # the trunk; the MTP block is counted apart
+
+
+@pytest.mark.parametrize("chain", [1, 3])
+def test_greedy_output_equals_plain_decoding(chain, mtp_model, contexts, prompts, references):
+    """The second prompt reuses nothing of the first (a recurrent state restarts) while the MTP
+    cache finds its text replaced; a small MTP batch splits the prompt's catch-up."""
+    spec = mtp_decoder(mtp_model, contexts, chain, mtp_batch=8)
+    divergences, drafted = [], 0
+    for k, (prompt, ref) in enumerate(zip(prompts if chain > 1 else prompts[:1], references)):
+        out = token_ids(spec, prompt, GREEDY, N_TOKENS)
+        drafted += sum(s.tree_nodes for s in spec.stats.steps)
+        divergences.append(compare(ref, out, N_TOKENS, f"chain {chain}, prompt {k}"))
+    check_divergences([d for d in divergences if d], len(divergences), f"MTP chain {chain}")
+    assert drafted >= N_TOKENS // 2, "the MTP head should have proposed drafts at most steps"
+
+
+def test_a_continued_conversation_reuses_the_mtp_cache(mtp_model, contexts, prompts, references, plain):
+    """A second request that extends the first (a chat's next turn): the target keeps its prefix,
+    the MTP cache keeps what it fed, and the output is still plain decoding's."""
+    spec = mtp_decoder(mtp_model, contexts, 3)
+    first = token_ids(spec, prompts[0], GREEDY, N_TOKENS)
+    longer = prompts[0] + first + prompts[1][-6:]
+    fed_before = len(spec.drafter.fed)
+    out = token_ids(spec, longer, GREEDY, 8)
+    assert fed_before > len(prompts[0])
+    assert spec.stats.n_prefilled < len(longer), "the target should have reused its cached prefix"
+    assert out == token_ids(plain, longer, GREEDY, 8)
+
+
+def test_seeded_sampling_emits_plain_tokens(mtp_model, contexts, plain, prompts):
+    """T > 0: with one seed, MTP speculation and plain sampling emit the same tokens (the walk draws
+    one uniform per emitted token); a difference only where the draw sits at an interval's edge."""
+    spec = mtp_decoder(mtp_model, contexts, 3)
+    n, compared, runs = 8, 0, 0
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=40, top_p=0.9)):
+        for seed in (params.top_k,):  # one seed per setting
+            tokens, cdfs = [], []
+            for step in plain.steps(prompts[0], params, n, make_rng(seed)):
+                cdfs.append(np.cumsum(target_probs(plain.ctx.logits_row(-1), params)))
+                tokens.extend(step.tokens)
+            out = token_ids(spec, prompts[0], params, n, seed=seed)
+            runs += 1
+            i = next((i for i, (a, b) in enumerate(zip(tokens, out)) if a != b), None)
+            if i is None:
+                assert out == tokens
+                compared += len(out)
+                continue
+            compared += i
+            u = make_rng(seed).random(i + 1)[i]
+            lo, hi = (cdfs[i][out[i] - 1] if out[i] else 0.0), cdfs[i][out[i]]
+            assert max(lo - u, u - hi, 0.0) < 0.02, f"seed {seed}, {params}: token {i} is {out[i]}, plain drew {tokens[i]}"
+    assert compared >= runs * n // 2
+
+
+def test_missing_staging_symbol_is_one_line(monkeypatch):
+    """A libllama of another ABI: one EngineError naming the function, no traceback from ctypes."""
+    from specrun.engine import mtp
+
+    monkeypatch.setitem(mtp._STAGING, "set_nextn_layer_offset", ("_Z_no_such_symbol", [], None))
+    monkeypatch.setattr(mtp, "_resolved", {})
+    with pytest.raises(EngineError, match="does not export llama_set_nextn_layer_offset"):
+        mtp.check_mtp_support()
+
+
+def test_mtp_context_refuses_a_model_without_mtp_layers(offline_models, load_model):
+    model = load_model(offline_models.smollm2_random)
+    with pytest.raises(EngineError, match="no MTP layers"):
+        engine.MtpContext(model, n_ctx=128)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plan and command line
+
+
+def test_plan_picks_mtp_for_a_target_that_carries_it(mtp_path):
+    plan = build_plan(RunOptions(target=str(mtp_path), quiet=True), fetch=False)
+    assert plan.drafter == "mtp" and plan.tree.mtp and not plan.draft_loaded
+    assert "carries MTP layers" in plan.why
+    assert plan.tree.verify == "chain" and plan.tree.shape.depth == 3
+    assert plan.target_ctx.n_rs_seq == 3
+    explicit = build_plan(RunOptions(target=str(mtp_path), draft="mtp", depth=2, quiet=True), fetch=False)
+    assert explicit.drafter == "mtp" and explicit.tree.shape.depth == 2 and explicit.why.startswith("--draft mtp")
+    plain = build_plan(RunOptions(target=str(mtp_path), no_spec=True, quiet=True), fetch=False)
+    assert plain.tree is None
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specrun", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_greedy_mtp_equals_no_spec(mtp_path):
+    common = ["generate", "--target", str(mtp_path), "-n", "16", "--temp", "0", "--ctx-size", "256", "List the planets."]
+    plain = run_cli(*common, "--no-spec")
+    mtp = run_cli(*common, "--draft", "mtp", "--json")
+    assert plain.returncode == 0 and mtp.returncode == 0, plain.stderr + mtp.stderr
+    result = json.loads(mtp.stdout)
+    assert result["drafter"] == "mtp"
+    assert result["text"] == plain.stdout.rstrip("\n")
+    shown = run_cli("plan", "--target", str(mtp_path))
+    assert shown.returncode == 0 and "drafter  mtp" in shown.stdout and "carries MTP layers" in shown.stdout
+
+
+def test_cli_draft_mtp_without_mtp_layers_is_one_line(offline_models):
+    out = run_cli("generate", "--target", str(offline_models.smollm2_random), "--draft", "mtp", "-n", "2", "Hi")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "no MTP layers" in out.stderr
