@@ -40,9 +40,11 @@ class ChatFormat:
         """Whether the model is an instruct model with a known turn format."""
         return self.template is not None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """Return the conversation rendered; `variables` (such as `tools`) go to the template."""
         return templates.render_chat(
-            self.template, messages, add_generation_prompt, bos_token=self.bos_text, eos_token=self.eos_text
+            self.template, messages, add_generation_prompt, bos_token=self.bos_text, eos_token=self.eos_text,
+            **variables,
         )
 
     def render_turn(self, history: list[dict], new: list[dict], rendered_history: str | None) -> templates.TurnRender:

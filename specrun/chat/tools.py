@@ -23,7 +23,7 @@ import json
 import re
 import secrets
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specrun.errors import UsageError
 
@@ -45,14 +45,19 @@ class ToolFormat:
     """How one template family writes tool calls."""
 
     family: str
-    detect: tuple[str, ...]  # any of these in a template means this family
+    detect: tuple[str, ...]  # all of these in a template mean this family
+    thinks: bool = False  # the template has the model think first (<think>...</think>)
 
     def grammar(self, tools: list[dict], marker) -> str:
-        """Return a Lark grammar for exactly one call of one of `tools` (OpenAI function dicts).
+        """Return a Lark grammar for exactly one call of one of `tools` (OpenAI function dicts),
+        after a finished thinking block where the template has one.
 
         `marker(text)` returns the Lark literal for a fixed piece of text (a special token or a string).
         """
-        return _GRAMMARS[self.family](tools, marker)
+        grammar = _GRAMMARS[self.family](tools, marker)
+        if not self.thinks:
+            return grammar.replace("start: think? ", "start: ")
+        return grammar + _thinking(marker) if "start: think? " in grammar else grammar
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         """Return (content without the calls, the calls) from a model's answer (special tokens kept)."""
@@ -75,7 +80,8 @@ def tool_format(template: str | None) -> ToolFormat | None:
     """Return the tool-call format a chat template speaks (None: the template takes no tools)."""
     if not template or "tools" not in template:
         return None
-    return next((fmt for fmt in FORMATS if all(d in template for d in fmt.detect)), None)
+    fmt = next((fmt for fmt in FORMATS if all(d in template for d in fmt.detect)), None)
+    return replace(fmt, thinks="</think>" in template) if fmt is not None else None
 
 
 def _schema_json(schema: dict) -> str:
@@ -105,7 +111,7 @@ def _thinking(marker) -> str:
 
 def _hermes_grammar(tools, marker) -> str:
     return (f"start: think? {marker('<tool_call>')} \"\\n\" call \"\\n\" {marker('</tool_call>')}\n"
-            f"call: %json {_schema_json(_call_object(tools, 'arguments'))}\n" + _thinking(marker))
+            f"call: %json {_schema_json(_call_object(tools, 'arguments'))}\n")
 
 
 def _llama3_grammar(tools, marker) -> str:
@@ -157,7 +163,7 @@ def _qwen_xml_grammar(tools, marker) -> str:
         alts.append(f"call{i}")
         head = json.dumps("\n<function=" + t["name"] + ">\n")
         rules.append(f"call{i}: {marker('<tool_call>')} {head} {' '.join(parts)} \"</function>\\n\" {marker('</tool_call>')}")
-    return "start: think? (" + " | ".join(alts) + ")\n" + "\n".join(rules) + "\n" + _thinking(marker)
+    return "start: think? (" + " | ".join(alts) + ")\n" + "\n".join(rules) + "\n"
 
 
 def _gemma4_grammar(tools, marker) -> str:

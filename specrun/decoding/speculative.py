@@ -53,6 +53,8 @@ class SpeculativeDecoder:
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
         self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
         self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
+        # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
+        self.forced_drafts = True
 
     def reset(self) -> None:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
@@ -105,7 +107,7 @@ class SpeculativeDecoder:
             proposal = None
             # Where a grammar allows one continuation only, that run is the tree: free drafts, no
             # draft model asked (a chain fits the batch planned for the budget).
-            forced = [] if rules is None else rules.forced(min(shape.budget, remaining - 1, room - 1))
+            forced = [] if rules is None or not self.forced_drafts else rules.forced(min(shape.budget, remaining - 1, room - 1))
             if forced:
                 proposal = Proposal(DraftTree.chain(pending, forced))
             elif depth >= 1 and budget >= 1:

@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specrun.engine.grammar import schema_grammar
+from specrun.errors import UsageError
 from specrun.server.jobs import (
     ChatPrompt,
     Failed,
@@ -52,6 +54,7 @@ class ServerSettings:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
+    chat_template: str | None = None  # replaces the model's own template (--chat-template)
 
 
 def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
@@ -175,7 +178,7 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatRequest)
         envelope = Envelope(_ready_model(worker).target, chat=True)
-        return await _answer(request, worker, body, ChatPrompt(body.template_messages()), envelope)
+        return await _answer(request, worker, body, chat_prompt(body), envelope)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -183,6 +186,47 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
         prompt = TextPrompt(text=body.prompt) if isinstance(body.prompt, str) else TextPrompt(token_ids=body.prompt)
         envelope = Envelope(_ready_model(worker).target, chat=False)
         return await _answer(request, worker, body, prompt, envelope)
+
+
+def chat_prompt(body: ChatRequest) -> ChatPrompt:
+    """Return the conversation to render, with its tools and what tool_choice asks."""
+    messages = body.template_messages()
+    if not body.tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+        return ChatPrompt(messages)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    return ChatPrompt(messages, tools, _tool_choice(body.tool_choice, {t["function"]["name"] for t in tools}))
+
+
+def _tool_choice(choice, names: set[str]) -> str:
+    """Return tool_choice as auto, none, required or function:NAME; a 400 for anything else."""
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise APIError(400, 'tool_choice must be "auto", "none", "required" or {"type": "function", '
+                       '"function": {"name": ...}}', param="tool_choice", code="invalid_value")
+    if name not in names:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice",
+                       code="invalid_value")
+    return f"function:{name}"
+
+
+def checked_schema(body: GenerationRequest) -> dict | None:
+    """Return response_format's schema, or raise a 400 naming what it cannot be compiled for."""
+    schema = body.json_schema()
+    if schema is not None:
+        try:
+            schema_grammar(schema)
+        except UsageError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+    return schema
 
 
 def _ready_model(worker: GenerationWorker):
@@ -206,7 +250,8 @@ async def _parse(request: Request, model: type[GenerationRequest]) -> Generation
 
 
 async def _answer(request: Request, worker: GenerationWorker, body: GenerationRequest, prompt, envelope: Envelope) -> Response:
-    job = Job(envelope.id, prompt, body.sampling(), body.token_limit(), body.stop, asyncio.get_running_loop())
+    job = Job(envelope.id, prompt, body.sampling(), body.token_limit(), body.stop, asyncio.get_running_loop(),
+              json_schema=checked_schema(body))
     worker.submit(job)
     events = EventReader(request, job)
     try:
@@ -219,19 +264,23 @@ async def _answer(request: Request, worker: GenerationWorker, body: GenerationRe
         return StreamingResponse(_stream(events, started, envelope, body.include_usage),
                                  media_type="text/event-stream", headers=headers)
     parts: list[str] = []
+    logprobs: list[dict] | None = [] if job.params.logprobs is not None else None
     try:
         while True:
             event = await events.next()
             if isinstance(event, Piece):
                 parts.append(event.text)
+                if logprobs is not None and event.logprobs:
+                    logprobs.extend(event.logprobs)
             elif isinstance(event, Finished):
                 break
     except ClientGone:
         return Response(status_code=499)
     finally:
         job.cancel.set()  # a no-op once finished; stops the worker when this coroutine is cancelled
-    return JSONResponse(envelope.whole("".join(parts), event.finish_reason, started, event.n_generated, event.stats),
-                        headers=headers)
+    text = event.content if event.content is not None else "".join(parts)
+    return JSONResponse(envelope.whole(text, event.finish_reason, started, event.n_generated, event.stats,
+                                       logprobs=logprobs, tool_calls=event.tool_calls), headers=headers)
 
 
 def _limit_headers(started: Started) -> dict[str, str]:
@@ -250,8 +299,13 @@ async def _stream(events: "EventReader", started: Started, envelope: Envelope, i
         while True:
             event = await events.next()
             if isinstance(event, Piece):
-                yield sse(envelope.chunk(text=event.text))
+                yield sse(envelope.chunk(text=event.text, logprobs=event.logprobs))
             elif isinstance(event, Finished):
+                if event.content:  # held back while it could have been a tool call
+                    yield sse(envelope.chunk(text=event.content))
+                for i, call in enumerate(event.tool_calls or ()):
+                    for delta in envelope.tool_call_deltas(i, call):
+                        yield sse(delta)
                 yield sse(envelope.final_chunk(event.finish_reason, started, event.stats))
                 if include_usage:
                     yield sse(envelope.usage_chunk(started, event.n_generated, event.stats))

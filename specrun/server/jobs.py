@@ -18,9 +18,11 @@ from specrun.server.schemas import APIError
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A conversation, rendered with the model's own chat template."""
+    """A conversation, rendered with the model's own chat template (with `tools`, if any)."""
 
     messages: list[dict]
+    tools: list[dict] | None = None  # OpenAI tool objects, as the template's `tools` variable
+    tool_choice: str = "auto"  # auto, none, required, or "function:NAME" (a named call)
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,17 @@ class Started:
 @dataclass(frozen=True)
 class Piece:
     text: str
+    logprobs: list[dict] | None = None  # its tokens' log-probs (chat API entries), when asked for
 
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # stop, length, or cancelled (nobody is listening then)
+    finish_reason: str  # stop, length, tool_calls, or cancelled (nobody is listening then)
     n_generated: int
     stats: GenerationStats
+    # With tools the answer is held back and parsed at the end: its text and calls come here.
+    content: str | None = None
+    tool_calls: list | None = None  # chat.tools.ParsedCall
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class Job:
     max_tokens: int | None
     stop: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
+    json_schema: dict | None = None  # response_format: the answer is JSON valid under it
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
 

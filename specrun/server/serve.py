@@ -49,7 +49,7 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         if server is not None:
             server.should_exit = True
 
-    worker = GenerationWorker(opts, queue_size, on_ready, on_load_error)
+    worker = GenerationWorker(opts, queue_size, on_ready, on_load_error, chat_template=settings.chat_template)
     config = uvicorn.Config(
         create_app(worker, settings), lifespan="off", log_config=None, access_log=False, log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_STOP_S, server_header=False,

@@ -18,14 +18,17 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from specrun import ui
 from specrun.decoding.steps import GenerationStats
+from specrun.chat.tools import ToolFormat, tool_format
 from specrun.decoding.stream import stream
-from specrun.errors import SpecrunError
+from specrun.engine.grammar import Grammar
+from specrun.errors import SpecrunError, UsageError
 from specrun.runtime.plan import RunOptions
+from specrun.runtime.request import logprob_json
 from specrun.runtime.runtime import Runtime
 from specrun.server.jobs import (
     ChatPrompt,
@@ -72,8 +75,9 @@ class GenerationWorker:
     """Loads the Runtime in its own thread, then answers queued jobs one at a time until stopped."""
 
     def __init__(self, opts: RunOptions, queue_size: int, on_ready: Callable[["GenerationWorker", Runtime], None],
-                 on_load_error: Callable[[BaseException], None]):
+                 on_load_error: Callable[[BaseException], None], chat_template: str | None = None):
         self.opts = opts
+        self.chat_template = chat_template
         self.state = "loading"  # loading, ready, failed, stopping
         self.model: ModelInfo | None = None
         self.load_error: BaseException | None = None
@@ -135,6 +139,8 @@ class GenerationWorker:
             self.model = ModelInfo(rt.models.target_name, rt.models.draft_name if rt.draft is not None else None,
                                    rt.plan.drafter, rt.target_ctx.n_ctx, rt.shape.budget if rt.speculative else None)
             self.runtime = rt
+            if self.chat_template is not None:
+                rt.chat_format.template = self.chat_template
             if not self._stopping.is_set():
                 self.state = "ready"
                 self._on_ready(self, rt)
@@ -189,14 +195,16 @@ class GenerationWorker:
 
     def _answer(self, job: Job) -> None:
         rt = self.runtime
+        tools = self._tool_format(job.prompt)
         prompt, rendered = self._prompt_tokens(job.prompt)
         param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
         limit = token_budget(len(prompt), rt.target_ctx.n_ctx, job.max_tokens, param)
+        params = self._params(job, tools)
         started = Started(len(prompt), rt.decoder.cache.reusable(prompt), limit, job.max_tokens)
         if started.capped:
             ui.dim(f"{job.id}: max_tokens {job.max_tokens} lowered to {limit} to fit the {rt.target_ctx.n_ctx}-token context")
         job.emit(started)
-        generated, finish = self._decode(job, prompt, limit)
+        generated, finish = self._decode(job, prompt, limit, params, hold_text=tools is not None)
         stats = rt.decoder.stats
         if job.cancel.is_set():
             self._memory.forget()
@@ -208,15 +216,60 @@ class GenerationWorker:
             return
         self._remember(rendered, finish, prompt, generated)
         reason = FINISH_REASONS.get(finish or "length", "length")
-        job.emit(Finished(reason, len(generated), stats))
+        content, calls = None, None
+        if tools is not None:  # the answer was held back: its calls become tool_calls
+            answer = rt.target.detokenize([t for t in generated if t not in rt.decoder.eog], special=True)
+            content, calls = tools.parse(answer)
+            if calls:
+                reason = "tool_calls"
+            else:
+                content = rt.target.detokenize([t for t in generated if t not in rt.decoder.eog])
+        job.emit(Finished(reason, len(generated), stats, content, calls or None))
         _log_job(job, started, stats, finish or "length")
+
+    def _tool_format(self, prompt: ChatPrompt | TextPrompt) -> ToolFormat | None:
+        """Return how the model writes tool calls, when this request's answer may hold one."""
+        if not isinstance(prompt, ChatPrompt) or not prompt.tools:
+            return None
+        fmt = tool_format(self.runtime.chat_format.template)
+        if fmt is None:
+            raise APIError(400, "the model's chat template has no tool support, so it cannot be given tools",
+                           param="tools", code="unsupported_parameter")
+        return None if prompt.tool_choice == "none" else fmt
+
+    def _params(self, job: Job, tools: ToolFormat | None):
+        """Return the job's sampling settings with its grammar compiled for the target's vocabulary."""
+        model = self.runtime.target
+        params = job.params
+        for token, _ in params.logit_bias:
+            if token >= model.n_vocab:
+                raise APIError(400, f"logit_bias: token id {token} is not below the vocabulary size {model.n_vocab}",
+                               param="logit_bias", code="invalid_value")
+        try:
+            if job.json_schema is not None:
+                return replace(params, grammar=Grammar.from_schema(model, job.json_schema))
+            choice = job.prompt.tool_choice if isinstance(job.prompt, ChatPrompt) else "auto"
+            if tools is not None and choice not in ("auto", "none"):
+                chosen = [t["function"] for t in job.prompt.tools]
+                if choice.startswith("function:"):
+                    chosen = [f for f in chosen if f["name"] == choice.removeprefix("function:")]
+                return replace(params, grammar=Grammar.from_lark(model, tools.grammar(chosen, self._marker)))
+        except UsageError as e:
+            raise APIError(400, str(e), param="response_format" if job.json_schema is not None else "tool_choice",
+                           code="invalid_value") from None
+        return params
+
+    def _marker(self, text: str) -> str:
+        """Return text as a grammar literal: the special token it is, if the vocabulary has one."""
+        return Grammar.literal(self.runtime.target, text)
 
     def _prompt_tokens(self, prompt: ChatPrompt | TextPrompt) -> tuple[list[int], str | None]:
         """Return the prompt's tokens, and for a chat the rendered text they spell."""
         rt = self.runtime
         if isinstance(prompt, ChatPrompt):
             fmt = rt.chat_format
-            rendered = fmt.render(prompt.messages, add_generation_prompt=True)
+            extra = {"tools": prompt.tools} if prompt.tools else {}
+            rendered = fmt.render(prompt.messages, add_generation_prompt=True, **extra)
             return self._memory.tokens_for(fmt, rendered), rendered
         if prompt.token_ids is not None:
             n_vocab = rt.target.n_vocab
@@ -225,17 +278,22 @@ class GenerationWorker:
             return list(prompt.token_ids), None
         return rt.target.tokenize(prompt.text, add_special=True, parse_special=False), None
 
-    def _decode(self, job: Job, prompt: list[int], limit: int) -> tuple[list[int], str | None]:
-        """Stream the answer's text to the job; return the generated tokens and the finish reason."""
+    def _decode(self, job: Job, prompt: list[int], limit: int, params, hold_text: bool = False) -> tuple[list[int], str | None]:
+        """Stream the answer's text to the job (unless held back for tool calls); return the
+        generated tokens and the finish reason."""
         rt = self.runtime
         generated: list[int] = []
         finish = None
-        chunks = stream(rt.decoder, rt.target, prompt, job.params, limit, job.stop)
+        eog = rt.decoder.eog
+        chunks = stream(rt.decoder, rt.target, prompt, params, limit, job.stop)
         try:
             for chunk in chunks:
                 generated.extend(chunk.tokens)
-                if chunk.text:
-                    job.emit(Piece(chunk.text))
+                logprobs = None
+                if chunk.logprobs:  # the end-of-turn token is no part of the answer
+                    logprobs = logprob_json(rt.target, [lp for lp in chunk.logprobs if lp.token not in eog]) or None
+                if (chunk.text or logprobs) and not hold_text:
+                    job.emit(Piece(chunk.text, logprobs))
                 finish = chunk.finish_reason or finish
                 if job.cancel.is_set():
                     break
