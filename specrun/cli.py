@@ -116,27 +116,8 @@ def _main(
 # generate
 
 
-def _read_prompt(prompt: str | None, file: Path | None) -> str:
-    from specrun.inputs import check_utf8, decode_utf8, read_stdin
-
-    if prompt is not None and file is not None:
-        raise UsageError("give the prompt either as an argument or with --file, not both")
-    if file is not None:
-        try:
-            return decode_utf8(file.read_bytes(), f"prompt file {file}")
-        except IsADirectoryError:
-            raise UsageError(f"prompt file {file} is a directory") from None
-        except OSError as e:
-            raise UsageError(f"cannot read prompt file {file}: {e.strerror}") from None
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return read_stdin()
-    if prompt is not None:
-        return check_utf8(prompt, "the prompt argument")
-    raise UsageError("no prompt: pass it as an argument, with --file, or on stdin")
-
-
 def _text_file(path: Path | None, option: str) -> str | None:
-    """Return the text of an option's file (None when not given), or a one-line error."""
+    """Return the UTF-8 text of an option's file (None when not given), or a one-line error."""
     from specrun.inputs import decode_utf8
 
     if path is None:
@@ -147,6 +128,20 @@ def _text_file(path: Path | None, option: str) -> str | None:
         raise UsageError(f"{option} file {path} is a directory") from None
     except OSError as e:
         raise UsageError(f"cannot read {option} file {path}: {e.strerror}") from None
+
+
+def _read_prompt(prompt: str | None, file: Path | None) -> str:
+    from specrun.inputs import check_utf8, read_stdin
+
+    if prompt is not None and file is not None:
+        raise UsageError("give the prompt either as an argument or with --file, not both")
+    if file is not None:
+        return _text_file(file, "prompt")
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return read_stdin()
+    if prompt is not None:
+        return check_utf8(prompt, "the prompt argument")
+    raise UsageError("no prompt: pass it as an argument, with --file, or on stdin")
 
 
 def _schema_file(path: Path | None) -> str | None:
