@@ -52,6 +52,7 @@ app = typer.Typer(
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias, .gguf path or hf:owner/repo/file.gguf (default: the offline demo pair).")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (default: the target family's recommended draft), or 'lookup': trees from the session's own text, no draft model.")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", min=0, help="Target layers to put on the GPU (default: planned from free GPU memory).")]
+GpuMemoryOpt = Annotated[Optional[str], typer.Option("--gpu-memory", metavar="SIZE", help="Use at most this much of each GPU, e.g. 8GiB: a big card stands in for a smaller one, the rest of the model in RAM.")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=64, help="Context size in tokens.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
 BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2048, help="Draft tree size in nodes (default: tuned profile).")]
@@ -90,12 +91,20 @@ def _setup_logging(verbose: bool) -> None:
     logging.getLogger("specrun.llama").setLevel(logging.INFO if verbose else logging.CRITICAL)
 
 
-def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False):
+def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
+                 gpu_memory=None):
     from specrun.runtime.plan import RunOptions
 
+    limit = None
+    if gpu_memory is not None:
+        from specrun.commands.plan import parse_bytes
+
+        limit = parse_bytes(gpu_memory, "--gpu-memory")
+        if limit <= 0:
+            raise UsageError(f"--gpu-memory {gpu_memory!r}: the limit must be more than 0")
     return RunOptions(
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
-        budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet,
+        budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit,
     )
 
 
@@ -200,6 +209,7 @@ def generate(
     json_schema: Annotated[Optional[Path], typer.Option("--json-schema", help="The answer is JSON valid under this JSON schema file (exact under speculation).")] = None,
     grammar: Annotated[Optional[Path], typer.Option("--grammar", help="The answer follows this GBNF (llama.cpp) or Lark grammar file.")] = None,
     logprobs: Annotated[Optional[int], typer.Option("--logprobs", min=0, max=20, help="With --json: each token's log-prob and this many likeliest alternatives.")] = None,
+    parse_special: Annotated[bool, typer.Option("--parse-special/--no-parse-special", help="In a raw prompt (--raw), special-token text such as <|im_start|> becomes special tokens, as in llama.cpp's tools; --no-parse-special keeps it text. Chat messages are always text.")] = True,
     stats: Annotated[bool, typer.Option("--stats", help="Print a summary on stderr.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and stats.")] = False,
     lines: Annotated[bool, typer.Option("--lines", help="Each input line (stdin or --file) is a prompt of its own; models load once.")] = False,
@@ -207,6 +217,7 @@ def generate(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -231,12 +242,12 @@ def generate(
             raise UsageError("--lines and --jsonl do not go together (--jsonl already reads one request per line)")
         if system is not None and chat is False:
             raise UsageError("--system needs chat mode (drop --raw)")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            seed=seed, stop=tuple(stop or ()), chat=chat, system=system,
+            seed=seed, stop=tuple(stop or ()), chat=chat, system=system, parse_special=parse_special,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
             logprobs=logprobs, json_schema=_schema_file(json_schema), grammar=_text_file(grammar, "--grammar"),
         )
@@ -281,6 +292,7 @@ def chat(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -295,7 +307,7 @@ def chat(
         from specrun.commands import chat as chat_command
         from specrun.runtime.request import Request
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
         chat_command.chat(opts, request, max_tokens)
 
@@ -325,6 +337,7 @@ def serve(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -343,7 +356,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
         settings = ServerSettings(api_key=api_key or None, cors_origins=tuple(cors or ()),
                                   chat_template=_text_file(chat_template, "--chat-template"))
         run_server(opts, host, port, settings, queue_size)
@@ -359,6 +372,7 @@ def serve(
         "specrun bench --workload code --max-tokens 256",
         "specrun bench --budget 4 --budget 16 --budget 64 --json",
         "specrun bench --target qwen2.5-14b --prompts my_prompts.jsonl",
+        "specrun bench --report --gpu-memory 8GiB > report.md",
         note=(
             "By workload (default): plain, draft tree, lookup and hybrid per prompt set, modes alternating.",
             "--budget/--width/--children: plain vs trees of each size instead.",
@@ -374,10 +388,12 @@ def bench(
     depth: DepthOpt = None,
     width: Annotated[Optional[int], typer.Option("--width", min=1, max=256, help="Tree nodes the draft expands per pass (default: the tuned tree's; 1 with --children 1 is a chain).")] = None,
     children: Annotated[Optional[int], typer.Option("--children", min=1, max=256, help="Children per expanded tree node (default: the tuned tree's).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row on stdout (with --report: the whole report).")] = False,
+    report: Annotated[bool, typer.Option("--report", help="One shareable Markdown report: devices, build, layer placement, cost per pass up to the largest tree (--budget), plain and drafter speeds per workload, tune's choice.")] = False,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     lookup: LookupOpt = None,
@@ -388,7 +404,14 @@ def bench(
     with _user_errors():
         from specrun.commands import bench as bench_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory)
+        if report:
+            from specrun.commands import bench_report
+
+            settings = bench_report.ReportSettings(calibration_tokens=max(16, max_tokens),
+                                                   **({"max_tree": max(budgets)} if budgets else {}))
+            bench_report.bench_report(opts, settings, workload or "all", prompts, max_tokens, as_json)
+            return
         bench_command.bench(opts, budgets, prompts, max_tokens, as_json, width=width, children=children, workload=workload)
 
 
@@ -413,6 +436,7 @@ def tune(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -428,7 +452,7 @@ def tune(
             if e.name not in ("specrun.tuning", "specrun.commands.tune"):
                 raise
             raise SpecrunError(f"`specrun tune` is not available in this build (the {e.name} module is missing)") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory)
         tune_command.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
 
 
@@ -450,6 +474,7 @@ def plan(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -463,7 +488,7 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
         plan_command.plan(opts, as_json, gpu, ram_free)
 
 

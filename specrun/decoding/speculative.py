@@ -4,6 +4,10 @@ Per step: a drafter (drafters/base.py) proposes a tree below the pending token; 
 tree in ONE batch, each leaf a sequence of its own (tree.py's colours); the acceptance walk
 (verify.py) keeps what the target itself draws; both KV caches keep the accepted path and drop
 the rest. The committed prefix stays cached across steps, so nothing is ever prefilled twice.
+
+A target with a recurrent state (a hybrid that llama.cpp can roll back) verifies one chain per
+step instead: the tree's best path, at most `n_rs_seq` drafts, in sequence 0; the rejected tail is
+rolled back, which is exact because the same decode held the pending token before it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ class SpeculativeDecoder:
     def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None):
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
-        if target_ctx.n_seq_max < MAX_SEQ:
+        # A recurrent state rolls back along one sequence only: verify chains (see the module doc).
+        self.chain_only = target_ctx.has_state
+        if self.chain_only and target_ctx.n_rs_seq < 1:
+            raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")
+        if target_ctx.n_seq_max < MAX_SEQ and not self.chain_only:
             raise ValueError("speculative contexts need n_seq_max = 256 (one sequence per tree leaf)")
         self.model = target_model
         self.ctx = target_ctx
@@ -47,9 +55,11 @@ class SpeculativeDecoder:
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
         # Optional: caps the tree, down to plain steps, while speculation is measured slower than
-        # plain decoding on this machine.
+        # plain decoding on this machine. One guard per kind of request (greedy, sampled): what
+        # sampled answers measured must not cut the trees of greedy ones (see _guard_for).
         self.guard = guard
-        self._guard_said = 0
+        self._guards: dict[str, SpeedGuard] = {}
+        self._guard_told = False  # the guard's first event was said (at info level)
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
         self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
         self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
@@ -65,6 +75,9 @@ class SpeculativeDecoder:
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         if self._start is not None:
             self._start(len(prompt), max_tokens)
+        if self.guard is not None:
+            self.guard = self._guard_for(params)
+            self.guard.new_request()
         yield from self._steps(prompt, params, max_tokens, rng)
         # The generation ended (not interrupted): a drafter that learns from the session's text
         # reads all of it, the last step's tokens included.
@@ -101,6 +114,8 @@ class SpeculativeDecoder:
             remaining = max_tokens - stats.n_generated
             # Never draft deeper than what may still be emitted, nor more nodes than fit the cache.
             depth = min(shape.depth, remaining - 1, room - 1)
+            if self.chain_only:
+                depth = min(depth, self.ctx.n_rs_seq)
             budget = min(shape.budget, room - 1)
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
@@ -125,6 +140,15 @@ class SpeculativeDecoder:
             pending = step.tokens[-1]
         stats.finish_reason = "length"
 
+    def _guard_for(self, params: SamplingParams) -> SpeedGuard:
+        """The speed guard of this kind of request (greedy or sampled: acceptance differs)."""
+        kind = "sampled" if params.temperature > 0 else "greedy"
+        if not self._guards:
+            self._guards[kind] = self.guard  # the guard given stands for the first kind seen
+        elif kind not in self._guards:
+            self._guards[kind] = self.guard.copy()
+        return self._guards[kind]
+
     def _observe(self, step: Step, first: bool) -> None:
         """Let an adapting drafter and the speed guard see the step's measurements."""
         if self._observe_drafter is not None:
@@ -133,10 +157,11 @@ class SpeculativeDecoder:
         # prefill): a one-off, like the target's prefill, not what a step costs.
         if self.guard is not None and not first:
             self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
-            for event in self.guard.events[self._guard_said :]:
+            for event in self.guard.events[self.guard.said :]:
                 # Said once with --verbose; what follows (retries, further shrinking) at debug level.
-                (log.info if self._guard_said == 0 else log.debug)("%s", event)
-                self._guard_said += 1
+                (log.debug if self._guard_told else log.info)("%s", event)
+                self._guard_told = True
+                self.guard.said += 1
 
     def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int,
                 rules: PathRules | None = None, forced: bool = False) -> Step:
@@ -146,6 +171,8 @@ class SpeculativeDecoder:
         p0 = cache.n_cached
         if proposal is None:
             return self._plain_step(pending, params, rng, rules)
+        if self.chain_only:
+            return self._verify_chain(proposal, params, rng, remaining, rules, forced)
         tree = proposal.tree
         layout = tree.colour_batch()
         # Every colour must see the committed prefix: copy seq 0 into colours 1.. before the pass.
@@ -181,6 +208,44 @@ class SpeculativeDecoder:
         )
         if params.logprobs is not None:  # token i was drawn from node i's row: no extra pass
             rows = logits[list(acceptance.nodes[:n_tokens])]
+            step.logprobs = token_logprobs(rows, acceptance.tokens, params.logprobs)
+        return step
+
+    def _verify_chain(self, proposal: Proposal, params: SamplingParams, rng, remaining: int,
+                      rules: PathRules | None = None, forced: bool = False) -> Step:
+        """Score the proposal's best path in sequence 0 and roll the rejected drafts back."""
+        ctx, cache, tree = self.ctx, self.cache, proposal.tree
+        p0 = cache.n_cached
+        path = tree.best_path()[: self.ctx.n_rs_seq + 1]
+        chain = DraftTree.chain(int(tree.tokens[0]), tree.tokens[path[1:]], tree.logps[path[1:]])
+        self.tree_batch.set_arrays(chain.tokens, p0 + np.arange(len(chain)), 0, True)
+        t0 = time.perf_counter()
+        ctx.decode(self.tree_batch)
+        target_s = time.perf_counter() - t0
+        logits = ctx.logits()
+        acceptance = accept_path(chain, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
+        cache.tokens.extend(int(t) for t in chain.tokens)
+        # At most len(chain) - 1 drafts go, fewer than this decode held: an exact rollback.
+        cache.roll_back(p0 + len(acceptance.nodes), last_decode=len(chain))
+        nodes = [path[n] for n in acceptance.nodes]  # the proposal's own node ids
+        if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
+            self.drafter.commit(proposal, nodes)
+        step = Step(
+            list(acceptance.tokens),
+            target_s=target_s,
+            draft_s=proposal.draft_s,
+            tree_nodes=len(chain) - 1,
+            tree_depth=chain.max_depth,
+            tree_leaves=1 if len(chain) > 1 else 0,
+            draft_passes=proposal.draft_passes,
+            path_ranks=proposal.path_ranks(nodes),
+            child_ranks=_child_ranks(chain, acceptance),
+            accepted=len(acceptance.nodes) - 1,
+            lookup_tokens=proposal.lookup_tokens(nodes),
+            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
+        )
+        if params.logprobs is not None:  # the chain's rows are its node ids
+            rows = logits[list(acceptance.nodes[: len(acceptance.tokens)])]
             step.logprobs = token_logprobs(rows, acceptance.tokens, params.logprobs)
         return step
 

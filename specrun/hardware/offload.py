@@ -47,6 +47,10 @@ FFN_WIDTH_ESTIMATE = 4
 
 FLOAT32_BYTES = 4
 
+# CUDA multiplies quantized weights by at most this many tokens with its matrix-vector kernels and
+# switches to matrix-matrix kernels above: one more step in t(n) wherever layers sit on the GPU.
+CUDA_VECTOR_KERNEL_MAX_BATCH = 8
+
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -68,6 +72,7 @@ class ModelSize:
     n_embd_v_gqa: int
     n_ff: int = 0  # FFN width; 0 = unknown, estimated as FFN_WIDTH_ESTIMATE * n_embd
     largest_tensor_bytes: int = 0  # largest single weight in a layer; 0 = unknown, estimated
+    n_ctx_train: int = 0  # the context the model was trained for; 0 = unknown
 
     @property
     def n_layer(self) -> int:
@@ -87,6 +92,7 @@ class ModelSize:
         n_ff: int = 0,
         input_bytes: int,
         output_bytes: int,
+        n_ctx_train: int = 0,
     ) -> ModelSize:
         """Spread what the file holds beyond input and output evenly over the layers."""
         head_dim = head_dim or n_embd // n_head
@@ -98,6 +104,7 @@ class ModelSize:
             file_bytes=file_bytes, layer_bytes=layers, input_bytes=input_bytes,
             output_bytes=output_bytes, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head,
             n_embd_k_gqa=n_head_kv * head_dim, n_embd_v_gqa=n_head_kv * head_dim, n_ff=n_ff,
+            n_ctx_train=n_ctx_train,
         )
 
     def largest_tensor(self) -> int:
@@ -118,6 +125,39 @@ class Device:
     name: str
     free_bytes: int
     total_bytes: int
+
+
+def capped_devices(devices: Sequence[Device], limit_bytes: int) -> tuple[Device, ...]:
+    """Return the devices as if each had at most `limit_bytes` of memory (free and total).
+
+    This is how a big card stands in for a consumer one (`--gpu-memory 8GiB` on an 80 GB card):
+    the plan then puts on it only what fits the smaller card, and llama.cpp keeps the rest in RAM
+    exactly as it would there, op offload for big batches included.
+    """
+    if limit_bytes <= 0:
+        raise ValueError("a GPU memory limit must be positive")
+    return tuple(
+        Device(f"{d.name} (at most {_gib(limit_bytes)})" if limit_bytes < d.total_bytes else d.name,
+               min(d.free_bytes, limit_bytes), min(d.total_bytes, limit_bytes))
+        for d in devices
+    )
+
+
+def cost_steps(plan: OffloadPlan) -> tuple[int, ...]:
+    """Return the batch sizes at which the target's t(n) may jump under this placement.
+
+    Each is the first size of a new regime: above CUDA_VECTOR_KERNEL_MAX_BATCH tokens the GPU's
+    layers change kernels; from OP_OFFLOAD_MIN_BATCH tokens, RAM-resident layers run on the GPU
+    after their weights are copied over (a pass then costs about the copy, whatever the batch).
+    Cost curves measure both sides of every step instead of interpolating across it. Empty for
+    a model wholly in RAM.
+    """
+    steps = []
+    if plan.target_gpu_layers > 0:
+        steps.append(CUDA_VECTOR_KERNEL_MAX_BATCH + 1)
+    if plan.op_offload and plan.target_cpu_layers > 0:
+        steps.append(OP_OFFLOAD_MIN_BATCH)
+    return tuple(steps)
 
 
 def kv_bytes_per_layer(model: ModelSize, n_ctx: int) -> int:
@@ -496,6 +536,7 @@ def model_size_from_gguf_tensors(
         n_embd_v_gqa=n_head_kv * value_length,
         n_ff=number("feed_forward_length", 0),
         largest_tensor_bytes=largest,
+        n_ctx_train=number("context_length", 0),
     )
 
 

@@ -126,6 +126,8 @@ def build_derived(
             with report.status(f"making {spec.name} ({src.describe()})"):
                 if src.op == "quantize":
                     _module("specrun.engine").quantize(parent, tmp, src.ftype)
+                elif src.op == "shape":
+                    _module("specrun.models.shapes").write_derived(src, parent, tmp)
                 else:
                     _module("specrun.models.tinymodel").write_random_model(parent, tmp, seed=src.seed)
             os.replace(tmp, final)

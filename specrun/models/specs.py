@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any, Union
 
 from specrun.files import human_size
+from specrun.models.architectures import Speculation
 
 # Split GGUFs name their shards NAME-00001-of-00003.gguf; llama.cpp is given the first one.
 SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 QUANT_RE = re.compile(r"(?i)(?:^|[-_.])((?:IQ|Q)\d[A-Z0-9_]*?|F16|BF16|F32)(?:-\d{5}-of-\d{5})?\.gguf$")
-DERIVED_OPS = ("quantize", "random")
+DERIVED_OPS = ("quantize", "random", "shape")
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,12 @@ class DerivedSource:
     ftype: str = "F32"
     seed: int = 0
     verified: bool = True
+    shape: str = ""  # op "shape": a key of models.shapes.SHAPES
+    scaled: tuple[int, ...] = ()  # op "shape": (n_layer, n_embd, n_ff) to shrink it to
 
     def describe(self) -> str:
+        if self.op == "shape":
+            return f"random weights in {self.shape}'s shapes at Q4_K_M with {self.parent.name}'s tokenizer, made locally"
         what = f"{self.ftype} conversion" if self.op == "quantize" else "random-weight copy"
         return f"{what} of {self.parent.name}, made locally"
 
@@ -90,6 +95,8 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()
     notes: str = ""
     origin: str = ""  # the models.toml that defined it, or "command line"
+    arch: str | None = None  # GGUF general.architecture, when the registry knows it
+    mtp: bool = False  # the file carries MTP (next-token-prediction) layers
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,8 @@ class ModelRow:
     source: str
     verified: bool = True  # False: a name or hash was seen in one public catalog only
     notes: str = ""
+    arch: str | None = None
+    speculation: Speculation | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -122,6 +131,8 @@ class ModelRow:
             "source": self.source,
             "verified": self.verified,
             "notes": self.notes,
+            "arch": self.arch,
+            "speculation": self.speculation.as_dict() if self.speculation else None,
         }
 
 def shard_names(file: str) -> tuple[str, ...]:

@@ -71,12 +71,13 @@ def read_toml(path: Path) -> TomlFile:
 
 
 _TOP_KEYS = {"defaults", "families", "models"}
-_MODEL_KEYS = {"family", "params", "quant", "size", "draft", "aliases", "notes", "source"}
+_MODEL_KEYS = {"family", "params", "quant", "size", "draft", "aliases", "notes", "source", "arch", "mtp"}
+_FAMILY_KEYS = {"draft", "arch", "notes"}
 _SOURCE_KEYS = {
     "hf": {"hf", "file", "files", "revision", "sha256", "sizes", "verified"},
     "pypi": {"pypi", "members", "sha256", "file", "verified"},
     "path": {"path", "verified"},
-    "derived": {"derived", "op", "ftype", "seed", "file", "verified"},
+    "derived": {"derived", "op", "ftype", "seed", "file", "verified", "shape", "scaled"},
 }
 
 
@@ -153,6 +154,13 @@ def _validate_source(toml: TomlFile, alias: str, src: Any, index: int) -> None:
             raise toml.error(f"model '{alias}': op must be one of {', '.join(DERIVED_OPS)}", alias, "op")
         if "seed" in src:
             _check_type(toml, src["seed"], int, f"model '{alias}': seed", alias, "seed")
+        if src.get("op") == "shape":
+            _check_type(toml, src.get("shape"), str, f"model '{alias}': shape", alias, "shape")
+            scaled = src.get("scaled", [])
+            if not isinstance(scaled, list) or len(scaled) not in (0, 3) or not all(
+                isinstance(n, int) and n > 0 for n in scaled
+            ):
+                raise toml.error(f"model '{alias}': scaled must be [n_layer, n_embd, n_ff]", alias, "scaled")
     if "sha256" in src:
         for digest in _string_list(toml, src["sha256"], f"model '{alias}': sha256", alias, "sha256"):
             if not SHA256_RE.fullmatch(digest):
@@ -170,9 +178,11 @@ def _validate_model(toml: TomlFile, alias: str, entry: Any) -> None:
         close = difflib.get_close_matches(unknown[0], _MODEL_KEYS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(_MODEL_KEYS))})"
         raise toml.error(f"model '{alias}': unknown key '{unknown[0]}'{hint}", alias, unknown[0])
-    for key in ("family", "params", "quant", "notes"):
+    for key in ("family", "params", "quant", "notes", "arch"):
         if key in entry:
             _check_type(toml, entry[key], str, f"model '{alias}': {key}", alias, key)
+    if "mtp" in entry:
+        _check_type(toml, entry["mtp"], bool, f"model '{alias}': mtp", alias, "mtp")
     if "size" in entry:
         _check_type(toml, entry["size"], int, f"model '{alias}': size", alias, "size")
     if "draft" in entry and entry["draft"] is not False:
@@ -197,8 +207,11 @@ def validate_file(toml: TomlFile) -> None:
     for alias, entry in data.get("models", {}).items():
         _validate_model(toml, alias, entry)
     for family, entry in data.get("families", {}).items():
-        if not isinstance(entry, dict) or set(entry) - {"draft", "notes"}:
-            raise toml.error(f"[families.{family}] may only set 'draft' and 'notes'")
+        if not isinstance(entry, dict) or set(entry) - _FAMILY_KEYS:
+            raise toml.error(f"[families.{family}] may only set 'draft', 'arch' and 'notes'")
+        for key in _FAMILY_KEYS & set(entry):
+            if not isinstance(entry[key], str):
+                raise toml.error(f"[families.{family}] {key} must be a string, not {entry[key]!r}")
     for key, value in data.get("defaults", {}).items():
         if key not in ("target", "draft") or not isinstance(value, str):
             raise toml.error(f"[defaults] may only set target = \"alias\" and draft = \"alias\" (got {key})")

@@ -31,6 +31,7 @@ class Request:
     logprobs: int | None = None  # report log-probs with this many alternatives (None: off)
     json_schema: str | None = None  # JSON text of a schema the answer must satisfy
     grammar: str | None = None  # a GBNF or Lark grammar the answer must follow
+    parse_special: bool = True  # raw prompts: special-token text becomes special tokens (chat messages: never)
 
     def sampling(self, grammar: Grammar | None = None) -> SamplingParams:
         """Return the sampling settings (raises UsageError naming a bad one)."""
@@ -62,7 +63,7 @@ class Request:
 
 def run_request(rt, request: Request, text: str, on_text=None):
     """Generate for one prompt text; call on_text(chunk) as text streams; return the Result."""
-    prompt = rt.tokenize_prompt(text, request.chat, request.system)
+    prompt = rt.tokenize_prompt(text, request.chat, request.system, request.parse_special)
     params = request.sampling(request.compile_grammar(rt.target))
     chunks = stream(rt.decoder, rt.target, prompt, params, request.max_tokens, request.stop)
     return collect(chunks, rt.decoder, params, on_text)

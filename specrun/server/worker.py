@@ -270,13 +270,13 @@ class GenerationWorker:
             fmt = rt.chat_format
             extra = {"tools": prompt.tools} if prompt.tools else {}
             rendered = fmt.render(prompt.messages, add_generation_prompt=True, **extra)
-            return self._memory.tokens_for(fmt, rendered), rendered
+            return self._memory.tokens_for(fmt, rendered), rendered.text
         if prompt.token_ids is not None:
             n_vocab = rt.target.n_vocab
             if any(t >= n_vocab for t in prompt.token_ids):
                 raise APIError(400, f"token ids must be below the vocabulary size {n_vocab}", param="prompt")
             return list(prompt.token_ids), None
-        return rt.target.tokenize(prompt.text, add_special=True, parse_special=False), None
+        return rt.target.tokenize(prompt.text, add_special=True, parse_special=prompt.parse_special), None
 
     def _decode(self, job: Job, prompt: list[int], limit: int, params, hold_text: bool = False) -> tuple[list[int], str | None]:
         """Stream the answer's text to the job (unless held back for tool calls); return the

@@ -147,27 +147,38 @@ class CurveMeasurement:
 
     decode: dict[int, float]
     topk: dict[int, float]
+    steps: tuple[int, ...] = ()  # sizes where a new cost regime starts (offload.cost_steps)
 
     def curve(self) -> tuner.CostCurve:
-        """Return the cost of a pass as the decoders pay it (decode plus top-k), never decreasing.
+        """Return the cost of a pass as the decoders pay it (decode plus top-k), never decreasing
+        within a cost regime.
 
-        A pass over more tokens never costs less; a smaller size measured slower than a bigger one
-        was slowed by other work, so it takes the bigger size's time (a lower envelope).
+        Within a regime a pass over more tokens never costs less; a smaller size measured slower
+        than a bigger one was slowed by other work, so it takes the bigger size's time (a lower
+        envelope). Across a step (e.g. op offload from 32 tokens) a bigger batch may truly cost
+        less, so the envelope stops there.
         """
         sizes = sorted(self.decode)
         seconds = [self.decode[n] + self.topk.get(n, 0.0) for n in sizes]
         for i in range(len(seconds) - 2, -1, -1):
-            seconds[i] = min(seconds[i], seconds[i + 1])
+            if not any(sizes[i] < step <= sizes[i + 1] for step in self.steps):
+                seconds[i] = min(seconds[i], seconds[i + 1])
         return tuner.CostCurve(tuple(sizes), tuple(seconds))
 
     def topk_curve(self) -> tuner.CostCurve | None:
         return tuner.CostCurve.from_points(self.topk) if self.topk else None
 
 
-def curve_sizes(largest: int) -> list[int]:
-    """Return 1, 2, 4, ... up to the first power of two >= largest (capped at MAX_CURVE_TOKENS)."""
+def curve_sizes(largest: int, steps: Sequence[int] = ()) -> list[int]:
+    """Return 1, 2, 4, ... up to the first power of two >= largest (capped at MAX_CURVE_TOKENS),
+    plus both sides (step - 1 and step) of every cost step within that range, so the curve does
+    not interpolate across a jump."""
     largest = max(1, min(largest, MAX_CURVE_TOKENS))
-    return [2**i for i in range(math.ceil(math.log2(largest)) + 1)]
+    sizes = {2**i for i in range(math.ceil(math.log2(largest)) + 1)}
+    for step in steps:
+        if 1 < step <= max(sizes):
+            sizes.update((step - 1, step))
+    return sorted(sizes)
 
 
 def measure_curve(
@@ -180,6 +191,7 @@ def measure_curve(
     stop_ratio: float | None = None,
     top_k: int = 0,
     on_size: Callable[[int, float], None] | None = None,
+    steps: Sequence[int] = (),
 ) -> CurveMeasurement:
     """Return median seconds to decode n tokens after `context_tokens`, for each n in `sizes`.
 
@@ -247,6 +259,7 @@ def measure_curve(
     return CurveMeasurement(
         {n: statistics.median(d for d, _ in s) for n, s in samples.items()},
         {n: statistics.median(k for _, k in s) for n, s in samples.items()} if top_k else {},
+        tuple(steps),
     )
 
 

@@ -1,0 +1,224 @@
+"""Random-weight models of real shapes: a 14B or 27B model's exact architecture and tensor shapes
+at Q4_K_M, written without downloading its weights.
+
+Speed and memory depend on shapes and quantization types, not on weight values, so on a machine
+that can download nothing these measure cost curves and placement at full size. (Acceptance does
+depend on the values: it comes from real small pairs.) The quantized blocks are written directly,
+random bytes with small finite scales, streamed tensor by tensor: a 14B file takes about as long
+as writing 9 GB. The tokenizer is copied from a real model so prompts tokenize as they would.
+
+Q4_K_M as llama.cpp's quantizer makes it: Q4_K everywhere, Q6_K for the output matrix and for
+attn_v and ffn_down in the first and last eighth of the layers and every third layer between.
+
+Needs the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from specrun.errors import UsageError
+from specrun.models.tinymodel import _tokenizer_fields
+
+# Per type: weights per block, bytes per block and where its f16 scales sit (ggml-common.h
+# block_q4_K, block_q6_K, block_q5_0, block_q8_0). Every other byte (packed quants, sub-block
+# scales) is valid whatever its value.
+BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q5_0": (32, 22, (0,)), "Q8_0": (32, 34, (0,))}
+# Rows not a multiple of 256 weights cannot hold k-quant blocks: llama.cpp's quantizer falls back.
+K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+QK_K = 256
+# A dequantized weight is at most ~scale * 63 * 15: this keeps activations far from f16 limits.
+BLOCK_SCALE = np.float16(2e-5)
+# Random bytes are drawn once in a pool of this size and reused: values do not change speed.
+POOL_BYTES = 16 * 1024 * 1024
+CONTEXT_LENGTH = 32768
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's architecture and sizes as its GGUF metadata states them."""
+
+    arch: str  # "qwen2" or "llama"
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    rope_theta: float = 1_000_000.0
+    tied_output: bool = False
+
+    def scaled(self, n_layer: int, n_embd: int, n_ff: int, n_vocab: int | None = None) -> Shape:
+        """Return the same architecture shrunk (tests build these in seconds)."""
+        heads = max(1, min(self.n_head, n_embd // 64))
+        kv = max(1, heads // max(1, self.n_head // self.n_head_kv))
+        return replace(self, n_layer=n_layer, n_embd=n_embd, n_head=heads, n_head_kv=kv, n_ff=n_ff,
+                       n_vocab=n_vocab or self.n_vocab)
+
+
+# Real shapes (config.json of each model family). qwen2.5-14b-shape ~ Qwen2.5-14B-Instruct;
+# dense-27b-shape ~ a 27B dense model of Qwen's layout (64 layers, 5120 wide, GQA 40/8).
+SHAPES = {
+    "qwen2.5-0.5b": Shape("qwen2", 24, 896, 14, 2, 4864, 151936, tied_output=True),
+    "qwen2.5-7b": Shape("qwen2", 28, 3584, 28, 4, 18944, 152064),
+    "qwen2.5-14b": Shape("qwen2", 48, 5120, 40, 8, 13824, 152064),
+    "qwen2.5-32b": Shape("qwen2", 64, 5120, 40, 8, 27648, 152064),
+    "dense-27b": Shape("qwen2", 64, 5120, 40, 8, 17408, 152064),
+}
+
+
+def more_bits(layer: int, n_layer: int) -> bool:
+    """Whether Q4_K_M keeps this layer's attn_v and ffn_down at Q6_K (llama.cpp's use_more_bits)."""
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+
+
+def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
+    """Return (name, ggml dims, type) for every tensor, in file order. Norms and biases are F32."""
+    s, kv = shape, shape.n_head_kv * (shape.n_embd // shape.n_head)
+    # a tied embedding doubles as the output matrix and gets the output's type
+    out = [("token_embd.weight", (s.n_embd, s.n_vocab), "Q6_K" if s.tied_output else "Q4_K")]
+    for i in range(s.n_layer):
+        blk, v = f"blk.{i}", "Q6_K" if more_bits(i, s.n_layer) else "Q4_K"
+        out += [(f"{blk}.attn_norm.weight", (s.n_embd,), "F32"),
+                (f"{blk}.attn_q.weight", (s.n_embd, s.n_embd), "Q4_K"),
+                (f"{blk}.attn_k.weight", (s.n_embd, kv), "Q4_K"),
+                (f"{blk}.attn_v.weight", (s.n_embd, kv), v),
+                (f"{blk}.attn_output.weight", (s.n_embd, s.n_embd), "Q4_K"),
+                (f"{blk}.ffn_norm.weight", (s.n_embd,), "F32"),
+                (f"{blk}.ffn_gate.weight", (s.n_embd, s.n_ff), "Q4_K"),
+                (f"{blk}.ffn_up.weight", (s.n_embd, s.n_ff), "Q4_K"),
+                (f"{blk}.ffn_down.weight", (s.n_ff, s.n_embd), v)]
+        if s.arch == "qwen2":
+            out += [(f"{blk}.attn_q.bias", (s.n_embd,), "F32"), (f"{blk}.attn_k.bias", (kv,), "F32"),
+                    (f"{blk}.attn_v.bias", (kv,), "F32")]
+    out.append(("output_norm.weight", (s.n_embd,), "F32"))
+    if not s.tied_output:
+        out.append(("output.weight", (s.n_embd, s.n_vocab), "Q6_K"))
+    return [(name, dims, K_QUANT_FALLBACK.get(kind, kind) if dims[0] % QK_K else kind) for name, dims, kind in out]
+
+
+def file_bytes(shape: Shape) -> int:
+    """Return about how big the file is (tensor data only)."""
+    return sum(_nbytes(dims, kind) for _, dims, kind in tensor_plan(shape))
+
+
+def _nbytes(dims: tuple[int, ...], kind: str) -> int:
+    count = int(np.prod(dims))
+    if kind == "F32":
+        return 4 * count
+    weights, nbytes, _ = BLOCKS[kind]
+    return count // weights * nbytes
+
+
+def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int = 0) -> None:
+    """Write a random-weight Q4_K_M GGUF of `shape` to `dst` with `tokenizer_gguf`'s tokenizer.
+
+    The vocabulary is the shape's: a tokenizer with fewer tokens is padded with unused tokens (a
+    real embedding is often padded so too), one with more is refused. Appears atomically.
+    """
+    import gguf
+
+    if shape.n_embd % 32 or shape.n_ff % 32:
+        raise ValueError("n_embd and n_ff must be multiples of 32 (the smallest quant block)")
+    tokenizer = _padded_tokenizer(_tokenizer_fields(gguf.GGUFReader(tokenizer_gguf)), shape.n_vocab)
+    dst = Path(dst)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch=shape.arch)
+        _write_metadata(writer, shape, tokenizer, seed)
+        plan = tensor_plan(shape)
+        types = {kind: getattr(gguf.GGMLQuantizationType, kind) for kind in ("F32", *BLOCKS)}
+        for name, dims, kind in plan:
+            # numpy's (reversed) element shape; with raw_dtype given, float32 only says "not bytes"
+            writer.add_tensor_info(name, tuple(reversed(dims)), np.dtype(np.float32), _nbytes(dims, kind),
+                                   raw_dtype=types[kind])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        rng = np.random.default_rng(seed)
+        pool = rng.integers(0, 256, POOL_BYTES, dtype=np.uint8)
+        for name, dims, kind in plan:
+            writer.write_tensor_data(_tensor_data(name, dims, kind, pool, rng))
+        writer.close()
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_metadata(writer, shape: Shape, tokenizer: dict, seed: int) -> None:
+    import gguf
+
+    writer.add_name(f"specrun random {shape.arch} shape {shape.n_layer}x{shape.n_embd} (seed {seed})")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_context_length(CONTEXT_LENGTH)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(shape.rope_theta)
+    if shape.arch == "llama":
+        writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+        writer.add_vocab_size(shape.n_vocab)
+    for key, (types, value) in tokenizer.items():
+        sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, types[0], sub_type=sub_type)
+
+
+def _padded_tokenizer(fields: dict, n_vocab: int) -> dict:
+    """Return the tokenizer fields with unused tokens appended up to n_vocab."""
+    from gguf import TokenType
+
+    tokens = fields["tokenizer.ggml.tokens"]
+    have = len(tokens[1])
+    if have > n_vocab:
+        raise ValueError(f"the tokenizer has {have} tokens, more than the shape's {n_vocab}")
+    extra = n_vocab - have
+    if not extra:
+        return fields
+    padded = dict(fields)
+    padded["tokenizer.ggml.tokens"] = (tokens[0], tokens[1] + [f"<|specrun_pad_{i}|>".encode() for i in range(extra)])
+    if "tokenizer.ggml.token_type" in fields:
+        types, values = fields["tokenizer.ggml.token_type"]
+        padded["tokenizer.ggml.token_type"] = (types, values + [int(TokenType.UNUSED)] * extra)
+    if "tokenizer.ggml.scores" in fields:
+        types, values = fields["tokenizer.ggml.scores"]
+        padded["tokenizer.ggml.scores"] = (types, values + [0.0] * extra)
+    return padded
+
+
+def _tensor_data(name: str, dims: tuple[int, ...], kind: str, pool: np.ndarray, rng) -> np.ndarray:
+    """Return one tensor's bytes: norms of ones, small random biases, or random quantized blocks."""
+    count = int(np.prod(dims))
+    if kind == "F32":
+        if name.endswith("norm.weight"):
+            return np.ones(count, dtype=np.float32)
+        return (rng.standard_normal(count, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
+    weights, block, scales = BLOCKS[kind]
+    n_blocks = count // weights
+    reps = -(-n_blocks * block // pool.size)
+    data = np.tile(pool, reps)[: n_blocks * block].reshape(n_blocks, block)
+    scale = np.frombuffer(BLOCK_SCALE.tobytes(), dtype=np.uint8)
+    for offset in scales:
+        data[:, offset:offset + 2] = scale
+    return data.reshape(-1)
+
+
+def write_derived(src, tokenizer_gguf: Path, dst: Path) -> None:
+    """Build a registry model of op "shape" (models.specs.DerivedSource): SHAPES[src.shape],
+    shrunk to src.scaled = (n_layer, n_embd, n_ff) when given."""
+    if src.shape not in SHAPES:
+        raise UsageError(f"unknown model shape {src.shape!r} in models.toml: one of {', '.join(SHAPES)}")
+    shape = SHAPES[src.shape]
+    if src.scaled:
+        shape = shape.scaled(*src.scaled)
+    write_shape_model(shape, tokenizer_gguf, dst, seed=src.seed)

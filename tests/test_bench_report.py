@@ -1,0 +1,38 @@
+"""`specrun bench --report`: one shareable report of this machine and this pair, measured on the
+real demo models with the smallest settings (a tiny tree, two tokens per prompt)."""
+
+from __future__ import annotations
+
+import json
+
+from specrun.commands.bench_report import largest_under, markdown
+
+
+def test_bench_report_json_and_markdown(tmp_path, cli):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hi.\n")
+    result = cli("bench", "--report", "--json", "--target", "smollm2-135m-q4", "--draft", "smollm2-tiny-random",
+                 "--budget", "3", "--max-tokens", "2", "--prompts", str(prompts), "--ctx-size", "512", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)  # stdout holds the report alone
+    assert report["pair"] == {**report["pair"], "target": "smollm2-135m-q4", "draft": "smollm2-tiny-random"}
+    assert report["build"]["backends"] and "llama-cpp-python" in report["build"]["llama"]
+    assert any(d["kind"] == "cpu" for d in report["machine"]["devices"])
+    # cost per pass for n = 1, 2, 4 (the largest tree: 3 draft tokens + the root)
+    assert sorted(map(int, report["cost"]["target_s"])) == [1, 2, 4]
+    assert all(s > 0 for s in report["cost"]["target_s"].values())
+    assert {1, 2, 4, 8} <= set(map(int, report["cost"]["draft_s"]))
+    assert report["plain"]["tokens_per_s"] > 0 and report["placement"]["threads"] == 1
+    assert report["tune_choice"]["kind"] in ("plain", "specexec", "sequoia") and report["tune_choice"]["text"]
+    modes = [row["mode"] for row in report["workloads"]]
+    assert modes == ["plain", "draft tree", "lookup", "hybrid"] and report["default_mode"] == "hybrid"
+    assert all(row["identical_output"] for row in report["workloads"])  # greedy: every drafter exact
+    text = markdown(report)
+    assert "| target |" in text and "| n | 1 | 2 | 4 |" in text and "hybrid (default)" in text
+    assert text.count("| prompts |") == 4 and "`specrun tune` would choose" in text
+
+
+def test_largest_tree_under_twice_a_one_token_pass():
+    assert largest_under({1: 0.010, 2: 0.011, 4: 0.015, 8: 0.019, 16: 0.030, 32: 0.012}, 2.0) == 32
+    assert largest_under({1: 0.010, 2: 0.025}, 2.0) == 1
+    assert largest_under({}, 2.0) == 0
