@@ -120,14 +120,16 @@ class SpeculativeDecoder:
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
             proposal = None
-            # Where a grammar allows one continuation only, that run is the tree: free drafts, no
-            # draft model asked (a chain fits the batch planned for the budget).
-            forced = [] if rules is None or not self.forced_drafts else rules.forced(min(shape.budget, remaining - 1, room - 1))
-            if forced:
-                proposal = Proposal(DraftTree.chain(pending, forced))
-            elif depth >= 1 and budget >= 1:
+            if depth >= 1 and budget >= 1:
                 proposal = self.drafter.propose(cache.tokens, pending, budget, depth)
-            step = self._verify(proposal, pending, params, rng, remaining, rules, forced=bool(forced))
+            # Where a grammar allows one continuation only, that run is a path of the tree: grafted
+            # where the drafter's tree leaves it (free drafts), or the whole tree without a drafter's.
+            forced = [] if rules is None or not self.forced_drafts else rules.forced(min(remaining - 1, room - 1))
+            only_forced = bool(forced) and proposal is None
+            if forced:
+                proposal = graft_forced(proposal, pending, forced, min(self.ctx.n_batch, room) - 1,
+                                        chain=self.chain_only)
+            step = self._verify(proposal, pending, params, rng, remaining, rules, forced=only_forced)
             step.total_s = time.perf_counter() - t_start
             stats.steps.append(step)
             stats.n_generated += len(step.tokens)
@@ -204,7 +206,7 @@ class SpeculativeDecoder:
             child_ranks=_child_ranks(tree, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(acceptance.nodes),
-            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
+            forced_tokens=proposal.forced_tokens(acceptance.nodes),
         )
         if params.logprobs is not None:  # token i was drawn from node i's row: no extra pass
             rows = logits[list(acceptance.nodes[:n_tokens])]
@@ -242,7 +244,7 @@ class SpeculativeDecoder:
             child_ranks=_child_ranks(chain, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(nodes),
-            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
+            forced_tokens=proposal.forced_tokens(acceptance.nodes),
         )
         if params.logprobs is not None:  # the chain's rows are its node ids
             rows = logits[list(acceptance.nodes[: len(acceptance.tokens)])]
@@ -269,6 +271,31 @@ def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules |
     if params.logprobs is not None:
         step.logprobs = token_logprobs(row, [token], params.logprobs)
     return step
+
+
+def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max_nodes: int,
+                 chain: bool = False) -> Proposal:
+    """Return the proposal with a grammar's forced run as a path from the root: the drafter's tree
+    where it already holds the run, the rest appended below (new ids, past the drafter's own, so
+    its `commit` is unaffected), within `max_nodes` nodes besides the root; with `chain`, only
+    below the end of a chain."""
+    if proposal is None:
+        return Proposal(DraftTree.chain(pending, forced[:max_nodes]), forced_from=1)
+    tree, node = proposal.tree, 0
+    for i, token in enumerate(forced):
+        child = tree.find_child(node, token)
+        if child is None:
+            rest = forced[i: i + max_nodes - (len(tree) - 1)]
+            branching = not tree.is_leaf(node)
+            if not rest or (branching and (chain or len(tree.leaves()) >= MAX_SEQ)):
+                return proposal
+            proposal.forced_from = len(tree)
+            logp = float(tree.logps[node])
+            for token in rest:
+                node = tree.add(node, token, logp)
+            return proposal
+        node = child
+    return proposal
 
 
 def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:
