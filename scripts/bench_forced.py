@@ -1,11 +1,13 @@
 """Grammar-forced runs as free drafts: tokens per target pass with and without them, on JSON-schema
 prompts (keys, braces and enums the schema fixes).
 
-    python scripts/bench_forced.py [--tokens 96] [--rounds 2] [--no-spec-drafter]
+    python scripts/bench_forced.py [--tokens 160] [--rounds 2] [--lookup]
 
 One process, the default pair (or --target/--draft), modes alternating per prompt: the speculative
 decoder with forced drafts, then the same decoder with them switched off. Both emit exactly the
 same tokens (checked). Prints per prompt and in total: target passes, tokens per pass, tokens/s.
+Draft-model trees without lookup branches by default: lookup indexes each answer, so the second
+mode would copy the first mode's answer from it (--lookup keeps them, for a look at that case).
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--target")
     parser.add_argument("--draft")
+    parser.add_argument("--lookup", action="store_true")
     args = parser.parse_args()
-    opts = RunOptions(target=args.target, draft=args.draft, ctx_size=2048)
+    opts = RunOptions(target=args.target, draft=args.draft, ctx_size=2048, lookup=True if args.lookup else False)
     with Runtime(opts) as rt:
         if not rt.speculative:
             raise SystemExit("needs a speculative pair")
