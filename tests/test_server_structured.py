@@ -23,7 +23,8 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 ADD = {"type": "function", "function": {
     "name": "add", "description": "Add two whole numbers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                  "b": {"type": "integer", "minimum": 0, "maximum": 999}},
                    "required": ["a", "b"], "additionalProperties": False}}}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -70,7 +71,7 @@ def test_tool_call_loop(client):
 
 
 def test_named_tool_call_streams_as_deltas(client):
-    stream = ask(client, "Add 2 and 3.", tools=[WEATHER, ADD], max_tokens=32, stream=True,
+    stream = ask(client, "Add 2 and 3.", tools=[WEATHER, ADD], max_tokens=64, stream=True,
                  tool_choice={"type": "function", "function": {"name": "add"}})
     calls: dict[int, dict] = {}
     finish = None
