@@ -293,7 +293,7 @@ class GenerationRequest(BaseModel):
 
     def json_schema(self) -> dict | None:
         """Return the schema response_format asks the answer to satisfy (None: free text)."""
-        return None if self.response_format is None else self.response_format.schema_()
+        return None if self.response_format is None else self.response_format.answer_schema()
 
 
 class JSONSchemaFormat(BaseModel):
@@ -321,7 +321,8 @@ class ResponseFormat(BaseModel):
             raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
         return kind
 
-    def schema_(self) -> dict | None:
+    def answer_schema(self) -> dict | None:
+        """Return the schema the answer must satisfy (None: free text)."""
         if self.type == "text":
             return None
         if self.type == "json_object":
