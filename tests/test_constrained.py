@@ -13,8 +13,8 @@ from dataclasses import replace
 import jsonschema
 import numpy as np
 import pytest
-from test_lookup_decoding import hybrid_decoder, lookup_decoder
-from test_speculative import SHAPES, Contexts, binned, chat_prompt, first_tokens
+from test_lookup_decoding import contexts, draft, hybrid_decoder, lookup_decoder, target  # noqa: F401 (fixtures)
+from test_speculative import SHAPES, binned, chat_prompt, first_tokens
 
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.shapes import TreeShape
@@ -43,23 +43,6 @@ SCHEMA_PROMPTS = ["Describe a person as JSON.", "Give me a JSON record for a pet
 FREE_PROMPTS = ["Write a haiku about autumn leaves.", "List five countries in South America."]
 PENALISED = SamplingParams(presence_penalty=0.6, frequency_penalty=0.8, repeat_penalty=1.1,
                            logit_bias=((13, 4.0), (28, -100.0)))
-
-
-@pytest.fixture(scope="module")
-def target(offline_models, load_model):
-    return load_model(offline_models.smollm2_f32)
-
-
-@pytest.fixture(scope="module")
-def draft(offline_models, load_model):
-    return load_model(offline_models.smollm2_q4)
-
-
-@pytest.fixture(scope="module")
-def contexts():
-    owner = Contexts()
-    yield owner
-    owner.close()
 
 
 @pytest.fixture(scope="module")
