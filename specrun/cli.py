@@ -78,6 +78,9 @@ def _top_p_range(value: float) -> float:
 TopPOpt = Annotated[float, typer.Option("--top-p", callback=_top_p_range, help="Nucleus sampling mass, 0 < p <= 1 (1 = off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below min-p x the best probability.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Random seed for sampling (default: a fresh one each run).")]
+PresenceOpt = Annotated[float, typer.Option("--presence-penalty", min=-2.0, max=2.0, help="Subtract this from tokens already generated (OpenAI's presence_penalty).")]
+FrequencyOpt = Annotated[float, typer.Option("--frequency-penalty", min=-2.0, max=2.0, help="Subtract this per time a token was generated (OpenAI's frequency_penalty).")]
+RepeatOpt = Annotated[float, typer.Option("--repeat-penalty", min=0.0, help="llama.cpp's repeat penalty on the last 64 generated tokens; 1 = off.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (chat mode).")]
 
 _verbose = False
@@ -138,6 +141,11 @@ def _read_text_file(file: Path, what: str) -> str:
         raise UsageError(f"cannot read {what} {file}: {e.strerror}") from None
 
 
+def _text_file(path: Path | None, option: str) -> str | None:
+    """Return the UTF-8 text of an option's file (None when not given), or a one-line error."""
+    return None if path is None else _read_text_file(path, f"{option} file")
+
+
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
     from specrun.inputs import check_utf8, read_stdin
 
@@ -152,12 +160,30 @@ def _read_prompt(prompt: str | None, file: Path | None) -> str:
     raise UsageError("no prompt: pass it as an argument, with --file, or on stdin")
 
 
+def _schema_file(path: Path | None) -> str | None:
+    """Return the JSON text of a --json-schema file (checked to be a JSON object)."""
+    import json
+
+    text = _text_file(path, "--json-schema")
+    if text is None:
+        return None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--json-schema file {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema file {path} must hold a JSON object")
+    return json.dumps(schema)
+
+
 @app.command(
     epilog=_examples(
         'specrun generate "Explain KV caches in two sentences."',
         "cat prompt.txt | specrun generate --max-tokens 200 --stats",
         'specrun generate --raw --no-spec "def fib(n):"',
         'specrun generate --json --stop "." "Name one colour."',
+        'specrun generate --json-schema person.json "Describe a person as JSON."',
+        'specrun generate --json --logprobs 3 "The capital of France is"',
         "cat prompts.txt | specrun generate --lines --json > results.jsonl",
         "cat requests.jsonl | specrun generate --jsonl > results.jsonl",
         note=(
@@ -165,8 +191,10 @@ def _read_prompt(prompt: str | None, file: Path | None) -> str:
             "prompt of its own (answers separated by a blank line, or one JSON object per line).",
             "",
             "Each --jsonl line: {\"prompt\": ..., \"max_tokens\"?, \"temperature\"?, \"top_k\"?, \"top_p\"?,",
-            "\"min_p\"?, \"seed\"?, \"stop\"?, \"chat\"?, \"system\"?, \"id\"?}; each result: text, token_ids,",
-            "n_tokens, tokens_per_s, accepted_per_pass, finish_reason (or error and line).",
+            "\"min_p\"?, \"seed\"?, \"stop\"?, \"chat\"?, \"system\"?, \"presence_penalty\"?, \"frequency_penalty\"?,",
+            "\"repeat_penalty\"?, \"logit_bias\"?, \"logprobs\"?, \"json_schema\"?, \"grammar\"?, \"id\"?}; each result:",
+            "text, token_ids, n_tokens, tokens_per_s, accepted_per_pass, finish_reason, logprobs if asked",
+            "(or error and line).",
         ),
     )
 )
@@ -182,6 +210,12 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears; it is not printed (repeatable).")] = None,
     chat: Annotated[Optional[bool], typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template, or not  [default: chat for models with a template].", show_default=False)] = None,
     system: SystemOpt = None,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
+    repeat_penalty: RepeatOpt = 1.0,
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", help="The answer is JSON valid under this JSON schema file (exact under speculation).")] = None,
+    grammar: Annotated[Optional[Path], typer.Option("--grammar", help="The answer follows this GBNF (llama.cpp) or Lark grammar file.")] = None,
+    logprobs: Annotated[Optional[int], typer.Option("--logprobs", min=0, max=20, help="With --json: each token's log-prob and this many likeliest alternatives.")] = None,
     parse_special: Annotated[bool, typer.Option("--parse-special/--no-parse-special", help="In a raw prompt (--raw), special-token text such as <|im_start|> becomes special tokens, as in llama.cpp's tools; --no-parse-special keeps it text. Chat messages are always text.")] = True,
     stats: Annotated[bool, typer.Option("--stats", help="Print a summary on stderr.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and stats.")] = False,
@@ -216,9 +250,13 @@ def generate(
         if system is not None and chat is False:
             raise UsageError("--system needs chat mode (drop --raw)")
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
+        if logprobs is not None and not (as_json or jsonl):
+            raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seed=seed, stop=tuple(stop or ()), chat=chat, system=system, parse_special=parse_special,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
+            logprobs=logprobs, json_schema=_schema_file(json_schema), grammar=_text_file(grammar, "--grammar"),
         )
         if jsonl:
             if prompt is not None and prompt != "-":

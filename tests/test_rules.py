@@ -157,3 +157,24 @@ def test_logprobs_are_the_raw_log_softmax():
     assert out[1].logprob == pytest.approx(np.log(0.8), abs=1e-6)
     assert [t for t, _ in out[0].top] == [0, 1] and out[0].top[0][1] == pytest.approx(np.log(0.5), abs=1e-6)
     assert token_logprobs(rows, [0, 0], 0)[0].top == ()
+
+
+def test_a_forced_run_is_grafted_where_the_drafters_tree_leaves_it():
+    from specrun.core.tree import DraftTree
+    from specrun.decoding.drafters.base import Proposal
+    from specrun.decoding.speculative import graft_forced
+
+    tree = DraftTree(9)
+    a = tree.add(0, 1, -0.1)
+    tree.add(a, 2, -0.2)
+    tree.add(0, 3, -0.3)
+    proposal = graft_forced(Proposal(tree), 9, [1, 4, 5], max_nodes=10)
+    assert proposal.forced_from == 4 and tree.path(len(tree) - 1) == [0, a, 4, 5]
+    assert [int(tree.tokens[n]) for n in tree.path(5)[1:]] == [1, 4, 5]
+    assert proposal.forced_tokens([0, a, 4, 5]) == 2 and proposal.forced_tokens([0, a]) == 0
+    # Already in the tree: nothing grafted. No drafter tree: the run is the tree.
+    assert graft_forced(Proposal(DraftTree.chain(9, [1, 4])), 9, [1, 4], 10).forced_from is None
+    alone = graft_forced(None, 9, [7, 8, 9], max_nodes=2)
+    assert alone.tree.tokens.tolist() == [9, 7, 8] and alone.forced_from == 1
+    # Chains stay chains: no graft at a branching point.
+    assert graft_forced(Proposal(DraftTree.chain(9, [1, 2])), 9, [3], 10, chain=True).forced_from is None

@@ -14,7 +14,7 @@ from specrun.errors import SpecrunError, UsageError
 from specrun.inputs import decode_utf8
 from specrun.runtime import request_json
 from specrun.runtime.plan import RunOptions
-from specrun.runtime.request import Request, run_request
+from specrun.runtime.request import Request, logprob_json, run_request
 from specrun.runtime.runtime import Runtime
 
 log = logging.getLogger("specrun")
@@ -31,7 +31,7 @@ def announce(rt: Runtime) -> None:
 
 def generate_one(opts: RunOptions, request: Request, text: str, show_stats: bool = False, as_json: bool = False) -> None:
     """Generate for one prompt: stream text to stdout, or print one JSON object."""
-    request.sampling()  # validate before loading anything
+    request.check()  # validate before loading anything
     if not text.strip():
         raise UsageError("the prompt is empty")
     with Runtime(opts) as rt:
@@ -66,7 +66,7 @@ def _answer(rt: Runtime, request: Request, text: str, show_stats: bool, as_json:
 
 def _result_json(result, rt: Runtime) -> dict:
     stats = result.stats.as_dict()
-    return {
+    out = {
         "text": result.text,
         "token_ids": result.tokens,
         "n_tokens": stats["n_tokens"],
@@ -77,6 +77,9 @@ def _result_json(result, rt: Runtime) -> dict:
         "drafter": rt.plan.drafter,
         "stats": stats,
     }
+    if result.logprobs is not None:  # one entry per token id, from the target's own softmax
+        out["logprobs"] = logprob_json(rt.target, result.logprobs)
+    return out
 
 
 def _input_lines(file: Path | None) -> Iterator[tuple[int, bytes]]:
@@ -148,7 +151,7 @@ def generate_lines(opts: RunOptions, request: Request, file: Path | None, show_s
     Text answers follow one another separated by a blank line; with as_json, one JSON object per
     line (an error object for a line that could not be answered).
     """
-    request.sampling()  # validate before loading anything
+    request.check()  # validate before loading anything
     failed = 0
     first = True
     with Runtime(opts) as rt:

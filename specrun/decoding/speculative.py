@@ -65,6 +65,8 @@ class SpeculativeDecoder:
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
         self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
         self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
+        # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
+        self.forced_drafts = True
 
     def reset(self) -> None:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
@@ -125,14 +127,16 @@ class SpeculativeDecoder:
             if params.reproducible:
                 budget = 0
             proposal = None
-            # Where a grammar allows one continuation only, that run is the tree: free drafts, no
-            # draft model asked (a chain fits the batch planned for the budget).
-            forced = [] if rules is None else rules.forced(min(shape.budget, remaining - 1, room - 1))
-            if forced:
-                proposal = Proposal(DraftTree.chain(pending, forced))
-            elif depth >= 1 and budget >= 1:
+            if depth >= 1 and budget >= 1:
                 proposal = self.drafter.propose(cache.tokens, pending, budget, depth)
-            step = self._verify(proposal, pending, params, rng, remaining, rules, forced=bool(forced))
+            # Where a grammar allows one continuation only, that run is a path of the tree: grafted
+            # where the drafter's tree leaves it (free drafts), or the whole tree without a drafter's.
+            forced = [] if rules is None or not self.forced_drafts else rules.forced(min(remaining - 1, room - 1))
+            only_forced = bool(forced) and proposal is None
+            if forced:
+                proposal = graft_forced(proposal, pending, forced, min(self.ctx.n_batch, room) - 1,
+                                        chain=self.chain_only)
+            step = self._verify(proposal, pending, params, rng, remaining, rules, forced=only_forced)
             step.total_s = time.perf_counter() - t_start
             stats.steps.append(step)
             stats.n_generated += len(step.tokens)
@@ -209,7 +213,7 @@ class SpeculativeDecoder:
             child_ranks=_child_ranks(tree, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(acceptance.nodes),
-            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
+            forced_tokens=proposal.forced_tokens(acceptance.nodes),
         )
         if params.logprobs is not None:  # token i was drawn from node i's row: no extra pass
             rows = logits[list(acceptance.nodes[:n_tokens])]
@@ -280,7 +284,7 @@ class SpeculativeDecoder:
             child_ranks=_child_ranks(trie, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(nodes),
-            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
+            forced_tokens=proposal.forced_tokens(nodes),
         )
         if params.logprobs is not None:  # the trie's rows are its node ids
             rows = logits[list(acceptance.nodes[: len(acceptance.tokens)])]
@@ -323,6 +327,31 @@ def best_chains(tree: DraftTree, n_chains: int, max_drafts: int) -> list[list[in
             if all(path[: len(p)] != p and p[: len(path)] != path for p in paths):
                 paths.append(path)
     return paths
+
+
+def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max_nodes: int,
+                 chain: bool = False) -> Proposal:
+    """Return the proposal with a grammar's forced run as a path from the root: the drafter's tree
+    where it already holds the run, the rest appended below (new ids, past the drafter's own, so
+    its `commit` is unaffected), within `max_nodes` nodes besides the root; with `chain`, only
+    below the end of a chain."""
+    if proposal is None:
+        return Proposal(DraftTree.chain(pending, forced[:max_nodes]), forced_from=1)
+    tree, node = proposal.tree, 0
+    for i, token in enumerate(forced):
+        child = tree.find_child(node, token)
+        if child is None:
+            rest = forced[i: i + max_nodes - (len(tree) - 1)]
+            branching = not tree.is_leaf(node)
+            if not rest or (branching and (chain or len(tree.leaves()) >= MAX_SEQ)):
+                return proposal
+            proposal.forced_from = len(tree)
+            logp = float(tree.logps[node])
+            for token in rest:
+                node = tree.add(node, token, logp)
+            return proposal
+        node = child
+    return proposal
 
 
 def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:

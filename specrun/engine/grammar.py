@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,9 @@ def _tokenizer(model):
 
             # Every end-of-generation token ends a grammar's text (chat models end turns with theirs).
             eog = sorted(model.eog_tokens) or [model.eos]
-            tok = (model, lltokenizer_from_vocab(model.vocab_ptr, n_vocab=model.n_vocab, eos_token=eog))
+            with warnings.catch_warnings():  # it reads token attributes through a deprecated alias
+                warnings.simplefilter("ignore", DeprecationWarning)
+                tok = (model, lltokenizer_from_vocab(model.vocab_ptr, n_vocab=model.n_vocab, eos_token=eog))
             _tokenizers[id(model)] = tok
         return tok[1]
 
@@ -145,7 +148,7 @@ class Matcher:
             return []
         return list(self._m.compute_ff_tokens())
 
-    def done(self) -> bool:
-        """True once the grammar's text is complete and nothing more may follow."""
-        return self._m.is_stopped()
+    def accepting(self) -> bool:
+        """True when the text so far is a complete sentence of the grammar."""
+        return self._m.is_accepting()
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from specrun.core.sampling import SamplingParams
-from specrun.decoding.stream import Result, stream
+from specrun.core.sampling import SamplingParams, TokenLogprob
+from specrun.decoding.stream import collect, stream
+from specrun.engine.grammar import Grammar, schema_grammar, text_grammar
+from specrun.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -21,21 +24,57 @@ class Request:
     stop: tuple[str, ...] = ()
     chat: bool | None = None  # None: chat mode when the model has a chat template
     system: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # report log-probs with this many alternatives (None: off)
+    json_schema: str | None = None  # JSON text of a schema the answer must satisfy
+    grammar: str | None = None  # a GBNF or Lark grammar the answer must follow
     parse_special: bool = True  # raw prompts: special-token text becomes special tokens (chat messages: never)
 
-    def sampling(self):
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+    def sampling(self, grammar: Grammar | None = None) -> SamplingParams:
+        """Return the sampling settings (raises UsageError naming a bad one)."""
+        return SamplingParams(
+            self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repeat_penalty=self.repeat_penalty, logit_bias=self.logit_bias, grammar=grammar,
+            logprobs=self.logprobs,
+        )
+
+    def check(self) -> None:
+        """Raise UsageError for a bad setting, before any model loads (grammars compile later)."""
+        self.sampling()
+        if self.json_schema is not None and self.grammar is not None:
+            raise UsageError("give a JSON schema or a grammar, not both")
+        if self.json_schema is not None:
+            schema_grammar(json.loads(self.json_schema))
+        if self.grammar is not None:
+            text_grammar(self.grammar)
+
+    def compile_grammar(self, model) -> Grammar | None:
+        """Return the request's grammar compiled for `model`'s vocabulary (None: unconstrained)."""
+        if self.json_schema is not None:
+            return Grammar.from_schema(model, json.loads(self.json_schema))
+        if self.grammar is not None:
+            return Grammar.from_text(model, self.grammar)
+        return None
 
 
 def run_request(rt, request: Request, text: str, on_text=None):
     """Generate for one prompt text; call on_text(chunk) as text streams; return the Result."""
     prompt = rt.tokenize_prompt(text, request.chat, request.system, request.parse_special)
-    decoder = rt.decoder
-    parts: list[str] = []
-    tokens: list[int] = []
-    for chunk in stream(decoder, rt.target, prompt, request.sampling(), request.max_tokens, request.stop):
-        if on_text is not None:
-            on_text(chunk.text)
-        parts.append(chunk.text)
-        tokens.extend(chunk.tokens)
-    return Result("".join(parts), tokens, decoder.stats)
+    params = request.sampling(request.compile_grammar(rt.target))
+    chunks = stream(rt.decoder, rt.target, prompt, params, request.max_tokens, request.stop)
+    return collect(chunks, rt.decoder, params, on_text)
+
+
+def logprob_json(model, logprobs: list[TokenLogprob]) -> list[dict]:
+    """Return log-probs as the OpenAI API's chat `logprobs.content` entries (token text, bytes,
+    logprob, top_logprobs), with the token id added."""
+    def entry(token: int, logprob: float) -> dict:
+        piece = model.token_to_piece(token, special=True)
+        return {"token": piece.decode("utf-8", errors="replace"), "id": token, "bytes": list(piece),
+                "logprob": logprob}
+
+    return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]

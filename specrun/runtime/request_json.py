@@ -14,7 +14,9 @@ from specrun.errors import UsageError
 from specrun.inputs import check_utf8
 from specrun.runtime.request import Request
 
-FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "parse_special", "id")
+FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "parse_special",
+          "presence_penalty", "frequency_penalty", "repeat_penalty", "logit_bias", "logprobs", "json_schema",
+          "grammar", "id")
 
 
 class FieldError(UsageError):
@@ -71,6 +73,23 @@ def _flag(name: str, value) -> bool:
     return value
 
 
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, dict):
+        raise FieldError("logit_bias", f"logit_bias must be an object of token id -> bias, got {json.dumps(value)}")
+    out = []
+    for key, bias in value.items():
+        if not str(key).isdigit():
+            raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {json.dumps(key)}")
+        out.append((int(key), _number_in("logit_bias", bias, -100.0, 100.0)))
+    return tuple(out)
+
+
+def _json_schema(value) -> str:
+    if not isinstance(value, dict):
+        raise FieldError("json_schema", f"json_schema must be a JSON object, got {json.dumps(value)}")
+    return json.dumps(value)
+
+
 _CHECKS = {
     "max_tokens": lambda v: _int_at_least("max_tokens", v, 1),
     "temperature": lambda v: _number_in("temperature", v, 0.0, None),
@@ -82,6 +101,13 @@ _CHECKS = {
     "chat": lambda v: _flag("chat", v),
     "parse_special": lambda v: _flag("parse_special", v),
     "system": lambda v: _text("system", v),
+    "presence_penalty": lambda v: _number_in("presence_penalty", v, -2.0, 2.0),
+    "frequency_penalty": lambda v: _number_in("frequency_penalty", v, -2.0, 2.0),
+    "repeat_penalty": lambda v: _number_in("repeat_penalty", v, 0.0, None, low_open=True),
+    "logit_bias": _logit_bias,
+    "logprobs": lambda v: _int_at_least("logprobs", v, 0),
+    "json_schema": _json_schema,
+    "grammar": lambda v: _text("grammar", v),
 }
 
 
@@ -107,6 +133,21 @@ def parse_line(line: str, base: Request) -> tuple[Request, str, object]:
     request = replace(base, **fields)
     if request.system and request.chat is False:
         raise FieldError("system", 'system needs chat mode ("chat": true, or leave "chat" out)')
+    if "json_schema" in fields and "grammar" in fields:
+        raise FieldError("grammar", "give json_schema or grammar, not both")
+    if "json_schema" in fields:  # a line's own constraint replaces the command line's
+        request = replace(request, grammar=None)
+    elif "grammar" in fields:
+        request = replace(request, json_schema=None)
+    try:
+        request.check()
+    except FieldError:
+        raise
+    except UsageError as e:
+        field = next((f for f in ("json_schema", "grammar", "logprobs") if f in fields), None)
+        if field is None:
+            raise
+        raise FieldError(field, str(e)) from None
     return request, prompt, obj.get("id")
 
 

@@ -18,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specrun.engine.grammar import schema_grammar
+from specrun.errors import UsageError
 from specrun.server.jobs import (
     ChatPrompt,
     ClientGone,
@@ -214,8 +216,7 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatRequest)
         envelope = Envelope(worker.ready_model().target, chat=True)
-        prompt = ChatPrompt(body.template_messages(), body.chat_template_kwargs, body.reasoning_format)
-        return await _answer(request, worker, body, prompt, envelope)
+        return await _answer(request, worker, body, chat_prompt(body), envelope)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -228,6 +229,48 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
         return await _answer(request, worker, body, prompt, envelope)
 
 
+def chat_prompt(body: ChatRequest) -> ChatPrompt:
+    """Return the conversation to render, with its tools and what tool_choice asks."""
+    messages = body.template_messages()
+    if not body.tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+        return ChatPrompt(messages, body.chat_template_kwargs, body.reasoning_format)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    return ChatPrompt(messages, body.chat_template_kwargs, body.reasoning_format, tools,
+                      _tool_choice(body.tool_choice, {t["function"]["name"] for t in tools}))
+
+
+def _tool_choice(choice, names: set[str]) -> str:
+    """Return tool_choice as auto, none, required or function:NAME; a 400 for anything else."""
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise APIError(400, 'tool_choice must be "auto", "none", "required" or {"type": "function", '
+                       '"function": {"name": ...}}', param="tool_choice", code="invalid_value")
+    if name not in names:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice",
+                       code="invalid_value")
+    return f"function:{name}"
+
+
+def checked_schema(body: GenerationRequest) -> dict | None:
+    """Return response_format's schema, or raise a 400 naming what it cannot be compiled for."""
+    schema = body.json_schema()
+    if schema is not None:
+        try:
+            schema_grammar(schema)
+        except UsageError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
+    return schema
+
+
 async def _parse(request: Request, model: type[GenerationRequest]) -> GenerationRequest:
     """Return the validated body. Parsed here rather than by FastAPI so that any content type
     works (curl -d sends form encoding) and every problem gets the same OpenAI-shaped 400."""
@@ -237,7 +280,8 @@ async def _parse(request: Request, model: type[GenerationRequest]) -> Generation
 
 
 async def _answer(request: Request, worker: GenerationWorker, body: GenerationRequest, prompt, envelope: Envelope) -> Response:
-    job = Job(envelope.id, prompt, body.sampling(), body.token_limit(), body.stop, asyncio.get_running_loop())
+    job = Job(envelope.id, prompt, body.sampling(), body.token_limit(), body.stop, asyncio.get_running_loop(),
+              json_schema=checked_schema(body))
     worker.submit(job)
     events = EventReader(request, job)
     try:
@@ -251,11 +295,12 @@ async def _answer(request: Request, worker: GenerationWorker, body: GenerationRe
         return StreamingResponse(_stream(events, started, envelope, body.include_usage),
                                  media_type="text/event-stream", headers=headers)
     try:
-        text, thoughts, finished = await events.rest()
+        answer = await events.rest(logprobs=job.params.logprobs is not None)
     except ClientGone:
         return Response(status_code=499)
-    whole = envelope.whole(text, finished.finish_reason, started, finished.n_generated, finished.stats,
-                           reasoning=thoughts)
+    finished = answer.finished
+    whole = envelope.whole(answer.text, finished.finish_reason, started, finished.n_generated, finished.stats,
+                           reasoning=answer.reasoning, logprobs=answer.logprobs, tool_calls=finished.tool_calls)
     return JSONResponse(whole, headers=headers)
 
 
@@ -275,8 +320,13 @@ async def _stream(events: EventReader, started: Started, envelope: Envelope, inc
         while True:
             event = await events.next()
             if isinstance(event, Piece):
-                yield sse(envelope.chunk(text=event.text, reasoning=event.reasoning))
+                yield sse(envelope.chunk(text=event.text, reasoning=event.reasoning, logprobs=event.logprobs))
             elif isinstance(event, Finished):
+                if event.content:  # held back while it could have been a tool call
+                    yield sse(envelope.chunk(text=event.content))
+                for i, call in enumerate(event.tool_calls or ()):
+                    for delta in envelope.tool_call_deltas(i, call):
+                        yield sse(delta)
                 yield sse(envelope.final_chunk(event.finish_reason, started, event.stats))
                 if include_usage:
                     yield sse(envelope.usage_chunk(started, event.n_generated, event.stats))

@@ -22,11 +22,13 @@ POLL_S = 0.25
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A conversation, rendered with the model's own chat template."""
+    """A conversation, rendered with the model's own chat template (with `tools`, if any)."""
 
     messages: list[dict]
     template_kwargs: dict = field(default_factory=dict)  # extra template variables (enable_thinking...)
     reasoning_format: str | None = None  # auto, none, or None: the server's default
+    tools: list[dict] | None = None  # OpenAI tool objects, as the template's `tools` variable
+    tool_choice: str = "auto"  # auto, none, required, or "function:NAME" (a named call)
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,17 @@ class Started:
 class Piece:
     text: str  # the answer's text
     reasoning: str = ""  # thinking text (reasoning models, when split out)
+    logprobs: list[dict] | None = None  # its tokens' log-probs (chat API entries), when asked for
 
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # stop, length, or cancelled (nobody is listening then)
+    finish_reason: str  # stop, length, tool_calls, or cancelled (nobody is listening then)
     n_generated: int
     stats: GenerationStats
+    # With tools the answer is held back and parsed at the end: its text and calls come here.
+    content: str | None = None
+    tool_calls: list | None = None  # chat.tools.ParsedCall
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class Job:
     max_tokens: int | None
     stop: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
+    json_schema: dict | None = None  # response_format: the answer is JSON valid under it
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
@@ -93,6 +100,16 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:
             pass  # the event loop has closed: the server is gone and nobody is listening
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole (non-streamed) answer, as EventReader.rest collects it."""
+
+    text: str
+    reasoning: str
+    logprobs: list[dict] | None
+    finished: Finished
 
 
 class ClientGone(Exception):
@@ -130,18 +147,23 @@ class EventReader:
             raise event.error
         return event
 
-    async def rest(self) -> tuple[str, str, Finished]:
-        """Return the rest of the answer: its text, its thinking and the Finished event (raise as next())."""
+    async def rest(self, logprobs: bool = False) -> "Answer":
+        """Return the rest of the answer (raise as next()); with `logprobs`, its tokens' log-probs."""
         texts: list[str] = []
         thoughts: list[str] = []
+        entries: list[dict] | None = [] if logprobs else None
         try:
             while True:
                 event = await self.next()
                 if isinstance(event, Piece):
                     texts.append(event.text)
                     thoughts.append(event.reasoning)
+                    if entries is not None and event.logprobs:
+                        entries.extend(event.logprobs)
                 elif isinstance(event, Finished):
-                    return "".join(texts), "".join(thoughts), event
+                    # With tools the text was held back and comes whole with the Finished event.
+                    text = event.content if event.content is not None else "".join(texts)
+                    return Answer(text, "".join(thoughts), entries, event)
         finally:
             self.job.cancel.set()  # a no-op once finished; stops the worker when the caller is cancelled
 

@@ -255,10 +255,11 @@ async def _answer(request: Request, worker: GenerationWorker, body: _Request, pr
         return StreamingResponse(_lines(events, started, info, chat, t0), media_type="application/x-ndjson",
                                  headers=headers)
     try:
-        text, thoughts, finished = await events.rest()
+        answer = await events.rest()
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(_piece(info, chat, text, thoughts.strip(), done=True, **_final_fields(started, finished, t0)),
+    return JSONResponse(_piece(info, chat, answer.text, answer.reasoning.strip(), done=True,
+                               **_final_fields(started, answer.finished, t0)),
                         headers=headers)
 
 

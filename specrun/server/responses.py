@@ -70,6 +70,15 @@ def timings(started: Started, stats: GenerationStats) -> dict:
     }
 
 
+def _chat_entry(entry: dict) -> dict:
+    top = [{k: t[k] for k in ("token", "logprob", "bytes")} for t in entry["top_logprobs"]]
+    return {"token": entry["token"], "logprob": entry["logprob"], "bytes": entry["bytes"], "top_logprobs": top}
+
+
+def _tool_call(call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
 @dataclass
 class Envelope:
     """What every object of one response shares: id, creation time, model, and chat vs text shape."""
@@ -86,32 +95,56 @@ class Envelope:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     def whole(self, text: str, finish_reason: str, started: Started, n_generated: int, stats: GenerationStats,
-              reasoning: str = "") -> dict:
+              reasoning: str = "", logprobs: list[dict] | None = None, tool_calls: list | None = None) -> dict:
         """Return a complete (non-streamed) answer; a chat's thinking, if split out, as reasoning_content."""
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: dict = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text or None,
+                           "tool_calls": [_tool_call(call) for call in tool_calls]}
             if reasoning:
                 message["reasoning_content"] = reasoning.strip()
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
             body = self._object("chat.completion", [choice])
         else:
-            body = self._object("text_completion", [{"index": 0, "text": text, "logprobs": None,
+            body = self._object("text_completion", [{"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
                                                      "finish_reason": finish_reason}])
         body["usage"] = usage(started, n_generated)
         body["timings"] = timings(started, stats)
         return body
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False,
-              reasoning: str = "") -> dict:
+              reasoning: str = "", logprobs: list[dict] | None = None) -> dict:
         """Return one stream chunk: a piece of text (and of thinking), the opening role, or the finish reason."""
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
             return self._object("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         return self._object("text_completion", [choice])
+
+    def tool_call_deltas(self, index: int, call) -> list[dict]:
+        """Return the stream chunks of one tool call: its id and name, then its arguments."""
+        head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        args = {"index": index, "function": {"arguments": call.arguments}}
+        return [self._object("chat.completion.chunk", [{"index": 0, "delta": {"tool_calls": [part]}, "logprobs": None,
+                                                        "finish_reason": None}]) for part in (head, args)]
+
+    def _logprobs(self, entries: list[dict] | None) -> dict | None:
+        """Return a choice's logprobs object: the chat API's content list, or the legacy
+        completions arrays."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [_chat_entry(e) for e in entries], "refusal": None}
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        }
 
     def final_chunk(self, finish_reason: str, started: Started, stats: GenerationStats) -> dict:
         """Return the chunk that ends a stream, with timings as llama.cpp's server sends them."""

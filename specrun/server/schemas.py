@@ -1,26 +1,29 @@
 """Request bodies of the OpenAI API as pydantic models, and OpenAI-shaped errors.
 
 Unknown fields are ignored: clients send many that do not matter here. Fields whose value would
-change the answer in a way specrun cannot honour (n > 1, tools, log-probabilities, penalties) are
-refused with a 400 that says so rather than silently dropped (`refuse_unsupported`).
+change the answer in a way specrun cannot honour (n > 1, echo, suffix, best_of, legacy
+`functions`) are refused with a 400 that says so rather than silently dropped
+(`refuse_unsupported`). Log-probabilities, penalties, logit_bias, response_format and tools are
+served, exactly under speculation.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from specrun.chat import reasoning
-from specrun.core.sampling import SamplingParams
+from specrun.core.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from specrun.errors import UsageError
 
 # What an absent sampling field means. Temperature 1 is the OpenAI API's documented default (the
 # CLI's greedy default would surprise API clients, which send a temperature when they want one).
 DEFAULT_TEMPERATURE = 1.0
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # Template variables the server itself fills in; chat_template_kwargs may not replace them.
 TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 # Newer OpenAI clients send "developer" where older ones sent "system"; the templates know only
@@ -132,13 +135,16 @@ class Message(BaseModel):
     content: Any = None
     # An assistant turn's thinking, as servers answer it and Open WebUI sends it back.
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, sent back in the history
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
 
     @field_validator("role")
     @classmethod
     def _known_role(cls, role: str) -> str:
         role = ROLE_ALIASES.get(role, role)
         if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}: use system, user or assistant")
+            raise ValueError(f"unknown role {role!r}: use system, user, assistant or tool")
         return role
 
     @field_validator("content")
@@ -148,11 +154,71 @@ class Message(BaseModel):
         return _text_of(content, required=info.data.get("role") != "assistant")
 
     def as_template_message(self) -> dict:
-        message = {"role": self.role, "content": self.content}
+        message: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            # Templates read arguments as an object (HF's convention); the API sends JSON text.
+            message["tool_calls"] = [call.as_template_call() for call in self.tool_calls]
         if self.reasoning_content and self.role == "assistant":
             # Qwen3-style templates read reasoning_content, gpt-oss's reads thinking.
             message["reasoning_content"] = message["thinking"] = self.reasoning_content
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "function"
+    function: Function
+
+    @field_validator("type")
+    @classmethod
+    def _function(cls, kind: str) -> str:
+        if kind != "function":
+            raise ValueError(f"only function tools are supported, got {kind!r}")
+        return kind
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: Any = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: str = "function"
+    function: CalledFunction
+
+    def as_template_call(self) -> dict:
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise ValueError(f"tool call {self.function.name!r}: arguments are not valid JSON") from None
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        if self.id is not None:
+            call["id"] = self.id
+        return call
+
+
+Message.model_rebuild()
 
 
 class GenerationRequest(BaseModel):
@@ -171,15 +237,25 @@ class GenerationRequest(BaseModel):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None  # chat: true/false; completions: how many alternatives
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repeat_penalty: float | None = Field(default=None, gt=0)  # llama.cpp's server's field
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # Accepted only at their neutral values (see refuse_unsupported).
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    tools: Any = None
     functions: Any = None
-    response_format: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @field_validator("n")
     @classmethod
@@ -220,14 +296,72 @@ class GenerationRequest(BaseModel):
         """Return the requested maximum of generated tokens (None: until the context is full)."""
         return self.max_tokens
 
+    def n_logprobs(self) -> int | None:
+        """Return how many alternatives to report per token (None: no log-probs)."""
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        if self.logprobs is True:
+            return self.top_logprobs or 0
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs", code="invalid_value")
+        return self.logprobs
+
     def sampling(self) -> SamplingParams:
-        """Return the sampling settings, or raise a 400 naming the bad one."""
+        """Return the sampling settings (without a grammar), or raise a 400 naming the bad one."""
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+        bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
         try:
             return SamplingParams(temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p,
-                                  self.min_p or 0.0, self.seed)
+                                  self.min_p or 0.0, self.seed, presence_penalty=self.presence_penalty or 0.0,
+                                  frequency_penalty=self.frequency_penalty or 0.0,
+                                  repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
+                                  logit_bias=bias, logprobs=self.n_logprobs())
         except UsageError as e:
             raise APIError(400, str(e), code="invalid_value") from None
+
+    def json_schema(self) -> dict | None:
+        """Return the schema response_format asks the answer to satisfy (None: free text)."""
+        return None if self.response_format is None else self.response_format.answer_schema()
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """response_format: text, json_object (any object; llama.cpp's server also reads a `schema`
+    there), or json_schema."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: str
+    json_schema: JSONSchemaFormat | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+
+    @field_validator("type")
+    @classmethod
+    def _kind(cls, kind: str) -> str:
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        return kind
+
+    def answer_schema(self) -> dict | None:
+        """Return the schema the answer must satisfy (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return self.schema_ or {"type": "object"}
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format",
+                           code="invalid_value")
+        return self.json_schema.schema_
+
+
+GenerationRequest.model_rebuild()
 
 
 class ChatRequest(GenerationRequest):
@@ -251,6 +385,16 @@ class ChatRequest(GenerationRequest):
         if reserved:
             raise ValueError(f"{', '.join(reserved)} cannot be set here: the server sets it")
         return kwargs
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _chat_logprobs(cls, logprobs):
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise ValueError("logprobs must be true or false (top_logprobs says how many alternatives)")
+        return logprobs
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -284,14 +428,7 @@ class CompletionRequest(GenerationRequest):
 
 # Fields a client may send only at a value that changes nothing: (field, neutral values, what).
 _UNSUPPORTED = (
-    ("logprobs", (None, False, 0), "log-probabilities are"),
-    ("top_logprobs", (None, 0), "log-probabilities are"),
-    ("presence_penalty", (None, 0), "presence_penalty is"),
-    ("frequency_penalty", (None, 0), "frequency_penalty is"),
-    ("logit_bias", (None, {}), "logit_bias is"),
-    ("tools", (None, []), "tools are"),
-    ("functions", (None, []), "function calling is"),
-    ("response_format", (None, {"type": "text"}), "response_format other than text is"),
+    ("functions", (None, []), "legacy function calling (functions) is; send tools, and it"),
     ("echo", (None, False), "echo is"),
     ("suffix", (None, ""), "suffix is"),
     ("best_of", (None, 1), "best_of is"),

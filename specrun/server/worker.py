@@ -25,16 +25,19 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from specrun import ui
 from specrun.chat import reasoning
 from specrun.chat.reasoning import ChatSettings, ReasoningParser
 from specrun.decoding.steps import GenerationStats
+from specrun.chat.tools import ToolFormat, tool_format
 from specrun.decoding.stream import stream
-from specrun.errors import SpecrunError
+from specrun.engine.grammar import Grammar
+from specrun.errors import SpecrunError, UsageError
 from specrun.runtime.plan import RunOptions
+from specrun.runtime.request import logprob_json
 from specrun.runtime.runtime import Runtime
 from specrun.server.jobs import (
     POLL_S,
@@ -221,6 +224,7 @@ class GenerationWorker:
 
     def _answer(self, job: Job) -> None:
         rt = self.runtime
+        tools = self._tool_format(job.prompt)
         prompt, rendered = self._prompt_tokens(job.prompt)
         parser = None
         if rendered is not None:
@@ -228,12 +232,13 @@ class GenerationWorker:
                                           job.prompt.reasoning_format or self.chat.reasoning_format)
         param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
         limit = token_budget(len(prompt), rt.target_ctx.n_ctx, job.max_tokens, param)
+        params = self._params(job, tools)
         started = Started(len(prompt), rt.decoder.cache.reusable(prompt), limit, job.max_tokens,
                           queue_s=self._started_at - job.queued_at)
         if started.capped:
             ui.dim(f"{job.id}: max_tokens {job.max_tokens} lowered to {limit} to fit the {rt.target_ctx.n_ctx}-token context")
         job.emit(started)
-        generated, finish = self._decode(job, prompt, limit, parser)
+        generated, finish = self._decode(job, prompt, limit, params, parser, hold_text=tools is not None)
         stats = rt.decoder.stats
         if job.cancel.is_set():
             self._memory.forget()
@@ -245,8 +250,54 @@ class GenerationWorker:
             return
         self._remember(rendered, finish, prompt, generated)
         reason = FINISH_REASONS.get(finish or "length", "length")
-        job.emit(Finished(reason, len(generated), stats))
+        content, calls = None, None
+        if tools is not None:  # the answer was held back: its calls become tool_calls
+            answer = rt.target.detokenize([t for t in generated if t not in rt.decoder.eog], special=True)
+            content, calls = tools.parse(answer)
+            if calls:
+                reason = "tool_calls"
+            else:
+                content = rt.target.detokenize([t for t in generated if t not in rt.decoder.eog])
+            if parser is not None and content:  # thinking before the call (or the answer) goes apart
+                content = _split_thinking(job, parser, content)
+        job.emit(Finished(reason, len(generated), stats, content, calls or None))
         _log_job(job, started, stats, finish or "length")
+
+    def _tool_format(self, prompt: ChatPrompt | TextPrompt) -> ToolFormat | None:
+        """Return how the model writes tool calls, when this request's answer may hold one."""
+        if not isinstance(prompt, ChatPrompt) or not prompt.tools:
+            return None
+        fmt = tool_format(self.runtime.chat_format.template)
+        if fmt is None:
+            raise APIError(400, "the model's chat template has no tool support, so it cannot be given tools",
+                           param="tools", code="unsupported_parameter")
+        return None if prompt.tool_choice == "none" else fmt
+
+    def _params(self, job: Job, tools: ToolFormat | None):
+        """Return the job's sampling settings with its grammar compiled for the target's vocabulary."""
+        model = self.runtime.target
+        params = job.params
+        for token, _ in params.logit_bias:
+            if token >= model.n_vocab:
+                raise APIError(400, f"logit_bias: token id {token} is not below the vocabulary size {model.n_vocab}",
+                               param="logit_bias", code="invalid_value")
+        try:
+            if job.json_schema is not None:
+                return replace(params, grammar=Grammar.from_schema(model, job.json_schema))
+            choice = job.prompt.tool_choice if isinstance(job.prompt, ChatPrompt) else "auto"
+            if tools is not None and choice not in ("auto", "none"):
+                chosen = [t["function"] for t in job.prompt.tools]
+                if choice.startswith("function:"):
+                    chosen = [f for f in chosen if f["name"] == choice.removeprefix("function:")]
+                return replace(params, grammar=Grammar.from_lark(model, tools.grammar(chosen, self._marker)))
+        except UsageError as e:
+            raise APIError(400, str(e), param="response_format" if job.json_schema is not None else "tool_choice",
+                           code="invalid_value") from None
+        return params
+
+    def _marker(self, text: str) -> str:
+        """Return text as a grammar literal: the special token it is, if the vocabulary has one."""
+        return Grammar.literal(self.runtime.target, text)
 
     def _prompt_tokens(self, prompt: ChatPrompt | TextPrompt) -> tuple[list[int], str | None]:
         """Return the prompt's tokens, and for a chat the rendered text they spell."""
@@ -254,7 +305,8 @@ class GenerationWorker:
         if isinstance(prompt, ChatPrompt):
             refuse_what_cannot_fit(prompt.messages, rt.target_ctx.n_ctx, rt.target.max_token_bytes)
             fmt = rt.chat_format
-            rendered = fmt.render(prompt.messages, add_generation_prompt=True, **prompt.template_kwargs)
+            extra = {"tools": prompt.tools} if prompt.tools else {}
+            rendered = fmt.render(prompt.messages, add_generation_prompt=True, **prompt.template_kwargs, **extra)
             return self._memory.tokens_for(fmt, rendered), rendered.text
         if prompt.token_ids is not None:
             n_vocab = rt.target.n_vocab
@@ -263,25 +315,30 @@ class GenerationWorker:
             return list(prompt.token_ids), None
         return rt.target.tokenize(prompt.text, add_special=True, parse_special=prompt.parse_special), None
 
-    def _decode(self, job: Job, prompt: list[int], limit: int,
-                parser: ReasoningParser | None) -> tuple[list[int], str | None]:
-        """Stream the answer's text to the job (thinking apart when a parser splits it); return the
+    def _decode(self, job: Job, prompt: list[int], limit: int, params, parser: ReasoningParser | None,
+                hold_text: bool = False) -> tuple[list[int], str | None]:
+        """Stream the answer's text to the job (thinking apart when a parser splits it; nothing
+        while it is held back for tool calls); return the
         generated tokens and the finish reason."""
         rt = self.runtime
         generated: list[int] = []
         finish = None
-        chunks = stream(rt.decoder, rt.target, prompt, job.params, limit, job.stop)
+        eog = rt.decoder.eog
+        chunks = stream(rt.decoder, rt.target, prompt, params, limit, job.stop)
         try:
             for chunk in chunks:
                 generated.extend(chunk.tokens)
-                if chunk.text:
-                    _emit_text(job, chunk.text, parser)
+                logprobs = None
+                if chunk.logprobs:  # the end-of-turn token is no part of the answer
+                    logprobs = logprob_json(rt.target, [lp for lp in chunk.logprobs if lp.token not in eog]) or None
+                if (chunk.text or logprobs) and not hold_text:
+                    _emit_text(job, chunk.text, parser, logprobs)
                 finish = chunk.finish_reason or finish
                 if job.cancel.is_set():
                     break
         finally:
             chunks.close()  # between steps: the caches hold exactly the committed tokens
-        if parser is not None:
+        if parser is not None and not hold_text:
             split = parser.finish()
             if split:
                 job.emit(Piece(split.content, split.reasoning))
@@ -300,13 +357,22 @@ def loading() -> APIError:
     return APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
 
 
-def _emit_text(job: Job, text: str, parser: ReasoningParser | None) -> None:
+def _emit_text(job: Job, text: str, parser: ReasoningParser | None, logprobs: list[dict] | None = None) -> None:
     if parser is None:
-        job.emit(Piece(text))
+        job.emit(Piece(text, logprobs=logprobs))
         return
     split = parser.feed(text)
-    if split:
-        job.emit(Piece(split.content, split.reasoning))
+    if split or logprobs:
+        job.emit(Piece(split.content if split else "", split.reasoning if split else "", logprobs))
+
+
+def _split_thinking(job: Job, parser: ReasoningParser, text: str) -> str:
+    """Emit a held-back answer's thinking as a piece of its own; return the rest of the text."""
+    parts = [parser.feed(text), parser.finish()]
+    reasoning_text = "".join(p.reasoning for p in parts if p)
+    if reasoning_text:
+        job.emit(Piece("", reasoning_text))
+    return "".join(p.content for p in parts if p)
 
 
 def _model_info(rt: Runtime) -> ModelInfo:

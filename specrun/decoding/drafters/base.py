@@ -22,10 +22,16 @@ class Proposal:
     draft_s: float = 0.0  # seconds spent in draft-model forward passes
     draft_passes: int = 0
     lookup_from: int | None = None  # node ids >= this came from text lookup (None: none did)
+    forced_from: int | None = None  # node ids >= this are a grammar's forced run, grafted by the decoder
 
     def lookup_tokens(self, nodes: Sequence[int]) -> int:
         """Return how many of the accepted nodes (root first) came from text lookup."""
-        first = self.lookup_from
+        first, end = self.lookup_from, self.forced_from
+        return 0 if first is None else sum(1 for n in nodes[1:] if n >= first and (end is None or n < end))
+
+    def forced_tokens(self, nodes: Sequence[int]) -> int:
+        """Return how many of the accepted nodes (root first) a grammar forced (no drafter proposed them)."""
+        first = self.forced_from
         return 0 if first is None else sum(1 for n in nodes[1:] if n >= first)
 
     def path_ranks(self, nodes: Sequence[int]) -> tuple[int, ...]:
