@@ -25,7 +25,10 @@ def test_bench_json_compares_plain_and_speculative_per_budget(tmp_path, offline_
     for row in rows:
         assert BENCH_KEYS <= set(row), row
         assert row["plain_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
-        assert abs(row["speedup"] - row["spec_tokens_per_s"] / row["plain_tokens_per_s"]) < 0.01
+        # Speeds are rounded to 0.01 tok/s: at a slow moment that alone moves their ratio.
+        spec, plain = row["spec_tokens_per_s"], row["plain_tokens_per_s"]
+        rounding = (spec + 0.005) / max(plain - 0.005, 1e-9) - spec / plain
+        assert abs(row["speedup"] - spec / plain) <= 0.001 + rounding
         # The Q4_1 draft agrees with its F32 target: a budget-1 tree is accepted most of the time.
         assert 1.3 <= row["accepted_per_pass"] <= row["budget"] + 1
         assert row["identical_output"] is True
