@@ -15,6 +15,7 @@ Needs the `gguf` package.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from dataclasses import dataclass, replace
@@ -125,7 +126,7 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
 
     if shape.n_embd % 32 or shape.n_ff % 32:
         raise ValueError("n_embd and n_ff must be multiples of 32 (the smallest quant block)")
-    tokenizer = _padded_tokenizer(_tokenizer_fields(gguf.GGUFReader(tokenizer_gguf)), shape.n_vocab)
+    tokenizer = _padded_tokenizer(_tokenizer_of(str(Path(tokenizer_gguf).resolve())), shape.n_vocab)
     dst = Path(dst)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     os.close(fd)
@@ -172,6 +173,14 @@ def _write_metadata(writer, shape: Shape, tokenizer: dict, seed: int) -> None:
     for key, (types, value) in tokenizer.items():
         sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, types[0], sub_type=sub_type)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_of(path: str) -> dict:
+    """Return a GGUF's tokenizer fields (read once per process: a 150k-token vocabulary takes a while)."""
+    import gguf
+
+    return _tokenizer_fields(gguf.GGUFReader(path))
 
 
 def _padded_tokenizer(fields: dict, n_vocab: int) -> dict:
