@@ -9,8 +9,8 @@ Steps (each also runs alone; scripts/device_kit.sh chains them):
   build     (the device)  pip wheel with CUDA for the GPU's architecture (nvidia-smi), in the
             background: returns within --wait seconds; run again until it says "built"
   install   the built wheel and the carried wheels into KIT/site (PYTHONPATH)
-  models    a dense-27B-shaped Q4_K_M target, a 0.5B-shaped draft and a tiny random pair with the
-            same real tokenizer (--fast: scaled-down shapes)
+  models    a dense-27B-shaped and a 30B-A3B-MoE-shaped Q4_K_M target, a 0.5B-shaped draft and a
+            tiny random pair, all with the same real tokenizer (--fast/--tiny: scaled-down shapes)
   exactness speculative vs plain greedy on the tiny random pair (many near-ties: the strictest
             check): identical outputs, and the top-2 logit gap where they part
   plan      `specrun plan` against the memory nvidia-smi sees once the models are loaded
@@ -48,6 +48,8 @@ TRIM_SDIST = ("docs", "docker", "examples", "tests", "scripts", ".git", ".github
 DEVICE_WHEELS = ("diskcache", "gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
                  "typing-inspection", "uvicorn", "httptools")
 BUILD_LOG = "build.log"
+# The kit's targets (--targets) and draft, by the shapes they take (specrun/models/shapes.py).
+SHAPE_OF = {"dense-27b": "dense-27b", "moe-30b-a3b": "qwen3-30b-a3b", "draft-0.5b": "qwen2.5-0.5b"}
 
 
 def log(message: str) -> None:
@@ -201,7 +203,7 @@ def models(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     vocab = Path(args.vocab) if args.vocab else Path(args.kit) / VOCAB
     made = {}
-    targets = {"dense-27b": shapes.SHAPES["dense-27b"], "draft-0.5b": shapes.SHAPES["qwen2.5-0.5b"]}
+    targets = {name: shapes.SHAPES[SHAPE_OF[name]] for name in (*args.targets, "draft-0.5b")}
     if args.fast:  # seconds to write: the architecture and the vocabulary, few and narrow layers
         targets = {name: shape.scaled(n_layer=2, n_embd=256, n_ff=512) for name, shape in targets.items()}
     for name, shape in targets.items():
@@ -276,27 +278,27 @@ def plan_check(args, made: dict) -> list[dict]:
     from specrun.runtime.runtime import Runtime
 
     rows = []
-    for card in args.cards:
-        opts = RunOptions(target=made["dense-27b"], draft=made["draft-0.5b"], ctx_size=args.ctx, lookup=False,
+    for target, card in ((t, c) for t in args.targets for c in args.cards):
+        opts = RunOptions(target=made[target], draft=made["draft-0.5b"], ctx_size=args.ctx, lookup=False,
                           quiet=True, gpu_memory=card * 2**30, budget=args.max_tree)
         plan = build_plan(opts, detailed=True)
         before = nvidia_smi_used()
         with Runtime(plan):
             after = nvidia_smi_used()
-        rows.append({"card_gib": card, "target_gpu_layers": plan.target_gpu_layers,
+        rows.append({"target": target, "card_gib": card, "target_gpu_layers": plan.target_gpu_layers,
                      "layer_slots": plan.placement.target_n_slots, "draft_gpu_layers": plan.draft_gpu_layers,
                      "planned_gpu_bytes": list(plan.placement.device_bytes), "planned_ram_bytes": plan.placement.ram_bytes,
                      "measured_gpu_bytes": None if after is None or before is None else after - before})
-        log(f"plan {card} GiB: {rows[-1]}")
+        log(f"plan {target} on {card} GiB: {rows[-1]}")
     return rows
 
 
 def reports(args, made: dict, out: Path) -> list[str]:
     """`specrun bench --report` per emulated card; Markdown and JSON files in `out`."""
     written = []
-    for card in args.cards:
+    for target, card in ((t, c) for t in args.targets for c in args.cards):
         for fmt in ("json", "md"):
-            command = [sys.executable, "-m", "specrun", "bench", "--report", "--target", made["dense-27b"],
+            command = [sys.executable, "-m", "specrun", "bench", "--report", "--target", made[target],
                        "--draft", made["draft-0.5b"], "--gpu-memory", f"{card}GiB", "--budget", str(args.max_tree),
                        "--max-tokens", str(args.tokens), "--workload", "chat", "--ctx-size", str(args.ctx)]
             if fmt == "json":
@@ -305,7 +307,7 @@ def reports(args, made: dict, out: Path) -> list[str]:
                 prompt = out / "kit-prompt.txt"
                 prompt.write_text("Say hello.\n")
                 command += ["--prompts", str(prompt)]
-            path = out / f"report-{card}gib.{fmt}"
+            path = out / f"report-{target}-{card}gib.{fmt}"
             with open(path, "w") as stdout:
                 subprocess.run(command, stdout=stdout, check=True)
             written.append(str(path))
@@ -329,13 +331,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="build for the CPU even where a GPU is found")
     parser.add_argument("--cuda-arch", default=None, help="CUDA architecture (default: nvidia-smi's, e.g. 90)")
     parser.add_argument("--wait", type=float, default=540, help="build: seconds to poll before returning")
-    parser.add_argument("--fast", action="store_true", help="tiny shapes and short runs (CI, CPU machines)")
+    parser.add_argument("--fast", action="store_true", help="no build (the installed llama-cpp-python), tiny shapes, short runs (CI)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and short runs after a real build (CPU machines)")
     parser.add_argument("--cards", default="8,12,16,24", help="emulated GPU sizes in GiB")
+    parser.add_argument("--targets", default="dense-27b,moe-30b-a3b", help=f"of {', '.join(list(SHAPE_OF)[:2])}")
     parser.add_argument("--max-tree", type=int, default=2047, help="largest tree whose cost is measured")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
     parser.add_argument("--ctx", type=int, default=4096)
     args = parser.parse_args(argv)
+    args.fast = args.fast or args.tiny  # the measuring steps treat both alike
     args.cards = [int(c) for c in args.cards.split(",") if c.strip()]
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [t for t in args.targets if t not in SHAPE_OF or t == "draft-0.5b"]
+    if unknown:
+        parser.error(f"unknown target {unknown[0]!r}: choose from dense-27b, moe-30b-a3b")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = list(args.steps)

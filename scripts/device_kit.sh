@@ -3,8 +3,9 @@
 #     python3 scripts/device_kit.py prepare          # .kit/: trimmed sdist, vocab, wheels (~9 MiB)
 # Then on the device (no network; carry .kit), from the repository root:
 #     bash scripts/device_kit.sh                     # exit 3: still building, run it again
-# and on a CPU-only machine the same (a CPU build, ~7+ min on 2 cores), or quickly with the
-# installed llama-cpp-python and tiny shapes:
+# and on a CPU-only machine the same with a CPU build and scaled-down shapes (~7+ min on 2 cores):
+#     bash scripts/device_kit.sh --cpu --tiny
+# or in a minute with the installed llama-cpp-python and tiny shapes (what the tests run):
 #     bash scripts/device_kit.sh --fast
 # Results (JSON, Markdown reports) go to $OUT (default kit-results/).
 set -euo pipefail

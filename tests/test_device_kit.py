@@ -55,7 +55,7 @@ def test_the_kit_runs_end_to_end_on_the_cpu(tmp_path, offline_models):
            "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "device_kit.sh"), "--fast", "--vocab", str(offline_models.smollm2_q4),
-         "--cards", "2", "--max-tree", "4", "--tokens", "4", "--ctx", "512"],
+         "--cards", "2", "--max-tree", "4", "--tokens", "4", "--ctx", "512", "--targets", "moe-30b-a3b"],
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -64,7 +64,7 @@ def test_the_kit_runs_end_to_end_on_the_cpu(tmp_path, offline_models):
     assert exact["cases"] == 2 * len(device_kit.EXACTNESS_PROMPTS) and exact["identical"] == exact["cases"]
     (card,) = results["plan"]
     assert card["card_gib"] == 2 and card["layer_slots"] == 3 and card["measured_gpu_bytes"] is None  # no GPU here
-    report = json.loads((tmp_path / "out" / "report-2gib.json").read_text())
+    report = json.loads((tmp_path / "out" / "report-moe-30b-a3b-2gib.json").read_text())
     assert report["placement"]["gpu_memory_limit_bytes"] == 2 << 30
     assert sorted(map(int, report["cost"]["target_s"])) == [1, 2, 4, 8]
     assert all(row["identical_output"] for row in report["workloads"])
