@@ -15,6 +15,8 @@ Steps (each also runs alone; scripts/device_kit.sh chains them):
             check): identical outputs, and the top-2 logit gap where they part
   plan      `specrun plan` against the memory nvidia-smi sees once the models are loaded
   report    `specrun bench --report --json` per emulated card (--cards 8,12,16,24)
+  predict   per report, the best tree's predicted speedup with a real pair's acceptance
+            (--acceptance REPORT.json, e.g. the demo pair's report measured on a CPU)
 
 Results go to --out as JSON (and the reports as Markdown).
 """
@@ -316,10 +318,28 @@ def reports(args, made: dict, out: Path) -> list[str]:
     return written
 
 
+def predict(args, out: Path) -> list[dict]:
+    """Per report: the best tree's speedup from its cost curve and a real pair's acceptance
+    (--acceptance: a `bench --report --json` of, e.g., the demo pair measured on a CPU)."""
+    from specrun.commands.bench_report import predicted_speedup
+
+    tau = json.loads(Path(args.acceptance).read_text())["calibration"]["tau_by_budget"]
+    rows = []
+    for path in sorted(out.glob("report-*.json")):
+        cost = json.loads(path.read_text())["cost"]
+        budget, speedup = predicted_speedup(cost["target_s"], tau)
+        rows.append({"report": path.name, "largest_tree_under_2x": cost["largest_tree_under_2x"],
+                     "steps": cost["steps"], "best_budget": budget, "predicted_speedup": round(speedup, 3)})
+        log(f"predicted: {rows[-1]}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("steps", nargs="+", choices=("prepare", "build", "install", "models", "exactness", "plan",
-                                                     "report", "measure"))
+                                                     "report", "predict", "measure"))
+    parser.add_argument("--acceptance", default=None,
+                        help="predict: a real pair's `bench --report --json` whose acceptance the predictions use")
     parser.add_argument("--kit", default=str(REPO / ".kit"), help="the carried folder (sdist, vocab, wheels)")
     parser.add_argument("--work", default="/tmp/specrun-kit", help="build folder on the device")
     parser.add_argument("--models", default="/tmp/specrun-kit/models")
@@ -349,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     steps = list(args.steps)
     if "measure" in steps:
-        steps[steps.index("measure"):steps.index("measure") + 1] = ["models", "exactness", "plan", "report"]
+        measure = ["models", "exactness", "plan", "report"] + (["predict"] if args.acceptance else [])
+        steps[steps.index("measure"):steps.index("measure") + 1] = measure
     results: dict = {}
     made: dict = {}
     for step in steps:
@@ -364,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 3 if results[step]["state"] == "building" else 1
         elif step == "install":
             results[step] = install(args)
+        elif step == "predict":
+            results[step] = predict(args, out)
         else:
             made = made or models(args)
             if step == "models":

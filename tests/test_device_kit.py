@@ -68,3 +68,10 @@ def test_the_kit_runs_end_to_end_on_the_cpu(tmp_path, offline_models):
     assert report["placement"]["gpu_memory_limit_bytes"] == 2 << 30
     assert sorted(map(int, report["cost"]["target_s"])) == [1, 2, 4, 8]
     assert all(row["identical_output"] for row in report["workloads"])
+    # predictions: this report's cost curve with an acceptance curve (here its own)
+    predicted = subprocess.run([sys.executable, str(REPO / "scripts" / "device_kit.py"), "predict", "--out",
+                                str(tmp_path / "out"), "--acceptance", str(tmp_path / "out" / "report-moe-30b-a3b-2gib.json")],
+                               env=env, capture_output=True, text=True, timeout=120)
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "out" / "kit-results.json").read_text())["predict"]
+    assert row["report"] == "report-moe-30b-a3b-2gib.json" and row["predicted_speedup"] >= 1.0
