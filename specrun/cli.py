@@ -171,6 +171,7 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears; it is not printed (repeatable).")] = None,
     chat: Annotated[Optional[bool], typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template, or not  [default: chat for models with a template].", show_default=False)] = None,
     system: SystemOpt = None,
+    parse_special: Annotated[bool, typer.Option("--parse-special/--no-parse-special", help="In a raw prompt (--raw), special-token text such as <|im_start|> becomes special tokens, as in llama.cpp's tools; --no-parse-special keeps it text. Chat messages are always text.")] = True,
     stats: Annotated[bool, typer.Option("--stats", help="Print a summary on stderr.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and stats.")] = False,
     lines: Annotated[bool, typer.Option("--lines", help="Each input line (stdin or --file) is a prompt of its own; models load once.")] = False,
@@ -206,7 +207,7 @@ def generate(
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
         request = Request(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            seed=seed, stop=tuple(stop or ()), chat=chat, system=system,
+            seed=seed, stop=tuple(stop or ()), chat=chat, system=system, parse_special=parse_special,
         )
         if jsonl:
             if prompt is not None and prompt != "-":

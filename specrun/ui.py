@@ -96,7 +96,7 @@ def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
 
 
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
-    for name in ("ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "ALSO KNOWN AS", "DRAFT"):
+    for name in ("ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "SPECULATES", "ALSO KNOWN AS", "DRAFT"):
         table.add_column(name, no_wrap=True, justify="right" if name == "SIZE" else "left")
     unverified = False
     for row in rows:
@@ -104,11 +104,15 @@ def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
         unverified |= not row.verified
         table.add_row(
             row.alias + mark, row.family or "-", row.params or "-", row.quant or "-",
-            human_size(row.size), "yes" if row.present else "", ", ".join(row.aliases), row.draft or "-",
+            human_size(row.size), "yes" if row.present else "",
+            row.speculation.label if row.speculation else "?", ", ".join(row.aliases), row.draft or "-",
         )
     out_console().print(table)
     if unverified:
         dim("* file name or checksum seen in one public catalog only")
+    dim("speculates: tree = draft trees, chain = one draft chain per step (hybrids that roll back), "
+        "plain only = no speculation; MTP = the file has MTP layers (not used as a drafter yet); "
+        "`specrun models --json` gives the reason")
     if default_pair:
         dim(f"default: --target {default_pair[0]} --draft {default_pair[1]} (works offline)")
 

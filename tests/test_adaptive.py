@@ -3,7 +3,7 @@
 import numpy as np
 
 from specrun.core.tree import DraftTree
-from specrun.decoding.adaptive import Hindsight, HindsightByKind, SpeedGuard, TargetCost
+from specrun.decoding.adaptive import DraftPrior, Hindsight, HindsightByKind, SpeedGuard, TargetCost
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter, SessionText
@@ -251,12 +251,12 @@ class ScriptedDraft:
         self.cached = 0
 
 
-def hybrid_session(prompts_and_answers, max_tokens=96):
+def hybrid_session(prompts_and_answers, max_tokens=96, prior=None):
     """Decode each (prompt, answer) with a hybrid drafter over a ScriptedDraft; return the
     drafter, its draft and the (tree nodes, accepted) steps of the last answer."""
     text = [t for prompt, answer in prompts_and_answers for t in prompt + answer]
     draft = ScriptedDraft(text)
-    hybrid = HybridDrafter(draft, 5, 64)
+    hybrid = HybridDrafter(draft, 5, 64, prior=prior)
     start, steps = 0, []
     for prompt, answer in prompts_and_answers:
         draft.reset()  # a new request: the draft reads the whole prompt again
@@ -287,3 +287,49 @@ def test_the_hybrid_leans_on_lookup_for_copies_after_long_prompts_and_drafts_fre
     free = [(words(20), words(90)) for _ in range(3)]
     _, draft_calls, steps = hybrid_session(free)
     assert draft_calls >= len(steps) - 2 and sum(a for _, a in steps) >= 60
+
+
+# What a tuning profile measured for the scripted pair: a plain step 16 ms, a pass over the
+# 5-token chain 36 ms, the draft's passes 5 ms, its catch-up 4 ms per token, 4 of 5 accepted.
+PRIOR = DraftPrior(plain_s=0.016, tree_s=0.036, step_s=0.005, catch_up_s=0.004, accepted=4.0)
+
+
+def test_a_fresh_process_does_not_pay_a_long_prompts_catch_up_for_an_answer_that_copies_it():
+    """The first request of a process: nothing measured, no earlier answers. A 150-token prompt
+    would cost the draft 0.6 s to read; the profile says drafting saves far less over the few
+    steps in which lookup shows the answer is a copy: the draft model never runs."""
+    rng = np.random.default_rng(5)
+    document = [int(t) for t in rng.integers(100, 30000, 150)]
+    session = [(document, document[60:100])]
+    _, draft_calls, steps = hybrid_session(session, prior=PRIOR)
+    assert draft_calls == 0 and sum(a for _, a in steps) >= 25
+    # Without the profile's figures the first step has nothing to go on and reads the prompt.
+    _, draft_calls, _ = hybrid_session(session)
+    assert draft_calls >= 1
+
+
+def test_a_fresh_process_drafts_free_text_at_once_after_a_short_prompt_and_soon_after_a_long_one():
+    rng = np.random.default_rng(6)
+    words = lambda n: [int(t) for t in rng.integers(100, 30000, n)]  # noqa: E731
+    _, draft_calls, steps = hybrid_session([(words(20), words(90))], prior=PRIOR)
+    assert draft_calls >= len(steps) - 1  # a cheap catch-up: from the first step
+    _, draft_calls, steps = hybrid_session([(words(150), words(90))], prior=PRIOR)
+    assert all(nodes == 0 for nodes, _ in steps[:4])  # a few plain steps while lookup watches
+    assert draft_calls >= len(steps) - 5 and sum(a for _, a in steps) >= 60
+
+
+def test_a_new_request_wins_back_what_the_speed_guard_cut():
+    """A busy moment (or text that never repeated) cut the guard to plain steps; within a few
+    requests the full tree is back, each request judged on its own steps."""
+    guard = SpeedGuard(budget=64, plain_s=0.010, window=4)
+    while guard.cap:
+        guard.record(1, 0.030, max(1, guard.cap))  # 30 ms per token against plain's 10
+    assert guard.wants_plain_step()
+    guard.record(1, 0.010, 0)  # a plain step, measured
+    caps = []
+    for _ in range(4):
+        guard.new_request()
+        caps.append(guard.cap)
+    assert caps == [4, 16, 64, 64] and not guard.wants_plain_step()
+    copy = guard.copy()
+    assert copy.cap == 64 and copy.plain_s() == 0.010 and not copy.events

@@ -386,8 +386,12 @@ def test_models_table_goes_to_stdout(cli):
     row = next(line.split() for line in lines if line.startswith("smollm2-135m-q4 "))
     assert row[1] == "smollm2" and "yes" in row  # present: the offline models are in the cache
     qwen = next(line.split() for line in lines if line.startswith("qwen2.5-14b"))
-    assert "yes" not in qwen and qwen[-1] == "qwen2.5-0.5b"
+    assert "yes" not in qwen and qwen[-1] == "qwen2.5-0.5b" and "tree" in qwen
+    hybrid = next(line.split() for line in lines if line.startswith("qwen3.5-27b "))
+    assert "chain" in hybrid and hybrid[-1] == "qwen3.5-0.8b"
+    assert "chain, MTP" in next(line for line in lines if line.startswith("qwen3.5-4b-mtp "))
     assert "default: --target smollm2-135m-f32" in result.stderr
+    assert "chain = one draft chain per step" in result.stderr
 
 
 def test_models_json(cli):
@@ -398,6 +402,9 @@ def test_models_json(cli):
     assert rows["smollm2-135m-q4"]["present"] is True
     assert rows["qwen2.5-14b"]["draft"] == "qwen2.5-0.5b" and rows["qwen2.5-14b"]["size"] > 1e9
     assert set(rows["qwen2.5-14b"]) >= {"family", "params", "quant", "size", "present", "draft"}
+    assert rows["qwen3.5-27b"]["arch"] == "qwen35" and rows["qwen3.5-27b"]["speculation"]["mode"] == "chain"
+    assert "roll" in rows["qwen3.5-27b"]["speculation"]["reason"]
+    assert rows["gpt-oss-120b"]["speculation"]["mode"] == "tree" and rows["gpt-oss-120b"]["draft"] == "gpt-oss-20b"
 
 
 @pytest.fixture

@@ -60,11 +60,12 @@ def test_the_loaded_context_has_the_planned_ubatch_and_placement(offline_models,
         assert rt.target_ctx.n_ubatch == rt.target_ctx.n_batch == plan.target_ctx.n_ubatch
         if plan.tree is not None:
             assert rt.decoder.shape == plan.tree.verified
-            assert rt.draft_ctx.n_ubatch == plan.draft_ctx.n_ubatch
+            if plan.draft_loaded:  # (a plain profile leaves lookup alone: no draft model)
+                assert rt.draft_ctx.n_ubatch == plan.draft_ctx.n_ubatch
     # The GPU layers were planned for exactly the context that was loaded.
     sizes = placement.model_size(offline_models.smollm2_f32), placement.model_size(offline_models.smollm2_q4)
     gpus = placement.gpus_of(FAKE_GPU)
-    again = placement.plan(sizes[0], sizes[1] if plan.tree else None, gpus, opts.ctx_size, rt.target_ctx.n_ubatch,
+    again = placement.plan(sizes[0], sizes[1] if plan.draft_loaded else None, gpus, opts.ctx_size, rt.target_ctx.n_ubatch,
                            ram_free_bytes=16 * GB)
     assert plan.placement == again
 
@@ -72,8 +73,9 @@ def test_the_loaded_context_has_the_planned_ubatch_and_placement(offline_models,
 def test_plan_says_why(offline_models):
     assert "default" in build_plan(OPTS).why and build_plan(OPTS).tree.shape == DEFAULT_SHAPE
     _store(offline_models, Choice("plain", 0, 0, 0, 0, 20.0, 1.0))
-    plain = build_plan(OPTS)
-    assert plain.tree is None and plain.drafter == "none" and "profile" in plain.why
+    plain = build_plan(OPTS)  # the draft model's trees lost: lookup alone runs
+    assert plain.drafter == "lookup" and not plain.draft_loaded and "profile" in plain.why
+    assert build_plan(replace(OPTS, lookup=False)).drafter == "none"  # --no-lookup: plain decoding
     flagged = build_plan(replace(OPTS, budget=3))
     assert flagged.tree.source == "flags" and flagged.tree.shape.budget == 3
 

@@ -5,10 +5,12 @@ Real demo models; the profile is written directly (tuning itself is tested in te
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
 
+from specrun.commands.bench_prompts import REWRITE
 from specrun.core.sampling import SamplingParams
 from specrun.core.shapes import TreeTemplate
 from specrun.decoding.drafters.best_first import TreeGrower
@@ -48,6 +50,20 @@ def test_a_profile_that_chose_plain_decoding_decodes_plainly_without_loading_the
         assert not rt.speculative
         prompt = rt.tokenize_prompt("Name a colour.", chat=True)
         assert len(token_ids(rt.decoder, prompt, SamplingParams(), 8)) == 8
+
+
+def test_a_profile_whose_draft_tree_lost_still_runs_lookup_on_a_copy(offline_models, caplog):
+    """A stored "plain" (as older profiles and a tree that measured slower both store) turns off
+    the draft model's trees, never lookup: a copy prompt is still drafted from its own text."""
+    _store(offline_models, PLAIN)
+    with caplog.at_level(logging.WARNING, logger="specrun"):
+        rt = Runtime(replace(OPTS, lookup=None))
+    with rt:
+        assert rt.draft is None and rt.plan.drafter == "lookup" and "lookup alone" in rt.plan.why
+        prompt = rt.tokenize_prompt(REWRITE[0], chat=True)
+        token_ids(rt.decoder, prompt, SamplingParams(), 64)
+        assert sum(step.lookup_tokens for step in rt.decoder.stats.steps) > 0
+    assert any("older specrun" in r.getMessage() for r in caplog.records)  # an old profile: said once
 
 
 def test_an_explicit_budget_overrides_a_plain_profile(offline_models):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -15,7 +16,6 @@ from specrun.chat.templates import (
     GEMMA_TEMPLATE,
     builtin_template,
     render_chat,
-    render_incremental,
 )
 
 
@@ -86,8 +86,37 @@ def test_gemma_folds_the_system_prompt_into_the_first_user_turn():
     assert no_system == "<start_of_turn>user\nCapital of France?<end_of_turn>\n<start_of_turn>model\n"
 
 
+@pytest.fixture(scope="module")
+def smollm2_vocab(smollm2_q4_path):
+    from specrun.engine.model import Model
+
+    model = Model(smollm2_q4_path, vocab_only=True)
+    yield model
+    model.close()
+
+
+@pytest.fixture
+def render_incremental(smollm2_vocab):
+    """Return render(template, history, new, rendered_history=None) -> Turn, as a chat session renders a turn."""
+    from specrun.chat.session import ChatFormat
+
+    def render(template, history, new, rendered_history=None):
+        fmt = ChatFormat(smollm2_vocab)
+        fmt.template, fmt.bos_text, fmt.eos_text = template, "", ""  # as render_chat renders by default
+        full, start = fmt.render_turn(history, new, rendered_history)
+        return Turn(full.text, None if start is None else full.text[start:])
+
+    return render
+
+
+@dataclass
+class Turn:
+    full: str
+    suffix: str | None
+
+
 @pytest.mark.parametrize("template_name", ["smollm2", "gemma", "chatml"])
-def test_each_turn_appends_a_suffix_to_the_rendered_history(template_name, request):
+def test_each_turn_appends_a_suffix_to_the_rendered_history(template_name, request, render_incremental):
     template = {
         "smollm2": lambda: request.getfixturevalue("smollm2_template"),
         "gemma": lambda: GEMMA_TEMPLATE,
@@ -102,7 +131,7 @@ def test_each_turn_appends_a_suffix_to_the_rendered_history(template_name, reque
         assert turn.suffix.count(new[0]["content"]) == 1
 
 
-def test_suffix_after_a_generated_reply_that_stopped_at_the_end_of_turn_token(smollm2_template):
+def test_suffix_after_a_generated_reply_that_stopped_at_the_end_of_turn_token(smollm2_template, render_incremental):
     # The context holds the prompt plus the reply up to <|im_end|>, without the template's newline.
     context = render_chat(smollm2_template, CONVERSATION[:2]) + "Paris.<|im_end|>"
     turn = render_incremental(smollm2_template, CONVERSATION[:3], CONVERSATION[3:4], rendered_history=context)
@@ -110,7 +139,7 @@ def test_suffix_after_a_generated_reply_that_stopped_at_the_end_of_turn_token(sm
     assert context + turn.suffix == turn.full
 
 
-def test_template_that_rerenders_earlier_turns_reports_no_suffix():
+def test_template_that_rerenders_earlier_turns_reports_no_suffix(render_incremental):
     # Like reasoning models' templates that drop old thoughts: the last message renders differently.
     template = "{% for m in messages %}{{ '[last] ' if loop.last else '' }}{{ m['content'] }}\n{% endfor %}"
     turn = render_incremental(template, CONVERSATION[:2], CONVERSATION[2:3])

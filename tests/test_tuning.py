@@ -31,7 +31,7 @@ PROMPT = "<|im_start|>user\nWrite a haiku about autumn leaves.<|im_end|>\n<|im_s
 TINY = tune_command.TuneSettings(
     max_budget=8, depth=4, width=2, top_k=2, curve_repeats=1, curve_seconds=10,
     calibration_prompts=1, calibration_tokens=16, calibration_seconds=30,
-    check_prompts=1, check_tokens=16, check_seconds=30,
+    check_prompts=1, check_tokens=16, check_seconds=30, workload_tokens=8, workload_prompts=2,
 )
 
 
@@ -109,6 +109,12 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
     assert profile["check"]["tokens"] > 0
     assert profile["calibration"]["n_steps"] > 0
     assert profile["curves"]["target"]["sizes"][0] == 1
+    # What runs by default, predicted on half of each workload's prompts and measured on the rest.
+    assert set(profile["workloads"]) == {"chat", "code", "rewrite"}
+    for row in profile["workloads"].values():
+        assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
+        assert row["drafter"] == ("lookup" if profile["config"]["kind"] == "plain" else "hybrid")
+    assert profiles.facts_of(profile) is not None
     # chat/generate/bench look it up by the model files (and thread count)
     choice = profiles.choice_for(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=1)
     assert choice is not None and choice.to_dict() == profile["config"]
@@ -123,6 +129,7 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
     report = capsys.readouterr().err
     assert "speedup" in report or "plain decoding" in report
     assert "tau(B)" in report
+    assert "stored:" in report and "code (" in report and "held-out" in report
 
 
 def test_show_without_a_profile_says_to_tune(offline_models):

@@ -12,6 +12,7 @@ Terminal I/O (prompt, Ctrl-C, status lines) is not here; see commands.chat.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Iterator
 
 from specrun import files
 from specrun.chat import templates
+from specrun.chat.control import ControlTokens, Marked
 from specrun.decoding.stream import stream
 from specrun.errors import ContextFullError, SpecrunError, UsageError
 
@@ -40,31 +42,52 @@ class ChatFormat:
         """Whether the model is an instruct model with a known turn format."""
         return self.template is not None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return templates.render_chat(
-            self.template, messages, add_generation_prompt, bos_token=self.bos_text, eos_token=self.eos_text
-        )
+    @functools.cached_property
+    def control(self) -> ControlTokens:
+        """The vocabulary's control tokens (read once, on the first chat prompt)."""
+        return ControlTokens.of(self.model)
 
-    def render_turn(self, history: list[dict], new: list[dict], rendered_history: str | None) -> templates.TurnRender:
-        return templates.render_incremental(
-            self.template, history, new, True, bos_token=self.bos_text, eos_token=self.eos_text,
-            rendered_history=rendered_history,
-        )
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> Marked:
+        """Return the conversation rendered, with the control tokens that the template itself wrote.
 
-    def tokenize_start(self, text: str) -> list[int]:
+        Control-token text inside the messages stays text: see chat.control."""
+        shielded, shield = self.control.shield(messages)
+        text = templates.render_chat(
+            self.template, shielded, add_generation_prompt, bos_token=self.bos_text, eos_token=self.eos_text
+        )
+        return self.control.marked(text, shield)
+
+    def render_turn(self, history: list[dict], new: list[dict], rendered_history: str | None) -> tuple[Marked, int | None]:
+        """Return the conversation with the new messages, and where the text they append begins.
+
+        The offset is None when the template renders the history differently once the new turn
+        follows it (or the history ends inside a control token): then `full` must be prefilled again.
+        `rendered_history` is the text already in the context, if the caller tracks it (a reply may
+        stop before the newline the template puts after it)."""
+        full = self.render(history + new)
+        if rendered_history is None:
+            # Many templates index messages[0] unguarded; an empty history renders as nothing.
+            rendered_history = self.render(history, add_generation_prompt=False).text if history else ""
+        start = len(rendered_history)
+        if not full.text.startswith(rendered_history) or any(s < start < e for s, e, _ in full.specials):
+            return full, None
+        return full, start
+
+    def tokenize_start(self, prompt: Marked) -> list[int]:
         """Return the tokens of a conversation's first rendered text (BOS included once)."""
         model = self.model
-        tokens = model.tokenize(text, add_special=True, parse_special=True)
+        tokens = self.control.tokenize(model, prompt, add_special=True)
         # Templates usually write BOS themselves and the tokenizer adds one too: never start with two.
         if len(tokens) > 1 and tokens[0] == tokens[1] == model.bos:
             tokens = tokens[1:]
         return tokens
 
-    def tokenize_more(self, text: str) -> list[int]:
-        """Return the tokens of text that continues a conversation (no BOS)."""
-        return self.model.tokenize(text, add_special=False, parse_special=True)
+    def tokenize_more(self, prompt: Marked, start: int) -> list[int]:
+        """Return the tokens of the text from `start` on, which continues a conversation (no BOS)."""
+        return self.control.tokenize(self.model, prompt, start=start, add_special=False)
 
-    def prompt_tokens(self, text: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+    def prompt_tokens(self, text: str, chat: bool | None = None, system: str | None = None,
+                      parse_special: bool = True) -> list[int]:
         """Return a one-message prompt's tokens, wrapped in the chat template in chat mode.
 
         chat=None means: chat mode when the model has a chat template (an instruct model), raw
@@ -79,7 +102,7 @@ class ChatFormat:
         if system:
             raise UsageError("a system prompt needs chat mode, and this prompt is raw text "
                              "(chat mode is off, or the model has no chat template)")
-        return self.model.tokenize(text, add_special=True, parse_special=False)
+        return self.model.tokenize(text, add_special=True, parse_special=parse_special)
 
 
 def _piece(model, token: int) -> str:
@@ -158,13 +181,12 @@ class ChatSession:
         """Return the conversation + the new user message + the generation prompt, as tokens and text."""
         new = [{"role": "user", "content": user_text}]
         if self.tokens and self.text is not None:
-            turn = self.format.render_turn(self.messages, new, rendered_history=self.text)
-            if turn.suffix is not None:
-                return self.tokens + self.format.tokenize_more(turn.suffix), turn.full
-            full = turn.full
+            full, start = self.format.render_turn(self.messages, new, rendered_history=self.text)
+            if start is not None:
+                return self.tokens + self.format.tokenize_more(full, start), full.text
         else:
             full = self.format.render(self.messages + new)
-        return self.format.tokenize_start(full), full
+        return self.format.tokenize_start(full), full.text
 
     # -- one turn --
     def ask(self, user_text: str, params, max_tokens: int | None = None) -> Iterator[str]:

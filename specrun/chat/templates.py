@@ -6,8 +6,9 @@ Jinja's immutable sandbox with the helpers HF templates expect (`raise_exception
 template falls back to ChatML with a warning rather than stopping the chat.
 
 Chat sessions keep the KV cache between turns, so they need only the text a new turn appends:
-`render_incremental` renders the whole conversation and checks that the already-rendered history is
-its prefix; templates that re-render earlier turns differently are reported, not papered over.
+`chat.session.ChatFormat.render_turn` renders the whole conversation and checks that the
+already-rendered history is its prefix; templates that re-render earlier turns differently are
+reported, not papered over.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -51,16 +51,6 @@ GEMMA_TEMPLATE = (
 # Architectures (GGUF `general.architecture`) whose files may lack a template but whose turn format
 # is known. Anything else without a template gets ChatML.
 _BUILTIN_BY_ARCH_PREFIX = {"gemma": GEMMA_TEMPLATE}
-
-
-@dataclass(frozen=True)
-class TurnRender:
-    """A conversation rendered with a new turn, and the text that turn appends to the history."""
-
-    full: str
-    # The text after the rendered history, or None when the template renders the history
-    # differently once the new turn follows it: then the caller must prefill `full` again.
-    suffix: str | None
 
 
 def builtin_template(architecture: str | None) -> str | None:
@@ -100,35 +90,6 @@ def render_chat(
         except Exception as err:  # a template is foreign code: any failure means "can't use it"
             _warn_once(f"the model's chat template failed ({type(err).__name__}: {err}); using ChatML")
     return _compile(CHATML_TEMPLATE).render(**context)
-
-
-def render_incremental(
-    template: str | None,
-    history: list[dict],
-    new_messages: list[dict],
-    add_generation_prompt: bool = True,
-    bos_token: str = "",
-    eos_token: str = "",
-    rendered_history: str | None = None,
-    **variables: Any,
-) -> TurnRender:
-    """Return the conversation `history + new_messages` rendered, and what it appends to history.
-
-    `rendered_history` is the text already in the context, if the caller tracks it (a generated
-    reply may stop before the newline the template puts after it); by default the history is
-    rendered without a generation prompt.
-    """
-    render = functools.partial(
-        render_chat, template, bos_token=bos_token, eos_token=eos_token, **variables
-    )
-    full = render(history + new_messages, add_generation_prompt=add_generation_prompt)
-    if rendered_history is None:
-        # Many templates index messages[0] unguarded; an empty history renders as nothing.
-        rendered_history = render(history, add_generation_prompt=False) if history else ""
-    if full.startswith(rendered_history):
-        return TurnRender(full=full, suffix=full[len(rendered_history):])
-    logger.debug("chat template re-renders the history differently; the prompt must be re-prefilled")
-    return TurnRender(full=full, suffix=None)
 
 
 def _raise_exception(message: str) -> None:

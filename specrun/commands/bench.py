@@ -161,6 +161,7 @@ def bench_workloads(opts: RunOptions, workload: str, prompts_file: Path | None, 
     sets = workload_prompts(workload, prompts_file)
     report.warn_if_busy(engine.default_threads(), "speedups measured now may not hold on a quiet machine")
     plan = build_plan(replace(opts, lookup=not opts.lookup_only))
+    default = _default_mode(build_plan(opts, fetch=False).tree)  # what a run with these options uses
     rows = []
     with Runtime(plan) as rt:
         trees = _mode_trees(plan)
@@ -181,10 +182,20 @@ def bench_workloads(opts: RunOptions, workload: str, prompts_file: Path | None, 
                     outputs[mode].append(out)
             for mode in modes:
                 row = _workload_row(name, mode, trees[mode], totals[mode], totals["plain"], outputs[mode] == outputs["plain"])
+                row["default"] = mode == default
                 rows.append(row)
                 if not quiet:
                     _print_workload_row(row, as_json)
     return rows
+
+
+def _default_mode(tree: TreePlan | None) -> str:
+    """The bench mode that decodes as a run does by default (the plan's drafter)."""
+    if tree is None:
+        return "plain"
+    if not tree.draft_model:
+        return "lookup"
+    return "hybrid" if tree.lookup is not None else "draft tree"
 
 
 def _mode_trees(plan) -> dict[str, TreePlan | None]:
@@ -239,7 +250,8 @@ def _print_workload_row(row: dict, as_json: bool) -> None:
         print(json.dumps(row), flush=True)
         return
     ui.write_text(
-        f"{row['workload']:>8} {row['mode']:>10}: {row['tokens_per_s']:7.2f} tok/s  x{row['ratio_to_plain']:.2f} plain  "
+        f"{row['workload']:>8} {row['mode'] + ('*' if row.get('default') else ''):>11}: {row['tokens_per_s']:7.2f} tok/s  "
+        f"x{row['ratio_to_plain']:.2f} plain  "
         f"accepted/pass {row['accepted_per_pass']:.2f}  from lookup {row['lookup_share']:.0%}"
         + ("" if row["identical_output"] else "  (OUTPUT DIFFERS)") + "\n"
     )

@@ -48,7 +48,7 @@ def plan_lines(plan: Plan) -> list[str]:
         lines.append(f"         why: {plan.why}")
     tctx = plan.target_ctx
     lines.append(
-        f"context  {tctx.n_ctx} tokens; target batch = ubatch {tctx.n_ubatch}"
+        f"context  {tctx.n_ctx} tokens ({plan.ctx_why}); target batch = ubatch {tctx.n_ubatch}"
         + (f" (largest tree {plan.tree.shape.budget} + root), {tctx.n_seq_max} sequences" if plan.tree else "")
     )
     if plan.draft_ctx is not None:

@@ -2,10 +2,12 @@
 
 Steps: probe the hardware; measure the target's and the draft's cost curves and plain decoding's
 per-token cost; calibrate acceptance with one speculative run at the largest useful budget; let
-the tuner pick plain decoding, a SpecExec tree or a Sequoia tree; then check the prediction by
-decoding held-out prompts with the choice and with plain decoding; a tree that measures slower
-than plain decoding there is turned off. The profile (choice, curves, acceptance, prediction and
-measurement) is stored where `chat`, `generate` and `bench` find it.
+the tuner pick a SpecExec tree or a Sequoia tree; then check it by decoding held-out prompts with
+the tree and with plain decoding: measured, not predicted, decides whether the draft model's
+trees stay on (lookup always does). Last, the default a run will use is measured per workload
+(tune_workloads). The profile (the measured facts -- curves, acceptance, plain rate -- the
+choice, predictions and measurements) is stored where `chat`, `generate`, `bench` and `serve`
+find it; runs decide from its facts and their own measurements.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specrun import __version__, files, paths, ui
+from specrun.commands import tune_workloads as workloads
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.decoding.plain import PlainDecoder
@@ -46,26 +49,30 @@ class TuneSettings:
     check_prompts: int
     check_tokens: int
     check_seconds: float
+    workload_tokens: int = 96  # tokens per answer when measuring the default per workload
+    workload_prompts: int = 4  # prompts per workload (half predict, half measure)
 
 
 # --quick fits about 3 minutes for a ~100M-parameter pair on 2 CPU cores.
 QUICK = TuneSettings(
     max_budget=64, depth=12, width=4, top_k=4, curve_repeats=3, curve_seconds=25,
     calibration_prompts=3, calibration_tokens=48, calibration_seconds=50,
-    check_prompts=3, check_tokens=48, check_seconds=50,
+    check_prompts=3, check_tokens=48, check_seconds=50, workload_tokens=96,
 )
 FULL = TuneSettings(
     max_budget=512, depth=16, width=4, top_k=4, curve_repeats=5, curve_seconds=120,
     calibration_prompts=6, calibration_tokens=96, calibration_seconds=420,
-    check_prompts=3, check_tokens=128, check_seconds=300,
+    check_prompts=3, check_tokens=128, check_seconds=300, workload_tokens=160,
 )
 
 # Trees of this many tokens (root included) at most for Sequoia: its inner nodes must fit the
 # draft's sequence ids (sequoia_draft.MAX_INNER_NODES).
 MAX_SEQUOIA_TOKENS = MAX_SEQ
-# A tree that measures slower than this against plain decoding on the held-out prompts is
-# turned off, whatever the prediction said.
-CHECK_MIN_SPEEDUP = 1.0
+# A draft tree that measures slower than this against plain decoding on the held-out prompts is
+# turned off (lookup stays on), whatever the prediction said; one that measures at least this
+# fast stays, whatever the prediction said: within noise of plain decoding the run's own online
+# sizing and speed guard decide, as they do without a profile.
+CHECK_MIN_SPEEDUP = 0.97
 
 
 
@@ -92,14 +99,20 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             measured = _measure(rt, settings, calibration_shape, calib_prompts, progress)
             choice, best_tree = _choose(measured)
             check = _check(rt, choice, best_tree, held_out, settings, progress)
+        # Measured beats predicted, both ways.
         if choice.kind != "plain" and check.tree_speedup < CHECK_MIN_SPEEDUP:
-            # Measured beats predicted: the tree lost on the held-out prompts, so decode plainly.
+            # The tree lost on the held-out prompts: the draft model's trees are turned off.
             choice = tuner.Choice("plain", 0, 0, 0, 0, _plain_rate(measured), 1.0)
+        elif choice.kind == "plain" and best_tree.kind != "plain" and check.tree_speedup >= CHECK_MIN_SPEEDUP:
+            choice = best_tree  # predicted to lose, measured level or faster: it stays
         key = profiles.profile_key(
             rt.models.target_path, rt.models.draft_path, hardware.fingerprint(), rt.target_ctx.threads,
             gpu_memory=opts.gpu_memory,
         )
         profile = _profile(key, rt, hardware, settings, measured, choice, best_tree, check)
+        with report.progress() as progress:
+            profile["workloads"] = workloads.measure_default(
+                rt, choice, profiles.facts_of(profile), settings.workload_prompts, settings.workload_tokens, progress)
     profile["seconds"] = round(time.monotonic() - t_start, 1)
     try:
         path = profiles.save(profile)

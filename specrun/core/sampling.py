@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,9 @@ _NUCLEUS_GROWTH = 16
 # one block instead of over the whole vocabulary.
 _DRAW_BLOCK = 512
 
+# The OpenAI API's limit on top_logprobs.
+MAX_TOP_LOGPROBS = 20
+
 # log_softmax_topk exponentiates a logit matrix in row blocks of about this many elements, so a
 # 2048 x 262144 matrix needs a 32 MB scratch buffer rather than a 2 GB temporary.
 _LSE_BLOCK_ELEMENTS = 1 << 23
@@ -41,6 +45,14 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: int | None = None  # None = fresh entropy
+    # What the generated text itself changes (core/rules.py applies them, along each path):
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated text
+    repeat_penalty: float = 1.0  # llama.cpp's: divides (or multiplies, if negative) recent tokens' logits
+    repeat_last_n: int = 64  # how many recent generated tokens repeat_penalty looks at
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: Any = None  # a compiled grammar (engine.grammar.Grammar): only what it allows is drawn
+    logprobs: int | None = None  # report log-probs: None off, else this many alternatives too
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -53,11 +65,32 @@ class SamplingParams:
             raise UsageError(f"min-p must be in [0, 1] (0 turns it off), got {self.min_p}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise UsageError(f"seed must be a whole number >= 0, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise UsageError(f"{name.replace('_', '-')} must be in [-2, 2] (0 turns it off), got {value}")
+        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise UsageError(f"repeat-penalty must be > 0 (1 turns it off), got {self.repeat_penalty}")
+        if not _is_int(self.repeat_last_n) or self.repeat_last_n < 0:
+            raise UsageError(f"repeat-last-n must be a whole number >= 0, got {self.repeat_last_n}")
+        for token, bias in self.logit_bias:
+            if not _is_int(token) or token < 0:
+                raise UsageError(f"logit_bias keys must be token ids >= 0, got {token}")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise UsageError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise UsageError(f"top logprobs must be a whole number in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         """True when decoding takes the most likely token (temperature 0)."""
         return self.temperature <= 0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """True when the generated text changes the logits (penalties, bias or a grammar)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repeat_penalty != 1
+                    or self.logit_bias or self.grammar is not None)
 
 
 def _is_int(value: object) -> bool:
@@ -246,3 +279,33 @@ def _logsumexp_rows(x: np.ndarray, row_max: np.ndarray) -> np.ndarray:
         np.exp(buf, out=buf)
         totals[start:stop] = buf.sum(axis=1)
     return row_max + np.log(totals)[:, None]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the model, and the likeliest alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-prob), best first
+
+
+def token_logprobs(rows: np.ndarray, tokens, n_top: int) -> list[TokenLogprob]:
+    """Return, for each row and the token drawn from it, log-probs under the model's own softmax.
+
+    This is the raw distribution (temperature 1, before penalties, bias, grammar and the filters),
+    as the OpenAI API and llama.cpp's server report it: the same numbers whatever the sampling
+    settings, and whether the row came from a plain step or a verified tree node.
+    """
+    x = np.asarray(rows)
+    if x.ndim == 1:
+        x = x[None, :]
+    tokens = np.asarray(tokens, np.int64)
+    lse = _logsumexp_rows(x, x.max(axis=1, keepdims=True).astype(np.float64))[:, 0]
+    chosen = x[np.arange(len(tokens)), tokens].astype(np.float64) - lse
+    if n_top:
+        ids, lps = log_softmax_topk(x, n_top)
+        tops = [tuple(zip(i.tolist(), lp.tolist())) for i, lp in zip(ids, lps)]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(int(t), float(lp), top) for t, lp, top in zip(tokens.tolist(), chosen.tolist(), tops)]

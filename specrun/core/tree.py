@@ -206,6 +206,14 @@ class DraftTree:
             i = int(self._parents[i])
         return nodes[::-1]
 
+    def best_path(self) -> list[int]:
+        """Return the node ids from the root to a leaf, taking the best-scored child at each node
+        (ties: the lower id): the one chain a verifier that cannot branch should check."""
+        path = [0]
+        while self._children[path[-1]]:
+            path.append(max(self._children[path[-1]], key=lambda c: (self._logps[c], -c)))
+        return path
+
     def prune_to_best(self, budget: int) -> np.ndarray:
         """Keep the root and the `budget` best other nodes by logp; return the kept old ids.
 

@@ -7,6 +7,9 @@ before it: the same tokens as plain greedy decoding at temperature 0, the same d
 otherwise. Each emitted token consumes exactly one uniform from the generator, as in plain
 sampling, so with the same seed (and the same logits) speculative and plain sampling emit the
 same tokens.
+
+Penalties, logit_bias and grammars (rules.py) depend on the text so far: `rules` transforms each
+visited node's row given the committed text plus that node's path, and hears each token drawn.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrun.core.rules import PathRules
 from specrun.core.sampling import SamplingParams, choose_token
 from specrun.core.tree import DraftTree
 
@@ -43,12 +47,15 @@ def accept_path(
     rng: np.random.Generator,
     eog_ids: frozenset[int] | Callable[[int], bool] = frozenset(),
     max_tokens: int | None = None,
+    rules: PathRules | None = None,
 ) -> Acceptance:
     """Return the accepted path and the tokens to emit, given the target's logits for every node.
 
     `target_logits[i]` is the target's logit row after node i (row 0: after the root). Only the
     rows on the walked path are read. The walk stops after an end-of-generation token (which is
     emitted; the caller decides whether to print it) and never emits more than `max_tokens`.
+    tokens[i] is drawn from row nodes[i]. `rules`, if given, shape every row the walk reads and
+    follow every token it emits.
     """
     if target_logits.ndim != 2 or target_logits.shape[0] < len(tree):
         raise ValueError(f"need one logit row per tree node ({len(tree)}), got shape {target_logits.shape}")
@@ -58,7 +65,11 @@ def accept_path(
     limit = len(tree) if max_tokens is None else max_tokens
     node, nodes, tokens = 0, [0], []
     while True:
-        token = choose_token(target_logits[node], params, rng)
+        if rules is None:
+            token = choose_token(target_logits[node], params, rng)
+        else:  # the rules have seen exactly this node's path: the row is shaped as plain decoding would
+            token = choose_token(rules.shape(target_logits[node]), params, rng)
+            rules.accept(token)
         tokens.append(token)
         # The target drew `token` itself; the draft is right iff a child carries it: descend, else stop.
         child = tree.find_child(node, token)

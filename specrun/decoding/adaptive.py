@@ -15,6 +15,7 @@ Three pieces, all pure:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -44,6 +45,8 @@ MAX_MORE = 64.0
 RAMP = 2.0
 # A lookup tree must be expected this much faster than a plain step to be verified.
 MARGIN = 0.05
+# A speed guard's cut cap grows this many times back at each new request (SpeedGuard.new_request).
+RECOVER = 4
 
 
 def _decay(half_life: float) -> float:
@@ -357,17 +360,40 @@ class TargetCost:
         return base, slope
 
 
+@dataclass(frozen=True)
+class DraftPrior:
+    """What the tuning profile measured for the draft model on this machine, for a process that
+    has measured nothing yet (its first step: see HybridDrafter). Seconds are scaled online by
+    what the run's own target passes measure against the profile's (TargetCost)."""
+
+    plain_s: float  # a plain step: one target pass over one token, and the step's bookkeeping
+    tree_s: float  # one target pass over the draft model's tree and its root
+    step_s: float  # the draft model's expansion passes for one tree (catch-up aside)
+    catch_up_s: float  # seconds per token of the draft's catch-up with unread text
+    accepted: float  # draft tokens accepted per target pass (the bonus token not counted)
+
+    def draft_rate(self, debt: int, ahead: float, scale: float = 1.0) -> float:
+        """Tokens per second of draft-model steps, a catch-up over `debt` tokens spread over the
+        `ahead` tokens the answer is expected to still have; `scale`: this run's seconds per
+        profiled second."""
+        tokens = self.accepted + 1.0
+        seconds = self.tree_s + self.step_s + self.catch_up_s * max(0, debt - 1) * tokens / max(ahead, 1.0)
+        return tokens / (seconds * scale)
+
+
 class SpeedGuard:
     """Shrinks the tree (down to plain decoding) while speculation is measured slower than plain.
 
     Every `window` speculative steps it compares their seconds per emitted token with a plain
-    step's (the profile's, else measured by an occasional plain step the decoder makes when
-    `wants_plain_step` says so). Slower by more than `margin`: the budget cap halves (0 = plain
-    decoding). After `retry_after` steps at a lower cap it tries twice the cap again, so a run
-    whose text turns copyable, or a machine that becomes idle, gets its speedup back.
+    step's, measured by an occasional plain step the decoder makes when `wants_plain_step` says
+    so (a tuning profile's figure stands in until the first one: a profile made on a busier or a
+    quieter machine must not decide for long). Slower by more than `margin`: the budget cap
+    halves (0 = plain decoding). After `retry_after` steps at a lower cap it tries twice the cap
+    again, and every new request (`new_request`) starts from RECOVER times the cap: whatever one
+    request taught (a busy moment, text that did not repeat) is forgotten within a few requests.
     """
 
-    def __init__(self, budget: int, plain_s: float | None = None, window: int = 16, margin: float = 0.03, retry_after: int = 256, probe_every: int = 256):
+    def __init__(self, budget: int, plain_s: float | None = None, window: int = 16, margin: float = 0.03, retry_after: int = 256, probe_every: int = 128):
         self.budget = budget
         self.cap = budget
         self.window = window
@@ -382,6 +408,19 @@ class SpeedGuard:
         self._since_plain = 0
         self._since_shrink = 0
         self.events: list[str] = []  # what the guard did, for --verbose (the caller says it once)
+        self.said = 0  # events the caller has said
+
+    def copy(self) -> "SpeedGuard":
+        """A guard with the same settings and nothing measured (for another kind of request)."""
+        return SpeedGuard(self.budget, self._profiled_plain_s, self.window, self.margin, self.retry_after, self.probe_every)
+
+    def new_request(self) -> None:
+        """A request begins: a cut cap grows back RECOVER-fold (from plain decoding: to RECOVER
+        nodes), and the window restarts (the last request's steps judge nothing here)."""
+        if self.cap < self.budget:
+            self.cap = min(self.budget, max(1, self.cap) * RECOVER)
+            self._since_shrink = 0
+        self._spec_s, self._spec_tokens, self._spec_steps = 0.0, 0, 0
 
     def plain_s(self) -> float | None:
         if self._plain.known:
@@ -392,9 +431,10 @@ class SpeedGuard:
         """Whether the next step should decode plainly, to measure plain decoding on this machine."""
         if self.cap == 0:
             return True
-        if self._profiled_plain_s is not None and not self._plain.known:
-            return False
-        return self._since_plain >= (self.probe_every if self._plain.known else self.window // 2)
+        if self._plain.known:
+            return self._since_plain >= self.probe_every
+        # Never measured here: soon (after the first judgement when a profile gave a figure).
+        return self._since_plain >= (self.window if self._profiled_plain_s is not None else self.window // 2)
 
     def record(self, n_tokens: int, seconds: float, tree_nodes: int) -> None:
         """Take one step's emitted tokens, seconds and verified tree size."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from specrun.errors import ContextFullError, UsageError
+from specrun.errors import ContextFullError, EngineError, UsageError
 
 
 class CachedSequence:
@@ -13,6 +13,11 @@ class CachedSequence:
 
     The last token of a prompt is kept out of the cache: it is the "pending" token the next
     forward pass starts from (for speculation, the root of the first tree).
+
+    A model with a recurrent state (hybrid or pure recurrent) holds only the state after its last
+    token: a cached text is reused only when it is a prefix of the new one, otherwise the cache
+    starts over; and rejected drafts are rolled back only as llama.cpp does it exactly (see
+    `roll_back`).
     """
 
     def __init__(self, ctx, batch):
@@ -50,12 +55,38 @@ class CachedSequence:
         keep, limit = 0, min(len(self.tokens), len(prompt) - 1)
         while keep < limit and self.tokens[keep] == prompt[keep]:
             keep += 1
+        if self.ctx.has_state and keep < len(self.tokens):
+            return 0  # a recurrent state cannot go back to an earlier prefix: evaluate it again
         return keep
 
     def truncate(self, n: int) -> None:
         """Drop everything from position n on, in every sequence."""
+        if self.ctx.has_state:
+            if n == 0:  # llama.cpp's recurrent memory refuses seq_rm over all sequences
+                self.ctx.clear()
+                self.tokens.clear()
+                return
+            if n < len(self.tokens):
+                raise EngineError(f"a recurrent state cannot be cut back from {len(self.tokens)} to {n} tokens")
+            self.ctx.seq_keep(0)  # nothing to drop from the text; stale draft sequences go
+            return
         self.ctx.seq_rm(-1, n, -1)
         del self.tokens[n:]
+
+    def roll_back(self, n_keep: int, last_decode: int) -> None:
+        """Keep the first n_keep tokens of sequence 0, dropping what the last decode added beyond.
+
+        A recurrent state rolls back exactly only when the last decode held more tokens than are
+        dropped (its snapshots come from that decode), and llama.cpp says yes even when it is
+        wrong: so this refuses anything else instead of trusting the return value.
+        """
+        drop = len(self.tokens) - n_keep
+        if drop <= 0:
+            return
+        if self.ctx.has_state and (drop >= last_decode or drop > self.ctx.n_rs_seq):
+            raise EngineError(f"cannot roll a recurrent state back by {drop} tokens after a decode of {last_decode}")
+        self.ctx.seq_rm(0, n_keep, -1)
+        del self.tokens[n_keep:]
 
     def extend(self, tokens: Sequence[int], want_last_logits: bool = False) -> None:
         """Decode tokens into sequence 0 in chunks of n_batch."""

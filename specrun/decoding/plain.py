@@ -8,7 +8,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from specrun.core.sampling import SamplingParams, choose_token
+from specrun.core.rules import PathRules
+from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.steps import GenerationStats, Step
 from specrun.engine import Batch
@@ -36,6 +37,7 @@ class PlainDecoder:
         # last row gives the first token.
         pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
         one, ctx, cache = self._one, self.ctx, self.cache
+        rules = PathRules.of(params)
         logits = ctx.logits_row(-1)
         for i in range(max_tokens):
             t0 = time.perf_counter()
@@ -48,8 +50,12 @@ class PlainDecoder:
                 cache.tokens.append(pending)
                 logits = ctx.logits_row(-1)
             t1 = time.perf_counter()
-            token = choose_token(logits, params, rng)
+            token = choose_token(logits if rules is None else rules.shape(logits), params, rng)
+            if rules is not None:
+                rules.accept(token)
             step = Step([token], target_s=t1 - t0, total_s=time.perf_counter() - t0)
+            if params.logprobs is not None:
+                step.logprobs = token_logprobs(logits, [token], params.logprobs)
             stats.steps.append(step)
             stats.n_generated += 1
             stats.decode_s += step.total_s

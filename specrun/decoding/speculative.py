@@ -4,6 +4,10 @@ Per step: a drafter (drafters/base.py) proposes a tree below the pending token; 
 tree in ONE batch, each leaf a sequence of its own (tree.py's colours); the acceptance walk
 (verify.py) keeps what the target itself draws; both KV caches keep the accepted path and drop
 the rest. The committed prefix stays cached across steps, so nothing is ever prefilled twice.
+
+A target with a recurrent state (a hybrid that llama.cpp can roll back) verifies one chain per
+step instead: the tree's best path, at most `n_rs_seq` drafts, in sequence 0; the rejected tail is
+rolled back, which is exact because the same decode held the pending token before it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from specrun.core.sampling import SamplingParams, choose_token
+from specrun.core.rules import PathRules
+from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
 from specrun.core.shapes import MAX_BUDGET, TreeShape
+from specrun.core.tree import DraftTree
 from specrun.core.verify import accept_path
 from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.base import Drafter, Proposal
@@ -33,7 +39,11 @@ class SpeculativeDecoder:
     def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None):
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
-        if target_ctx.n_seq_max < MAX_SEQ:
+        # A recurrent state rolls back along one sequence only: verify chains (see the module doc).
+        self.chain_only = target_ctx.has_state
+        if self.chain_only and target_ctx.n_rs_seq < 1:
+            raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")
+        if target_ctx.n_seq_max < MAX_SEQ and not self.chain_only:
             raise ValueError("speculative contexts need n_seq_max = 256 (one sequence per tree leaf)")
         self.model = target_model
         self.ctx = target_ctx
@@ -45,9 +55,11 @@ class SpeculativeDecoder:
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
         # Optional: caps the tree, down to plain steps, while speculation is measured slower than
-        # plain decoding on this machine.
+        # plain decoding on this machine. One guard per kind of request (greedy, sampled): what
+        # sampled answers measured must not cut the trees of greedy ones (see _guard_for).
         self.guard = guard
-        self._guard_said = 0
+        self._guards: dict[str, SpeedGuard] = {}
+        self._guard_told = False  # the guard's first event was said (at info level)
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
         self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
         self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
@@ -61,6 +73,9 @@ class SpeculativeDecoder:
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         if self._start is not None:
             self._start(len(prompt), max_tokens)
+        if self.guard is not None:
+            self.guard = self._guard_for(params)
+            self.guard.new_request()
         yield from self._steps(prompt, params, max_tokens, rng)
         # The generation ended (not interrupted): a drafter that learns from the session's text
         # reads all of it, the last step's tokens included.
@@ -77,8 +92,10 @@ class SpeculativeDecoder:
         # token, as in plain decoding: no pass of its own for the first token.
         _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
         t_start = time.perf_counter()
-        pending = choose_token(self.ctx.logits_row(-1), params, rng)
-        step = Step([pending], total_s=time.perf_counter() - t_start)
+        rules = PathRules.of(params)
+        step = _first_step(self.ctx.logits_row(-1), params, rng, rules)
+        pending = step.tokens[0]
+        step.total_s = time.perf_counter() - t_start
         stats.steps.append(step)
         stats.n_generated, stats.decode_s = 1, step.total_s
         yield step
@@ -95,13 +112,20 @@ class SpeculativeDecoder:
             remaining = max_tokens - stats.n_generated
             # Never draft deeper than what may still be emitted, nor more nodes than fit the cache.
             depth = min(shape.depth, remaining - 1, room - 1)
+            if self.chain_only:
+                depth = min(depth, self.ctx.n_rs_seq)
             budget = min(shape.budget, room - 1)
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
             proposal = None
-            if depth >= 1 and budget >= 1:
+            # Where a grammar allows one continuation only, that run is the tree: free drafts, no
+            # draft model asked (a chain fits the batch planned for the budget).
+            forced = [] if rules is None else rules.forced(min(shape.budget, remaining - 1, room - 1))
+            if forced:
+                proposal = Proposal(DraftTree.chain(pending, forced))
+            elif depth >= 1 and budget >= 1:
                 proposal = self.drafter.propose(cache.tokens, pending, budget, depth)
-            step = self._verify(proposal, pending, params, rng, remaining)
+            step = self._verify(proposal, pending, params, rng, remaining, rules, forced=bool(forced))
             step.total_s = time.perf_counter() - t_start
             stats.steps.append(step)
             stats.n_generated += len(step.tokens)
@@ -114,6 +138,15 @@ class SpeculativeDecoder:
             pending = step.tokens[-1]
         stats.finish_reason = "length"
 
+    def _guard_for(self, params: SamplingParams) -> SpeedGuard:
+        """The speed guard of this kind of request (greedy or sampled: acceptance differs)."""
+        kind = "sampled" if params.temperature > 0 else "greedy"
+        if not self._guards:
+            self._guards[kind] = self.guard  # the guard given stands for the first kind seen
+        elif kind not in self._guards:
+            self._guards[kind] = self.guard.copy()
+        return self._guards[kind]
+
     def _observe(self, step: Step, first: bool) -> None:
         """Let an adapting drafter and the speed guard see the step's measurements."""
         if self._observe_drafter is not None:
@@ -122,18 +155,22 @@ class SpeculativeDecoder:
         # prefill): a one-off, like the target's prefill, not what a step costs.
         if self.guard is not None and not first:
             self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
-            for event in self.guard.events[self._guard_said :]:
+            for event in self.guard.events[self.guard.said :]:
                 # Said once with --verbose; what follows (retries, further shrinking) at debug level.
-                (log.info if self._guard_said == 0 else log.debug)("%s", event)
-                self._guard_said += 1
+                (log.debug if self._guard_told else log.info)("%s", event)
+                self._guard_told = True
+                self.guard.said += 1
 
-    def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int) -> Step:
+    def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int,
+                rules: PathRules | None = None, forced: bool = False) -> Step:
         """Score root + tree with one target pass, walk it, and keep the accepted path in the cache."""
 
         ctx, cache, batch = self.ctx, self.cache, self.tree_batch
         p0 = cache.n_cached
         if proposal is None:
-            return self._plain_step(pending, params, rng)
+            return self._plain_step(pending, params, rng, rules)
+        if self.chain_only:
+            return self._verify_chain(proposal, params, rng, remaining, rules, forced)
         tree = proposal.tree
         layout = tree.colour_batch()
         # Every colour must see the committed prefix: copy seq 0 into colours 1.. before the pass.
@@ -146,11 +183,14 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         ctx.decode(batch)
         target_s = time.perf_counter() - t0
-        acceptance = accept_path(tree, ctx.logits(), params, rng, self.eog, max_tokens=remaining)
+        logits = ctx.logits()
+        acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
         keep_tree_path(ctx, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
-        self.drafter.commit(proposal, acceptance.nodes)
-        return Step(
+        if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
+            self.drafter.commit(proposal, acceptance.nodes)
+        n_tokens = len(acceptance.tokens)
+        step = Step(
             list(acceptance.tokens),
             target_s=target_s,
             draft_s=proposal.draft_s,
@@ -162,9 +202,52 @@ class SpeculativeDecoder:
             child_ranks=_child_ranks(tree, acceptance),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(acceptance.nodes),
+            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
         )
+        if params.logprobs is not None:  # token i was drawn from node i's row: no extra pass
+            rows = logits[list(acceptance.nodes[:n_tokens])]
+            step.logprobs = token_logprobs(rows, acceptance.tokens, params.logprobs)
+        return step
 
-    def _plain_step(self, pending: int, params: SamplingParams, rng) -> Step:
+    def _verify_chain(self, proposal: Proposal, params: SamplingParams, rng, remaining: int,
+                      rules: PathRules | None = None, forced: bool = False) -> Step:
+        """Score the proposal's best path in sequence 0 and roll the rejected drafts back."""
+        ctx, cache, tree = self.ctx, self.cache, proposal.tree
+        p0 = cache.n_cached
+        path = tree.best_path()[: self.ctx.n_rs_seq + 1]
+        chain = DraftTree.chain(int(tree.tokens[0]), tree.tokens[path[1:]], tree.logps[path[1:]])
+        self.tree_batch.set_arrays(chain.tokens, p0 + np.arange(len(chain)), 0, True)
+        t0 = time.perf_counter()
+        ctx.decode(self.tree_batch)
+        target_s = time.perf_counter() - t0
+        logits = ctx.logits()
+        acceptance = accept_path(chain, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
+        cache.tokens.extend(int(t) for t in chain.tokens)
+        # At most len(chain) - 1 drafts go, fewer than this decode held: an exact rollback.
+        cache.roll_back(p0 + len(acceptance.nodes), last_decode=len(chain))
+        nodes = [path[n] for n in acceptance.nodes]  # the proposal's own node ids
+        if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
+            self.drafter.commit(proposal, nodes)
+        step = Step(
+            list(acceptance.tokens),
+            target_s=target_s,
+            draft_s=proposal.draft_s,
+            tree_nodes=len(chain) - 1,
+            tree_depth=chain.max_depth,
+            tree_leaves=1 if len(chain) > 1 else 0,
+            draft_passes=proposal.draft_passes,
+            path_ranks=proposal.path_ranks(nodes),
+            child_ranks=_child_ranks(chain, acceptance),
+            accepted=len(acceptance.nodes) - 1,
+            lookup_tokens=proposal.lookup_tokens(nodes),
+            forced_tokens=len(acceptance.nodes) - 1 if forced else 0,
+        )
+        if params.logprobs is not None:  # the chain's rows are its node ids
+            rows = logits[list(acceptance.nodes[: len(acceptance.tokens)])]
+            step.logprobs = token_logprobs(rows, acceptance.tokens, params.logprobs)
+        return step
+
+    def _plain_step(self, pending: int, params: SamplingParams, rng, rules: PathRules | None = None) -> Step:
         """A step without a tree: the root alone, as plain decoding does it (and no dearer)."""
         cache = self.cache
         self.one.set_arrays([pending], [cache.n_cached], [0], True)
@@ -172,7 +255,18 @@ class SpeculativeDecoder:
         self.ctx.decode(self.one)
         target_s = time.perf_counter() - t0
         cache.tokens.append(pending)
-        return Step([choose_token(self.ctx.logits_row(-1), params, rng)], target_s=target_s)
+        return _first_step(self.ctx.logits_row(-1), params, rng, rules, target_s=target_s)
+
+
+def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules | None, target_s: float = 0.0) -> Step:
+    """Return a one-token step drawn from one logit row, as plain decoding draws it."""
+    token = choose_token(row if rules is None else rules.shape(row), params, rng)
+    if rules is not None:
+        rules.accept(token)
+    step = Step([token], target_s=target_s)
+    if params.logprobs is not None:
+        step.logprobs = token_logprobs(row, [token], params.logprobs)
+    return step
 
 
 def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:

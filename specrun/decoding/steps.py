@@ -11,7 +11,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from specrun.core.sampling import SamplingParams
+from specrun.core.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -28,6 +28,9 @@ class Step:
     draft_passes: int = 0
     accepted: int = 0  # tree tokens the target accepted (the bonus token not counted)
     lookup_tokens: int = 0  # of those, how many came from text lookup rather than the draft model
+    forced_tokens: int = 0  # of those, how many a grammar forced (free drafts: nobody proposed them)
+    # One per token when the request asked for log-probs (params.logprobs), else None.
+    logprobs: list[TokenLogprob] | None = None
     # Calibration data for the tuner: best-first rank of each accepted tree node, and for each
     # node the walk visited, the rank among its children of the child the target chose (0: none).
     path_ranks: tuple[int, ...] = ()
@@ -76,7 +79,8 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "accepted_per_pass": round(self.accepted_per_pass, 3),
             "lookup_tokens": int(self.total("lookup_tokens")),
-            "draft_tokens": int(self.total("accepted") - self.total("lookup_tokens")),
+            "forced_tokens": int(self.total("forced_tokens")),
+            "draft_tokens": int(self.total("accepted") - self.total("lookup_tokens") - self.total("forced_tokens")),
             "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
             "target_s": round(target_s, 4),

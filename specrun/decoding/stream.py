@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from specrun.core.sampling import SamplingParams, make_rng
+from specrun.core.sampling import SamplingParams, TokenLogprob, make_rng
 from specrun.decoding.steps import Decoder, GenerationStats
 from specrun.engine import Detokenizer
 from specrun.errors import UsageError
@@ -22,6 +22,7 @@ class Chunk:
     text: str
     tokens: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the params asked for them
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -56,13 +57,13 @@ def stream(
             cut = min((i for i in (pending_text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 decoder.stats.finish_reason = "stop"
-                yield Chunk(pending_text[:cut], step.tokens, "stop")
+                yield Chunk(pending_text[:cut], step.tokens, "stop", step.logprobs)
                 return
             hold = _held_back(pending_text, stops)
         else:
             hold = 0
         out, pending_text = pending_text[: len(pending_text) - hold], pending_text[len(pending_text) - hold :]
-        yield Chunk(out, step.tokens)
+        yield Chunk(out, step.tokens, logprobs=step.logprobs)
     pending_text += detok.flush()
     yield Chunk(pending_text, [], decoder.stats.finish_reason or "length")
 
@@ -74,16 +75,27 @@ class Result:
     text: str
     tokens: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked for
 
 
 def generate(decoder: Decoder, model, prompt: Sequence[int], params: SamplingParams, max_tokens: int = 256, stop: Sequence[str] = ()) -> Result:
     """Return the whole generation at once."""
+    return collect(stream(decoder, model, prompt, params, max_tokens, stop), decoder, params)
+
+
+def collect(chunks, decoder: Decoder, params: SamplingParams, on_text=None) -> Result:
+    """Return the Result of a stream of chunks, calling on_text(text) for each as it comes."""
     texts: list[str] = []
     tokens: list[int] = []
-    for chunk in stream(decoder, model, prompt, params, max_tokens, stop):
+    logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+    for chunk in chunks:
+        if on_text is not None:
+            on_text(chunk.text)
         texts.append(chunk.text)
         tokens.extend(chunk.tokens)
-    return Result("".join(texts), tokens, decoder.stats)
+        if logprobs is not None and chunk.logprobs:
+            logprobs.extend(chunk.logprobs)
+    return Result("".join(texts), tokens, decoder.stats, logprobs)
 
 
 def token_ids(decoder: Decoder, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None) -> list[int]:

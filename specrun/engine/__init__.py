@@ -16,10 +16,12 @@ Everything a caller needs is importable from `specrun.engine`.
 from specrun.engine.backend import GGUF_MAGIC, check_gguf_file, llama_version_info
 from specrun.engine.context import Batch, Context, Detokenizer, default_threads
 from specrun.engine.devices import DeviceInfo, backend_names, list_devices, system_info
+from specrun.engine.gguf import architecture as gguf_architecture
+from specrun.engine.gguf import header_facts as gguf_header_facts
 from specrun.engine.model import Model, quantize
 from specrun.limits import MAX_SEQ
 
 __all__ = [
     "GGUF_MAGIC", "MAX_SEQ", "Batch", "Context", "Detokenizer", "DeviceInfo", "Model", "backend_names",
-    "check_gguf_file", "default_threads", "list_devices", "llama_version_info", "quantize", "system_info",
+    "check_gguf_file", "default_threads", "gguf_architecture", "gguf_header_facts", "list_devices", "llama_version_info", "quantize", "system_info",
 ]

@@ -143,7 +143,11 @@ class Context(Owner):
         swa_full: bool = True,
         kv_unified: bool = True,
         op_offload: bool | None = None,
+        n_rs_seq: int = 0,
     ):
+        """`n_rs_seq`: recurrent-state snapshots kept per sequence, so a model with a recurrent
+        state can roll back that many tokens of its last decode (llama.cpp keeps 0 for models that
+        cannot; `self.n_rs_seq` says what it kept)."""
         if n_seq_max > MAX_SEQ:
             raise EngineError(f"n_seq_max {n_seq_max} exceeds llama.cpp's limit of {MAX_SEQ}")
         self.model = model
@@ -171,6 +175,7 @@ class Context(Owner):
         # A split-per-sequence cache cannot hold tokens shared by several tree colours.
         params.kv_unified = kv_unified
         params.no_perf = True
+        params.n_rs_seq = n_rs_seq if model.has_state else 0
         recent_errors.clear()
         ptr = C.llama_init_from_model(model.ptr, params)
         if not ptr:
@@ -184,6 +189,10 @@ class Context(Owner):
         self.n_batch = C.llama_n_batch(ptr)
         self.n_ubatch = C.llama_n_ubatch(ptr)
         self.n_seq_max = C.llama_n_seq_max(ptr)
+        self.n_rs_seq = C.llama_n_rs_seq(ptr)
+        # A recurrent state holds only the end of each sequence: it can be dropped whole, rolled
+        # back by at most n_rs_seq tokens of the last decode, and never cut anywhere else.
+        self.has_state = model.has_state
         self.n_vocab = model.n_vocab
         self.threads = threads
         self._n_outputs = 0
@@ -243,11 +252,16 @@ class Context(Owner):
 
     # -- KV cache --
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
-        """Remove seq's cells with positions in [p0, p1); raise if the cache cannot do it."""
+        """Remove seq's cells with positions in [p0, p1); raise if the cache cannot do it.
+
+        With a recurrent state, llama.cpp accepts a rollback of the last `n_rs_seq` tokens even
+        when it cannot be right (the tokens were not all in the last decode): callers keep to
+        what is exact (see decoding.kv.CachedSequence.roll_back); the return value cannot tell.
+        """
         if not C.llama_memory_seq_rm(self._mem, seq, p0, p1):
             raise EngineError(
-                f"{self.model.path.name}: its cache cannot drop part of a sequence "
-                "(recurrent or hybrid models cannot roll back; speculation needs that)"
+                f"{self.model.path.name}: its cache cannot drop positions {p0}.. of sequence {seq} "
+                "(a recurrent state rolls back only a few tokens of its last decode)"
             )
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -266,11 +280,11 @@ class Context(Owner):
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)
 
+    @property
     def can_roll_back(self) -> bool:
-        """Return whether the cache can drop the tail of a sequence (needed for speculation)."""
-        probe_seq = 0
-        end = self.seq_pos_max(probe_seq)
-        return bool(C.llama_memory_seq_rm(self._mem, probe_seq, end + 1, -1))
+        """Return whether rejected draft tokens can be dropped: always for attention caches; for a
+        recurrent state only as far as its snapshots reach (n_rs_seq tokens of the last decode)."""
+        return not self.has_state or self.n_rs_seq > 0
 
 
 # --------------------------------------------------------------------------------------------

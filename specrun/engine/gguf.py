@@ -38,6 +38,9 @@ def _gguf_lib():
                 ("gguf_get_data_offset", [ptr], size_t),
                 ("gguf_get_tensor_offset", [ptr, i64], size_t),
                 ("gguf_get_tensor_size", [ptr, i64], size_t),
+                ("gguf_get_tensor_name", [ptr, i64], ctypes.c_char_p),
+                ("gguf_find_key", [ptr, ctypes.c_char_p], i64),
+                ("gguf_get_val_str", [ptr, i64], ctypes.c_char_p),
             ):
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, restype
@@ -69,6 +72,33 @@ def data_end(path: Path) -> int | None:
         return start + max(ends, default=0)
     finally:
         lib.gguf_free(handle)
+
+
+def header_facts(path: Path) -> tuple[str | None, dict[str, int]]:
+    """Return (general.architecture, {tensor name: bytes}) from a GGUF header; no weights are read.
+
+    Returns (None, {}) where libggml's reader is not available or the header cannot be read.
+    """
+    lib = _gguf_lib()
+    if lib is None:
+        return None, {}
+    handle = lib.gguf_init_from_file(str(path).encode(), _InitParams(True, None))
+    recent_errors.clear()
+    if not handle:
+        return None, {}
+    try:
+        key = lib.gguf_find_key(handle, b"general.architecture")
+        arch = lib.gguf_get_val_str(handle, key).decode("utf-8", "replace") if key >= 0 else None
+        tensors = {lib.gguf_get_tensor_name(handle, i).decode("utf-8", "replace"): lib.gguf_get_tensor_size(handle, i)
+                   for i in range(lib.gguf_get_n_tensors(handle))}
+        return arch, tensors
+    finally:
+        lib.gguf_free(handle)
+
+
+def architecture(path: Path) -> str | None:
+    """Return a GGUF's general.architecture from its header (None where it cannot be read)."""
+    return header_facts(path)[0]
 
 
 def check_complete_gguf(path: Path) -> Path:

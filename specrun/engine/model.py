@@ -84,6 +84,11 @@ class Model(Owner):
 
     # -- metadata --
     @property
+    def vocab_ptr(self):
+        """The llama_vocab pointer (for llguidance's tokenizer, engine.grammar)."""
+        return self._vocab
+
+    @property
     def n_layer(self) -> int:
         return C.llama_model_n_layer(self.ptr)
 
@@ -133,6 +138,21 @@ class Model(Owner):
     @property
     def name(self) -> str:
         return self.meta("general.name") or self.path.stem
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the model keeps only a recurrent state (Mamba, RWKV): no attention KV cache."""
+        return bool(C.llama_model_is_recurrent(self.ptr))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the model mixes attention layers with recurrent ones (Gated DeltaNet, Mamba, ...)."""
+        return bool(C.llama_model_is_hybrid(self.ptr))
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the model keeps a recurrent state, which cannot be cut back to any earlier position."""
+        return self.is_recurrent or self.is_hybrid
 
     @property
     def chat_template(self) -> str | None:

@@ -72,6 +72,7 @@ class ModelSize:
     n_embd_v_gqa: int
     n_ff: int = 0  # FFN width; 0 = unknown, estimated as FFN_WIDTH_ESTIMATE * n_embd
     largest_tensor_bytes: int = 0  # largest single weight in a layer; 0 = unknown, estimated
+    n_ctx_train: int = 0  # the context the model was trained for; 0 = unknown
 
     @property
     def n_layer(self) -> int:
@@ -91,6 +92,7 @@ class ModelSize:
         n_ff: int = 0,
         input_bytes: int,
         output_bytes: int,
+        n_ctx_train: int = 0,
     ) -> ModelSize:
         """Spread what the file holds beyond input and output evenly over the layers."""
         head_dim = head_dim or n_embd // n_head
@@ -102,6 +104,7 @@ class ModelSize:
             file_bytes=file_bytes, layer_bytes=layers, input_bytes=input_bytes,
             output_bytes=output_bytes, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head,
             n_embd_k_gqa=n_head_kv * head_dim, n_embd_v_gqa=n_head_kv * head_dim, n_ff=n_ff,
+            n_ctx_train=n_ctx_train,
         )
 
     def largest_tensor(self) -> int:
@@ -533,6 +536,7 @@ def model_size_from_gguf_tensors(
         n_embd_v_gqa=n_head_kv * value_length,
         n_ff=number("feed_forward_length", 0),
         largest_tensor_bytes=largest,
+        n_ctx_train=number("context_length", 0),
     )
 
 

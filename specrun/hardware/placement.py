@@ -46,6 +46,7 @@ def model_size(path: Path) -> offload.ModelSize:
         n_head = _meta_int(model, f"{arch}.attention.head_count", 1)
         n_head_kv = _meta_int(model, f"{arch}.attention.head_count_kv", n_head)
         n_ff = _meta_int(model, f"{arch}.feed_forward_length", 0)
+        n_ctx_train = _meta_int(model, f"{arch}.context_length", 0)
     file_bytes = total_file_bytes(Path(path))
     # Bytes per weight from a parameter estimate: attention ~ (2 + 2*kv/heads) n_embd^2, MLP 3 n_embd n_ff.
     per_layer_params = (2 + 2 * n_head_kv / max(n_head, 1)) * n_embd * n_embd + 3 * n_embd * max(n_ff, 4 * n_embd)
@@ -54,7 +55,7 @@ def model_size(path: Path) -> offload.ModelSize:
     embedding = int(n_vocab * n_embd * bytes_per_weight)
     return offload.ModelSize.from_totals(
         file_bytes, n_layer, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv,
-        n_ff=n_ff, input_bytes=embedding, output_bytes=min(embedding, file_bytes // 4),
+        n_ff=n_ff, input_bytes=embedding, output_bytes=min(embedding, file_bytes // 4), n_ctx_train=n_ctx_train,
     )
 
 
@@ -94,6 +95,52 @@ def plan(
         where = f"on {gpus[placed.draft_device].name}" if placed.draft_device is not None else "in RAM"
         log.info("placement: target %d of %d layers on GPU, draft %s", placed.target_gpu_layers, placed.target_n_slots, where)
     return placed
+
+
+# A context chosen for the user is never below this (unless the model was trained for less), and
+# moves in steps of this many cells: llama.cpp pads the KV cache to 256 cells anyway.
+MIN_AUTO_CTX = 4096
+AUTO_CTX_STEP = 256
+
+
+def largest_context(
+    target: offload.ModelSize,
+    draft: offload.ModelSize | None,
+    gpus: Sequence[offload.Device],
+    n_ubatch: int,
+    override: int | None = None,
+    ram_free_bytes: int | None = None,
+) -> tuple[int, str]:
+    """Return the context to use when none is asked for, and why: the target's trained context,
+    lowered (as llama.cpp's --fit does) until the plan fits without moving more target layers off
+    the GPUs than the plan for MIN_AUTO_CTX cells keeps there."""
+    trained = target.n_ctx_train
+    if trained <= 0:
+        return MIN_AUTO_CTX, "the model does not say its trained context"
+    floor = min(MIN_AUTO_CTX, trained)
+    free = sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes
+
+    def placed(n_ctx: int) -> offload.OffloadPlan:
+        return offload.plan_offload(target, draft, list(gpus), free, n_ctx, min(n_ubatch, n_ctx),
+                                    gpu_layers_override=override)
+
+    base = placed(floor)
+
+    def holds(n_ctx: int) -> bool:
+        p = placed(n_ctx)
+        return p.fits and p.target_gpu_layers >= base.target_gpu_layers and p.draft_device == base.draft_device
+
+    if holds(trained):
+        return trained, "the model's trained context"
+    low, high = floor // AUTO_CTX_STEP, trained // AUTO_CTX_STEP  # in steps; `low` is taken as is
+    while low < high:
+        mid = (low + high + 1) // 2
+        if holds(mid * AUTO_CTX_STEP):
+            low = mid
+        else:
+            high = mid - 1
+    n_ctx = max(floor, low * AUTO_CTX_STEP)
+    return n_ctx, f"the model's trained context of {trained} tokens, lowered to what memory holds"
 
 
 def cpu_only(files: Sequence[Path], ram_free_bytes: int | None = None) -> offload.OffloadPlan:

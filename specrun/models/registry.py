@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 from specrun import paths
 from specrun.errors import ModelFileError, RegistryError
-from specrun.models import specs
+from specrun.models import architectures, specs
 from specrun.models.specs import (
     DerivedSource,
     HFSource,
@@ -32,11 +31,6 @@ from specrun.models.specs import (
     shard_names,
 )
 from specrun.models.toml_file import TomlFile, read_toml, validate_file
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on Python 3.10 only
-    pass
 
 SHIPPED_TOML = Path(__file__).with_name("models.toml")
 
@@ -129,6 +123,8 @@ def _build_spec(alias, raw, families, models, building) -> ModelSpec:
         aliases=tuple(entry.get("aliases", ())),
         notes=entry.get("notes", ""),
         origin=str(toml.path),
+        arch=entry.get("arch", families.get(family, {}).get("arch")),
+        mtp=entry.get("mtp", False),
     )
     models[alias] = spec
     return spec
@@ -286,6 +282,8 @@ def list_models(registry: Registry | None = None, is_present: Callable[[ModelSpe
                 source=spec.sources[0].describe(),
                 verified=spec.sources[0].verified,
                 notes=spec.notes,
+                arch=spec.arch,
+                speculation=architectures.speculation(spec.arch, spec.mtp),
             )
         )
     return sorted(rows, key=lambda r: (r.family or "", r.size or 0, r.alias))

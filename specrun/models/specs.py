@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from specrun.files import human_size
+from specrun.models.architectures import Speculation
 
 # Split GGUFs name their shards NAME-00001-of-00003.gguf; llama.cpp is given the first one.
 SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -94,6 +95,8 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()
     notes: str = ""
     origin: str = ""  # the models.toml that defined it, or "command line"
+    arch: str | None = None  # GGUF general.architecture, when the registry knows it
+    mtp: bool = False  # the file carries MTP (next-token-prediction) layers
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class ModelRow:
     source: str
     verified: bool = True  # False: a name or hash was seen in one public catalog only
     notes: str = ""
+    arch: str | None = None
+    speculation: Speculation | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -126,6 +131,8 @@ class ModelRow:
             "source": self.source,
             "verified": self.verified,
             "notes": self.notes,
+            "arch": self.arch,
+            "speculation": self.speculation.as_dict() if self.speculation else None,
         }
 
 def shard_names(file: str) -> tuple[str, ...]:

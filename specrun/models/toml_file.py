@@ -71,7 +71,8 @@ def read_toml(path: Path) -> TomlFile:
 
 
 _TOP_KEYS = {"defaults", "families", "models"}
-_MODEL_KEYS = {"family", "params", "quant", "size", "draft", "aliases", "notes", "source"}
+_MODEL_KEYS = {"family", "params", "quant", "size", "draft", "aliases", "notes", "source", "arch", "mtp"}
+_FAMILY_KEYS = {"draft", "arch", "notes"}
 _SOURCE_KEYS = {
     "hf": {"hf", "file", "files", "revision", "sha256", "sizes", "verified"},
     "pypi": {"pypi", "members", "sha256", "file", "verified"},
@@ -177,9 +178,11 @@ def _validate_model(toml: TomlFile, alias: str, entry: Any) -> None:
         close = difflib.get_close_matches(unknown[0], _MODEL_KEYS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(_MODEL_KEYS))})"
         raise toml.error(f"model '{alias}': unknown key '{unknown[0]}'{hint}", alias, unknown[0])
-    for key in ("family", "params", "quant", "notes"):
+    for key in ("family", "params", "quant", "notes", "arch"):
         if key in entry:
             _check_type(toml, entry[key], str, f"model '{alias}': {key}", alias, key)
+    if "mtp" in entry:
+        _check_type(toml, entry["mtp"], bool, f"model '{alias}': mtp", alias, "mtp")
     if "size" in entry:
         _check_type(toml, entry["size"], int, f"model '{alias}': size", alias, "size")
     if "draft" in entry and entry["draft"] is not False:
@@ -204,8 +207,11 @@ def validate_file(toml: TomlFile) -> None:
     for alias, entry in data.get("models", {}).items():
         _validate_model(toml, alias, entry)
     for family, entry in data.get("families", {}).items():
-        if not isinstance(entry, dict) or set(entry) - {"draft", "notes"}:
-            raise toml.error(f"[families.{family}] may only set 'draft' and 'notes'")
+        if not isinstance(entry, dict) or set(entry) - _FAMILY_KEYS:
+            raise toml.error(f"[families.{family}] may only set 'draft', 'arch' and 'notes'")
+        for key in _FAMILY_KEYS & set(entry):
+            if not isinstance(entry[key], str):
+                raise toml.error(f"[families.{family}] {key} must be a string, not {entry[key]!r}")
     for key, value in data.get("defaults", {}).items():
         if key not in ("target", "draft") or not isinstance(value, str):
             raise toml.error(f"[defaults] may only set target = \"alias\" and draft = \"alias\" (got {key})")

@@ -4,9 +4,10 @@
 
 1. the model files (registry aliases resolved; missing files fetched unless `fetch=False`);
 2. the drafter and its tree: explicit --budget/--depth > the stored tuning profile > the default
-   chain; or plain decoding (no draft, --no-spec, or a profile that found speculation does not
-   pay). `--draft lookup` drafts from the session's text alone (no draft model); `--lookup` adds
-   lookup branches to the draft model's trees (hybrid);
+   chain; or plain decoding (no draft, --no-spec, or --no-lookup with a profile that measured the
+   draft model's trees slower than plain decoding: without --no-lookup such a profile leaves
+   lookup alone on). `--draft lookup` drafts from the session's text alone (no draft model);
+   lookup branches join the draft model's trees by default (hybrid);
 3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
    one pass (a tree split over ubatches pays the weight transfer again when offloading);
 4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
@@ -21,8 +22,9 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specrun import engine, ui
+from specrun import architectures, engine, ui
 from specrun.core.shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
+from specrun.decoding.adaptive import DraftPrior
 from specrun.errors import UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
@@ -52,7 +54,7 @@ class RunOptions:
     target: str | None = None
     draft: str | None = None
     gpu_layers: int | None = None
-    ctx_size: int = DEFAULT_CTX
+    ctx_size: int | None = DEFAULT_CTX  # None: the model's trained context, as far as memory holds it
     threads: int | None = None
     budget: int | None = None
     depth: int | None = None
@@ -96,6 +98,10 @@ class TreePlan:
     lookup: TreeShape | None = None  # lookup nodes a step may add (None: no lookup)
     draft_model: bool = True  # False: lookup alone proposes, no draft model is loaded
     plain_s: float | None = None  # plain decoding's seconds per token by the tuning profile
+    # How the target verifies: "tree" (attention KV cache) or "chain" (a recurrent state that
+    # rolls back along one sequence: each step checks the proposal's best path).
+    verify: str = architectures.TREE
+    prior: DraftPrior | None = None  # the profile's figures for the draft model (hybrid's first steps)
 
     @property
     def drafter(self) -> str:
@@ -123,6 +129,12 @@ class TreePlan:
                        depth=max(self.shape.depth, self.lookup.depth))
 
     def describe(self) -> str:
+        text = self._describe_drafts()
+        if self.verify == architectures.CHAIN:
+            text += f"; the target verifies one chain of up to {self.verified.depth} drafts per step"
+        return text
+
+    def _describe_drafts(self) -> str:
         s = self.shape
         if not self.draft_model:
             return f"lookup trees of up to {s.budget} tokens from the session's text, depth {s.depth} (no draft model)"
@@ -144,6 +156,7 @@ class ContextPlan:
     n_ctx: int
     n_batch: int
     n_seq_max: int
+    n_rs_seq: int = 0  # recurrent-state snapshots per sequence (rollback of a verified chain)
 
     @property
     def n_ubatch(self) -> int:
@@ -164,6 +177,8 @@ class Plan:
     devices: tuple[offload.Device, ...] = ()
     untuned: bool = False  # speculating with the default tree: no profile for the pair
     notes: tuple[str, ...] = field(default=())
+    ctx_why: str = "--ctx-size"  # why this context size
+    n_ctx_train: int = 0  # the target's trained context, when read (0: not read)
 
     @property
     def speculative(self) -> bool:
@@ -193,7 +208,7 @@ class Plan:
         tree = None
         if self.tree is not None:
             s = self.tree.shape
-            tree = {"kind": self.tree.kind, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
+            tree = {"kind": self.tree.kind, "verify": self.tree.verify, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
                     "width": s.width, "top_k": s.top_k, "text": self.tree.describe(),
                     "lookup_budget": self.tree.lookup.budget if self.tree.lookup else 0,
                     "verified_budget": self.tree.verified.budget}
@@ -212,6 +227,7 @@ class Plan:
                 "target": _ctx_dict(self.target_ctx),
                 "draft": _ctx_dict(self.draft_ctx) if self.draft_ctx else None,
             },
+            "context": {"n_ctx": self.target_ctx.n_ctx, "why": self.ctx_why, "n_ctx_train": self.n_ctx_train or None},
             "threads": self.threads,
             "memory": {
                 "devices": [
@@ -231,7 +247,8 @@ def _path(path: Path | None) -> str | None:
 
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
-    return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max}
+    return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
+            "n_rs_seq": ctx.n_rs_seq}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,26 +280,18 @@ def build_plan(
         tree, why, untuned = TreePlan(shape, None, "flags"), "tree given by the caller", False
     else:
         tree, why, untuned = choose_tree(opts, files)
-    n_ctx = opts.ctx_size
     notes = []
+    target_arch = engine.gguf_architecture(files.target_path) if files.target_path is not None else None
+    draft_arch = engine.gguf_architecture(files.draft_path) if files.draft_path is not None else None
+    if tree is not None and target_arch is not None:
+        tree, why, note = fit_tree_to_target(tree, why, target_arch)
+        if note:
+            notes.append(note)
     threads, cores = opts.threads or engine.default_threads(), engine.default_threads()
     if threads > cores:
         # More threads than cores only makes them wait for each other (and 999 would start 999).
         notes.append(f"--threads {threads} is more than the {cores} CPU cores this process may use: using {cores}")
         threads = cores
-    if tree is not None and tree.verified.budget + 1 > n_ctx:
-        # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
-        notes.append(f"a tree of {tree.verified.budget} tokens does not fit a {n_ctx}-token context: "
-                     f"using {n_ctx - 1}")
-        tree = _fit_tree(tree, n_ctx - 1)
-    draft_ctx = None
-    if tree is not None:
-        tree_tokens = tree.verified.budget + 1
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
-        if tree.draft_model:
-            draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), MAX_SEQ)
-    else:
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1)
     if devices is None:
         devices = engine.list_devices()
     gpus = placement.gpus_of(devices)
@@ -291,13 +300,41 @@ def build_plan(
             notes.append("--gpu-memory has no effect: no GPU was found")
         gpus = offload.capped_devices(gpus, opts.gpu_memory)
     draft_path = files.draft_path if tree is not None and tree.draft_model else None
-    if not gpus and sizes is None and not detailed:
-        placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes)
-    else:
+    auto_ctx = opts.ctx_size is None
+    target_size = draft_size = None
+    if gpus or sizes is not None or detailed or auto_ctx:
         target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
-        draft_size = None
         if draft_path is not None or (sizes and tree is not None and tree.draft_model):
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
+    if auto_ctx:
+        widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
+        n_ctx, ctx_why = placement.largest_context(target_size, draft_size, gpus, widest, opts.gpu_layers,
+                                                   ram_free_bytes)
+    else:
+        n_ctx, ctx_why = opts.ctx_size, "--ctx-size"
+    if tree is not None and tree.verified.budget + 1 > n_ctx:
+        # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
+        notes.append(f"a tree of {tree.verified.budget} tokens does not fit a {n_ctx}-token context: "
+                     f"using {n_ctx - 1}")
+        tree = _fit_tree(tree, n_ctx - 1)
+    draft_ctx = None
+    if tree is not None:
+        tree_tokens = tree.verified.budget + 1
+        if tree.verify == architectures.CHAIN:
+            # One sequence, and snapshots to roll the state back by the rejected drafts.
+            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), 1, tree.verified.depth)
+        else:
+            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
+        if tree.draft_model:
+            # A draft with a recurrent state keeps one state per tree sequence: only as many as
+            # its tree has nodes (each node's state is its parent's, copied, plus its token).
+            seqs = min(MAX_SEQ, tree.shape.budget + 1) if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
+            draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs)
+    else:
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1)
+    if target_size is None:
+        placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes)
+    else:
         placed = placement.plan(
             target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
             ram_free_bytes=ram_free_bytes,
@@ -305,8 +342,34 @@ def build_plan(
     return Plan(
         files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
         threads=threads, placement=placed, devices=gpus, untuned=untuned,
-        notes=tuple(notes),
+        notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
     )
+
+
+# The longest chain a target with a recurrent state verifies per step: llama.cpp keeps one state
+# snapshot per draft token (memory: the recurrent state times this), and chains gain little beyond.
+MAX_CHAIN = 8
+
+
+def fit_tree_to_target(tree: TreePlan, why: str, arch: str) -> tuple[TreePlan | None, str, str | None]:
+    """Return (the tree the target's architecture can verify exactly or None, why, a note or None).
+
+    Attention targets verify trees as planned. Targets whose recurrent state rolls back verify
+    chains: the drafts become chains (a lookup or hybrid tree is cut to its best path each step).
+    Targets whose state cannot roll back decode plainly, said in one line.
+    """
+    support = architectures.speculation_support(arch)
+    if support.shape == architectures.TREE:
+        return tree, why, None
+    if support.shape == architectures.PLAIN:
+        return None, support.reason, f"plain decoding: {support.reason}"
+    depth = min(MAX_CHAIN, tree.verified.depth)
+    shape = TreeShape.chain(min(depth, tree.shape.depth))
+    lookup = TreeShape(depth, depth, 1, 1) if tree.lookup is not None else None
+    if not tree.draft_model:
+        shape = lookup
+    chained = replace(tree, shape=shape, template=None, lookup=lookup, verify=architectures.CHAIN)
+    return chained, f"{why}; {support.reason}", None
 
 
 def _fit_tree(tree: TreePlan, budget: int) -> TreePlan:
@@ -365,10 +428,11 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
     """Return (the tree or None for plain decoding, why, whether the pair is untuned).
 
     `--draft lookup`: lookup trees alone. Otherwise explicit --budget/--depth win; else the stored
-    tuning profile (which may say plain decoding is faster here); else the default chain. Lookup
-    branches join the draft model's tree unless --no-lookup; with an explicit `--lookup` they
-    also stand alone where there is no draft model or the profile found its trees slower than
-    plain decoding.
+    tuning profile; else the default chain. Lookup branches join the draft model's tree unless
+    --no-lookup. A profile that measured the draft model's trees slower than plain decoding
+    turns off the draft model only: lookup alone runs (plain decoding only with --no-lookup).
+    With an explicit `--lookup` lookup also stands alone where there is no draft model. The
+    profile's figures (`prior`) decide the hybrid's first steps in a fresh process.
     """
     if opts.lookup_only:
         return _lookup_tree(opts, None), "--draft lookup: trees from the session's text, no draft model", False
@@ -377,18 +441,22 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
             return _lookup_tree(opts, None), f"--lookup without a draft model for {files.target_name}: lookup alone", False
         why = "--no-spec" if opts.no_spec else f"no draft model for {files.target_name} (pass --draft)"
         return None, why, False
-    choice = None
+    choice = facts = None
     if files.target_path is not None and files.draft_path is not None:
         choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory)
+        facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory) if choice else None
     plain_s = None
     if choice is not None and choice.predicted_tokens_per_s > 0:
         plain_s = choice.predicted_speedup / choice.predicted_tokens_per_s  # tokens/s / speedup = plain's
     overridden = opts.budget is not None or opts.depth is not None
     if choice is not None and choice.kind == "plain" and not overridden:
-        why = "the tuning profile found plain decoding fastest for this pair here"
-        if opts.lookup is True:
-            return _lookup_tree(opts, plain_s), why + " (with the draft model): lookup alone", False
-        return None, why, False
+        # The profile measured the draft model's trees slower than plain decoding here. That says
+        # nothing about lookup, which costs no draft pass and sizes its trees online (plain steps
+        # where it has nothing that pays): it stays on unless --no-lookup.
+        why = "the tuning profile measured the draft model's trees slower than plain decoding here"
+        if opts.lookup is False:
+            return None, why + " (--no-lookup: plain decoding)", False
+        return _lookup_tree(opts, plain_s), why + ": lookup alone, sized online", False
     tuned = tree_of_choice(choice) if choice is not None else None
     if tuned is not None:
         tree, why = tuned, "tuned profile for this pair on this machine"
@@ -402,7 +470,7 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
             shape = replace(shape, depth=opts.depth)
         # explicit sizes: grow best-first trees of that size, of the tuned (or default) kind
         tree, why = TreePlan(shape, None, "flags"), "--budget/--depth"
-    tree = replace(tree, plain_s=plain_s)
+    tree = replace(tree, plain_s=plain_s, prior=facts.draft_prior(tree.shape) if facts is not None else None)
     if opts.lookup is True:
         tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; --lookup adds branches from the session's text"
     elif opts.lookup is None:
@@ -416,6 +484,16 @@ def _lookup_tree(opts: RunOptions, plain_s: float | None) -> TreePlan:
     if opts.budget is not None or opts.depth is not None:
         shape, source = TreeShape(opts.budget or shape.budget, opts.depth or shape.depth, 1, 1), "flags"
     return TreePlan(shape, None, source, lookup=shape, draft_model=False, plain_s=plain_s)
+
+
+def tuned_default(choice: Choice, facts: profiles.Facts | None) -> TreePlan:
+    """The tree a run without flags grows from a profile: the profile's tree with lookup branches
+    (the profile's figures deciding the hybrid's first steps), or lookup alone where the profile
+    measured the draft model's trees slower than plain decoding."""
+    tree = tree_of_choice(choice)
+    if tree is None:
+        return TreePlan(LOOKUP_SHAPE, None, "profile", lookup=LOOKUP_SHAPE, draft_model=False)
+    return replace(tree, lookup=LOOKUP_SHAPE, prior=facts.draft_prior(tree.shape) if facts is not None else None)
 
 
 def tree_of_choice(choice: Choice) -> TreePlan | None:

@@ -21,6 +21,7 @@ class Request:
     stop: tuple[str, ...] = ()
     chat: bool | None = None  # None: chat mode when the model has a chat template
     system: str | None = None
+    parse_special: bool = True  # raw prompts: special-token text becomes special tokens (chat messages: never)
 
     def sampling(self):
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
@@ -28,7 +29,7 @@ class Request:
 
 def run_request(rt, request: Request, text: str, on_text=None):
     """Generate for one prompt text; call on_text(chunk) as text streams; return the Result."""
-    prompt = rt.tokenize_prompt(text, request.chat, request.system)
+    prompt = rt.tokenize_prompt(text, request.chat, request.system, request.parse_special)
     decoder = rt.decoder
     parts: list[str] = []
     tokens: list[int] = []

@@ -14,7 +14,7 @@ from specrun.errors import UsageError
 from specrun.inputs import check_utf8
 from specrun.runtime.request import Request
 
-FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "id")
+FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "parse_special", "id")
 
 
 class FieldError(UsageError):
@@ -65,9 +65,9 @@ def _stop(value) -> tuple[str, ...]:
     raise FieldError("stop", f"stop must be a string or a list of strings, got {json.dumps(value)}")
 
 
-def _chat(value) -> bool:
+def _flag(name: str, value) -> bool:
     if not isinstance(value, bool):
-        raise FieldError("chat", f"chat must be true or false, got {json.dumps(value)}")
+        raise FieldError(name, f"{name} must be true or false, got {json.dumps(value)}")
     return value
 
 
@@ -79,7 +79,8 @@ _CHECKS = {
     "min_p": lambda v: _number_in("min_p", v, 0.0, 1.0),
     "seed": lambda v: _int_at_least("seed", v, 0),
     "stop": _stop,
-    "chat": _chat,
+    "chat": lambda v: _flag("chat", v),
+    "parse_special": lambda v: _flag("parse_special", v),
     "system": lambda v: _text("system", v),
 }
 

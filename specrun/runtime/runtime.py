@@ -66,7 +66,7 @@ class Runtime:
 
     def _context(self, model, sizes: ContextPlan, op_offload: bool | None):
         ctx = engine.Context(model, n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_seq_max=sizes.n_seq_max,
-                             threads=self.plan.threads, op_offload=op_offload)
+                             threads=self.plan.threads, op_offload=op_offload, n_rs_seq=sizes.n_rs_seq)
         self._owned.append(ctx)
         return ctx
 
@@ -86,9 +86,10 @@ class Runtime:
             self._chat_format = ChatFormat(self.target)
         return self._chat_format
 
-    def tokenize_prompt(self, text: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+    def tokenize_prompt(self, text: str, chat: bool | None = None, system: str | None = None,
+                        parse_special: bool = True) -> list[int]:
         """Return the prompt's tokens (see ChatFormat.prompt_tokens)."""
-        return self.chat_format.prompt_tokens(text, chat, system)
+        return self.chat_format.prompt_tokens(text, chat, system, parse_special)
 
     def reset_cache(self) -> None:
         """Empty the KV caches (after an interrupted step left them in an unknown state)."""
@@ -152,4 +153,5 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None):
         model_drafter = TreeGrower(draft, draft_ctx, tree.shape)
     if tree.lookup is None:
         return model_drafter
-    return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth)
+    return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
+                         prior=tree.prior)

@@ -180,7 +180,10 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
-        prompt = TextPrompt(text=body.prompt) if isinstance(body.prompt, str) else TextPrompt(token_ids=body.prompt)
+        if isinstance(body.prompt, str):
+            prompt = TextPrompt(text=body.prompt, parse_special=body.parse_special)
+        else:
+            prompt = TextPrompt(token_ids=body.prompt)
         envelope = Envelope(_ready_model(worker).target, chat=False)
         return await _answer(request, worker, body, prompt, envelope)
 

@@ -25,10 +25,12 @@ class ChatPrompt:
 
 @dataclass(frozen=True)
 class TextPrompt:
-    """Raw text (tokenized as `specrun generate --raw` does), or token ids as sent."""
+    """Raw text (tokenized as `specrun generate --raw` does: special tokens parsed unless
+    parse_special is False), or token ids as sent."""
 
     text: str | None = None
     token_ids: list[int] | None = None
+    parse_special: bool = True
 
 
 @dataclass(frozen=True)

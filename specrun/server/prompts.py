@@ -17,9 +17,12 @@ class ConversationMemory:
         self.text: str | None = None
         self.tokens: list[int] = []
 
-    def tokens_for(self, fmt, rendered: str) -> list[int]:
-        if self.text and len(rendered) > len(self.text) and rendered.startswith(self.text):
-            return self.tokens + fmt.tokenize_more(rendered[len(self.text):])
+    def tokens_for(self, fmt, rendered) -> list[int]:
+        """Return the tokens of `rendered` (a chat.control.Marked), reusing the remembered ones."""
+        text, start = rendered.text, len(self.text or "")
+        if (self.text and len(text) > start and text.startswith(self.text)
+                and not any(s < start < e for s, e, _ in rendered.specials)):
+            return self.tokens + fmt.tokenize_more(rendered, start)
         return fmt.tokenize_start(rendered)
 
     def remember(self, text: str, tokens: list[int]) -> None:

@@ -214,6 +214,8 @@ class ChatRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: Any
+    # Special-token text in a raw prompt becomes special tokens, as in llama.cpp's server; false: plain text.
+    parse_special: bool = True
     echo: Any = None
     suffix: Any = None
     best_of: Any = None

@@ -217,13 +217,13 @@ class GenerationWorker:
         if isinstance(prompt, ChatPrompt):
             fmt = rt.chat_format
             rendered = fmt.render(prompt.messages, add_generation_prompt=True)
-            return self._memory.tokens_for(fmt, rendered), rendered
+            return self._memory.tokens_for(fmt, rendered), rendered.text
         if prompt.token_ids is not None:
             n_vocab = rt.target.n_vocab
             if any(t >= n_vocab for t in prompt.token_ids):
                 raise APIError(400, f"token ids must be below the vocabulary size {n_vocab}", param="prompt")
             return list(prompt.token_ids), None
-        return rt.target.tokenize(prompt.text, add_special=True, parse_special=False), None
+        return rt.target.tokenize(prompt.text, add_special=True, parse_special=prompt.parse_special), None
 
     def _decode(self, job: Job, prompt: list[int], limit: int) -> tuple[list[int], str | None]:
         """Stream the answer's text to the job; return the generated tokens and the finish reason."""

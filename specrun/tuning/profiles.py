@@ -16,13 +16,16 @@ import functools
 import hashlib
 import json
 import logging
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from specrun import engine, files, paths
 from specrun.core.shapes import TreeShape, template_shape
+from specrun.decoding.adaptive import DraftPrior
 from specrun.errors import SpecrunError
 from specrun.tuning import measure as profiler
-from specrun.tuning.cost_model import Choice
+from specrun.tuning.cost_model import Choice, CostCurve
 
 log = logging.getLogger("specrun.profiles")
 
@@ -167,4 +170,73 @@ def choice_for(target_path: Path, draft_path: Path | None, threads: int | None =
     profile = load(target_path, draft_path, threads, gpu_memory)
     if profile is None:
         return None
-    return _checked_choice(profile["config"])
+    choice = _checked_choice(profile["config"])
+    if choice.kind == "plain" and "workloads" not in profile:
+        path = profile_path(profile["key"])
+        if path not in _reported:
+            _reported.add(path)
+            # An older profile's "plain" was a verdict on the draft model's trees, read as "no
+            # drafting at all". Read now as what it measured: those trees off, lookup on.
+            log.warning("the tuning profile %s (from an older specrun) found the draft model's trees slower than "
+                        "plain decoding: they stay off, lookup stays on; `specrun tune` again measures every drafter", path)
+    return choice
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a profile measured on this machine (not what it chose): the runs decide from these
+    and from what they measure themselves."""
+
+    target: CostCurve  # seconds of one target pass over n tokens
+    draft: CostCurve  # seconds of one draft pass over n tokens (its top-k included)
+    plain_s: float  # seconds per token of plain decoding
+    tau: dict[int, float]  # tokens per pass (bonus included) of best-first draft trees, by budget
+    tree_speedup: float | None  # the profile's best draft tree against plain decoding, measured
+
+    @property
+    def catch_up_s(self) -> float:
+        """Seconds per token of the draft's catch-up (its widest measured pass, per token)."""
+        widest = self.draft.sizes[-1]
+        return self.draft.t(widest) / widest
+
+    def draft_prior(self, shape: TreeShape) -> DraftPrior:
+        """The draft model's expected costs and acceptance for trees of this shape."""
+        width = max(1, min(shape.width, shape.budget))
+        passes = max(shape.depth if width == 1 else 1, math.ceil(shape.budget / width))
+        passes = min(passes, shape.budget)
+        known = [b for b in self.tau if b <= shape.budget]
+        tau = self.tau[max(known)] if known else 1.0
+        return DraftPrior(
+            plain_s=self.plain_s, tree_s=self.target.t(shape.budget + 1), step_s=passes * self.draft.t(width),
+            catch_up_s=self.catch_up_s, accepted=max(0.0, tau - 1.0),
+        )
+
+
+def facts_of(profile: dict) -> Facts | None:
+    """Return a profile's measured facts, or None when it lacks them (never raises)."""
+    try:
+        curves = profile["curves"]
+        draft = CostCurve.from_dict(curves["draft"])
+        topk = CostCurve.from_dict(curves["draft_topk"]) if curves.get("draft_topk") else None
+        if topk is not None:
+            draft = CostCurve(draft.sizes, tuple(s + topk.t(n) for n, s in zip(draft.sizes, draft.seconds)))
+        plain = profile["plain"]
+        check = profile.get("check") or {}
+        return Facts(
+            target=CostCurve.from_dict(curves["target"]), draft=draft,
+            plain_s=float(plain["target_s"]) + float(plain.get("overhead_s", 0.0)),
+            tau={int(b): float(t) for b, t in profile["acceptance"]["tau"].items()},
+            tree_speedup=float(check["tree_measured_speedup"]) if "tree_measured_speedup" in check else None,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        log.debug("the tuning profile's measurements are not usable: %s", e)
+        return None
+
+
+def facts_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
+              gpu_memory: int | None = None) -> Facts | None:
+    """Return the stored profile's facts for this pair, or None."""
+    if draft_path is None:
+        return None
+    profile = load(target_path, draft_path, threads, gpu_memory)
+    return facts_of(profile) if profile is not None else None

@@ -48,16 +48,18 @@ def report_lines(profile: dict) -> list[str]:
     if config["kind"] == "plain":
         tree = profile.get("best_tree") or {}
         if tree.get("predicted_speedup", 0.0) >= tuner.MIN_SPEEDUP:
-            lines.append("choice: plain decoding (the best tree was predicted faster but measured slower)")
+            lines.append("stored: no draft-model tree (the best tree was predicted faster but measured slower); "
+                         "runs use lookup alone, sized online (--no-lookup: plain decoding)")
         else:
-            lines.append("choice: plain decoding (speculation does not pay here)")
+            lines.append("stored: no draft-model tree (it does not pay here); runs use lookup alone, sized online "
+                         "(--no-lookup: plain decoding)")
         if tree and tree.get("kind") != "plain":
             lines.append(
                 f"  best tree ({_config_text(tree)}): predicted x{tree['predicted_speedup']:.2f}, "
                 f"measured x{check.get('tree_measured_speedup', 0.0):.2f}"
             )
     else:
-        lines.append(f"choice: {_config_text(config)}")
+        lines.append(f"stored: {_config_text(config)}, with lookup branches sized online (--no-lookup: without)")
         lines.append(
             f"  speedup over plain decoding: predicted x{profile['predicted_speedup']:.2f}, "
             f"measured x{profile['measured_speedup']:.2f} "
@@ -71,6 +73,12 @@ def report_lines(profile: dict) -> list[str]:
             )
         if not check.get("identical_output", True):
             lines.append("  warning: the tree's output differed from plain decoding on a held-out prompt")
+    workloads = profile.get("workloads") or {}
+    if workloads:
+        lines.append("the default per workload, speedup over plain decoding (each prompt afresh, greedy):")
+        for name, w in workloads.items():
+            lines.append(f"  {name:>8} ({w['drafter']}): predicted x{w['predicted_speedup']:.2f}, "
+                         f"measured x{w['measured_speedup']:.2f} on held-out prompts")
     plain_predicted = check.get("plain_predicted_tokens_per_s")
     plain_measured = check.get("plain_tokens_per_s")
     if plain_predicted and plain_measured and abs(plain_measured / plain_predicted - 1) > DRIFT_WARNING:

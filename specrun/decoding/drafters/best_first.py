@@ -98,7 +98,8 @@ class TreeGrower:
         tree.expand([0], ids, lps)
         expanded = np.zeros(tree_capacity := 64, bool)
         expanded[0] = True
-        self._free_seqs = list(range(MAX_SEQ - 1, 0, -1))
+        # A draft with a recurrent state keeps one state per sequence: its context has few.
+        self._free_seqs = list(range(min(MAX_SEQ, ctx.n_seq_max) - 1, 0, -1))
         self._used_seqs = []
         room = ctx.n_ctx - (p0 + 1)
         while self._free_seqs and room > 0:

@@ -18,6 +18,7 @@ from specrun.core.tree import MAX_LEAVES
 from specrun.decoding.adaptive import (
     MARGIN,
     Average,
+    DraftPrior,
     Hindsight,
     HindsightByKind,
     TargetCost,
@@ -32,6 +33,10 @@ _LEAN_REFRESH = 8
 _REFRESH_DEBT = 16
 # An answer that has outlived the session's typical length is expected to go on at least this long.
 _MIN_AHEAD = 16
+# Before this process has run the draft model, a catch-up dearer than what drafting would save
+# over this many steps waits that many steps: lookup watches meanwhile (for free) whether the
+# answer copies the text, and then decides (HybridDrafter._lean_by_prior).
+_DEFER_STEPS = 4
 
 
 class HybridDrafter:
@@ -42,8 +47,12 @@ class HybridDrafter:
     """
 
     def __init__(self, draft: Drafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
-                 cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None):
+                 cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None,
+                 prior: DraftPrior | None = None):
         self.draft = draft
+        # What the tuning profile measured for the draft model: decides the steps before this
+        # process has run it (None: run it first, then decide from what it measured).
+        self.prior = prior
         self.draft_budget = draft_budget
         self.draft_depth = draft_depth  # the draft model's tree stays as deep as planned (None: any)
         self.lookup_budget = lookup_budget
@@ -60,6 +69,7 @@ class HybridDrafter:
         self._lean_proposal: Proposal | None = None
         self.answer_len = Average(8)  # tokens of this session's answers
         self._n_prompt, self._max_tokens = 0, 1 << 30  # the generation under way (see start)
+        self._deferred = 0  # steps of this answer that waited before paying the draft's catch-up
 
     @property
     def index(self) -> LookupIndex:
@@ -68,6 +78,7 @@ class HybridDrafter:
     def start(self, n_prompt: int, max_tokens: int) -> None:
         """A generation begins: a prompt of n_prompt tokens, at most max_tokens to generate."""
         self._n_prompt, self._max_tokens = n_prompt, max_tokens
+        self._deferred = 0
 
     def learn(self, text: Sequence[int], complete: bool = True) -> None:
         """Index a finished generation's text (prompt + answer) and finish watching its proposals.
@@ -135,8 +146,10 @@ class HybridDrafter:
         session, at most what max_tokens leaves). While the text repeats, lookup carries on and
         the draft model is brought up only when it pays.
         """
-        if not self.adapt or not self.with_draft.known or (proposed and not alone.known):
+        if not self.adapt or (proposed and not alone.known):
             return False
+        if not self.with_draft.known:
+            return self._lean_by_prior(alone, proposed, committed, root)
         debt = self.draft.debt(committed, root)
         if self._lean_steps >= _LEAN_REFRESH and not long_run and debt <= _REFRESH_DEBT:
             return False
@@ -151,6 +164,38 @@ class HybridDrafter:
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
         seconds = self.cost(nodes + 1) + step_s + draft_s + catch_up_s * accepted / ahead
         return lean > float(np.max(accepted / seconds))
+
+    def _lean_by_prior(self, alone: Hindsight, proposed: bool, committed: Sequence[int], root: int) -> bool:
+        """Before this process has run the draft model, decide from the profile's figures.
+
+        A catch-up with the text so far (a whole prompt, in a fresh process) that costs more than
+        drafting would save over _DEFER_STEPS steps waits: while the answer follows lookup's
+        proposals (a copy) and for _DEFER_STEPS steps after, plain or lookup steps, lookup
+        learning for free whether the answer copies the text. Then (or at once, when the
+        catch-up is cheap: a short prompt) the draft model runs unless lookup alone, or a plain
+        step, is expected faster than its steps with that catch-up spread over the answer.
+        """
+        prior = self.prior
+        if prior is None:
+            return False
+        measured = self.cost.plain_s() if self.cost.known else None
+        scale = measured / prior.plain_s if measured and prior.plain_s > 0 else 1.0
+        plain_rate = 1.0 / (prior.plain_s * scale)
+        debt = self.draft.debt(committed, root)
+        ahead = self._tokens_ahead(len(committed) + 1)
+        saved = (prior.accepted + 1.0) * max(0.0, 1.0 / plain_rate - 1.0 / prior.draft_rate(1, ahead, scale))
+        if max(0, debt - 1) * prior.catch_up_s * scale > _DEFER_STEPS * saved:
+            if self.alone.run(2):
+                self._deferred = 0  # the answer is copying the text: lookup carries it
+                return True
+            if self._deferred < _DEFER_STEPS:
+                self._deferred += 1
+                return True
+        lean = plain_rate
+        if proposed and self.cost.known:
+            step_s = float(self.step_s.mean) if self.step_s.known else 0.0
+            lean = max(lean, alone.best(lambda nodes: self.cost(nodes + 1) + step_s)[1])
+        return lean > prior.draft_rate(debt, ahead, scale)
 
     def _tokens_ahead(self, n_text: int) -> float:
         """Tokens this answer is expected to still generate (at least 1)."""

@@ -1,0 +1,159 @@
+"""Penalties, logit_bias and grammars under tree speculation, on toy models (pure numpy, fast).
+
+A node's penalties and grammar state depend on the text along its own path: the acceptance walk
+must shape each row it visits as plain decoding would after the same text. Same toy target and
+draft trees as test_verify.py; the grammar is a small hand-written matcher.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from test_verify import VOCAB, assert_matches, scored_tree, toy_logits
+
+from specrun.core.rules import PathRules
+from specrun.core.sampling import SamplingParams, choose_token, make_rng, target_probs, token_logprobs
+from specrun.core.verify import accept_path
+from specrun.errors import UsageError
+
+
+class NoRepeatThenForced:
+    """A toy grammar over 5 tokens: a token never follows itself, and after token 4 come 1 then 2."""
+
+    def __init__(self):
+        self.last = None
+        self.pending: list[int] = []
+
+    def allowed(self) -> set[int]:
+        if self.pending:
+            return {self.pending[0]}
+        return set(range(VOCAB)) - {self.last}
+
+    def mask(self, row):
+        for t in range(len(row)):
+            if t not in self.allowed():
+                row[t] = -np.inf
+
+    def consume(self, token):
+        assert token in self.allowed(), "the walk drew a token the grammar forbids"
+        if self.pending:
+            self.pending.pop(0)
+        elif token == 4:
+            self.pending = [1, 2]
+        self.last = token
+
+    def forced(self):
+        return list(self.pending)
+
+
+class ToyGrammar:
+    def matcher(self):
+        return NoRepeatThenForced()
+
+
+PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.9, repeat_penalty=1.3, logit_bias=((2, 1.5), (0, -3.0)))
+RULE_SETS = {
+    "penalties": PENALTIES,
+    "grammar": dict(grammar=ToyGrammar()),
+    "both": dict(PENALTIES, grammar=ToyGrammar()),
+}
+
+
+def speculative(prompt, n_tokens, params, rng, draft_model):
+    rules = PathRules.of(params)
+    context, out = tuple(prompt), []
+    while len(out) < n_tokens:
+        tree, logits = scored_tree(context, draft_model)
+        acc = accept_path(tree, logits, params, rng, max_tokens=n_tokens - len(out), rules=rules)
+        out += acc.tokens
+        context += acc.tokens
+    return out
+
+
+def plain(prompt, n_tokens, params, rng):
+    rules = PathRules.of(params)
+    context = tuple(prompt)
+    for _ in range(n_tokens):
+        token = choose_token(rules.shape(toy_logits(0, context)), params, rng)
+        rules.accept(token)
+        context += (token,)
+    return list(context[len(prompt):])
+
+
+@pytest.mark.parametrize("rules", list(RULE_SETS))
+@pytest.mark.parametrize("draft_model", [0, 1])  # 0: the target drafts for itself
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_same_tokens_as_plain_decoding(rules, draft_model, temperature):
+    params = SamplingParams(temperature=temperature, top_p=0.95, **RULE_SETS[rules])
+    for seed in range(12):
+        prompt = (seed % VOCAB, 3)
+        assert speculative(prompt, 12, params, make_rng(seed), draft_model) == plain(prompt, 12, params, make_rng(seed))
+
+
+@pytest.mark.parametrize("rules", ["penalties", "both"])
+def test_sampled_tokens_follow_the_shaped_distribution(rules):
+    """Chi-square against the exact distribution of 3 tokens, enumerated with plain rules."""
+    params = SamplingParams(temperature=1.0, **RULE_SETS[rules])
+    prompt, n_tokens, runs = (1, 2), 3, 4000
+    expected = {}
+    for seq in np.ndindex(*(VOCAB,) * n_tokens):
+        prob, context, rules_ = 1.0, prompt, PathRules(params)
+        for token in seq:
+            prob *= target_probs(rules_.shape(toy_logits(0, context)), params)[token]
+            if prob == 0:
+                break
+            rules_.accept(token)
+            context += (token,)
+        if prob > 0:
+            expected[seq] = prob
+    rng = make_rng(7)
+    counts = Counter(tuple(speculative(prompt, n_tokens, params, rng, draft_model=1)) for _ in range(runs))
+    assert set(counts) <= set(expected)
+    assert_matches(counts, expected, runs)
+
+
+def test_penalties_follow_each_path_not_just_committed_text():
+    """Two sibling paths: the penalty at a node counts the node's own ancestors only."""
+    params = SamplingParams(frequency_penalty=2.0)
+    rules = PathRules(params)
+    row = np.zeros(VOCAB, np.float32)
+    rules.accept(3)
+    rules.accept(3)
+    shaped = rules.shape(row)
+    assert shaped[3] == pytest.approx(-4.0) and shaped[[0, 1, 2, 4]].tolist() == [0, 0, 0, 0]
+    assert row.tolist() == [0] * VOCAB, "shape() must not change the target's logits"
+
+
+def test_repeat_penalty_is_llama_cpps():
+    rules = PathRules(SamplingParams(repeat_penalty=2.0))
+    for t in (0, 1):
+        rules.accept(t)
+    shaped = rules.shape(np.array([4.0, -4.0, 4.0, 0, 0], np.float32))
+    assert shaped.tolist() == [2.0, -8.0, 4.0, 0, 0]
+
+
+def test_forced_tokens_come_from_the_grammar():
+    rules = PathRules(SamplingParams(grammar=ToyGrammar()))
+    assert rules.forced(5) == []
+    rules.accept(4)
+    assert rules.forced(5) == [1, 2] and rules.forced(1) == [1]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repeat_penalty=0), dict(logit_bias=((1, 101.0),)),
+    dict(logit_bias=((-1, 1.0),)), dict(logprobs=21), dict(logprobs=-1),
+])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(UsageError):
+        SamplingParams(**bad)
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    rows = np.log(np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]], np.float32)) + 3.0
+    out = token_logprobs(rows, [1, 2], 2)
+    assert out[0].logprob == pytest.approx(np.log(0.3), abs=1e-6)
+    assert out[1].logprob == pytest.approx(np.log(0.8), abs=1e-6)
+    assert [t for t, _ in out[0].top] == [0, 1] and out[0].top[0][1] == pytest.approx(np.log(0.5), abs=1e-6)
+    assert token_logprobs(rows, [0, 0], 0)[0].top == ()
