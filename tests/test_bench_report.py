@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from specrun.commands.bench_report import largest_under, markdown
+from specrun.commands.bench_report import largest_under, markdown, predicted_speedup
 
 
 def test_bench_report_json_and_markdown(tmp_path, cli):
@@ -23,6 +23,7 @@ def test_bench_report_json_and_markdown(tmp_path, cli):
     assert all(s > 0 for s in report["cost"]["target_s"].values())
     assert {1, 2, 4, 8} <= set(map(int, report["cost"]["draft_s"]))
     assert report["plain"]["tokens_per_s"] > 0 and report["placement"]["threads"] == 1
+    assert set(report["calibration"]["tau_by_budget"]) == {"1", "3"}  # trees of 1 and 3 draft tokens
     assert report["tune_choice"]["kind"] in ("plain", "specexec", "sequoia") and report["tune_choice"]["text"]
     modes = [row["mode"] for row in report["workloads"]]
     assert modes == ["plain", "draft tree", "lookup", "hybrid"] and report["default_mode"] == "hybrid"
@@ -36,3 +37,10 @@ def test_largest_tree_under_twice_a_one_token_pass():
     assert largest_under({1: 0.010, 2: 0.011, 4: 0.015, 8: 0.019, 16: 0.030, 32: 0.012}, 2.0) == 32
     assert largest_under({1: 0.010, 2: 0.025}, 2.0) == 1
     assert largest_under({}, 2.0) == 0
+
+
+def test_predicted_speedup_combines_a_cost_curve_with_an_acceptance_curve():
+    flat = {"1": 0.10, "2": 0.10, "4": 0.11, "8": 0.12, "16": 0.20}  # offloaded: 8 tokens cost 1.2x one
+    tau = {"1": 0.9, "3": 1.8, "7": 2.6, "15": 3.0}
+    assert predicted_speedup(flat, tau) == (7, 0.10 * 3.6 / 0.12)
+    assert predicted_speedup({"1": 0.1, "2": 0.3}, {"1": 0.5}) == (0, 1.0)  # no tree pays: plain

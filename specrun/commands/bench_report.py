@@ -89,7 +89,7 @@ def measure_report(opts: RunOptions, settings: ReportSettings, workload: str, pr
         },
         "plain": {"tokens_per_s": round(1.0 / (measured.plain.target_s + measured.plain.overhead_s), 2)
                   if measured.plain.target_s else 0.0},
-        "calibration": measured.calibration.summary(),
+        "calibration": {**measured.calibration.summary(), "tau_by_budget": _tau(measured)},
         "tune_choice": {**choice.to_dict(), "text": _choice_text(choice)},
         "best_tree": {**best_tree.to_dict(), "text": _choice_text(best_tree)},
         "stored_profile_choice": stored_choice(opts, default),
@@ -119,6 +119,27 @@ def _measure(rt, settings: ReportSettings, shape: TreeShape) -> tune.Measured:
     topk = draft.topk_curve()
     return tune.Measured(target, draft, plain, calibration, calibration.overhead_s(topk),
                          calibration.overhead_per_pass_s(topk))
+
+
+def _tau(measured: tune.Measured) -> dict[str, float]:
+    """Return the accepted draft tokens per pass for trees of n - 1 draft tokens, n the curve's sizes:
+    with the cost curve, the speedup any tree size would give (see `predicted_speedup`)."""
+    cal = measured.calibration
+    budgets = sorted({n - 1 for n in measured.target.decode if 2 <= n <= cal.budget + 1})
+    return {str(b): round(t, 4) for b, t in cal.tau(budgets).items()} if cal.steps else {}
+
+
+def predicted_speedup(target_s: dict[str, float], tau_by_budget: dict[str, float]) -> tuple[int, float]:
+    """Return (budget, speedup) of the best tree from a cost curve and an acceptance curve (possibly
+    measured on other machines): (tau(B) + 1) tokens per pass of B + 1 tokens against one token
+    per one-token pass. The draft's own time is left out: an upper bound where drafting is cheap."""
+    one = target_s.get("1")
+    best = (0, 1.0)
+    for budget, tau in tau_by_budget.items():
+        cost = target_s.get(str(int(budget) + 1))
+        if one and cost:
+            best = max(best, (int(budget), one * (tau + 1) / cost), key=lambda b: b[1])
+    return best
 
 
 def largest_under(target_s: dict[int, float], ratio: float) -> int:

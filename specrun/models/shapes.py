@@ -15,6 +15,7 @@ Needs the `gguf` package.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from dataclasses import dataclass, replace
@@ -43,7 +44,7 @@ CONTEXT_LENGTH = 32768
 class Shape:
     """A model's architecture and sizes as its GGUF metadata states them."""
 
-    arch: str  # "qwen2" or "llama"
+    arch: str  # "qwen2", "qwen3", "qwen3moe" or "llama"
     n_layer: int
     n_embd: int
     n_head: int
@@ -52,13 +53,23 @@ class Shape:
     n_vocab: int
     rope_theta: float = 1_000_000.0
     tied_output: bool = False
+    head_dim: int = 0  # 0: n_embd // n_head
+    n_expert: int = 0  # mixture of experts (qwen3moe): experts per layer, used per token, their FFN width
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+
+    @property
+    def n_embd_head(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
     def scaled(self, n_layer: int, n_embd: int, n_ff: int, n_vocab: int | None = None) -> Shape:
-        """Return the same architecture shrunk (tests build these in seconds)."""
+        """Return the same architecture shrunk (tests build these in seconds); experts too."""
         heads = max(1, min(self.n_head, n_embd // 64))
         kv = max(1, heads // max(1, self.n_head // self.n_head_kv))
-        return replace(self, n_layer=n_layer, n_embd=n_embd, n_head=heads, n_head_kv=kv, n_ff=n_ff,
-                       n_vocab=n_vocab or self.n_vocab)
+        experts = {"n_expert": min(self.n_expert, 8), "n_expert_used": min(self.n_expert_used, 2),
+                   "n_ff_exp": n_ff} if self.n_expert else {}
+        return replace(self, n_layer=n_layer, n_embd=n_embd, n_head=heads, n_head_kv=kv, n_ff=n_ff, head_dim=0,
+                       n_vocab=n_vocab or self.n_vocab, **experts)
 
 
 # Real shapes (config.json of each model family). qwen2.5-14b-shape ~ Qwen2.5-14B-Instruct;
@@ -69,6 +80,9 @@ SHAPES = {
     "qwen2.5-14b": Shape("qwen2", 48, 5120, 40, 8, 13824, 152064),
     "qwen2.5-32b": Shape("qwen2", 64, 5120, 40, 8, 27648, 152064),
     "dense-27b": Shape("qwen2", 64, 5120, 40, 8, 17408, 152064),
+    # Qwen3-30B-A3B: 128 experts of width 768, 8 used per token; heads of 128 over a 2048-wide stream
+    "qwen3-30b-a3b": Shape("qwen3moe", 48, 2048, 32, 4, 6144, 151936, head_dim=128, n_expert=128,
+                           n_expert_used=8, n_ff_exp=768),
 }
 
 
@@ -79,23 +93,33 @@ def more_bits(layer: int, n_layer: int) -> bool:
 
 def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     """Return (name, ggml dims, type) for every tensor, in file order. Norms and biases are F32."""
-    s, kv = shape, shape.n_head_kv * (shape.n_embd // shape.n_head)
+    s = shape
+    q, kv = s.n_head * s.n_embd_head, s.n_head_kv * s.n_embd_head
     # a tied embedding doubles as the output matrix and gets the output's type
     out = [("token_embd.weight", (s.n_embd, s.n_vocab), "Q6_K" if s.tied_output else "Q4_K")]
     for i in range(s.n_layer):
         blk, v = f"blk.{i}", "Q6_K" if more_bits(i, s.n_layer) else "Q4_K"
         out += [(f"{blk}.attn_norm.weight", (s.n_embd,), "F32"),
-                (f"{blk}.attn_q.weight", (s.n_embd, s.n_embd), "Q4_K"),
+                (f"{blk}.attn_q.weight", (s.n_embd, q), "Q4_K"),
                 (f"{blk}.attn_k.weight", (s.n_embd, kv), "Q4_K"),
                 (f"{blk}.attn_v.weight", (s.n_embd, kv), v),
-                (f"{blk}.attn_output.weight", (s.n_embd, s.n_embd), "Q4_K"),
-                (f"{blk}.ffn_norm.weight", (s.n_embd,), "F32"),
-                (f"{blk}.ffn_gate.weight", (s.n_embd, s.n_ff), "Q4_K"),
-                (f"{blk}.ffn_up.weight", (s.n_embd, s.n_ff), "Q4_K"),
-                (f"{blk}.ffn_down.weight", (s.n_ff, s.n_embd), v)]
+                (f"{blk}.attn_output.weight", (q, s.n_embd), "Q4_K"),
+                (f"{blk}.ffn_norm.weight", (s.n_embd,), "F32")]
+        if s.n_expert:
+            out += [(f"{blk}.ffn_gate_inp.weight", (s.n_embd, s.n_expert), "F32"),
+                    (f"{blk}.ffn_gate_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), "Q4_K"),
+                    (f"{blk}.ffn_up_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), "Q4_K"),
+                    (f"{blk}.ffn_down_exps.weight", (s.n_ff_exp, s.n_embd, s.n_expert), v)]
+        else:
+            out += [(f"{blk}.ffn_gate.weight", (s.n_embd, s.n_ff), "Q4_K"),
+                    (f"{blk}.ffn_up.weight", (s.n_embd, s.n_ff), "Q4_K"),
+                    (f"{blk}.ffn_down.weight", (s.n_ff, s.n_embd), v)]
         if s.arch == "qwen2":
-            out += [(f"{blk}.attn_q.bias", (s.n_embd,), "F32"), (f"{blk}.attn_k.bias", (kv,), "F32"),
+            out += [(f"{blk}.attn_q.bias", (q,), "F32"), (f"{blk}.attn_k.bias", (kv,), "F32"),
                     (f"{blk}.attn_v.bias", (kv,), "F32")]
+        if s.arch in ("qwen3", "qwen3moe"):
+            out += [(f"{blk}.attn_q_norm.weight", (s.n_embd_head,), "F32"),
+                    (f"{blk}.attn_k_norm.weight", (s.n_embd_head,), "F32")]
     out.append(("output_norm.weight", (s.n_embd,), "F32"))
     if not s.tied_output:
         out.append(("output.weight", (s.n_embd, s.n_vocab), "Q6_K"))
@@ -125,7 +149,7 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
 
     if shape.n_embd % 32 or shape.n_ff % 32:
         raise ValueError("n_embd and n_ff must be multiples of 32 (the smallest quant block)")
-    tokenizer = _padded_tokenizer(_tokenizer_fields(gguf.GGUFReader(tokenizer_gguf)), shape.n_vocab)
+    tokenizer = _padded_tokenizer(_tokenizer_of(str(Path(tokenizer_gguf).resolve())), shape.n_vocab)
     dst = Path(dst)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     os.close(fd)
@@ -166,12 +190,27 @@ def _write_metadata(writer, shape: Shape, tokenizer: dict, seed: int) -> None:
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(shape.rope_theta)
+    if shape.head_dim:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.n_expert:
+        writer.add_expert_count(shape.n_expert)
+        writer.add_expert_used_count(shape.n_expert_used)
+        writer.add_expert_feed_forward_length(shape.n_ff_exp)
     if shape.arch == "llama":
-        writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+        writer.add_rope_dimension_count(shape.n_embd_head)
         writer.add_vocab_size(shape.n_vocab)
     for key, (types, value) in tokenizer.items():
         sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, types[0], sub_type=sub_type)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_of(path: str) -> dict:
+    """Return a GGUF's tokenizer fields (read once per process: a 150k-token vocabulary takes a while)."""
+    import gguf
+
+    return _tokenizer_fields(gguf.GGUFReader(path))
 
 
 def _padded_tokenizer(fields: dict, n_vocab: int) -> dict:

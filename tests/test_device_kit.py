@@ -1,0 +1,77 @@
+"""The device kit (scripts/device_kit.sh, scripts/device_kit.py): the trimmed sdist keeps what the
+library build reads, and the kit's measuring steps run end to end on this CPU in --fast mode
+(the installed llama-cpp-python, scaled-down shapes, one emulated card)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import device_kit  # noqa: E402
+
+
+def _fake_sdist(path: Path) -> None:
+    root = f"{device_kit.SDIST_NAME}/"
+    llama = root + "vendor/llama.cpp/"
+    files = ["CMakeLists.txt", "llama_cpp/__init__.py", "docs/index.md", "tests/test_llama.py", ".git/objects/pack.pack",
+             llama + "CMakeLists.txt", llama + "src/llama.cpp", llama + "common/common.cpp", llama + "vendor/stb/stb.h",
+             llama + f"models/{device_kit.VOCAB}", llama + "models/ggml-vocab-gemma-4.gguf", llama + "docs/build.md",
+             llama + "tools/ui/bundle.js", llama + "tools/mtmd/mtmd.cpp", llama + "examples/x.cpp",
+             llama + "ggml/src/ggml.c", llama + "ggml/src/ggml-cpu/ggml-cpu.c", llama + "ggml/src/ggml-cuda/fattn.cu",
+             llama + "ggml/src/ggml-vulkan/vk.cpp", llama + "ggml/src/ggml-sycl/sycl.cpp", llama + "convert_hf_to_gguf.py"]
+    with tarfile.open(path, "w:gz") as tar:
+        for name in files:
+            name = name if name.startswith(root) else root + name
+            data = name.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_the_trimmed_sdist_keeps_the_library_sources_only(tmp_path):
+    sdist = tmp_path / "sdist.tar.gz"
+    _fake_sdist(sdist)
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    tarball = device_kit.trim_sdist(sdist, kit)
+    with tarfile.open(tarball) as tar:
+        kept = {m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile()}
+    llama = "vendor/llama.cpp/"
+    assert {"CMakeLists.txt", "llama_cpp/__init__.py", llama + "CMakeLists.txt", llama + "src/llama.cpp", llama + "common/common.cpp",
+            llama + "vendor/stb/stb.h", llama + "ggml/src/ggml.c", llama + "ggml/src/ggml-cpu/ggml-cpu.c",
+            llama + "ggml/src/ggml-cuda/fattn.cu"} == kept
+    assert (kit / device_kit.VOCAB).read_bytes() == f"{device_kit.SDIST_NAME}/{llama}models/{device_kit.VOCAB}".encode()
+
+
+def test_the_kit_runs_end_to_end_on_the_cpu(tmp_path, offline_models):
+    env = {**os.environ, "KIT": str(tmp_path / "kit"), "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out"),
+           "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "device_kit.sh"), "--fast", "--vocab", str(offline_models.smollm2_q4),
+         "--cards", "2", "--max-tree", "4", "--tokens", "4", "--ctx", "512", "--targets", "moe-30b-a3b"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "kit-results.json").read_text())
+    exact = results["exactness"]
+    assert exact["cases"] == 2 * len(device_kit.EXACTNESS_PROMPTS) and exact["identical"] == exact["cases"]
+    (card,) = results["plan"]
+    assert card["card_gib"] == 2 and card["layer_slots"] == 3 and card["measured_gpu_bytes"] is None  # no GPU here
+    report = json.loads((tmp_path / "out" / "report-moe-30b-a3b-2gib.json").read_text())
+    assert report["placement"]["gpu_memory_limit_bytes"] == 2 << 30
+    assert sorted(map(int, report["cost"]["target_s"])) == [1, 2, 4, 8]
+    assert all(row["identical_output"] for row in report["workloads"])
+    # predictions: this report's cost curve with an acceptance curve (here its own)
+    predicted = subprocess.run([sys.executable, str(REPO / "scripts" / "device_kit.py"), "predict", "--out",
+                                str(tmp_path / "out"), "--acceptance", str(tmp_path / "out" / "report-moe-30b-a3b-2gib.json")],
+                               env=env, capture_output=True, text=True, timeout=120)
+    assert predicted.returncode == 0, predicted.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "out" / "kit-results.json").read_text())["predict"]
+    assert row["report"] == "report-moe-30b-a3b-2gib.json" and row["predicted_speedup"] >= 1.0
