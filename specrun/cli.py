@@ -129,51 +129,18 @@ def _main(
 # generate
 
 
-def _read_text_file(file: Path, what: str) -> str:
-    """Return a UTF-8 text file's contents, or raise a one-line error naming `what` it is."""
-    from specrun.inputs import decode_utf8
-
-    try:
-        return decode_utf8(file.read_bytes(), f"{what} {file}")
-    except IsADirectoryError:
-        raise UsageError(f"{what} {file} is a directory") from None
-    except OSError as e:
-        raise UsageError(f"cannot read {what} {file}: {e.strerror}") from None
-
-
-def _text_file(path: Path | None, option: str) -> str | None:
-    """Return the UTF-8 text of an option's file (None when not given), or a one-line error."""
-    return None if path is None else _read_text_file(path, f"{option} file")
-
-
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
-    from specrun.inputs import check_utf8, read_stdin
+    from specrun.inputs import check_utf8, read_stdin, read_text_file
 
     if prompt is not None and file is not None:
         raise UsageError("give the prompt either as an argument or with --file, not both")
     if file is not None:
-        return _read_text_file(file, "prompt file")
+        return read_text_file(file, "prompt file")
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         return read_stdin()
     if prompt is not None:
         return check_utf8(prompt, "the prompt argument")
     raise UsageError("no prompt: pass it as an argument, with --file, or on stdin")
-
-
-def _schema_file(path: Path | None) -> str | None:
-    """Return the JSON text of a --json-schema file (checked to be a JSON object)."""
-    import json
-
-    text = _text_file(path, "--json-schema")
-    if text is None:
-        return None
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--json-schema file {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(schema, dict):
-        raise UsageError(f"--json-schema file {path} must hold a JSON object")
-    return json.dumps(schema)
 
 
 @app.command(
@@ -241,6 +208,7 @@ def generate(
     _setup_logging(verbose)
     with _user_errors():
         from specrun.commands import generate as generate_command
+        from specrun.inputs import json_schema_file, option_file
         from specrun.runtime.request import Request
 
         if jsonl and as_json:
@@ -256,7 +224,7 @@ def generate(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seed=seed, stop=tuple(stop or ()), chat=chat, system=system, parse_special=parse_special,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
-            logprobs=logprobs, json_schema=_schema_file(json_schema), grammar=_text_file(grammar, "--grammar"),
+            logprobs=logprobs, json_schema=json_schema_file(json_schema), grammar=option_file(grammar, "--grammar"),
         )
         if jsonl:
             if prompt is not None and prompt != "-":
@@ -379,13 +347,13 @@ def serve(
 
 def _chat_settings(reasoning_format: str, chat_template: Path | None):
     from specrun.chat.reasoning import ChatSettings, normalize_format
+    from specrun.inputs import option_file
 
     try:
         fmt = normalize_format(reasoning_format)
     except ValueError as e:
         raise UsageError(f"--reasoning-format: {e}") from None
-    template = _read_text_file(chat_template, "--chat-template file") if chat_template is not None else None
-    return ChatSettings(reasoning_format=fmt, template=template)
+    return ChatSettings(reasoning_format=fmt, template=option_file(chat_template, "--chat-template"))
 
 
 # ---------------------------------------------------------------------------------------------

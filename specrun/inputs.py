@@ -8,7 +8,9 @@ silently replaced. Python hands undecodable command-line bytes over as lone surr
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 from specrun.errors import UsageError
 
@@ -43,3 +45,32 @@ def read_stdin(where: str = "stdin") -> str:
     if buffer is None:  # a text-only stream (tests, embedding): already decoded
         return check_utf8(sys.stdin.read(), where)
     return decode_utf8(buffer.read(), where)
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """Return a UTF-8 text file's contents, or raise a one-line error naming `what` it is."""
+    try:
+        return decode_utf8(path.read_bytes(), f"{what} {path}")
+    except IsADirectoryError:
+        raise UsageError(f"{what} {path} is a directory") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def option_file(path: Path | None, option: str) -> str | None:
+    """Return the UTF-8 text of an option's file (None when not given), or a one-line error."""
+    return None if path is None else read_text_file(path, f"{option} file")
+
+
+def json_schema_file(path: Path | None) -> str | None:
+    """Return the JSON text of a --json-schema file (checked to be a JSON object), or None."""
+    text = option_file(path, "--json-schema")
+    if text is None:
+        return None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--json-schema file {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema file {path} must hold a JSON object")
+    return json.dumps(schema)

@@ -482,6 +482,8 @@ def fake_builders(monkeypatch):
         "specrun.models.tinymodel": SimpleNamespace(write_random_model=write_random_model),
     }
     monkeypatch.setattr(builders, "_module", modules.__getitem__)
+    # Conversions run in a child process (Ctrl-C stops them there); these fakes run in this one.
+    monkeypatch.setattr(builders, "_quantize_in_child", lambda parent, out, ftype, alias, folder: quantize(parent, out, ftype))
     return calls
 
 
@@ -529,7 +531,7 @@ def test_failed_build_leaves_nothing_under_the_final_name(env, fake_builders, mo
         Path(dst).write_bytes(b"half")
         raise UsageError("llama.cpp refused")
 
-    monkeypatch.setattr(builders, "_module", lambda name: SimpleNamespace(quantize=broken))
+    monkeypatch.setattr(builders, "_quantize_in_child", lambda parent, out, ftype, alias, folder: broken(parent, out, ftype))
     env.hub.add_file(REPO, FILE, DATA)
     user_toml(derived_aliases())
     with pytest.raises(UsageError):
