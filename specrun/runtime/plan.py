@@ -346,10 +346,12 @@ def build_plan(
     draft_ctx = None
     if tree is not None:
         tree_tokens = tree.verified.budget + 1
-        if tree.verify == architectures.CHAINS:
-            # A sequence per chain, and snapshots to roll the state back by the rejected drafts.
-            chain_tokens = MAX_CHAINS * (tree.verified.depth + 1)
-            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), MAX_CHAINS, tree.verified.depth)
+        if tree.verify in (architectures.CHAINS, architectures.CHAIN):
+            # A sequence per chain (MTP drafts one), and snapshots to roll the state back by the
+            # rejected drafts.
+            n_chains = MAX_CHAINS if tree.verify == architectures.CHAINS else 1
+            chain_tokens = n_chains * (tree.verified.depth + 1)
+            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), n_chains, tree.verified.depth)
         else:
             target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
         if tree.draft_model:
