@@ -274,11 +274,12 @@ def test_sampled_tokens_have_plain_distribution(kind, tiny, contexts):
 # The speed guard covers draft-model trees
 
 
-def test_speed_guard_turns_a_losing_draft_tree_into_plain_steps_and_says_so_once(target, draft, contexts, prompts, references, caplog):
-    """A profile whose plain decoding is far faster than any tree: the guard halves the tree down
-    to plain steps, logs that once at info level, and the output stays the target's."""
+def test_speed_guard_turns_a_losing_draft_tree_into_plain_steps_and_says_so_once(target, tiny, contexts, prompts, references, caplog):
+    """A draft that is almost always wrong (the tiny random model) makes every tree lose: the guard
+    (which soon measures plain steps itself, whatever the profile said) halves the tree down to
+    plain steps, logs that once at info level, and the output stays the target's."""
     shape = TreeShape(budget=4, depth=4, width=1, top_k=1)
-    grower = TreeGrower(draft, contexts(draft, n_ctx=N_CTX, n_batch=64), shape)
+    grower = TreeGrower(tiny, contexts(tiny, n_ctx=N_CTX, n_batch=64), shape)
     guard = SpeedGuard(shape.budget, plain_s=1e-6, window=4)
     spec = SpeculativeDecoder(target, contexts(target, n_ctx=N_CTX, n_batch=64), grower, shape, guard=guard)
     prompt = prompts["free"][0]
