@@ -17,15 +17,13 @@ Needs the `gguf` package (the `dev` extra).
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from specrun.models.tinymodel import LOGIT_STD, _tokenizer_fields
+from specrun.models.tinymodel import LOGIT_STD, _tokenizer_fields, add_tokenizer, write_gguf
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "lfm2", "gpt-oss", "jamba", "mamba")
 
@@ -66,10 +64,7 @@ def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0, mtp: 
         raise ValueError(f"no tiny MTP layout for architecture {arch!r} (qwen35 only)")
     layout = _qwen35(n_vocab, mtp=True) if mtp else _LAYOUTS[arch](n_vocab)
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp_name, arch=arch)
+    def fill(writer) -> None:
         writer.add_name(f"specrun random {arch} (seed {seed})")
         writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
         writer.add_uint32(f"{arch}.context_length", CONTEXT_LENGTH)
@@ -77,23 +72,14 @@ def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0, mtp: 
         writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", RMS_NORM_EPS)
         for key, value in layout.keys.items():
             _add_key(writer, key, value)
-        for key, (types, value) in tokenizer.items():
-            sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, value, types[0], sub_type=sub_type)
+        add_tokenizer(writer, tokenizer)
         for name, array, qtype in _fill(layout, seed):
             if qtype is None:
                 writer.add_tensor(name, array)
             else:
                 writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only
-        os.replace(tmp_name, dst)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+
+    write_gguf(dst, arch, fill)
 
 
 @functools.lru_cache(maxsize=2)

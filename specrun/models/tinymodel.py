@@ -53,10 +53,7 @@ def write_random_model(
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])
     head_dim = n_embd // n_head
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp_name, arch="llama")
+    def fill(writer) -> None:
         writer.add_name(f"specrun random llama (seed {seed})")
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         writer.add_context_length(CONTEXT_LENGTH)
@@ -69,12 +66,23 @@ def write_random_model(
         writer.add_rope_dimension_count(head_dim)
         writer.add_rope_freq_base(ROPE_FREQ_BASE)
         writer.add_vocab_size(n_vocab)
-        for key, (types, value) in tokenizer.items():
-            sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, value, types[0], sub_type=sub_type)
-
+        add_tokenizer(writer, tokenizer)
         for name, tensor in _random_tensors(seed, n_vocab, n_layer, n_embd, n_head_kv * head_dim, n_ff):
             writer.add_tensor(name, tensor)
+
+    write_gguf(dst, "llama", fill)
+
+
+def write_gguf(dst: Path, arch: str, fill) -> None:
+    """Write a GGUF of `arch` to `dst` atomically: `fill(writer)` adds its keys and tensors, the
+    file is written beside `dst` and renamed (a failure leaves nothing behind)."""
+    import gguf
+
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp_name, arch=arch)
+        fill(writer)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -84,6 +92,15 @@ def write_random_model(
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+
+
+def add_tokenizer(writer, tokenizer: dict) -> None:
+    """Copy `tokenizer.*` fields (as _tokenizer_fields reads them) into a GGUF writer."""
+    import gguf
+
+    for key, (types, value) in tokenizer.items():
+        sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, types[0], sub_type=sub_type)
 
 
 def _tokenizer_fields(reader: Any) -> dict[str, tuple[list, Any]]:
