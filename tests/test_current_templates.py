@@ -10,8 +10,6 @@ that does not escape HTML, `raise_exception` and `strftime_now`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import functools
 import json
 import logging
@@ -25,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from specrun.chat import templates
 from specrun.chat.templates import render_chat
 from tests.pinned_sources import template, vocab_gguf
+from tests.test_templates import render_incremental, smollm2_vocab  # noqa: F401 (fixtures: a turn as a chat session renders it)
 
 # ---------------------------------------------------------------------------------------------
 # The reference: rendered as transformers renders a chat template
@@ -173,30 +172,6 @@ def test_thinking_sections_render_as_hugging_face(name, no_fallback):
 
 # ---------------------------------------------------------------------------------------------
 # Incremental rendering (chat KV reuse)
-
-
-@dataclass
-class Turn:
-    full: str
-    suffix: str | None
-
-
-@pytest.fixture(scope="module")
-def render_incremental(offline_models):
-    """Return render(template, history, new, rendered_history=None) -> Turn, as a chat session renders a turn."""
-    from specrun.chat.session import ChatFormat
-    from specrun.engine.model import Model
-
-    model = Model(offline_models.smollm2_q4, vocab_only=True)
-
-    def render(template_text, history, new, rendered_history=None):
-        fmt = ChatFormat(model)
-        fmt.template, fmt.bos_text, fmt.eos_text = template_text, "", ""  # as render_chat renders by default
-        full, start = fmt.render_turn(history, new, rendered_history)
-        return Turn(full.text, None if start is None else full.text[start:])
-
-    yield render
-    model.close()
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
