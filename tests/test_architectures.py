@@ -12,7 +12,7 @@ from specrun.errors import RegistryError
 from specrun.models import architectures, registry
 from specrun.models.architectures import speculation
 from specrun.models.registry import HFSource
-from tests.pinned_sources import gguf_py
+from pinned_sources import gguf_py
 
 
 @pytest.fixture(autouse=True)

@@ -22,8 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from specrun.chat import templates
 from specrun.chat.templates import render_chat
-from tests.pinned_sources import template, vocab_gguf
-from tests.test_templates import render_incremental, smollm2_vocab  # noqa: F401 (fixtures: a turn as a chat session renders it)
+from pinned_sources import template, vocab_gguf
+from test_templates import render_incremental, smollm2_vocab  # noqa: F401 (fixtures: a turn as a chat session renders it)
 
 # ---------------------------------------------------------------------------------------------
 # The reference: rendered as transformers renders a chat template
