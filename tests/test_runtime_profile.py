@@ -99,3 +99,20 @@ def test_an_untuned_pair_gets_the_tuning_tip_once(offline_models, capsys):
     with Runtime(replace(OPTS, quiet=False)):
         pass
     assert capsys.readouterr().err.count("specrun tune") == 1
+
+
+def test_without_a_profile_a_long_copy_prompt_is_not_read_by_the_draft_before_lookup_has_looked(offline_models):
+    """A fresh process, no profile, the default (draft tree + lookup): the draft model would first
+    have to read the whole prompt. The first step is a plain or lookup step (it measures the
+    target), and lookup carries the copy from there; the answer is the target's own."""
+    with Runtime(replace(OPTS, lookup=None)) as rt:
+        assert rt.plan.drafter == "hybrid"
+        assert rt.decoder.drafter.relative_size == pytest.approx(1.0)  # the pair: one model, two precisions
+        prompt = rt.tokenize_prompt(REWRITE[0], chat=True)
+        assert len(prompt) > 100
+        out = token_ids(rt.decoder, prompt, SamplingParams(), 48)
+        steps = rt.decoder.stats.steps
+        assert steps[1].draft_passes == 0 and steps[1].draft_s == 0.0
+        assert sum(step.lookup_tokens for step in steps) > 0
+    with Runtime(replace(OPTS, no_spec=True)) as plain:
+        assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE[0], chat=True), SamplingParams(), 48) == out

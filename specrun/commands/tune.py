@@ -70,9 +70,12 @@ FULL = TuneSettings(
 MAX_SEQUOIA_TOKENS = MAX_SEQ
 # A draft tree that measures slower than this against plain decoding on the held-out prompts is
 # turned off (lookup stays on), whatever the prediction said; one that measures at least this
-# fast stays, whatever the prediction said: within noise of plain decoding the run's own online
-# sizing and speed guard decide, as they do without a profile.
-CHECK_MIN_SPEEDUP = 0.97
+# fast stays, whatever the prediction said. The check decodes a few short answers, whose speed
+# varies by several percent from run to run on a small machine: a tree that measured about level
+# with plain decoding stays, and the run's own speed guard (which measures plain steps itself)
+# cuts it where it loses, as it does without a profile. Turning it off on such a figure took the
+# draft tree's gain on free text away from every later run.
+CHECK_MIN_SPEEDUP = 0.90
 
 
 

@@ -166,5 +166,6 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
         model_drafter = TreeGrower(draft, draft_ctx, tree.shape)
     if tree.lookup is None:
         return model_drafter
+    relative_size = draft.n_params / target_ctx.model.n_params if target_ctx is not None else None
     return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
-                         prior=tree.prior)
+                         prior=tree.prior, relative_size=relative_size)

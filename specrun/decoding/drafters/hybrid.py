@@ -37,6 +37,16 @@ _MIN_AHEAD = 16
 # over this many steps waits that many steps: lookup watches meanwhile (for free) whether the
 # answer copies the text, and then decides (HybridDrafter._lean_by_prior).
 _DEFER_STEPS = 4
+# Without a profile, what the first steps assume of the draft model until it has run: its steps
+# emit this many times plain decoding's tokens per second (a modest draft's gain), and its
+# catch-up costs per token what the target's prefill did, times the draft's share of the
+# target's parameters. A catch-up of at most _SHORT_DEBT tokens is never put off.
+_ASSUMED_SPEEDUP = 1.3
+_ASSUMED_ACCEPTED = 1.0
+_SHORT_DEBT = 32
+# A prefill shorter than this says more about one pass's overhead than about a token's cost.
+_PREFILL_SAMPLE = 32
+_UNMEASURED = DraftPrior(plain_s=0.0, tree_s=0.0, step_s=0.0, catch_up_s=0.0, accepted=0.0)
 
 
 class HybridDrafter:
@@ -48,11 +58,14 @@ class HybridDrafter:
 
     def __init__(self, draft: Drafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
                  cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None,
-                 prior: DraftPrior | None = None):
+                 prior: DraftPrior | None = None, relative_size: float | None = None):
         self.draft = draft
         # What the tuning profile measured for the draft model: decides the steps before this
-        # process has run it (None: run it first, then decide from what it measured).
+        # process has run it (None: an assumed prior from what this process measured, see
+        # _assumed_prior).
         self.prior = prior
+        self.relative_size = relative_size  # the draft's parameters / the target's
+        self.prefill_s = Average(8)  # the target's prefill seconds per token, in this process
         self.draft_budget = draft_budget
         self.draft_depth = draft_depth  # the draft model's tree stays as deep as planned (None: any)
         self.lookup_budget = lookup_budget
@@ -79,6 +92,11 @@ class HybridDrafter:
         """A generation begins: a prompt of n_prompt tokens, at most max_tokens to generate."""
         self._n_prompt, self._max_tokens = n_prompt, max_tokens
         self._deferred = 0
+
+    def prefilled(self, n_tokens: int, seconds: float) -> None:
+        """The target read n_tokens of a prompt in `seconds` (what a catch-up is priced from)."""
+        if n_tokens >= _PREFILL_SAMPLE and seconds > 0:
+            self.prefill_s.add(seconds / n_tokens)
 
     def learn(self, text: Sequence[int], complete: bool = True) -> None:
         """Index a finished generation's text (prompt + answer) and finish watching its proposals.
@@ -166,7 +184,8 @@ class HybridDrafter:
         return lean > float(np.max(accepted / seconds))
 
     def _lean_by_prior(self, alone: Hindsight, proposed: bool, committed: Sequence[int], root: int) -> bool:
-        """Before this process has run the draft model, decide from the profile's figures.
+        """Before this process has run the draft model, decide from the profile's figures (or,
+        without a profile, from what _assumed_prior makes of this process's measurements).
 
         A catch-up with the text so far (a whole prompt, in a fresh process) that costs more than
         drafting would save over _DEFER_STEPS steps waits: while the answer follows lookup's
@@ -175,13 +194,18 @@ class HybridDrafter:
         catch-up is cheap: a short prompt) the draft model runs unless lookup alone, or a plain
         step, is expected faster than its steps with that catch-up spread over the answer.
         """
-        prior = self.prior
+        debt = self.draft.debt(committed, root)
+        prior = self.prior or self._assumed_prior(debt)
         if prior is None:
             return False
+        if prior is _UNMEASURED:
+            # Nothing measured yet (the answer's first step) and a long text to catch up with:
+            # one plain or lookup step first, which measures the target and what lookup finds.
+            self._deferred += 1
+            return True
         measured = self.cost.plain_s() if self.cost.known else None
         scale = measured / prior.plain_s if measured and prior.plain_s > 0 else 1.0
         plain_rate = 1.0 / (prior.plain_s * scale)
-        debt = self.draft.debt(committed, root)
         ahead = self._tokens_ahead(len(committed) + 1)
         saved = (prior.accepted + 1.0) * max(0.0, 1.0 / plain_rate - 1.0 / prior.draft_rate(1, ahead, scale))
         if max(0, debt - 1) * prior.catch_up_s * scale > _DEFER_STEPS * saved:
@@ -196,6 +220,21 @@ class HybridDrafter:
             step_s = float(self.step_s.mean) if self.step_s.known else 0.0
             lean = max(lean, alone.best(lambda nodes: self.cost(nodes + 1) + step_s)[1])
         return lean > prior.draft_rate(debt, ahead, scale)
+
+    def _assumed_prior(self, debt: int) -> DraftPrior | None:
+        """Without a profile: a prior from this process's own measurements and a modest
+        assumption (_ASSUMED_SPEEDUP), so that a fresh process does not pay a long text's catch-up
+        before lookup has seen whether the answer copies it. None where nothing is put off (the
+        draft's size or the target's prefill cost unknown, or a short catch-up); _UNMEASURED
+        before any target pass of an answer was measured."""
+        if self.relative_size is None or not self.prefill_s.known or debt <= _SHORT_DEBT:
+            return None
+        if not self.cost.known:
+            return _UNMEASURED
+        plain_s = float(self.cost(np.array([1]))[0])
+        tokens = _ASSUMED_ACCEPTED + 1.0
+        return DraftPrior(plain_s=plain_s, tree_s=tokens * plain_s / _ASSUMED_SPEEDUP, step_s=0.0,
+                          catch_up_s=float(self.prefill_s.mean) * self.relative_size, accepted=_ASSUMED_ACCEPTED)
 
     def _tokens_ahead(self, n_text: int) -> float:
         """Tokens this answer is expected to still generate (at least 1)."""
