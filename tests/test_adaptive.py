@@ -251,18 +251,17 @@ class ScriptedDraft:
         self.cached = 0
 
 
-def hybrid_session(prompts_and_answers, max_tokens=96, prior=None, relative_size=None):
+def hybrid_session(prompts_and_answers, max_tokens=96, prior=None, catch_up_s=None):
     """Decode each (prompt, answer) with a hybrid drafter over a ScriptedDraft; return the
-    drafter, its draft and the (tree nodes, accepted) steps of the last answer. The target reads
-    a prompt at 2 ms per token (the demo target's prefill: half the draft's catch-up)."""
+    drafter, its draft and the (tree nodes, accepted) steps of the last answer. `catch_up_s`:
+    what probing the draft's catch-up at load measured, per token."""
     text = [t for prompt, answer in prompts_and_answers for t in prompt + answer]
     draft = ScriptedDraft(text)
-    hybrid = HybridDrafter(draft, 5, 64, prior=prior, relative_size=relative_size)
+    hybrid = HybridDrafter(draft, 5, 64, prior=prior, catch_up_s=catch_up_s)
     start, steps = 0, []
     for prompt, answer in prompts_and_answers:
         draft.reset()  # a new request: the draft reads the whole prompt again
         hybrid.start(len(prompt), max_tokens)
-        hybrid.prefilled(len(prompt), 0.002 * len(prompt))
         whole = text[start : start + len(prompt) + len(answer)]
         draft.text = whole
         calls = draft.calls
@@ -305,15 +304,15 @@ def test_a_fresh_process_does_not_pay_a_long_prompts_catch_up_for_an_answer_that
     session = [(document, document[60:100])]
     _, draft_calls, steps = hybrid_session(session, prior=PRIOR)
     assert draft_calls == 0 and sum(a for _, a in steps) >= 25
-    # Without a profile: the target's prefill prices the catch-up (the pair's sizes being equal,
-    # at half its real cost) against a modest assumed gain -- still far dearer: no draft either.
-    _, draft_calls, steps = hybrid_session(session, relative_size=1.0)
+    # Without a profile: the catch-up cost probed at load, against a modest assumed gain from
+    # drafting -- far dearer: no draft either.
+    _, draft_calls, steps = hybrid_session(session, catch_up_s=0.004)
     assert draft_calls == 0 and sum(a for _, a in steps) >= 25
-    # A draft a tenth of the target's size is assumed to read the prompt ten times cheaper, but
-    # 150 tokens still cost more than drafting is assumed to save over the waiting steps.
-    _, draft_calls, _ = hybrid_session(session, relative_size=0.1)
+    # Even at a tenth of that cost, 150 tokens cost more than drafting is assumed to save over
+    # the waiting steps.
+    _, draft_calls, _ = hybrid_session(session, catch_up_s=0.0004)
     assert draft_calls == 0
-    # Knowing nothing of the draft's size, the first step reads the prompt (as before).
+    # Knowing nothing of the catch-up's cost, the first step reads the prompt.
     _, draft_calls, _ = hybrid_session(session)
     assert draft_calls >= 1
 
@@ -331,12 +330,17 @@ def test_a_fresh_process_drafts_free_text_at_once_after_a_short_prompt_and_soon_
 def test_without_a_profile_free_text_is_drafted_at_once_after_a_short_prompt_and_soon_after_a_long_one():
     rng = np.random.default_rng(6)
     words = lambda n: [int(t) for t in rng.integers(100, 30000, n)]  # noqa: E731
-    _, draft_calls, steps = hybrid_session([(words(20), words(90))], relative_size=1.0)
+    _, draft_calls, steps = hybrid_session([(words(20), words(90))], catch_up_s=0.004)
     assert draft_calls >= len(steps) - 1  # a short catch-up is never put off
-    _, draft_calls, steps = hybrid_session([(words(150), words(90))], relative_size=1.0)
-    # The first step measures the target, three more watch lookup find nothing: then the draft runs.
+    # A long prompt, room for a long answer: the catch-up (0.6 s) pays back over it even at the
+    # modest gain assumed. The first step measures the target, three more watch lookup find
+    # nothing: then the draft runs.
+    _, draft_calls, steps = hybrid_session([(words(150), words(90))], max_tokens=400, catch_up_s=0.004)
     assert all(nodes == 0 for nodes, _ in steps[:4]) and steps[4][0] > 0
     assert draft_calls >= len(steps) - 5 and sum(a for _, a in steps) >= 60
+    # At most 96 tokens to go: at the assumed gain, the catch-up would not pay back -- plain steps.
+    _, draft_calls, steps = hybrid_session([(words(150), words(90))], max_tokens=96, catch_up_s=0.004)
+    assert draft_calls == 0
 
 
 def test_a_new_request_wins_back_what_the_speed_guard_cut():

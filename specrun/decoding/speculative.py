@@ -65,7 +65,6 @@ class SpeculativeDecoder:
         self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
         self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
         self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
-        self._prefilled = getattr(drafter, "prefilled", None)  # and prices catch-ups by the prefill
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
 
@@ -99,8 +98,6 @@ class SpeculativeDecoder:
         # The whole new part of the prompt goes in one batch and its last row gives the first
         # token, as in plain decoding: no pass of its own for the first token.
         _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
-        if self._prefilled is not None:
-            self._prefilled(stats.n_prefilled, stats.prefill_s)
         t_start = time.perf_counter()
         rules = PathRules.of(params)
         step = _first_step(self.ctx.logits_row(-1), params, rng, rules)

@@ -116,11 +116,6 @@ class Model(Owner):
         return C.llama_model_n_swa(self.ptr)
 
     @property
-    def n_params(self) -> int:
-        """Parameters in the model (all experts of a MoE counted)."""
-        return C.llama_model_n_params(self.ptr)
-
-    @property
     def file_size(self) -> int:
         return self.path.stat().st_size
 

@@ -166,6 +166,8 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
         model_drafter = TreeGrower(draft, draft_ctx, tree.shape)
     if tree.lookup is None:
         return model_drafter
-    relative_size = draft.n_params / target_ctx.model.n_params if target_ctx is not None else None
+    # Without a profile's figures the draft's catch-up cost is measured now (a short pass, as a
+    # warm-up): it decides whether a long prompt's catch-up waits while lookup looks.
+    catch_up_s = model_drafter.probe_catch_up() if tree.prior is None else None
     return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
-                         prior=tree.prior, relative_size=relative_size)
+                         prior=tree.prior, catch_up_s=catch_up_s)

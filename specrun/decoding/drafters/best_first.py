@@ -25,6 +25,9 @@ from specrun.limits import MAX_SEQ
 
 # Cached tokens compared with the text before trusting the cache to hold a prefix of it.
 _DEBT_CHECK = 16
+# Tokens of the timed pass that prices the draft's catch-up (TreeGrower.probe_catch_up): past a
+# dozen tokens a pass costs about the same per token on a CPU as over hundreds.
+_PROBE_TOKENS = 16
 
 
 @dataclass
@@ -76,6 +79,21 @@ class TreeGrower:
             return len(committed) + 1 - n
         text = [*committed, root]
         return len(text) - self.cache.reusable(text)
+
+    def probe_catch_up(self) -> float | None:
+        """Return the seconds per token of a catch-up, timed on a pass over _PROBE_TOKENS tokens
+        after a one-token pass that warms the model up (None when the cache holds text: the probe
+        needs it empty, and leaves it so)."""
+        if self.cache.tokens:
+            return None
+        n = min(_PROBE_TOKENS, self.ctx.n_batch, self.ctx.n_ctx - 1)
+        self.cache.extend([0], want_last_logits=True)
+        self.cache.truncate(0)
+        t0 = time.perf_counter()
+        self.cache.extend([0] * n, want_last_logits=True)
+        seconds = time.perf_counter() - t0
+        self.cache.truncate(0)
+        return seconds / n
 
     def _catch_up(self, committed: Sequence[int], root: int) -> np.ndarray:
         """Make the draft cache hold committed + root; return the draft's logits after the root."""

@@ -38,14 +38,11 @@ _MIN_AHEAD = 16
 # answer copies the text, and then decides (HybridDrafter._lean_by_prior).
 _DEFER_STEPS = 4
 # Without a profile, what the first steps assume of the draft model until it has run: its steps
-# emit this many times plain decoding's tokens per second (a modest draft's gain), and its
-# catch-up costs per token what the target's prefill did, times the draft's share of the
-# target's parameters. A catch-up of at most _SHORT_DEBT tokens is never put off.
+# emit this many times plain decoding's tokens per second (a modest draft's gain), accepting this
+# many draft tokens a pass. A catch-up of at most _SHORT_DEBT tokens is never put off.
 _ASSUMED_SPEEDUP = 1.3
 _ASSUMED_ACCEPTED = 1.0
 _SHORT_DEBT = 32
-# A prefill shorter than this says more about one pass's overhead than about a token's cost.
-_PREFILL_SAMPLE = 32
 _UNMEASURED = DraftPrior(plain_s=0.0, tree_s=0.0, step_s=0.0, catch_up_s=0.0, accepted=0.0)
 
 
@@ -58,14 +55,15 @@ class HybridDrafter:
 
     def __init__(self, draft: Drafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
                  cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None,
-                 prior: DraftPrior | None = None, relative_size: float | None = None):
+                 prior: DraftPrior | None = None, catch_up_s: float | None = None):
         self.draft = draft
         # What the tuning profile measured for the draft model: decides the steps before this
         # process has run it (None: an assumed prior from what this process measured, see
         # _assumed_prior).
         self.prior = prior
-        self.relative_size = relative_size  # the draft's parameters / the target's
-        self.prefill_s = Average(8)  # the target's prefill seconds per token, in this process
+        # Without a profile: the draft's catch-up seconds per token, measured when it was loaded
+        # (TreeGrower.probe_catch_up), which prices a long text's catch-up (see _assumed_prior).
+        self.catch_up_s = catch_up_s
         self.draft_budget = draft_budget
         self.draft_depth = draft_depth  # the draft model's tree stays as deep as planned (None: any)
         self.lookup_budget = lookup_budget
@@ -92,11 +90,6 @@ class HybridDrafter:
         """A generation begins: a prompt of n_prompt tokens, at most max_tokens to generate."""
         self._n_prompt, self._max_tokens = n_prompt, max_tokens
         self._deferred = 0
-
-    def prefilled(self, n_tokens: int, seconds: float) -> None:
-        """The target read n_tokens of a prompt in `seconds` (what a catch-up is priced from)."""
-        if n_tokens >= _PREFILL_SAMPLE and seconds > 0:
-            self.prefill_s.add(seconds / n_tokens)
 
     def learn(self, text: Sequence[int], complete: bool = True) -> None:
         """Index a finished generation's text (prompt + answer) and finish watching its proposals.
@@ -222,19 +215,19 @@ class HybridDrafter:
         return lean > prior.draft_rate(debt, ahead, scale)
 
     def _assumed_prior(self, debt: int) -> DraftPrior | None:
-        """Without a profile: a prior from this process's own measurements and a modest
-        assumption (_ASSUMED_SPEEDUP), so that a fresh process does not pay a long text's catch-up
-        before lookup has seen whether the answer copies it. None where nothing is put off (the
-        draft's size or the target's prefill cost unknown, or a short catch-up); _UNMEASURED
-        before any target pass of an answer was measured."""
-        if self.relative_size is None or not self.prefill_s.known or debt <= _SHORT_DEBT:
+        """Without a profile: a prior from this process's own measurements (the draft's catch-up
+        cost, the target's passes) and a modest assumption of the draft's gain (_ASSUMED_SPEEDUP),
+        so that a fresh process does not pay a long text's catch-up before lookup has seen
+        whether the answer copies it. None where nothing is put off (the catch-up cost unknown,
+        or a short catch-up); _UNMEASURED before any target pass of this process was measured."""
+        if self.catch_up_s is None or debt <= _SHORT_DEBT:
             return None
         if not self.cost.known:
             return _UNMEASURED
         plain_s = float(self.cost(np.array([1]))[0])
         tokens = _ASSUMED_ACCEPTED + 1.0
         return DraftPrior(plain_s=plain_s, tree_s=tokens * plain_s / _ASSUMED_SPEEDUP, step_s=0.0,
-                          catch_up_s=float(self.prefill_s.mean) * self.relative_size, accepted=_ASSUMED_ACCEPTED)
+                          catch_up_s=self.catch_up_s, accepted=_ASSUMED_ACCEPTED)
 
     def _tokens_ahead(self, n_text: int) -> float:
         """Tokens this answer is expected to still generate (at least 1)."""
