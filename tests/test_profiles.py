@@ -193,3 +193,30 @@ def test_a_corrupt_suggestion_record_only_means_suggesting_again(model_files):
     record.write_text("{not json", encoding="utf-8")
     assert profiles.first_suggestion(target, draft) is True
     assert profiles.first_suggestion(target, draft) is False
+
+
+def _measured_profile(best_tree: dict, accepted_per_pass: float) -> dict:
+    """A profile's measurements, as tune stores them (the demo pair on a 2-core CPU)."""
+    return {
+        "config": best_tree, "best_tree": best_tree,
+        "curves": {"target": {"sizes": [1, 8, 64], "seconds": [0.030, 0.054, 0.236]},
+                   "draft": {"sizes": [1, 64], "seconds": [0.014, 0.464]}, "draft_topk": None},
+        "plain": {"target_s": 0.027, "overhead_s": 0.001},
+        "acceptance": {"tau": {"4": 3.76, "7": 4.76, "8": 5.12}},
+        "check": {"tree_measured_speedup": 1.19, "accepted_per_pass": accepted_per_pass},
+    }
+
+
+def test_the_draft_prior_of_the_checked_tree_takes_the_tokens_per_pass_the_check_measured():
+    """A chain of 7 from a draft that nearly always agrees passed 7.8 tokens in the check; the
+    calibration's best-first trees of 7 pass 4.8. Priced with the latter, drafting looked slower
+    than plain decoding and a tuned profile kept the draft model off free chat, where it pays."""
+    chain = {"kind": "sequoia", "budget": 7, "depth": 7, "width": 1, "top_k": 1}
+    facts = profiles.facts_of(_measured_profile(chain, 7.83))
+    prior = facts.draft_prior(TreeShape(7, 7, 1, 1))
+    assert prior.accepted == pytest.approx(6.83)
+    assert prior.draft_rate(1, 100.0) > 1.0 / facts.plain_s  # drafting pays, as the check measured
+    # Another shape (a --budget override) is priced from the calibration's tau.
+    assert facts.draft_prior(TreeShape(4, 4, 1, 1)).accepted == pytest.approx(2.76)
+    # A profile without the check's figure (older, or the tree was never checked) uses tau too.
+    assert profiles.facts_of(_measured_profile(chain, 0.0)).draft_prior(TreeShape(7, 7, 1, 1)).accepted == pytest.approx(3.76)

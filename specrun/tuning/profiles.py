@@ -192,6 +192,10 @@ class Facts:
     plain_s: float  # seconds per token of plain decoding
     tau: dict[int, float]  # tokens per pass (bonus included) of best-first draft trees, by budget
     tree_speedup: float | None  # the profile's best draft tree against plain decoding, measured
+    # (budget, depth, tokens per pass) of that tree as the held-out check decoded it: what the
+    # calibration's best-first tau says of other trees of its size does not hold for it (a chain
+    # of 7 from a draft that agrees 97% of the time passes ~7.8 tokens; best-first trees of 7, ~4.8).
+    checked: tuple[int, int, float] | None = None
 
     @property
     def catch_up_s(self) -> float:
@@ -206,6 +210,8 @@ class Facts:
         passes = min(passes, shape.budget)
         known = [b for b in self.tau if b <= shape.budget]
         tau = self.tau[max(known)] if known else 1.0
+        if self.checked is not None and self.checked[:2] == (shape.budget, shape.depth):
+            tau = self.checked[2]
         return DraftPrior(
             plain_s=self.plain_s, tree_s=self.target.t(shape.budget + 1), step_s=passes * self.draft.t(width),
             catch_up_s=self.catch_up_s, accepted=max(0.0, tau - 1.0),
@@ -227,10 +233,18 @@ def facts_of(profile: dict) -> Facts | None:
             plain_s=float(plain["target_s"]) + float(plain.get("overhead_s", 0.0)),
             tau={int(b): float(t) for b, t in profile["acceptance"]["tau"].items()},
             tree_speedup=float(check["tree_measured_speedup"]) if "tree_measured_speedup" in check else None,
+            checked=_checked_tree(profile.get("best_tree"), check),
         )
     except (KeyError, TypeError, ValueError) as e:
         log.debug("the tuning profile's measurements are not usable: %s", e)
         return None
+
+
+def _checked_tree(best_tree: dict | None, check: dict) -> tuple[int, int, float] | None:
+    """(budget, depth, tokens per pass) of the tree the held-out check decoded, when measured."""
+    if not best_tree or best_tree.get("kind", "plain") == "plain" or not check.get("accepted_per_pass"):
+        return None
+    return int(best_tree["budget"]), int(best_tree["depth"]), float(check["accepted_per_pass"])
 
 
 def facts_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
