@@ -107,6 +107,9 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
     assert profile["predicted_speedup"] > 0 and profile["measured_speedup"] > 0
     assert profile["check"]["identical_output"] is True
     assert profile["check"]["tokens"] > 0
+    # The check also decoded the untuned default (unless the best tree is that chain already).
+    chain5 = (profile["best_tree"]["budget"], profile["best_tree"]["depth"], profile["best_tree"]["width"]) == (5, 5, 1)
+    assert profile["check"]["default_tokens_per_s"] > 0 or chain5
     assert profile["calibration"]["n_steps"] > 0
     assert profile["curves"]["target"]["sizes"][0] == 1
     # What runs by default, predicted on half of each workload's prompts and measured on the rest.
@@ -225,3 +228,27 @@ def _spin(seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         pass
+
+
+def _check_result(plain: float, tree: float, default: float) -> tune_command.CheckResult:
+    return tune_command.CheckResult(plain, tree, 3.0, True, 3, 100, default_tokens_per_s=default, default_accepted_per_pass=5.5)
+
+
+def test_a_tuned_tree_that_measures_slower_than_the_untuned_default_is_not_stored():
+    """Full tune on the demo pair picked a chain of 3 (predicted 0.99x, measured 1.13x) where the
+    untuned chain of 5 decodes chat at ~1.2x: stored, it made every later chat slower."""
+    chain3 = tune_command.tuner.Choice("sequoia", 3, 3, 1, 1, 39.0, 0.99)
+    default = tune_command._untuned_default(chain3, max_budget=512)
+    assert (default.budget, default.depth, default.width) == (5, 5, 1)
+    choice, best, check = tune_command._prefer_the_default(chain3, chain3, default, _check_result(36.5, 41.3, 46.0))
+    assert choice == best and (best.kind, best.budget, best.depth) == ("specexec", 5, 5)
+    assert check.tree_tokens_per_s == 46.0 and check.accepted_per_pass == 5.5
+    assert best.predicted_speedup == pytest.approx(46.0 / 36.5)  # what it measured, for the report
+    # Within the margin the tuned tree stays; a plain choice stays plain (the later rules decide).
+    assert tune_command._prefer_the_default(chain3, chain3, default, _check_result(36.5, 41.3, 42.0))[0] == chain3
+    plain = tune_command.tuner.Choice("plain", 0, 0, 0, 0, 36.0, 1.0)
+    choice, best, _ = tune_command._prefer_the_default(plain, chain3, default, _check_result(36.5, 41.3, 46.0))
+    assert choice == plain and best.budget == 5
+    # A tune limited to smaller trees, or whose best tree is the default chain, checks no default.
+    assert tune_command._untuned_default(chain3, max_budget=4) is None
+    assert tune_command._untuned_default(tune_command.tuner.Choice("specexec", 5, 5, 1, 1, 40.0, 1.1), 512) is None

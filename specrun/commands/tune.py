@@ -26,7 +26,12 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.errors import SpecrunError, UsageError
 from specrun.hardware import offload
 from specrun.limits import MAX_SEQ
-from specrun.runtime.plan import RunOptions, resolve_models, tree_of_choice
+from specrun.runtime.plan import (
+    DEFAULT_SHAPE,
+    RunOptions,
+    resolve_models,
+    tree_of_choice,
+)
 from specrun.runtime.runtime import Runtime, make_decoder
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import measure as profiler
@@ -76,6 +81,9 @@ MAX_SEQUOIA_TOKENS = MAX_SEQ
 # cuts it where it loses, as it does without a profile. Turning it off on such a figure took the
 # draft tree's gain on free text away from every later run.
 CHECK_MIN_SPEEDUP = 0.90
+# The held-out check also decodes what runs without a profile (a chain of DEFAULT_SHAPE); a tuned
+# tree must not measure slower than it by more than this, or the default is what is stored.
+DEFAULT_MARGIN = 0.03
 
 
 
@@ -101,7 +109,9 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
         with report.progress() as progress:
             measured = _measure(rt, settings, calibration_shape, calib_prompts, progress)
             choice, best_tree = _choose(measured)
-            check = _check(rt, choice, best_tree, held_out, settings, progress)
+            default = _untuned_default(best_tree, max_budget)
+            check = _check(rt, choice, best_tree, held_out, settings, progress, default)
+        choice, best_tree, check = _prefer_the_default(choice, best_tree, default, check)
         # Measured beats predicted, both ways.
         if choice.kind != "plain" and check.tree_speedup < CHECK_MIN_SPEEDUP:
             # The tree lost on the held-out prompts: the draft model's trees are turned off.
@@ -278,36 +288,75 @@ class CheckResult:
     identical_output: bool
     n_prompts: int
     n_tokens: int
+    default_tokens_per_s: float = 0.0  # the untuned default's tree, when it differs (else 0)
+    default_accepted_per_pass: float = 0.0
+
+    @property
+    def default_speedup(self) -> float:
+        return self.default_tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
+
+    def with_default_as_tree(self) -> CheckResult:
+        """The same check, with the untuned default's figures as the tree's."""
+        return replace(self, tree_tokens_per_s=self.default_tokens_per_s,
+                       accepted_per_pass=self.default_accepted_per_pass)
 
     @property
     def tree_speedup(self) -> float:
         return self.tree_tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
 
 
-def _check(rt, choice: tuner.Choice, tree: tuner.Choice, prompts: list[list[int]], settings: TuneSettings, progress) -> CheckResult:
-    """Decode held-out prompts plainly and with the best tree; return the speeds."""
+def _prefer_the_default(choice: tuner.Choice, best_tree: tuner.Choice, default: tuner.Choice | None,
+                        check: CheckResult) -> tuple[tuner.Choice, tuner.Choice, CheckResult]:
+    """Where the tuner's best tree measured slower than the untuned default's (by more than
+    DEFAULT_MARGIN), storing it would make every later run slower: the default takes its place
+    (its measured figures standing for the prediction). Return (choice, best tree, check)."""
+    if default is None or check.default_tokens_per_s <= check.tree_tokens_per_s * (1.0 + DEFAULT_MARGIN):
+        return choice, best_tree, check
+    ui.dim(f"the tuned tree ({report.config_text(best_tree.to_dict())}) measured slower than the untuned "
+           f"default ({report.config_text(default.to_dict())}): storing the default")
+    kept = replace(default, predicted_tokens_per_s=check.default_tokens_per_s, predicted_speedup=check.default_speedup)
+    return (choice if choice.kind == "plain" else kept), kept, check.with_default_as_tree()
+
+
+def _untuned_default(best_tree: tuner.Choice, max_budget: int) -> tuner.Choice | None:
+    """What runs without a profile (a chain of DEFAULT_SHAPE), as a tuner choice; None when the
+    best tree is that chain already, or the tune was limited to smaller trees."""
+    shape = DEFAULT_SHAPE
+    if shape.budget > max_budget:
+        return None
+    if best_tree.kind != "plain" and (best_tree.budget, best_tree.depth, best_tree.width) == (shape.budget, shape.depth, shape.width):
+        return None
+    return tuner.Choice("specexec", shape.budget, shape.depth, shape.width, shape.top_k, 0.0, 0.0)
+
+
+def _check(rt, choice: tuner.Choice, tree: tuner.Choice, prompts: list[list[int]], settings: TuneSettings, progress,
+           default: tuner.Choice | None = None) -> CheckResult:
+    """Decode held-out prompts plainly, with the best tree and (when given) with the untuned
+    default's tree; return the speeds."""
 
     greedy = SamplingParams()
     n_prompts = settings.check_prompts
-    task = progress.add_task("checking the prediction", total=2 * n_prompts * settings.check_tokens)
-    deadline = time.monotonic() + settings.check_seconds
+    trees = {"tree": tree, **({"default": default} if default is not None else {})}
+    kinds = ["plain", *trees]
+    task = progress.add_task("checking the prediction", total=len(kinds) * n_prompts * settings.check_tokens)
+    deadline = time.monotonic() + settings.check_seconds * len(kinds) / 2
     # Each generation may overrun its share a little; a machine slowed down by other work must
     # not stretch the check without bound.
     seconds_each = 1.5 * settings.check_seconds / (2 * n_prompts)
-    totals = {"plain": [0, 0.0, 0], "tree": [0, 0.0, 0]}  # tokens, seconds, passes
-    outputs: dict[str, list[int]] = {}
+    totals = {kind: [0, 0.0, 0] for kind in kinds}  # tokens, seconds, passes
     identical = True
     done = 0
     for i, prompt in enumerate(prompts[:n_prompts]):
         if done and time.monotonic() > deadline:
             break
-        # Alternate the order (plain, tree), (tree, plain), ... so a slow drift of the machine's
-        # speed hits both alike.
-        for kind in ("plain", "tree") if i % 2 == 0 else ("tree", "plain"):
+        # Rotate the order prompt by prompt (plain, tree, default), (tree, default, plain), ...
+        # so a slow drift of the machine's speed hits all alike.
+        outputs: dict[str, list[int]] = {}
+        for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
             # Fresh decoders: each one's record of the cached tokens must match the contexts.
             rt.target_ctx.clear()
             rt.draft_ctx.clear()
-            decoder = PlainDecoder(rt.target, rt.target_ctx) if kind == "plain" else choice_decoder(rt, tree)
+            decoder = PlainDecoder(rt.target, rt.target_ctx) if kind == "plain" else choice_decoder(rt, trees[kind])
             outputs[kind] = _generate(decoder, prompt, greedy, settings.check_tokens, seconds_each)
             progress.advance(task, settings.check_tokens)
             # Steady state, as predicted: the first pass also prefills the draft with the prompt.
@@ -315,19 +364,23 @@ def _check(rt, choice: tuner.Choice, tree: tuner.Choice, prompts: list[list[int]
             totals[kind][0] += sum(len(step.tokens) for step in steps)
             totals[kind][1] += sum(step.total_s for step in steps)
             totals[kind][2] += len(steps)
-        common = min(len(outputs["plain"]), len(outputs["tree"]))
-        identical &= outputs["plain"][:common] == outputs["tree"][:common]
+        for kind in trees:
+            common = min(len(outputs["plain"]), len(outputs[kind]))
+            identical &= outputs["plain"][:common] == outputs[kind][:common]
         done += 1
     rt.target_ctx.clear()
     rt.draft_ctx.clear()
-    (plain_tokens, plain_s, _), (tree_tokens, tree_s, passes) = totals["plain"], totals["tree"]
+    rate = {kind: (t[0] / t[1] if t[1] else 0.0) for kind, t in totals.items()}
+    per_pass = {kind: (t[0] / t[2] if t[2] else 0.0) for kind, t in totals.items()}
     return CheckResult(
-        plain_tokens_per_s=plain_tokens / plain_s if plain_s else 0.0,
-        tree_tokens_per_s=tree_tokens / tree_s if tree_s else 0.0,
-        accepted_per_pass=tree_tokens / passes if passes else 0.0,
+        plain_tokens_per_s=rate["plain"],
+        tree_tokens_per_s=rate["tree"],
+        accepted_per_pass=per_pass["tree"],
         identical_output=identical,
         n_prompts=done,
-        n_tokens=plain_tokens,
+        n_tokens=totals["plain"][0],
+        default_tokens_per_s=rate.get("default", 0.0),
+        default_accepted_per_pass=per_pass.get("default", 0.0),
     )
 
 
@@ -373,6 +426,7 @@ def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree,
             "tree_predicted_speedup": round(best_tree.predicted_speedup, 4),
             "tree_measured_speedup": round(check.tree_speedup, 4),
             "accepted_per_pass": round(check.accepted_per_pass, 3),
+            "default_tokens_per_s": round(check.default_tokens_per_s, 3),
             "predicted_accepted_per_pass": round(_predicted_accepted(measured, best_tree), 3),
             "identical_output": check.identical_output,
             "prompts": check.n_prompts,

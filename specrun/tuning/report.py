@@ -55,11 +55,11 @@ def report_lines(profile: dict) -> list[str]:
                          "(--no-lookup: plain decoding)")
         if tree and tree.get("kind") != "plain":
             lines.append(
-                f"  best tree ({_config_text(tree)}): predicted x{tree['predicted_speedup']:.2f}, "
+                f"  best tree ({config_text(tree)}): predicted x{tree['predicted_speedup']:.2f}, "
                 f"measured x{check.get('tree_measured_speedup', 0.0):.2f}"
             )
     else:
-        lines.append(f"stored: {_config_text(config)}, with lookup branches sized online (--no-lookup: without)")
+        lines.append(f"stored: {config_text(config)}, with lookup branches sized online (--no-lookup: without)")
         lines.append(
             f"  speedup over plain decoding: predicted x{profile['predicted_speedup']:.2f}, "
             f"measured x{profile['measured_speedup']:.2f} "
@@ -108,7 +108,8 @@ def report_lines(profile: dict) -> list[str]:
     return lines
 
 
-def _config_text(config: dict) -> str:
+def config_text(config: dict) -> str:
+    """A stored tree configuration in words."""
     if config["kind"] == "sequoia":
         return f"Sequoia static tree of {config['budget']} draft tokens, depth {config['depth']}"
     return (
@@ -211,7 +212,7 @@ def write_plot(profile: dict, path: Path) -> None:
     ax_tau.set_ylabel("tokens per target pass")
     ax_tau.set_title("tau(B) from calibration")
     models = profile["models"]
-    fig.suptitle(f"{models['target']} / {models['draft']}: {_config_text(config) if config['kind'] != 'plain' else 'plain decoding'}")
+    fig.suptitle(f"{models['target']} / {models['draft']}: {config_text(config) if config['kind'] != 'plain' else 'plain decoding'}")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
