@@ -39,9 +39,9 @@ _MIN_AHEAD = 16
 _DEFER_STEPS = 4
 # Without a profile, what the first steps assume of the draft model until it has run: its steps
 # emit this many times plain decoding's tokens per second (a modest draft's gain), accepting this
-# many draft tokens a pass. A catch-up of at most _SHORT_DEBT tokens is never put off: so short a
-# text (a one-line question in its chat template, a new turn of a chat) gives lookup little to
-# copy, and waiting would only cost the draft's gain on the first steps.
+# many draft tokens a pass. With a profile or without, a catch-up of at most _SHORT_DEBT tokens
+# never waits: so short a text (a one-line question in its chat template, a new turn of a chat)
+# gives lookup little to copy, and waiting would only cost the draft's gain on the first steps.
 _ASSUMED_SPEEDUP = 1.3
 _ASSUMED_ACCEPTED = 1.0
 _SHORT_DEBT = 64
@@ -203,7 +203,7 @@ class HybridDrafter:
         plain_rate = 1.0 / (prior.plain_s * scale)
         ahead = self._tokens_ahead(len(committed) + 1)
         saved = (prior.accepted + 1.0) * max(0.0, 1.0 / plain_rate - 1.0 / prior.draft_rate(1, ahead, scale))
-        if max(0, debt - 1) * prior.catch_up_s * scale > _DEFER_STEPS * saved:
+        if debt > _SHORT_DEBT and max(0, debt - 1) * prior.catch_up_s * scale > _DEFER_STEPS * saved:
             if self.alone.run(2):
                 self._deferred = 0  # the answer is copying the text: lookup carries it
                 return True
