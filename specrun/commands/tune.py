@@ -110,7 +110,7 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             measured = _measure(rt, settings, calibration_shape, calib_prompts, progress)
             choice, best_tree = _choose(measured)
             default = _untuned_default(best_tree, max_budget)
-            check = _check(rt, choice, best_tree, held_out, settings, progress, default)
+            check = _check(rt, best_tree, held_out, settings, progress, default)
         choice, best_tree, check = _prefer_the_default(choice, best_tree, default, check)
         # Measured beats predicted, both ways.
         if choice.kind != "plain" and check.tree_speedup < CHECK_MIN_SPEEDUP:
@@ -329,7 +329,7 @@ def _untuned_default(best_tree: tuner.Choice, max_budget: int) -> tuner.Choice |
     return tuner.Choice("specexec", shape.budget, shape.depth, shape.width, shape.top_k, 0.0, 0.0)
 
 
-def _check(rt, choice: tuner.Choice, tree: tuner.Choice, prompts: list[list[int]], settings: TuneSettings, progress,
+def _check(rt, tree: tuner.Choice, prompts: list[list[int]], settings: TuneSettings, progress,
            default: tuner.Choice | None = None) -> CheckResult:
     """Decode held-out prompts plainly, with the best tree and (when given) with the untuned
     default's tree; return the speeds."""

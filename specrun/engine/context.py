@@ -176,12 +176,7 @@ class Context(Owner):
         params.kv_unified = kv_unified
         params.no_perf = True
         params.n_rs_seq = n_rs_seq if model.has_state else 0
-        recent_errors.clear()
-        ptr = C.llama_init_from_model(model.ptr, params)
-        if not ptr:
-            raise EngineError(f"cannot create a context for {model.path.name}: {last_llama_error('out of memory?')}")
-        self._ptr = ptr
-        self._mem = C.llama_get_memory(ptr)
+        ptr = self._open(params, "cannot create a context", "out of memory?")
         # llama.cpp pads the cache to a multiple of 256 cells (a --ctx-size of 64 gets 256): specrun
         # keeps to the size asked for, so the limit the user set is the one decoding stops at.
         allocated = C.llama_n_ctx(ptr)
@@ -198,6 +193,17 @@ class Context(Owner):
         self._n_outputs = 0
         self.last_decode = (0, 0)
         model._contexts.append(self)
+
+    def _open(self, params, refusal: str, hint: str):
+        """Open the llama.cpp context for self.model with `params`; return its pointer. A refusal
+        raises EngineError: `refusal`, then llama.cpp's last error (or `hint` when it said none)."""
+        recent_errors.clear()
+        ptr = C.llama_init_from_model(self.model.ptr, params)
+        if not ptr:
+            raise EngineError(f"{refusal} for {self.model.path.name}: {last_llama_error(hint)}")
+        self._ptr = ptr
+        self._mem = C.llama_get_memory(ptr)
+        return ptr
 
     @property
     def ptr(self):

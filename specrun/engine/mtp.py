@@ -106,12 +106,7 @@ class MtpContext(Context):
             params.n_threads = params.n_threads_batch = threads
         params.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
         params.no_perf = True
-        recent_errors.clear()
-        ptr = C.llama_init_from_model(model.ptr, params)
-        if not ptr:
-            raise EngineError(f"cannot open an MTP context for {model.path.name}: {last_llama_error('refused')}")
-        self._ptr = ptr
-        self._mem = C.llama_get_memory(ptr)
+        ptr = self._open(params, "cannot open an MTP context", "refused")
         self.n_batch = C.llama_n_batch(ptr)
         self.n_ctx = min(n_ctx, C.llama_n_ctx(ptr))
         self.n_vocab = model.n_vocab
