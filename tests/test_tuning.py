@@ -16,6 +16,8 @@ import pytest
 
 from specrun import engine, sysinfo
 from specrun.commands import tune as tune_command
+from specrun.commands import tune_workloads
+from specrun.commands.bench_prompts import CODE, KINDS, WORKLOADS
 from specrun.core.sampling import SamplingParams
 from specrun.core.shapes import TreeTemplate, template_shape
 from specrun.decoding.drafters.sequoia import StaticTreeGrower, truncate_template
@@ -116,6 +118,7 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
     assert set(profile["workloads"]) == {"chat", "code", "rewrite"}
     for row in profile["workloads"].values():
         assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
+        assert row["prompts"] == 2 and 0 < row["measured_range"][0] <= row["measured_range"][1]
         assert row["drafter"] == ("lookup" if profile["config"]["kind"] == "plain" else "hybrid")
     assert profiles.facts_of(profile) is not None
     # chat/generate/bench look it up by the model files (and thread count)
@@ -132,7 +135,7 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
     report = capsys.readouterr().err
     assert "speedup" in report or "plain decoding" in report
     assert "tau(B)" in report
-    assert "stored:" in report and "code (" in report and "held-out" in report
+    assert "stored:" in report and "code (" in report and "held-out" in report and " each)" in report
 
 
 def test_show_without_a_profile_says_to_tune(offline_models):
@@ -252,3 +255,21 @@ def test_a_tuned_tree_that_measures_slower_than_the_untuned_default_is_not_store
     # A tune limited to smaller trees, or whose best tree is the default chain, checks no default.
     assert tune_command._untuned_default(chain3, max_budget=4) is None
     assert tune_command._untuned_default(tune_command.tuner.Choice("specexec", 5, 5, 1, 1, 40.0, 1.1), 512) is None
+
+
+def test_a_workload_half_sums_its_prompts_and_keeps_each_ones_speedup():
+    half = tune_workloads._Half(plain=[(100, 4.0), (50, 2.0)], default=[(100, 2.0), (50, 0.5)])
+    assert half.speedup == pytest.approx((150 / 2.5) / (150 / 6.0))
+    assert half.each == [pytest.approx(2.0), pytest.approx(4.0)]
+    assert tune_workloads._Half().each == []
+
+
+def test_each_workload_asks_every_kind_of_request_twice():
+    # tune predicts from WORKLOADS[w][:KINDS] and measures on the rest: the same kinds, other prompts.
+    for prompts in WORKLOADS.values():
+        assert len(prompts) == 2 * KINDS and len(set(prompts)) == len(prompts)
+    def pasted(prompt):
+        return prompt.split("```python\n")[1].split("```")[0]
+
+    for i in range(KINDS):  # a code edit's sibling pastes the same function
+        assert pasted(CODE[i]) == pasted(CODE[i + KINDS])

@@ -48,12 +48,22 @@ _MEETING = (
     "twelve thousand euros a year. A decision was postponed until the budget review in March."
 )
 
+# Each workload holds four kinds of request, then a second request of each kind in the same
+# order: prompts i and i + 4 ask alike of the same pasted text (another change, other words; for chat, another question of the same kind).
+# `tune` predicts from the first four and measures on the other four, so both halves hold the
+# same mix: how much of an answer a small model copies swings by 3x between pasted texts and
+# kinds of edit, and two halves of four unlike prompts differed by up to 40% for that alone.
+
 # Free-form questions: little to copy from the prompt.
 CHAT = [
     "Explain why the sky is blue to a ten-year-old.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "List five tips for staying productive when working from home.",
     "What are the main differences between TCP and UDP?",
+    "Explain how a rainbow forms to a ten-year-old.",
+    "Write a short story about a baker who finds a map baked into a loaf of bread.",
+    "List five tips for sleeping better at night.",
+    "What are the main differences between RAM and a hard disk?",
 ]
 # A pasted function (fenced, as chat users paste code) rewritten with a small change, the whole
 # function in the answer.
@@ -62,6 +72,10 @@ CODE = [
     f"Rename the variable `total` to `running_sum` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
     f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with ';'. Show the full updated function.",
     f"```python\n{_PARSER}```\n\nAdd a docstring example to the function above. Output the whole function.",
+    f"Add type annotations to every parameter and to the return value of this function. Reply with the complete function.\n\n```python\n{FUNCTION}```",
+    f"Rename the parameter `window` to `size` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
+    f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with '//'. Show the full updated function.",
+    f"```python\n{_PARSER}```\n\nAdd a docstring example that parses two lines to the function above. Output the whole function.",
 ]
 # A pasted text copied with small changes, or sentences extracted verbatim.
 REWRITE = [
@@ -69,8 +83,13 @@ REWRITE = [
     f"Quote the first two sentences of this text verbatim:\n\n{LIGHTHOUSE}",
     f"Rewrite this text in the past perfect tense, changing nothing else:\n\n{_MEETING}",
     f"Extract, word for word, the sentence about the cost:\n\n{_MEETING}",
+    f"Copy this text, replacing 'forty years' with 'four decades':\n\n{LIGHTHOUSE}",
+    f"Quote the last two sentences of this text verbatim:\n\n{LIGHTHOUSE}",
+    f"Rewrite this text in the future tense, changing nothing else:\n\n{_MEETING}",
+    f"Extract, word for word, the sentence about the school:\n\n{_MEETING}",
 ]
 WORKLOADS = {"chat": CHAT, "code": CODE, "rewrite": REWRITE}
+KINDS = 4  # kinds of request per workload: WORKLOADS[w][i + KINDS] is another request of kind i
 
 
 def workload_prompts(workload: str, path: Path | None) -> dict[str, list[str]]:

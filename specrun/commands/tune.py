@@ -55,14 +55,14 @@ class TuneSettings:
     check_tokens: int
     check_seconds: float
     workload_tokens: int = 96  # tokens per answer when measuring the default per workload
-    workload_prompts: int = 4  # prompts per workload (half predict, half measure)
+    workload_prompts: int = 8  # prompts per workload (half predict, half measure)
 
 
 # --quick fits about 3 minutes for a ~100M-parameter pair on 2 CPU cores.
 QUICK = TuneSettings(
     max_budget=64, depth=12, width=4, top_k=4, curve_repeats=3, curve_seconds=25,
     calibration_prompts=3, calibration_tokens=48, calibration_seconds=50,
-    check_prompts=3, check_tokens=48, check_seconds=50, workload_tokens=96,
+    check_prompts=3, check_tokens=48, check_seconds=50, workload_tokens=64,
 )
 FULL = TuneSettings(
     max_budget=512, depth=16, width=4, top_k=4, curve_repeats=5, curve_seconds=120,

@@ -4,16 +4,16 @@ For each of bench's workloads (free chat, code edits, rewrites) the default that
 makes (the tuned tree with lookup branches, or lookup alone) and plain decoding decode the same
 prompts, greedily, the order alternating prompt by prompt. Every prompt gets a fresh drafter, as
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
-first steps). The first half of a workload's prompts predicts its speedup; the second half,
-held out, measures it.
+first steps). One request of each kind predicts a workload's speedup; another request of each
+kind, held out, measures it (bench_prompts.KINDS).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from specrun import ui
-from specrun.commands.bench_prompts import WORKLOADS
+from specrun.commands.bench_prompts import KINDS, WORKLOADS
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import token_ids
@@ -30,40 +30,67 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
         if not tree.draft_model:
             tree = replace(tree, shape=tree.lookup)
     out = {}
-    texts = {name: [rt.tokenize_prompt(t, chat=True) for t in prompts[:max(2, n_prompts)]]
-             for name, prompts in WORKLOADS.items()}
-    task = progress.add_task("the default, per workload", total=sum(2 * len(p) for p in texts.values()))
-    for name, prompts in texts.items():
-        halves = {"predicted": prompts[0::2], "measured": prompts[1::2]}
-        rates, lookup_tokens = {}, 0
-        for half, chosen in halves.items():
-            totals = {"plain": [0, 0.0], "default": [0, 0.0]}
-            for i, prompt in enumerate(chosen):
-                for mode in ("plain", "default") if i % 2 == 0 else ("default", "plain"):
-                    rt.target_ctx.clear()
-                    if rt.draft_ctx is not None:
-                        rt.draft_ctx.clear()
-                    decoder = (PlainDecoder(rt.target, rt.target_ctx) if mode == "plain"
-                               else make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx))
-                    token_ids(decoder, prompt, SamplingParams(), max_tokens)
-                    totals[mode][0] += decoder.stats.n_generated
-                    totals[mode][1] += decoder.stats.decode_s
-                    if mode == "default" and half == "measured":
-                        lookup_tokens += sum(step.lookup_tokens for step in decoder.stats.steps)
-                    progress.advance(task)
-            (pn, ps), (dn, ds) = totals["plain"], totals["default"]
-            rates[half] = (dn / ds) / (pn / ps) if ds and ps and pn else 0.0
+    kinds = min(KINDS, max(1, n_prompts // 2))
+    task = progress.add_task("the default, per workload", total=len(WORKLOADS) * 4 * kinds)
+    for name, texts in WORKLOADS.items():
+        halves = {half: _decode_both(rt, tree, [rt.tokenize_prompt(t, chat=True) for t in texts[start:start + kinds]],
+                                     max_tokens, lambda: progress.advance(task))
+                  for half, start in (("predicted", 0), ("measured", KINDS))}
         rt.target_ctx.clear()
         if rt.draft_ctx is not None:
             rt.draft_ctx.clear()
+        predicted, measured = halves["predicted"], halves["measured"]
         out[name] = {
             "drafter": tree.drafter,
-            "predicted_speedup": round(rates["predicted"], 3),
-            "measured_speedup": round(rates["measured"], 3),
-            "lookup_tokens": lookup_tokens,
-            "prompts": len(prompts),
+            "predicted_speedup": round(predicted.speedup, 3),
+            "measured_speedup": round(measured.speedup, 3),
+            # The held-out prompts' own spread: a prediction for a workload can be no closer
+            # than its prompts are alike.
+            "measured_range": [round(min(measured.each), 3), round(max(measured.each), 3)],
+            "lookup_tokens": measured.lookup_tokens,
+            "prompts": 2 * kinds,
             "tokens": max_tokens,
         }
-        ui.dim(f"{name}: the default ({tree.drafter}) predicted x{rates['predicted']:.2f} on half the prompts, "
-               f"measured x{rates['measured']:.2f} on the other half")
+        ui.dim(f"{name}: the default ({tree.drafter}) predicted x{predicted.speedup:.2f} on {kinds} prompts, "
+               f"measured x{measured.speedup:.2f} on {kinds} others of the same kinds "
+               f"(x{min(measured.each):.2f} to x{max(measured.each):.2f} each)")
     return out
+
+
+@dataclass
+class _Half:
+    """Plain decoding and the default on some prompts: tokens and seconds of each, per prompt."""
+
+    plain: list[tuple[int, float]] = field(default_factory=list)
+    default: list[tuple[int, float]] = field(default_factory=list)
+    lookup_tokens: int = 0
+
+    @property
+    def speedup(self) -> float:
+        """The default's tokens/s over plain decoding's, over all the prompts."""
+        (pn, ps), (dn, ds) = (tuple(map(sum, zip(*runs))) for runs in (self.plain, self.default))
+        return (dn / ds) / (pn / ps) if ds and ps and pn else 0.0
+
+    @property
+    def each(self) -> list[float]:
+        """The default's speedup prompt by prompt."""
+        return [(dn / ds) / (pn / ps) if ds and ps and pn else 0.0
+                for (pn, ps), (dn, ds) in zip(self.plain, self.default)]
+
+
+def _decode_both(rt, tree, prompts: list[list[int]], max_tokens: int, advance) -> _Half:
+    """Decode each prompt plainly and with a fresh default decoder, the order alternating."""
+    half = _Half()
+    for i, prompt in enumerate(prompts):
+        for mode in ("plain", "default") if i % 2 == 0 else ("default", "plain"):
+            rt.target_ctx.clear()
+            if rt.draft_ctx is not None:
+                rt.draft_ctx.clear()
+            decoder = (PlainDecoder(rt.target, rt.target_ctx) if mode == "plain"
+                       else make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx))
+            token_ids(decoder, prompt, SamplingParams(), max_tokens)
+            getattr(half, mode).append((decoder.stats.n_generated, decoder.stats.decode_s))
+            if mode == "default":
+                half.lookup_tokens += sum(step.lookup_tokens for step in decoder.stats.steps)
+            advance()
+    return half

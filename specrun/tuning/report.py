@@ -77,8 +77,10 @@ def report_lines(profile: dict) -> list[str]:
     if workloads:
         lines.append("the default per workload, speedup over plain decoding (each prompt afresh, greedy):")
         for name, w in workloads.items():
+            spread = w.get("measured_range")
+            each = f" (x{spread[0]:.2f} to x{spread[1]:.2f} each)" if spread else ""
             lines.append(f"  {name:>8} ({w['drafter']}): predicted x{w['predicted_speedup']:.2f}, "
-                         f"measured x{w['measured_speedup']:.2f} on held-out prompts")
+                         f"measured x{w['measured_speedup']:.2f} on held-out prompts{each}")
     plain_predicted = check.get("plain_predicted_tokens_per_s")
     plain_measured = check.get("plain_tokens_per_s")
     if plain_predicted and plain_measured and abs(plain_measured / plain_predicted - 1) > DRIFT_WARNING:
