@@ -171,7 +171,7 @@ class HybridDrafter:
             _, lean = alone.best(lambda nodes: self.cost(nodes + 1) + step_s)
         else:
             lean = 1.0 / (float(self.cost(np.array([1]))[0]) + step_s)
-        ahead = self._tokens_ahead(len(committed) + 1)
+        ahead = self._tokens_ahead(len(committed) + 1, guess=debt > _SHORT_DEBT)
         draft_s = self._draft_step_s(1)
         catch_up_s = self._draft_step_s(debt) - draft_s  # beyond the usual one-token catch-up
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
@@ -201,7 +201,8 @@ class HybridDrafter:
         measured = self.cost.plain_s() if self.cost.known else None
         scale = measured / prior.plain_s if measured and prior.plain_s > 0 else 1.0
         plain_rate = 1.0 / (prior.plain_s * scale)
-        ahead = self._tokens_ahead(len(committed) + 1)
+        # A short catch-up never waits: it is spread over all the answer may still run.
+        ahead = self._tokens_ahead(len(committed) + 1, guess=debt > _SHORT_DEBT)
         saved = (prior.accepted + 1.0) * max(0.0, 1.0 / plain_rate - 1.0 / prior.draft_rate(1, ahead, scale))
         if debt > _SHORT_DEBT and max(0, debt - 1) * prior.catch_up_s * scale > _DEFER_STEPS * saved:
             if self.alone.run(2):
@@ -231,11 +232,11 @@ class HybridDrafter:
         return DraftPrior(plain_s=plain_s, tree_s=tokens * plain_s / _ASSUMED_SPEEDUP, step_s=0.0,
                           catch_up_s=self.catch_up_s, accepted=_ASSUMED_ACCEPTED)
 
-    def _tokens_ahead(self, n_text: int) -> float:
+    def _tokens_ahead(self, n_text: int, guess: bool = True) -> float:
         """Tokens this answer is expected to still generate (at least 1).
 
         Before any answer of this session has ended, an answer that has run g tokens is expected
-        to run about g more (at least _MIN_AHEAD), not up to max_tokens: a catch-up is then paid
+        (with `guess`) to run about g more (at least _MIN_AHEAD), not up to max_tokens: a catch-up is then paid
         once the draft's gain forgone so far would have paid for it (renting until the rent
         paid equals the price of buying: at worst twice what knowing the answer's length would
         have cost, and never slower than plain decoding). Expecting max_tokens paid a 0.8 s
@@ -243,7 +244,7 @@ class HybridDrafter:
         generated = max(0, n_text - self._n_prompt)
         left = max(1, self._max_tokens - generated)
         if not self.answer_len.known:
-            return float(min(left, max(_MIN_AHEAD, generated)))
+            return float(min(left, max(_MIN_AHEAD, generated))) if guess else float(left)
         return float(min(left, max(_MIN_AHEAD, float(self.answer_len.mean) - generated)))
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
