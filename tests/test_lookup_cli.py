@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specrun.cli import app
-from specrun.commands.bench_prompts import WORKLOADS, load_prompts, workload_prompts
+from specrun.commands.bench_prompts import KINDS, WORKLOADS, load_prompts, workload_prompts
 
 COPY = "Repeat this line exactly, twice: the quick brown fox jumps over the lazy dog near the river bank."
 
@@ -112,7 +112,7 @@ def test_bench_workload_rows_compare_four_modes(tmp_path, offline_models):
 
 def test_bench_workload_options(tmp_path, offline_models):
     assert set(workload_prompts("all", None)) == {"chat", "code", "rewrite"}
-    assert workload_prompts("code", None) == {"code": WORKLOADS["code"]}
+    assert workload_prompts("code", None) == {"code": WORKLOADS["code"][:KINDS]}  # one of each kind
     assert all("\n" in prompt for prompt in WORKLOADS["code"])  # a pasted function
     lines = tmp_path / "lines.txt"
     lines.write_text("one\n\ntwo\n", encoding="utf-8")

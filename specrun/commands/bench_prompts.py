@@ -94,14 +94,14 @@ KINDS = 4  # kinds of request per workload: WORKLOADS[w][i + KINDS] is another r
 
 def workload_prompts(workload: str, path: Path | None) -> dict[str, list[str]]:
     """Return {workload: prompts}: the file's prompts (as one workload, "prompts"), or the built-in
-    set named (all of them for "all")."""
+    set named (all of them for "all"): one request of each kind (tune holds out the second)."""
     if path is not None:
         return {"prompts": load_prompts(path)}
     if workload == "all":
-        return {name: list(prompts) for name, prompts in WORKLOADS.items()}
+        return {name: prompts[:KINDS] for name, prompts in WORKLOADS.items()}
     if workload not in WORKLOADS:
         raise UsageError(f"unknown workload {workload!r}: choose chat, code, rewrite or all")
-    return {workload: list(WORKLOADS[workload])}
+    return {workload: WORKLOADS[workload][:KINDS]}
 
 
 def load_prompts(path: Path) -> list[str]:
