@@ -100,10 +100,11 @@ def test_a_disk_that_fills_during_a_conversion_says_so(fresh_home):
 def test_ctrl_c_stops_a_conversion(fresh_home):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "SPECRUN_HOME": str(fresh_home)}
     # A test run started in the background (`pytest &` in a script) ignores SIGINT, and so would
-    # its children: Python keeps an ignored SIGINT ignored. The pull gets the default back.
-    proc = subprocess.Popen([sys.executable, "-m", "specrun", "pull", "smollm2-135m-f32"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # its children: Python keeps an ignored SIGINT ignored. The pull gets Ctrl-C back, as in a
+    # terminal.
+    pull = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "sys.argv = ['specrun', 'pull', 'smollm2-135m-f32']; runpy.run_module('specrun', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", pull], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     models = fresh_home / "models"
     deadline = time.monotonic() + 120
     while not any(p.name.endswith(".partial") for p in models.iterdir()):  # the conversion has begun
