@@ -49,10 +49,11 @@ _MEETING = (
 )
 
 # Each workload holds four kinds of request, then a second request of each kind in the same
-# order: prompts i and i + 4 ask alike of the same pasted text (another change, other words; for chat, another question of the same kind).
-# `tune` predicts from the first four and measures on the other four, so both halves hold the
-# same mix: how much of an answer a small model copies swings by 3x between pasted texts and
-# kinds of edit, and two halves of four unlike prompts differed by up to 40% for that alone.
+# order: prompts i and i + 4 ask alike of the same pasted text (another change, other words; for
+# chat, another question of the same kind). `tune` predicts from the first four and measures on
+# the other four, so both halves hold the same mix: how much of an answer a small model copies
+# swings by 3x between pasted texts and kinds of edit, and two halves of four unlike prompts
+# differed by up to 44% for that alone.
 
 # Free-form questions: little to copy from the prompt.
 CHAT = [

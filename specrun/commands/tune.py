@@ -354,8 +354,7 @@ def _check(rt, tree: tuner.Choice, prompts: list[list[int]], settings: TuneSetti
         outputs: dict[str, list[int]] = {}
         for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
             # Fresh decoders: each one's record of the cached tokens must match the contexts.
-            rt.target_ctx.clear()
-            rt.draft_ctx.clear()
+            rt.clear_contexts()
             decoder = PlainDecoder(rt.target, rt.target_ctx) if kind == "plain" else choice_decoder(rt, trees[kind])
             outputs[kind] = _generate(decoder, prompt, greedy, settings.check_tokens, seconds_each)
             progress.advance(task, settings.check_tokens)
@@ -368,8 +367,7 @@ def _check(rt, tree: tuner.Choice, prompts: list[list[int]], settings: TuneSetti
             common = min(len(outputs["plain"]), len(outputs[kind]))
             identical &= outputs["plain"][:common] == outputs[kind][:common]
         done += 1
-    rt.target_ctx.clear()
-    rt.draft_ctx.clear()
+    rt.clear_contexts()
     rate = {kind: (t[0] / t[1] if t[1] else 0.0) for kind, t in totals.items()}
     per_pass = {kind: (t[0] / t[2] if t[2] else 0.0) for kind, t in totals.items()}
     return CheckResult(

@@ -36,9 +36,7 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
         halves = {half: _decode_both(rt, tree, [rt.tokenize_prompt(t, chat=True) for t in texts[start:start + kinds]],
                                      max_tokens, lambda: progress.advance(task))
                   for half, start in (("predicted", 0), ("measured", KINDS))}
-        rt.target_ctx.clear()
-        if rt.draft_ctx is not None:
-            rt.draft_ctx.clear()
+        rt.clear_contexts()
         predicted, measured = halves["predicted"], halves["measured"]
         out[name] = {
             "drafter": tree.drafter,
@@ -68,14 +66,18 @@ class _Half:
     @property
     def speedup(self) -> float:
         """The default's tokens/s over plain decoding's, over all the prompts."""
-        (pn, ps), (dn, ds) = (tuple(map(sum, zip(*runs))) for runs in (self.plain, self.default))
-        return (dn / ds) / (pn / ps) if ds and ps and pn else 0.0
+        return _speedup(*(tuple(map(sum, zip(*runs))) for runs in (self.plain, self.default)))
 
     @property
     def each(self) -> list[float]:
         """The default's speedup prompt by prompt."""
-        return [(dn / ds) / (pn / ps) if ds and ps and pn else 0.0
-                for (pn, ps), (dn, ds) in zip(self.plain, self.default)]
+        return [_speedup(plain, default) for plain, default in zip(self.plain, self.default)]
+
+
+def _speedup(plain: tuple[int, float], default: tuple[int, float]) -> float:
+    """(tokens, seconds) of the default over those of plain decoding, as a speedup (0: unknown)."""
+    (pn, ps), (dn, ds) = plain, default
+    return (dn / ds) / (pn / ps) if ds and ps and pn else 0.0
 
 
 def _decode_both(rt, tree, prompts: list[list[int]], max_tokens: int, advance) -> _Half:
@@ -83,9 +85,7 @@ def _decode_both(rt, tree, prompts: list[list[int]], max_tokens: int, advance) -
     half = _Half()
     for i, prompt in enumerate(prompts):
         for mode in ("plain", "default") if i % 2 == 0 else ("default", "plain"):
-            rt.target_ctx.clear()
-            if rt.draft_ctx is not None:
-                rt.draft_ctx.clear()
+            rt.clear_contexts()
             decoder = (PlainDecoder(rt.target, rt.target_ctx) if mode == "plain"
                        else make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx))
             token_ids(decoder, prompt, SamplingParams(), max_tokens)

@@ -97,6 +97,12 @@ class Runtime:
         """Return the prompt's tokens (see ChatFormat.prompt_tokens)."""
         return self.chat_format.prompt_tokens(text, chat, system, parse_special)
 
+    def clear_contexts(self) -> None:
+        """Empty the target's and the draft's KV caches (for a fresh decoder on each prompt)."""
+        self.target_ctx.clear()
+        if self.draft_ctx is not None:
+            self.draft_ctx.clear()
+
     def reset_cache(self) -> None:
         """Empty the KV caches (after an interrupted step left them in an unknown state)."""
         self.decoder.reset()

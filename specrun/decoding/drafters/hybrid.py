@@ -171,7 +171,7 @@ class HybridDrafter:
             _, lean = alone.best(lambda nodes: self.cost(nodes + 1) + step_s)
         else:
             lean = 1.0 / (float(self.cost(np.array([1]))[0]) + step_s)
-        ahead = self._tokens_ahead(len(committed) + 1, guess=debt > _SHORT_DEBT)
+        ahead = self._tokens_ahead(len(committed) + 1, debt)
         draft_s = self._draft_step_s(1)
         catch_up_s = self._draft_step_s(debt) - draft_s  # beyond the usual one-token catch-up
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
@@ -201,8 +201,7 @@ class HybridDrafter:
         measured = self.cost.plain_s() if self.cost.known else None
         scale = measured / prior.plain_s if measured and prior.plain_s > 0 else 1.0
         plain_rate = 1.0 / (prior.plain_s * scale)
-        # A short catch-up never waits: it is spread over all the answer may still run.
-        ahead = self._tokens_ahead(len(committed) + 1, guess=debt > _SHORT_DEBT)
+        ahead = self._tokens_ahead(len(committed) + 1, debt)
         saved = (prior.accepted + 1.0) * max(0.0, 1.0 / plain_rate - 1.0 / prior.draft_rate(1, ahead, scale))
         if debt > _SHORT_DEBT and max(0, debt - 1) * prior.catch_up_s * scale > _DEFER_STEPS * saved:
             if self.alone.run(2):
@@ -232,19 +231,22 @@ class HybridDrafter:
         return DraftPrior(plain_s=plain_s, tree_s=tokens * plain_s / _ASSUMED_SPEEDUP, step_s=0.0,
                           catch_up_s=self.catch_up_s, accepted=_ASSUMED_ACCEPTED)
 
-    def _tokens_ahead(self, n_text: int, guess: bool = True) -> float:
-        """Tokens this answer is expected to still generate (at least 1).
+    def _tokens_ahead(self, n_text: int, debt: int) -> float:
+        """Tokens this answer is expected to still generate (at least 1), to spread a catch-up
+        with `debt` unread tokens over.
 
-        Before any answer of this session has ended, an answer that has run g tokens is expected
-        (with `guess`) to run about g more (at least _MIN_AHEAD), not up to max_tokens: a catch-up is then paid
-        once the draft's gain forgone so far would have paid for it (renting until the rent
-        paid equals the price of buying: at worst twice what knowing the answer's length would
-        have cost, and never slower than plain decoding). Expecting max_tokens paid a 0.8 s
-        catch-up for a 41-token quote that the demo pair then answered at 0.81x plain."""
+        Before any answer of this session has ended, and for a long catch-up (over _SHORT_DEBT
+        tokens), an answer that has run g tokens is expected to run about g more (at least
+        _MIN_AHEAD), not up to max_tokens: the catch-up is then paid once the draft's gain
+        forgone so far would have paid for it (renting until the rent paid equals the price of
+        buying: at worst twice what knowing the answer's length would have cost, and never
+        slower than plain decoding). Expecting max_tokens paid a 0.8 s catch-up for a 41-token
+        quote that the demo pair then answered at 0.81x plain. A short catch-up never waits: it
+        is spread over all that max_tokens leaves."""
         generated = max(0, n_text - self._n_prompt)
         left = max(1, self._max_tokens - generated)
         if not self.answer_len.known:
-            return float(min(left, max(_MIN_AHEAD, generated))) if guess else float(left)
+            return float(min(left, max(_MIN_AHEAD, generated))) if debt > _SHORT_DEBT else float(left)
         return float(min(left, max(_MIN_AHEAD, float(self.answer_len.mean) - generated)))
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
