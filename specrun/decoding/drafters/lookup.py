@@ -23,7 +23,7 @@ from specrun.decoding.lookup_index import LookupIndex, cut
 _TAIL_CHECK = 16
 # While no budget pays, the full tree is proposed (to keep measuring) only every this many steps:
 # free-form text then costs almost nothing over plain decoding.
-_IDLE_SAMPLE = 4
+IDLE_SAMPLE = 4
 
 
 def lookup_proposal(tree) -> Proposal:
@@ -98,7 +98,7 @@ class LookupDrafter:
         run = self.seen.run()
         if self.chosen == 0 and not run:
             self._idle += 1
-            if self._idle % _IDLE_SAMPLE:
+            if self._idle % IDLE_SAMPLE:
                 return None
         tree = self.index.propose(self.index.live, budget, depth)
         hindsight = self.seen[self.seen.kind(self.index.last_order)]
