@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specrun.commands.bench_prompts import workload_prompts
+from specrun.commands.bench_prompts import WORKLOADS
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
 
@@ -106,8 +106,10 @@ def main() -> None:
     args = parser.parse_args()
     modes = args.modes.split(",")
     target = args.extra[args.extra.index("--target") + 1] if "--target" in args.extra else None
-    for name, texts in workload_prompts(args.workload, None).items():
-        texts = texts[: args.prompts or None]
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    for name in names:
+        texts = WORKLOADS[name]
+        texts = texts[: args.prompts or None]  # (each kind of request twice: bench_prompts.KINDS)
         rendered, paths = _rendered(texts, target)
         threads = args.threads or paths["threads"]
         totals = {m: [0, 0.0] for m in modes}
