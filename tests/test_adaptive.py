@@ -223,6 +223,21 @@ def test_chance_matches_and_copies_are_told_apart():
     assert kinds.kind(order=4) == (0, True)  # the copy ended
 
 
+
+def test_a_copy_under_way_does_not_earn_trust_again_at_each_run_level():
+    kinds = HindsightByKind(max_budget=16)
+    cost = lambda n: 0.010 + 0.002 * n  # seconds of a pass over n nodes
+    for start in (0, 100, 200):
+        kinds[(1, True)].watch(chain(1, list(range(start + 2, start + 10))))
+        kinds.feed(list(range(start + 2, start + 10)))  # matched in full, three times
+    assert kinds[(2, True)].best(cost)[0] == 0  # nothing of its own yet
+    assert kinds.record((2, True)) is kinds[(1, True)] and kinds.record((2, True)).best(cost)[0] >= 8
+    assert kinds.record((2, False)) is kinds[(2, False)]  # weak matches borrow only from weak ones
+    kinds[(2, True)].watch(chain(1, [7, 8]))
+    assert kinds.record((2, True)) is kinds[(1, True)]  # watched, but not yet met a token
+    kinds.feed([0])
+    assert kinds.record((2, True)) is kinds[(2, True)]  # its own record from now on
+
 class ScriptedDraft:
     """A draft-model drafter that knows the text: it proposes the next 5 tokens right (a draft
     model that always agrees) for 5 ms a step, but catching up costs 4 ms per unread token, as

@@ -118,6 +118,7 @@ class HybridDrafter:
         look = not idle or self._idle % IDLE_SAMPLE == 0
         if look:
             alone.watch(branches)
+        alone = self.alone.record(kind)
         self._lean_proposal = None
         self.leaning = self._should_lean(alone, look and branches is not None, kind[0] == 2, committed, root)
         if self.leaning:

@@ -101,9 +101,9 @@ class LookupDrafter:
             if self._idle % IDLE_SAMPLE:
                 return None
         tree = self.index.propose(self.index.live, budget, depth)
-        hindsight = self.seen[self.seen.kind(self.index.last_order)]
-        hindsight.watch(tree)
-        self.chosen = self.best_budget(hindsight, budget) if tree is not None else 0
+        kind = self.seen.kind(self.index.last_order)
+        self.seen[kind].watch(tree)
+        self.chosen = self.best_budget(self.seen.record(kind), budget) if tree is not None else 0
         if self.chosen == 0:
             return None
         self._idle = 0
