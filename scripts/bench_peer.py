@@ -20,18 +20,18 @@ prefill are not timed. Prints each mode's tokens/s and its ratio to llama.cpp's 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+# scripts/ is this script's own directory, first on sys.path.
+from bench_fresh import _run
 
 from specrun.commands.bench_prompts import WORKLOADS
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
 
-SPECRUN_FLAGS = {"plain": ["--no-spec"], "default": [], "lookup": ["--draft", "lookup"], "tree": ["--no-lookup"]}
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _EVAL = re.compile(r"^.*?\beval time =\s+([\d.]+) ms /\s+(\d+) (?:runs|tokens)", re.MULTILINE)
 
@@ -42,9 +42,9 @@ def _rendered(texts: list[str], target: str | None) -> tuple[list[str], dict]:
     out = []
     with Runtime(options) as rt:
         model = rt.target
+        bos = model.tokenize("", add_special=True, parse_special=True)
         for text in texts:
             ids = rt.tokenize_prompt(text, chat=True)
-            bos = model.tokenize("", add_special=True, parse_special=True)
             body = ids[len(bos):] if bos and ids[: len(bos)] == bos else ids
             rendered = model.detokenize(body, special=True)
             if model.tokenize(rendered, add_special=True, parse_special=True) != ids:
@@ -55,15 +55,7 @@ def _rendered(texts: list[str], target: str | None) -> tuple[list[str], dict]:
 
 
 def _specrun(mode: str, text: str, tokens: int, extra: list[str]) -> tuple[int, float]:
-    request = {"prompt": text, "max_tokens": tokens, "chat": True}
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.write(json.dumps(request) + "\n")
-    argv = [sys.executable, "-m", "specrun", "generate", "--jsonl", "--file", f.name, *SPECRUN_FLAGS[mode], *extra]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    Path(f.name).unlink()
-    if done.returncode != 0:
-        raise SystemExit(f"{mode}: {done.stderr.strip()[-500:]}")
-    stats = json.loads(done.stdout.splitlines()[0])["stats"]
+    stats = _run(mode, [{"prompt": text}], tokens, extra)[0]
     return stats["n_tokens"], stats["decode_s"]
 
 

@@ -223,7 +223,6 @@ def test_chance_matches_and_copies_are_told_apart():
     assert kinds.kind(order=4) == (0, True)  # the copy ended
 
 
-
 def test_a_copy_under_way_does_not_earn_trust_again_at_each_run_level():
     kinds = HindsightByKind(max_budget=16)
     cost = lambda n: 0.010 + 0.002 * n  # seconds of a pass over n nodes
@@ -237,6 +236,7 @@ def test_a_copy_under_way_does_not_earn_trust_again_at_each_run_level():
     assert kinds.record((2, True)) is kinds[(1, True)]  # watched, but not yet met a token
     kinds.feed([0])
     assert kinds.record((2, True)) is kinds[(2, True)]  # its own record from now on
+
 
 class ScriptedDraft:
     """A draft-model drafter that knows the text: it proposes the next 5 tokens right (a draft

@@ -24,7 +24,7 @@ from specrun.decoding.adaptive import (
     TargetCost,
 )
 from specrun.decoding.drafters.base import Drafter, Proposal
-from specrun.decoding.drafters.lookup import IDLE_SAMPLE, SessionText, lookup_proposal
+from specrun.decoding.drafters.lookup import IdleSchedule, SessionText, lookup_proposal
 from specrun.decoding.lookup_index import LookupIndex, cut, graft, new_by_rank
 
 # Steps leaning on lookup alone before the draft model runs again (to measure it again), when
@@ -80,8 +80,7 @@ class HybridDrafter:
         self.leaning = False  # the last step skipped the draft model
         self._lean_steps = 0
         self._lean_proposal: Proposal | None = None
-        self._lean_chosen = 0  # the lookup budget the last leaning step verified
-        self._idle = 0  # leaning steps since lookup last proposed a tree that paid
+        self.idle = IdleSchedule()  # when a leaning step looks at lookup's proposal
         self.answer_len = Average(8)  # tokens of this session's answers
         self._n_prompt, self._max_tokens = 0, 1 << 30  # the generation under way (see start)
         self._deferred = 0  # steps of this answer that waited before paying the draft's catch-up
@@ -108,25 +107,21 @@ class HybridDrafter:
         lookup_budget = min(self.lookup_budget, budget)
         branches = self.index.propose(self.index.live, lookup_budget, depth) if lookup_budget else None
         kind = self.alone.kind(self.index.last_order)
-        alone = self.alone[kind]
-        # Leaning with no lookup tree paying, lookup alone (LookupDrafter) looks at a proposal
-        # only every IDLE_SAMPLE steps; so does this drafter, so that leaning costs what lookup
-        # alone costs (watching every chance match in free text, it trusted them sooner: a
-        # batch of Gemma rewrites ran at 0.81x lookup alone).
-        idle = self.leaning and not self._lean_chosen and not self.alone.run()
-        self._idle += idle
-        look = not idle or self._idle % IDLE_SAMPLE == 0
+        # While leaning with no lookup tree paying, look at lookup's proposals as rarely as lookup
+        # alone does (watching every chance match in free text, this drafter trusted them sooner:
+        # a batch of Gemma rewrites ran at 0.81x lookup alone).
+        look = self.idle.looks(self.leaning and self._lean_proposal is None and not self.alone.run())
         if look:
-            alone.watch(branches)
+            self.alone[kind].watch(branches)
         alone = self.alone.record(kind)
         self._lean_proposal = None
         self.leaning = self._should_lean(alone, look and branches is not None, kind[0] == 2, committed, root)
         if self.leaning:
             self._lean_steps += 1
-            self._lean_chosen = chosen = self._best(alone, lookup_budget, draft_s=0.0) if look and branches is not None else 0
+            chosen = self._best(alone, lookup_budget, draft_s=0.0) if look and branches is not None else 0
             if not chosen:
                 return None  # a plain step beats the draft model's tree here
-            self._idle = 0
+            self.idle.paid()
             self._lean_proposal = lookup_proposal(cut(branches, chosen))
             return self._lean_proposal
         self._lean_steps = 0

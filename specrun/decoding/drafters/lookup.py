@@ -23,12 +23,32 @@ from specrun.decoding.lookup_index import LookupIndex, cut
 _TAIL_CHECK = 16
 # While no budget pays, the full tree is proposed (to keep measuring) only every this many steps:
 # free-form text then costs almost nothing over plain decoding.
-IDLE_SAMPLE = 4
+_IDLE_SAMPLE = 4
 
 
 def lookup_proposal(tree) -> Proposal:
     """A tree of lookup nodes only: no draft pass, no draft cache to keep."""
     return Proposal(tree, lookup_from=1)
+
+
+class IdleSchedule:
+    """When lookup looks at a proposal while no lookup tree pays and the text copies nothing:
+    every _IDLE_SAMPLE-th such step only (LookupDrafter, and the hybrid's steps that lean on
+    lookup, so that leaning costs what lookup alone costs)."""
+
+    def __init__(self):
+        self._idle = 0  # idle steps since a lookup tree last paid
+
+    def looks(self, idle: bool) -> bool:
+        """Whether this step looks at a proposal; `idle`: no tree paid last step, no copy runs."""
+        if not idle:
+            return True
+        self._idle += 1
+        return self._idle % _IDLE_SAMPLE == 0
+
+    def paid(self) -> None:
+        """A lookup tree was verified: look at every step again."""
+        self._idle = 0
 
 
 class SessionText:
@@ -80,7 +100,7 @@ class LookupDrafter:
         self.cost = cost or TargetCost()
         self.step_s = Average(24)  # seconds of a step outside the target pass (lookup, walk, KV)
         self.chosen = 0  # the budget the last step chose
-        self._idle = 0
+        self.idle = IdleSchedule()
 
     @property
     def index(self) -> LookupIndex:
@@ -95,18 +115,15 @@ class LookupDrafter:
         if not self.adapt:
             tree = self.index.propose(self.index.live, budget, depth)
             return lookup_proposal(tree) if tree is not None else None
-        run = self.seen.run()
-        if self.chosen == 0 and not run:
-            self._idle += 1
-            if self._idle % IDLE_SAMPLE:
-                return None
+        if not self.idle.looks(self.chosen == 0 and not self.seen.run()):
+            return None
         tree = self.index.propose(self.index.live, budget, depth)
         kind = self.seen.kind(self.index.last_order)
         self.seen[kind].watch(tree)
         self.chosen = self.best_budget(self.seen.record(kind), budget) if tree is not None else 0
         if self.chosen == 0:
             return None
-        self._idle = 0
+        self.idle.paid()
         return lookup_proposal(cut(tree, self.chosen))
 
     def best_budget(self, hindsight: Hindsight, budget: int) -> int:
