@@ -156,6 +156,26 @@ def test_lookup_drafter_verifies_long_copies_and_stops_proposing_for_text_that_n
     assert sum(n == 0 for n, _ in tail) >= 50
 
 
+def test_a_quote_gets_its_first_tree_within_five_steps_wherever_it_starts():
+    """An answer that turns to quoting its prompt, after 0 to 7 tokens of its own: while nothing
+    pays, lookup looks at only every fourth proposal, but at every strong match (3 tokens or
+    more), so the quote's first tree never waits on that schedule (it waited up to 7 steps)."""
+    rng = np.random.default_rng(5)
+    words = lambda n: [int(t) for t in rng.integers(100, 30000, n)]
+    document = words(120)
+    prompt = words(20) + document + [7]
+    for lead in range(8):
+        steps = simulate(LookupDrafter(64), prompt + words(lead) + document[:60] + words(5), prompt_len=len(prompt))
+        emitted, start, first = 0, None, None
+        for i, (nodes, accepted) in enumerate(steps):
+            if start is None and emitted >= lead:
+                start = i
+            if first is None and nodes:
+                first = i
+            emitted += accepted + 1
+        assert first - start <= 5, f"after {lead} tokens of its own, the quote's first tree came {first - start} steps in"
+
+
 def test_session_text_indexes_only_what_is_new():
 
     text = SessionText(max_step=10)

@@ -247,6 +247,19 @@ def test_every_proposed_path_followed_the_root_before(text, budget, depth):
 
 
 @PROPERTY_SETTINGS
+@given(histories(), st.integers(1, 4))
+def test_match_order_is_the_order_a_proposal_reports(text, at_least):
+    index = indexed(text)
+    for end in sorted({1, len(text) // 2 + 1, len(text)}):
+        context = text[:end]
+        index.propose(context, budget=8, depth=4)
+        # The longest n-gram ending the context that occurs in the history with a token after it.
+        longest = max((n for n in (1, 2, 3, 4) if n <= end and followed(text[:-1], context[-n:])), default=0)
+        assert index.last_order == longest
+        assert index.match_order(context, at_least) == (longest if longest >= at_least else 0)
+
+
+@PROPERTY_SETTINGS
 @given(histories(), st.lists(st.integers(1, 50), min_size=1, max_size=20), st.integers(1, 64), st.integers(1, 8))
 def test_extending_in_pieces_equals_indexing_at_once(text, sizes, budget, depth):
     steps = LookupIndex()

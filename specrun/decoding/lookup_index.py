@@ -181,28 +181,44 @@ class LookupIndex:
         keep = _best_nodes(parents, scores, budget, max_leaves)
         return _build_tree(int(query[-1]), parents, tokens, scores, keep)
 
+    def match_order(self, context: Sequence[int], at_least: int = 1) -> int:
+        """The longest order, `at_least` or more, at which the n-gram ending `context` occurred
+        earlier (with a token after it): what `propose` would report as `last_order`, for a few
+        hash probes instead of a tree. 0 when there is none."""
+        query = np.asarray(context[-self.orders[0] :], np.int64)
+        for n in self.orders:
+            if at_least <= n <= len(query) and next(self._occurrences(query, n, 1, ()), None) is not None:
+                return n
+        return 0
+
     def _matches(self, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return history positions where a suffix of `query` ended, newest first per order, and
         the longest order that matched at each."""
         found: dict[int, int] = {}
-        hist, n_hist = self._hist, self._n
         for n in self.orders:
             if len(query) < n or len(found) >= self.max_matches:
                 continue
-            wanted_list = query[-n:].tolist()
-            prev = self._prev[n]
-            position = int(self._heads[n][_bucket(wanted_list, self._bits)])
-            visits = _VISITS_PER_MATCH * self.max_matches
-            while position >= 0 and visits > 0 and len(found) < self.max_matches:
-                visits -= 1
-                # Same bucket is not same n-gram: compare the tokens. The occurrence that is the
-                # query itself (at the end of the history) has no continuation yet: skip it.
-                if position + 1 < n_hist and position not in found:
-                    if hist[position - n + 1 : position + 1].tolist() == wanted_list:
-                        found[position] = n
-                position = int(prev[position])
+            for position in self._occurrences(query, n, self.max_matches - len(found), found):
+                found[position] = n
         positions = np.fromiter(found.keys(), np.int64, len(found))
         return positions, np.fromiter(found.values(), np.float64, len(found))
+
+    def _occurrences(self, query: np.ndarray, n: int, wanted: int, skip):
+        """Yield up to `wanted` history positions, newest first, where query's last n tokens
+        ended earlier with a token after them, leaving out those in `skip`."""
+        hist, n_hist = self._hist, self._n
+        ngram = query[-n:].tolist()
+        prev = self._prev[n]
+        position = int(self._heads[n][_bucket(ngram, self._bits)])
+        visits = _VISITS_PER_MATCH * self.max_matches
+        while position >= 0 and visits > 0 and wanted > 0:
+            visits -= 1
+            # Same bucket is not same n-gram: compare the tokens. The occurrence that is the
+            # query itself (at the end of the history) has no continuation yet: skip it.
+            if position + 1 < n_hist and position not in skip and hist[position - n + 1 : position + 1].tolist() == ngram:
+                wanted -= 1
+                yield position
+            position = int(prev[position])
 
     def _continuations(self, positions: np.ndarray, weights: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
         """Return the tokens that followed each position [m, depth] (-1 past the end) and their

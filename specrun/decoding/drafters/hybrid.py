@@ -110,7 +110,7 @@ class HybridDrafter:
         # While leaning with no lookup tree paying, look at lookup's proposals as rarely as lookup
         # alone does (watching every chance match in free text, this drafter trusted them sooner:
         # a batch of Gemma rewrites ran at 0.81x lookup alone).
-        look = self.idle.looks(self.leaning and self._lean_proposal is None and not self.alone.run())
+        look = self.idle.looks(self.leaning and self._lean_proposal is None and not self.alone.run(), kind[1])
         if look:
             self.alone[kind].watch(branches)
         alone = self.alone.record(kind)

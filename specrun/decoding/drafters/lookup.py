@@ -10,6 +10,7 @@ from typing import Sequence
 
 from specrun.decoding.adaptive import (
     MARGIN,
+    STRONG_ORDER,
     Average,
     Hindsight,
     HindsightByKind,
@@ -21,8 +22,9 @@ from specrun.decoding.lookup_index import LookupIndex, cut
 # Tokens compared with the index's copy of the text before indexing a step's tokens: a cheap
 # check that the caller's text only grew; anything else is compared in full (LookupIndex.sync).
 _TAIL_CHECK = 16
-# While no budget pays, the full tree is proposed (to keep measuring) only every this many steps:
-# free-form text then costs almost nothing over plain decoding.
+# While no budget pays, the full tree is proposed (to keep measuring) only every this many steps,
+# unless the latest tokens match an earlier n-gram of STRONG_ORDER or more (a copy may be
+# starting): free-form text then costs almost nothing over plain decoding.
 _IDLE_SAMPLE = 4
 
 
@@ -33,15 +35,23 @@ def lookup_proposal(tree) -> Proposal:
 
 class IdleSchedule:
     """When lookup looks at a proposal while no lookup tree pays and the text copies nothing:
+    at every strong match (STRONG_ORDER tokens or more: the answer may be starting to copy), else
     every _IDLE_SAMPLE-th such step only (LookupDrafter, and the hybrid's steps that lean on
-    lookup, so that leaning costs what lookup alone costs)."""
+    lookup, so that leaning costs what lookup alone costs).
+
+    Looking only at every fourth step, a fresh process's answer that quoted its prompt from the
+    first token went 7 plain steps before its first tree (the demo pair's rewrites ran at 2.04x
+    plain, against 2.44x looking at each strong match, in a simulation on recorded greedy answers);
+    weak matches (the last token or two) in free text rarely pay, and skipping them keeps such
+    text at plain decoding's speed."""
 
     def __init__(self):
         self._idle = 0  # idle steps since a lookup tree last paid
 
-    def looks(self, idle: bool) -> bool:
-        """Whether this step looks at a proposal; `idle`: no tree paid last step, no copy runs."""
-        if not idle:
+    def looks(self, idle: bool, strong: bool) -> bool:
+        """Whether this step looks at a proposal; `idle`: no tree paid last step, no copy runs;
+        `strong`: the latest tokens match an earlier n-gram of STRONG_ORDER tokens or more."""
+        if not idle or strong:
             return True
         self._idle += 1
         return self._idle % _IDLE_SAMPLE == 0
@@ -115,7 +125,8 @@ class LookupDrafter:
         if not self.adapt:
             tree = self.index.propose(self.index.live, budget, depth)
             return lookup_proposal(tree) if tree is not None else None
-        if not self.idle.looks(self.chosen == 0 and not self.seen.run()):
+        idle = self.chosen == 0 and not self.seen.run()
+        if not self.idle.looks(idle, idle and self.index.match_order(self.index.live, STRONG_ORDER) > 0):
             return None
         tree = self.index.propose(self.index.live, budget, depth)
         kind = self.seen.kind(self.index.last_order)
