@@ -77,7 +77,7 @@ class HybridDrafter:
         self.draft_s = Average(24)  # draft-model seconds of a step that runs it, catch-up aside
         self.catch_up = TargetCost()  # seconds of the draft's catch-up pass over n tokens
         self.step_s = Average(24)  # seconds of a step outside the target and draft passes
-        self.leaning = False  # the last step skipped the draft model
+        self.drafted = False  # the last step ran the draft model
         self._lean_steps = 0
         self._lean_proposal: Proposal | None = None
         self.idle = IdleSchedule()  # when a leaning step looks at lookup's proposal
@@ -107,16 +107,19 @@ class HybridDrafter:
         lookup_budget = min(self.lookup_budget, budget)
         branches = self.index.propose(self.index.live, lookup_budget, depth) if lookup_budget else None
         kind = self.alone.kind(self.index.last_order)
-        # While leaning with no lookup tree paying, look at lookup's proposals as rarely as lookup
-        # alone does (watching every chance match in free text, this drafter trusted them sooner:
-        # a batch of Gemma rewrites ran at 0.81x lookup alone).
-        look = self.idle.looks(self.leaning and self._lean_proposal is None and not self.alone.run(), kind[1])
+        # While the draft model is not running and no lookup tree pays, look at lookup's
+        # proposals exactly when lookup alone would (watching every chance match in free text,
+        # this drafter trusted them sooner: a batch of Gemma rewrites ran at 0.81x lookup alone;
+        # looking at a fresh process's first step too, which lookup alone leaves to its
+        # schedule, it sized the demo pair's rewrites' trees otherwise, at 0.96x lookup alone).
+        look = self.idle.looks(not self.drafted and self._lean_proposal is None and not self.alone.run(), kind[1])
         if look:
             self.alone[kind].watch(branches)
         alone = self.alone.record(kind)
         self._lean_proposal = None
-        self.leaning = self._should_lean(alone, look and branches is not None, kind[0] == 2, committed, root)
-        if self.leaning:
+        leaning = self._should_lean(alone, look and branches is not None, kind[0] == 2, committed, root)
+        self.drafted = not leaning
+        if leaning:
             self._lean_steps += 1
             chosen = self._best(alone, lookup_budget, draft_s=0.0) if look and branches is not None else 0
             if not chosen:
