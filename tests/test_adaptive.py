@@ -1,5 +1,7 @@
 """Adapting the verified tree to measured acceptance and cost (pure, no model)."""
 
+from dataclasses import replace
+
 import numpy as np
 
 from specrun.core.tree import DraftTree
@@ -350,6 +352,23 @@ def test_a_fresh_process_does_not_pay_a_long_prompts_catch_up_for_an_answer_that
     # Knowing nothing of the catch-up's cost, the first step reads the prompt.
     _, draft_calls, _ = hybrid_session(session)
     assert draft_calls >= 1
+
+
+def test_after_a_copy_ends_a_fresh_process_weighs_the_draft_against_what_leaning_made_of_the_answer():
+    """A fresh process, a long prompt, an answer that copies 100 tokens of it and then goes on in
+    its own words. Where the copy ends, a few plain steps look at no lookup proposal; the draft
+    model's catch-up is weighed against what leaning has made of the answer's recent steps, not
+    against plain steps alone (Gemma's rewrites paid a 0.7 s catch-up there: 0.93x of leaning
+    on). Once the answer's own words outweigh the copy, the draft model runs to the end."""
+    rng = np.random.default_rng(8)
+    words = lambda n: [int(t) for t in rng.integers(100, 30000, n)]
+    document = words(150)
+    # Gemma's draft reads a token in a tenth of a plain step's time.
+    prior = replace(PRIOR, catch_up_s=0.0015)
+    _, draft_calls, steps = hybrid_session([(document, document[20:120] + words(30))], max_tokens=600, prior=prior)
+    assert draft_calls == 0 and sum(a for _, a in steps) >= 80
+    _, draft_calls, steps = hybrid_session([(document, document[20:120] + words(400))], max_tokens=600, prior=prior)
+    assert draft_calls >= 40 and all(nodes >= 5 for nodes, _ in steps[-30:-1])  # (the last: what max_tokens left)
 
 
 def _first_draft_step(steps) -> int | None:
