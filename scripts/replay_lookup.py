@@ -142,7 +142,7 @@ def replay(path: Path, profile_path: Path, batch: bool, max_tokens: int, kind: s
         seconds = plain = steps = 0.0
         tokens = 0
         for row in (r for r in rows if r["workload"] == name):
-            drafter = shared or _drafter(kind)
+            drafter = shared if batch else _drafter(kind)
             spent, plain_s, nodes = replay_one(drafter, row["prompt"], row["answer"], profile, max_tokens)
             seconds, plain, steps = seconds + spent, plain + plain_s, steps + len(nodes)
             tokens += min(len(row["answer"]), max_tokens)
