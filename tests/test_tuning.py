@@ -17,7 +17,7 @@ import pytest
 from specrun import engine, sysinfo
 from specrun.commands import tune as tune_command
 from specrun.commands import tune_workloads
-from specrun.commands.bench_prompts import CODE, KINDS, WORKLOADS
+from specrun.commands.bench_prompts import CODE, KINDS, ROUNDS, WORKLOADS
 from specrun.core.sampling import SamplingParams
 from specrun.core.shapes import TreeTemplate, template_shape
 from specrun.decoding.drafters.sequoia import StaticTreeGrower, truncate_template
@@ -264,12 +264,24 @@ def test_a_workload_half_sums_its_prompts_and_keeps_each_ones_speedup():
     assert tune_workloads._Half().each == []
 
 
-def test_each_workload_asks_every_kind_of_request_twice():
-    # tune predicts from WORKLOADS[w][:KINDS] and measures on the rest: the same kinds, other prompts.
+def test_each_workload_asks_every_kind_of_request_four_times():
+    # tune predicts from rounds 0 and 2 of the requests and measures on rounds 1 and 3: the same
+    # kinds, other prompts.
     for prompts in WORKLOADS.values():
-        assert len(prompts) == 2 * KINDS and len(set(prompts)) == len(prompts)
+        assert len(prompts) == ROUNDS * KINDS and len(set(prompts)) == len(prompts)
     def pasted(prompt):
         return prompt.split("```python\n")[1].split("```")[0]
 
-    for i in range(KINDS):  # a code edit's sibling pastes the same function
-        assert pasted(CODE[i]) == pasted(CODE[i + KINDS])
+    for i in range(KINDS):  # a code edit's siblings paste the same function
+        assert len({pasted(CODE[r * KINDS + i]) for r in range(ROUNDS)}) == 1
+
+
+def test_tune_predicts_and_measures_on_the_same_kinds_of_request():
+    predicted, measured = tune_workloads._half_rounds(16)
+    assert predicted == [0, 1, 2, 3, 8, 9, 10, 11] and measured == [4, 5, 6, 7, 12, 13, 14, 15]
+    for n in (2, 4, 8, 12, 16, 40):
+        predicted, measured = tune_workloads._half_rounds(n)
+        assert len(predicted) == len(measured) and not set(predicted) & set(measured)
+        assert sorted(i % KINDS for i in predicted) == sorted(i % KINDS for i in measured)
+        assert len(predicted) + len(measured) <= max(2, min(n, ROUNDS * KINDS))
+    assert tune_workloads._half_rounds(8) == ([0, 1, 2, 3], [4, 5, 6, 7])

@@ -48,12 +48,13 @@ _MEETING = (
     "twelve thousand euros a year. A decision was postponed until the budget review in March."
 )
 
-# Each workload holds four kinds of request, then a second request of each kind in the same
-# order: prompts i and i + 4 ask alike of the same pasted text (another change, other words; for
-# chat, another question of the same kind). `tune` predicts from the first four and measures on
-# the other four, so both halves hold the same mix: how much of an answer a small model copies
-# swings by 3x between pasted texts and kinds of edit, and two halves of four unlike prompts
-# differed by up to 44% for that alone.
+# Each workload holds four kinds of request, four times over in the same order: prompts i, i + 4,
+# i + 8 and i + 12 ask alike of the same pasted text (another change, other words; for chat,
+# another question of the same kind). `tune` predicts from rounds 0 and 2 and measures on rounds
+# 1 and 3, so both halves hold the same mix: how much of an answer a small model copies swings by
+# 3x between pasted texts and kinds of edit, and two halves of four unlike prompts differed by up
+# to 44% for that alone; two requests of one kind still differ by up to 1.7x (one copies the
+# function whole, its sibling rewrites it), which two requests a kind per half average down.
 
 # Free-form questions: little to copy from the prompt.
 CHAT = [
@@ -65,6 +66,14 @@ CHAT = [
     "Write a short story about a baker who finds a map baked into a loaf of bread.",
     "List five tips for sleeping better at night.",
     "What are the main differences between RAM and a hard disk?",
+    "Explain why leaves change colour in autumn to a ten-year-old.",
+    "Write a short story about a postman who finds a letter addressed to himself.",
+    "List five tips for learning a new language.",
+    "What are the main differences between a virus and a bacterium?",
+    "Explain how a magnet works to a ten-year-old.",
+    "Write a short story about a gardener who finds a key buried under a rose bush.",
+    "List five tips for cooking on a small budget.",
+    "What are the main differences between Python and JavaScript?",
 ]
 # A pasted function (fenced, as chat users paste code) rewritten with a small change, the whole
 # function in the answer.
@@ -77,6 +86,14 @@ CODE = [
     f"Rename the parameter `window` to `size` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
     f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with '//'. Show the full updated function.",
     f"```python\n{_PARSER}```\n\nAdd a docstring example that parses two lines to the function above. Output the whole function.",
+    f"Add type hints to the parameters and the return value of this function, then reply with the whole function.\n\n```python\n{FUNCTION}```",
+    f"Rename the variable `out` to `averages` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
+    f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with '--'. Show the full updated function.",
+    f"```python\n{_PARSER}```\n\nAdd a doctest example to the docstring of the function above. Output the whole function.",
+    f"Annotate this function with Python type hints. Reply with the complete function and nothing else.\n\n```python\n{FUNCTION}```",
+    f"Rename the loop variable `value` to `item` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
+    f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with 'REM'. Show the full updated function.",
+    f"```python\n{_PARSER}```\n\nAdd a docstring example with a comment line to the function above. Output the whole function.",
 ]
 # A pasted text copied with small changes, or sentences extracted verbatim.
 REWRITE = [
@@ -88,14 +105,23 @@ REWRITE = [
     f"Quote the last two sentences of this text verbatim:\n\n{LIGHTHOUSE}",
     f"Rewrite this text in the future tense, changing nothing else:\n\n{_MEETING}",
     f"Extract, word for word, the sentence about the school:\n\n{_MEETING}",
+    f"Copy this text, replacing 'nine' with 'ten':\n\n{LIGHTHOUSE}",
+    f"Quote the second and third sentences of this text verbatim:\n\n{LIGHTHOUSE}",
+    f"Rewrite this text in the present tense, changing nothing else:\n\n{_MEETING}",
+    f"Extract, word for word, the sentence about the decision:\n\n{_MEETING}",
+    f"Copy this text, replacing 'the storm of 1953' with 'the great storm':\n\n{LIGHTHOUSE}",
+    f"Quote the first and the last sentence of this text verbatim:\n\n{LIGHTHOUSE}",
+    f"Rewrite this text in the present perfect tense, changing nothing else:\n\n{_MEETING}",
+    f"Extract, word for word, the sentence about the meeting day:\n\n{_MEETING}",
 ]
 WORKLOADS = {"chat": CHAT, "code": CODE, "rewrite": REWRITE}
-KINDS = 4  # kinds of request per workload: WORKLOADS[w][i + KINDS] is another request of kind i
+KINDS = 4  # kinds of request per workload: WORKLOADS[w][i + r * KINDS] is request r of kind i
+ROUNDS = 4  # requests of each kind
 
 
 def workload_prompts(workload: str, path: Path | None) -> dict[str, list[str]]:
     """Return {workload: prompts}: the file's prompts (as one workload, "prompts"), or the built-in
-    set named (all of them for "all"): one request of each kind (tune holds out the second)."""
+    set named (all of them for "all"): one request of each kind (tune measures the other rounds)."""
     if path is not None:
         return {"prompts": load_prompts(path)}
     if workload == "all":

@@ -55,7 +55,7 @@ class TuneSettings:
     check_tokens: int
     check_seconds: float
     workload_tokens: int = 96  # tokens per answer when measuring the default per workload
-    workload_prompts: int = 8  # prompts per workload (half predict, half measure)
+    workload_prompts: int = 16  # prompts per workload (half predict, half measure)
 
 
 # --quick fits about 3 minutes for a ~100M-parameter pair on 2 CPU cores.

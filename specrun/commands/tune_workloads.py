@@ -4,8 +4,8 @@ For each of bench's workloads (free chat, code edits, rewrites) the default that
 makes (the tuned tree with lookup branches, or lookup alone) and plain decoding decode the same
 prompts, greedily, the order alternating prompt by prompt. Every prompt gets a fresh drafter, as
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
-first steps). One request of each kind predicts a workload's speedup; another request of each
-kind, held out, measures it (bench_prompts.KINDS).
+first steps). Rounds 0 and 2 of a workload's requests (one request of each kind a round) predict
+its speedup; rounds 1 and 3, held out, measure it (bench_prompts.KINDS, ROUNDS).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from specrun import ui
-from specrun.commands.bench_prompts import KINDS, WORKLOADS
+from specrun.commands.bench_prompts import KINDS, ROUNDS, WORKLOADS
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import token_ids
@@ -30,12 +30,12 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
         if not tree.draft_model:
             tree = replace(tree, shape=tree.lookup)
     out = {}
-    kinds = min(KINDS, max(1, n_prompts // 2))
-    task = progress.add_task("the default, per workload", total=len(WORKLOADS) * 4 * kinds)
+    per_half = _half_rounds(n_prompts)
+    task = progress.add_task("the default, per workload", total=len(WORKLOADS) * 4 * len(per_half[0]))
     for name, texts in WORKLOADS.items():
-        halves = {half: _decode_both(rt, tree, [rt.tokenize_prompt(t, chat=True) for t in texts[start:start + kinds]],
+        halves = {half: _decode_both(rt, tree, [rt.tokenize_prompt(texts[i], chat=True) for i in indexes],
                                      max_tokens, lambda: progress.advance(task))
-                  for half, start in (("predicted", 0), ("measured", KINDS))}
+                  for half, indexes in zip(("predicted", "measured"), per_half)}
         rt.clear_contexts()
         predicted, measured = halves["predicted"], halves["measured"]
         out[name] = {
@@ -46,13 +46,23 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
             # than its prompts are alike.
             "measured_range": [round(min(measured.each), 3), round(max(measured.each), 3)],
             "lookup_tokens": measured.lookup_tokens,
-            "prompts": 2 * kinds,
+            "prompts": len(predicted.plain) + len(measured.plain),
             "tokens": max_tokens,
         }
-        ui.dim(f"{name}: the default ({tree.drafter}) predicted x{predicted.speedup:.2f} on {kinds} prompts, "
-               f"measured x{measured.speedup:.2f} on {kinds} others of the same kinds "
+        ui.dim(f"{name}: the default ({tree.drafter}) predicted x{predicted.speedup:.2f} on {len(predicted.plain)} prompts, "
+               f"measured x{measured.speedup:.2f} on {len(measured.plain)} others of the same kinds "
                f"(x{min(measured.each):.2f} to x{max(measured.each):.2f} each)")
     return out
+
+
+def _half_rounds(n_prompts: int) -> tuple[list[int], list[int]]:
+    """Return the indexes into a workload's prompts that predict and that measure: n_prompts in
+    all, each half the same kinds, rounds alternating between the halves (0, 2: predict; 1, 3:
+    measure). Fewer than two prompts a kind take the first kinds of rounds 0 and 1."""
+    n_prompts = max(2, min(n_prompts, KINDS * ROUNDS))
+    kinds = min(KINDS, n_prompts // 2)
+    rounds = max(1, n_prompts // (2 * kinds))
+    return tuple([r * KINDS + i for r in range(first, 2 * rounds, 2) for i in range(kinds)] for first in (0, 1))
 
 
 @dataclass
