@@ -101,7 +101,7 @@ def main() -> None:
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     for name in names:
         texts = WORKLOADS[name]
-        texts = texts[: args.prompts or None]  # (each kind of request twice: bench_prompts.KINDS)
+        texts = texts[: args.prompts or None]  # (one request of each kind a round: bench_prompts.KINDS)
         rendered, paths = _rendered(texts, target)
         threads = args.threads or paths["threads"]
         totals = {m: [0, 0.0] for m in modes}
