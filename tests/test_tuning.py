@@ -120,6 +120,17 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
         assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
         assert row["prompts"] == 2 and 0 < row["measured_range"][0] <= row["measured_range"][1]
         assert row["drafter"] == ("lookup" if profile["config"]["kind"] == "plain" else "hybrid")
+    # The untuned default decoded the predicting prompts too (unless it is what the tune chose);
+    # it is stored exactly where the tuned tree ran some workload slower than it.
+    rows = profile["workloads"].values()
+    if all("untuned_speedup" in row for row in rows):
+        assert all(row["tuned_speedup"] > 0 and row["untuned_speedup"] > 0 for row in rows)
+        kept_untuned = any(row["tuned_slower"] for row in rows)
+        assert ("tuned_config" in profile) == kept_untuned
+        if kept_untuned:
+            assert (profile["config"]["kind"], profile["config"]["budget"], profile["config"]["depth"]) == ("specexec", 5, 5)
+    else:
+        assert chain5 and profile["config"]["kind"] != "plain" and "tuned_config" not in profile
     assert profiles.facts_of(profile) is not None
     # chat/generate/bench look it up by the model files (and thread count)
     choice = profiles.choice_for(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=1)
@@ -255,6 +266,42 @@ def test_a_tuned_tree_that_measures_slower_than_the_untuned_default_is_not_store
     # A tune limited to smaller trees, or whose best tree is the default chain, checks no default.
     assert tune_command._untuned_default(chain3, max_budget=4) is None
     assert tune_command._untuned_default(tune_command.tuner.Choice("specexec", 5, 5, 1, 1, 40.0, 1.1), 512) is None
+
+
+def test_the_untuned_default_is_stored_where_the_tuned_tree_runs_a_workload_slower():
+    def half(speedup):
+        return tune_workloads._Half(plain=[(100, 2.0)], default=[(100, 2.0 / speedup)])
+
+    # The Gemma pair after a full tune: a Sequoia tree of 15 with lookup branches ran chat at
+    # 0.82x of the untuned chain, though it won code edits.
+    predicting = {
+        "chat": {"tuned": half(1.40), "untuned": half(1.70)},
+        "code": {"tuned": half(3.90), "untuned": half(3.40)},
+        "rewrite": {"tuned": half(2.70), "untuned": half(2.72)},  # within the margin: noise
+    }
+    slower = tune_workloads._slower_workloads(predicting)
+    assert list(slower) == ["chat"] and slower["chat"] == (pytest.approx(1.40), pytest.approx(1.70))
+    del predicting["chat"]
+    assert tune_workloads._slower_workloads(predicting) == {}
+    # Where only the tuned default ran (it is the untuned chain), nothing is compared.
+    assert tune_workloads._slower_workloads({"chat": {"tuned": half(0.5)}}) == {}
+
+
+def test_keeping_the_untuned_default_stores_the_chain_with_its_checked_figures():
+    profile = _synthetic_profile()
+    tuned = dict(profile["config"])
+    chain = tune_command._untuned_default(tune_command.tuner.Choice.from_dict(tuned), 512)
+    tune_command._keep_untuned(profile, chain, _check_result(36.0, 50.0, 45.0))
+    assert profile["tuned_config"] == tuned
+    assert (profile["config"]["kind"], profile["config"]["budget"], profile["config"]["depth"]) == ("specexec", 5, 5)
+    assert profile["measured_speedup"] == pytest.approx(45.0 / 36.0, abs=1e-3)
+    assert profiles._checked_choice(profile["config"]).budget == 5
+    # What the report says of it.
+    profile["workloads"] = {"chat": {"drafter": "hybrid", "predicted_speedup": 1.7, "measured_speedup": 1.6,
+                                     "tuned_speedup": 1.4, "untuned_speedup": 1.7, "tuned_slower": True}}
+    text = "\n".join(report.report_lines(profile))
+    assert "ran slower with lookup branches than this untuned default on chat" in text
+    assert "tuned tree x1.40, untuned default x1.70" in text
 
 
 def test_a_workload_half_sums_its_prompts_and_keeps_each_ones_speedup():

@@ -123,9 +123,13 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             gpu_memory=opts.gpu_memory,
         )
         profile = _profile(key, rt, hardware, settings, measured, choice, best_tree, check)
+        untuned = _untuned_default(choice, max_budget)
         with report.progress() as progress:
-            profile["workloads"] = workloads.measure_default(
-                rt, choice, profiles.facts_of(profile), settings.workload_prompts, settings.workload_tokens, progress)
+            kept, profile["workloads"] = workloads.measure_default(
+                rt, choice, profiles.facts_of(profile), settings.workload_prompts, settings.workload_tokens, progress,
+                untuned=untuned)
+        if kept is not choice:
+            _keep_untuned(profile, kept, check)
     profile["seconds"] = round(time.monotonic() - t_start, 1)
     try:
         path = profiles.save(profile)
@@ -316,6 +320,19 @@ def _prefer_the_default(choice: tuner.Choice, best_tree: tuner.Choice, default: 
            f"default ({report.config_text(default.to_dict())}): storing the default")
     kept = replace(default, predicted_tokens_per_s=check.default_tokens_per_s, predicted_speedup=check.default_speedup)
     return (choice if choice.kind == "plain" else kept), kept, check.with_default_as_tree()
+
+
+def _keep_untuned(profile: dict, untuned: tuner.Choice, check: CheckResult) -> None:
+    """Store the untuned default in the profile in place of the tuned choice, which ran some
+    workload slower with lookup branches on (tune_workloads); what was tuned stays on record."""
+    # The tree check decoded the untuned chain beside the best tree, or as the best tree itself.
+    ran = check.with_default_as_tree() if check.default_tokens_per_s else check
+    untuned = replace(untuned, predicted_tokens_per_s=ran.tree_tokens_per_s, predicted_speedup=ran.tree_speedup)
+    profile["tuned_config"] = profile["config"]
+    profile["config"] = untuned.to_dict()
+    profile["predicted_speedup"] = round(untuned.predicted_speedup, 4)
+    profile["measured_speedup"] = round(ran.tree_speedup, 4)
+    profile["predicted_tokens_per_s"] = round(untuned.predicted_tokens_per_s, 3)
 
 
 def _untuned_default(best_tree: tuner.Choice, max_budget: int) -> tuner.Choice | None:

@@ -6,6 +6,14 @@ prompts, greedily, the order alternating prompt by prompt. Every prompt gets a f
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
 first steps). Rounds 0 and 2 of a workload's requests (one request of each kind a round) predict
 its speedup; rounds 1 and 3, held out, measure it (bench_prompts.KINDS, ROUNDS).
+
+On the predicting half the untuned default (what runs without a profile: a chain of DEFAULT_SHAPE
+with lookup branches) decodes too, in turn with the others: where the tuned tree's default runs a
+workload slower than it by more than UNTUNED_MARGIN, the untuned chain is what is stored, so that
+a profile never makes a workload slower than no profile. The tree check (tune._check) compares
+the trees alone; with lookup branches on, a deep tree can lose where its draft passes pay for
+tokens that lookup would have carried for free (the Gemma pair's chat after a full tune: a
+Sequoia tree of 15 at 0.81x of the untuned chain on chat, though 17% faster than it alone).
 """
 
 from __future__ import annotations
@@ -19,25 +27,38 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import token_ids
 from specrun.runtime.plan import tuned_default
 from specrun.runtime.runtime import make_decoder
+from specrun.tuning.cost_model import Choice
+
+# The tuned default may run a workload at most this much slower than the untuned default on the
+# predicting half; slower, and the untuned default is stored instead (a false alarm costs only what
+# the tuned tree would have gained; the untuned default is what runs without a profile anyway).
+UNTUNED_MARGIN = 0.05
 
 
-def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress) -> dict:
-    """Return {workload: {"drafter", "predicted_speedup", "measured_speedup", ...}}; print a line each."""
-    tree = tuned_default(choice, facts)
-    room = rt.target_ctx.n_batch - 1 - (tree.shape.budget if tree.draft_model else 0)
-    if tree.lookup is not None and tree.lookup.budget > room:
-        tree = replace(tree, lookup=tree.lookup.resized(room))
-        if not tree.draft_model:
-            tree = replace(tree, shape=tree.lookup)
-    out = {}
+def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress,
+                   untuned: Choice | None = None) -> tuple[Choice, dict]:
+    """Return (the choice kept, {workload: {"drafter", "predicted_speedup", "measured_speedup", ...}})
+    and print a line each. `untuned`: the untuned default's tuner choice (None: `choice` is it)."""
+    candidates = {"tuned": _fitted(rt, tuned_default(choice, facts))}
+    if untuned is not None:
+        candidates["untuned"] = _fitted(rt, tuned_default(untuned, facts))
     per_half = _half_rounds(n_prompts)
-    task = progress.add_task("the default, per workload", total=len(WORKLOADS) * 4 * len(per_half[0]))
-    for name, texts in WORKLOADS.items():
-        halves = {half: _decode_both(rt, tree, [rt.tokenize_prompt(texts[i], chat=True) for i in indexes],
-                                     max_tokens, lambda: progress.advance(task))
-                  for half, indexes in zip(("predicted", "measured"), per_half)}
-        rt.clear_contexts()
-        predicted, measured = halves["predicted"], halves["measured"]
+    prompts = {name: [[rt.tokenize_prompt(texts[i], chat=True) for i in indexes] for indexes in per_half]
+               for name, texts in WORKLOADS.items()}
+    total = len(WORKLOADS) * len(per_half[0]) * (2 + len(candidates))
+    task = progress.add_task("the default, per workload", total=total)
+    advance = lambda: progress.advance(task)
+    predicting = {name: _decode_all(rt, candidates, halves[0], max_tokens, advance) for name, halves in prompts.items()}
+    kept, slower = "tuned", _slower_workloads(predicting)
+    if slower:
+        kept = "untuned"
+        said = ", ".join(f"{name} (x{tuned:.2f} against x{other:.2f})" for name, (tuned, other) in slower.items())
+        ui.dim(f"with lookup branches the tuned tree ran slower than the untuned default on {said}: storing the untuned default")
+    tree = candidates[kept]
+    out = {}
+    for name, halves in prompts.items():
+        predicted = predicting[name][kept]
+        measured = _decode_all(rt, {kept: tree}, halves[1], max_tokens, advance)[kept]
         out[name] = {
             "drafter": tree.drafter,
             "predicted_speedup": round(predicted.speedup, 3),
@@ -49,10 +70,38 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
             "prompts": len(predicted.plain) + len(measured.plain),
             "tokens": max_tokens,
         }
+        if "untuned" in candidates:
+            out[name]["untuned_speedup"] = round(predicting[name]["untuned"].speedup, 3)
+            out[name]["tuned_speedup"] = round(predicting[name]["tuned"].speedup, 3)
+            out[name]["tuned_slower"] = name in slower
         ui.dim(f"{name}: the default ({tree.drafter}) predicted x{predicted.speedup:.2f} on {len(predicted.plain)} prompts, "
                f"measured x{measured.speedup:.2f} on {len(measured.plain)} others of the same kinds "
                f"(x{min(measured.each):.2f} to x{max(measured.each):.2f} each)")
-    return out
+    rt.clear_contexts()
+    return (untuned if kept == "untuned" else choice), out
+
+
+def _fitted(rt, tree):
+    """The tree with its lookup branches cut to what one target batch holds beside the draft tree."""
+    room = rt.target_ctx.n_batch - 1 - (tree.shape.budget if tree.draft_model else 0)
+    if tree.lookup is not None and tree.lookup.budget > room:
+        tree = replace(tree, lookup=tree.lookup.resized(room))
+        if not tree.draft_model:
+            tree = replace(tree, shape=tree.lookup)
+    return tree
+
+
+def _slower_workloads(predicting: dict[str, dict[str, _Half]]) -> dict[str, tuple[float, float]]:
+    """{workload: (tuned speedup, untuned speedup)} where the tuned default ran slower than the
+    untuned one by more than UNTUNED_MARGIN on the predicting half (nothing when only one ran)."""
+    slower = {}
+    for name, halves in predicting.items():
+        if "untuned" not in halves:
+            continue
+        tuned, untuned = halves["tuned"].speedup, halves["untuned"].speedup
+        if tuned < untuned * (1.0 - UNTUNED_MARGIN):
+            slower[name] = (tuned, untuned)
+    return slower
 
 
 def _half_rounds(n_prompts: int) -> tuple[list[int], list[int]]:
@@ -90,17 +139,24 @@ def _speedup(plain: tuple[int, float], default: tuple[int, float]) -> float:
     return (dn / ds) / (pn / ps) if ds and ps and pn else 0.0
 
 
-def _decode_both(rt, tree, prompts: list[list[int]], max_tokens: int, advance) -> _Half:
-    """Decode each prompt plainly and with a fresh default decoder, the order alternating."""
-    half = _Half()
+def _decode_all(rt, trees: dict, prompts: list[list[int]], max_tokens: int, advance) -> dict[str, _Half]:
+    """Decode each prompt plainly and with a fresh decoder of each tree, the order rotating prompt
+    by prompt (a drifting machine hits all alike); return each tree's half, its plain runs the
+    same prompts' plain decoding."""
+    modes = ["plain", *trees]
+    plain: list[tuple[int, float]] = []
+    halves = {name: _Half(plain=plain) for name in trees}
     for i, prompt in enumerate(prompts):
-        for mode in ("plain", "default") if i % 2 == 0 else ("default", "plain"):
+        for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
             rt.clear_contexts()
             decoder = (PlainDecoder(rt.target, rt.target_ctx) if mode == "plain"
-                       else make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx))
+                       else make_decoder(trees[mode], rt.target, rt.target_ctx, rt.draft, rt.draft_ctx))
             token_ids(decoder, prompt, SamplingParams(), max_tokens)
-            getattr(half, mode).append((decoder.stats.n_generated, decoder.stats.decode_s))
-            if mode == "default":
-                half.lookup_tokens += sum(step.lookup_tokens for step in decoder.stats.steps)
+            run = (decoder.stats.n_generated, decoder.stats.decode_s)
+            if mode == "plain":
+                plain.append(run)
+            else:
+                halves[mode].default.append(run)
+                halves[mode].lookup_tokens += sum(step.lookup_tokens for step in decoder.stats.steps)
             advance()
-    return half
+    return halves

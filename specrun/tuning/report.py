@@ -74,6 +74,11 @@ def report_lines(profile: dict) -> list[str]:
         if not check.get("identical_output", True):
             lines.append("  warning: the tree's output differed from plain decoding on a held-out prompt")
     workloads = profile.get("workloads") or {}
+    tuned = profile.get("tuned_config")
+    if tuned:
+        slower = [name for name, w in workloads.items() if w.get("tuned_slower")]
+        lines.append(f"  the tuned tree ({config_text(tuned)}) ran slower with lookup branches than this untuned "
+                     f"default on {', '.join(slower) or 'a workload'}: the untuned default is stored")
     if workloads:
         lines.append("the default per workload, speedup over plain decoding (each prompt afresh, greedy):")
         for name, w in workloads.items():
@@ -81,6 +86,9 @@ def report_lines(profile: dict) -> list[str]:
             each = f" (x{spread[0]:.2f} to x{spread[1]:.2f} each)" if spread else ""
             lines.append(f"  {name:>8} ({w['drafter']}): predicted x{w['predicted_speedup']:.2f}, "
                          f"measured x{w['measured_speedup']:.2f} on held-out prompts{each}")
+            if "untuned_speedup" in w:
+                lines.append(f"  {'':>8} tuned tree x{w['tuned_speedup']:.2f}, untuned default x{w['untuned_speedup']:.2f} "
+                             "on the predicting prompts")
     plain_predicted = check.get("plain_predicted_tokens_per_s")
     plain_measured = check.get("plain_tokens_per_s")
     if plain_predicted and plain_measured and abs(plain_measured / plain_predicted - 1) > DRIFT_WARNING:
