@@ -300,7 +300,9 @@ def test_keeping_the_untuned_default_stores_the_chain_with_its_checked_figures()
     profile["workloads"] = {"chat": {"drafter": "hybrid", "predicted_speedup": 1.7, "measured_speedup": 1.6,
                                      "tuned_speedup": 1.4, "untuned_speedup": 1.7, "tuned_slower": True}}
     text = "\n".join(report.report_lines(profile))
-    assert "ran slower with lookup branches than this untuned default on chat" in text
+    assert "stored: SpecExec tree, budget 5, depth 5, width 1, top-k 1 (the untuned default)" in text
+    assert "the tuned tree (SpecExec tree, budget 24, depth 8, width 4, top-k 4) x0.85, this one x1.25" in text
+    assert "the tuned tree ran slower than the untuned default on chat: the untuned default is stored" in text
     assert "tuned tree x1.40, untuned default x1.70" in text
 
 

@@ -58,6 +58,11 @@ def report_lines(profile: dict) -> list[str]:
                 f"  best tree ({config_text(tree)}): predicted x{tree['predicted_speedup']:.2f}, "
                 f"measured x{check.get('tree_measured_speedup', 0.0):.2f}"
             )
+    elif profile.get("tuned_config"):
+        lines.append(f"stored: {config_text(config)} (the untuned default), with lookup branches sized online "
+                     "(--no-lookup: without)")
+        lines.append(f"  trees alone against plain decoding, measured: the tuned tree ({config_text(profile['tuned_config'])}) "
+                     f"x{check.get('tree_measured_speedup', 0.0):.2f}, this one x{profile['measured_speedup']:.2f}")
     else:
         lines.append(f"stored: {config_text(config)}, with lookup branches sized online (--no-lookup: without)")
         lines.append(
@@ -77,8 +82,8 @@ def report_lines(profile: dict) -> list[str]:
     tuned = profile.get("tuned_config")
     if tuned:
         slower = [name for name, w in workloads.items() if w.get("tuned_slower")]
-        lines.append(f"  the tuned tree ({config_text(tuned)}) ran slower with lookup branches than this untuned "
-                     f"default on {', '.join(slower) or 'a workload'}: the untuned default is stored")
+        lines.append(f"  with lookup branches the tuned tree ran slower than the untuned default on "
+                     f"{', '.join(slower) or 'a workload'}: the untuned default is stored")
     if workloads:
         lines.append("the default per workload, speedup over plain decoding (each prompt afresh, greedy):")
         for name, w in workloads.items():
