@@ -104,6 +104,17 @@ def test_speed_guard_shrinks_to_plain_and_retries():
     assert guard.cap == 1  # tries again
 
 
+def test_speed_guard_cuts_the_trees_that_run_not_a_nominal_budget():
+    """The hybrid's budget counts its lookup branches (5 + 64) while on free text only its draft
+    chain of 5 runs: halving 69 would take four windows (64 steps) to touch that chain."""
+    guard = SpeedGuard(budget=69, plain_s=0.010, window=4)
+    for _ in range(4):
+        guard.record(6, 0.075, 5)  # 12.5 ms per token against plain's 10
+    assert guard.cap == 2 and "at most 2 nodes" in guard.events[-1]
+    guard.new_request()
+    assert guard.cap == 8  # grows back from what it cut to
+
+
 def test_speed_guard_leaves_a_paying_tree_alone_and_measures_plain_without_a_profile():
     guard = SpeedGuard(budget=16, window=4)
     assert not guard.wants_plain_step()

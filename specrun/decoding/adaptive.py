@@ -405,9 +405,11 @@ class SpeedGuard:
     Every `window` speculative steps it compares their seconds per emitted token with a plain
     step's, measured by an occasional plain step the decoder makes when `wants_plain_step` says
     so (a tuning profile's figure stands in until the first one: a profile made on a busier or a
-    quieter machine must not decide for long). Slower by more than `margin`: the budget cap
-    halves (0 = plain decoding). After `retry_after` steps at a lower cap it tries twice the cap
-    again, and every new request (`new_request`) starts from RECOVER times the cap: whatever one
+    quieter machine must not decide for long). Slower by more than `margin`: the cap becomes half
+    the largest tree those steps verified (0 = plain decoding): halving a cap far above the trees
+    that run would change nothing (the hybrid's budget counts its lookup branches, 5 + 64, while
+    on free text its draft chain of 5 is what runs: four cuts, 64 steps, before it shrank). After
+    `retry_after` steps at a lower cap it tries twice the cap again, and every new request (`new_request`) starts from RECOVER times the cap: whatever one
     request taught (a busy moment, text that did not repeat) is forgotten within a few requests.
     """
 
@@ -423,6 +425,7 @@ class SpeedGuard:
         self._spec_s = 0.0
         self._spec_tokens = 0
         self._spec_steps = 0
+        self._spec_nodes = 0  # the largest tree verified in the window
         self._since_plain = 0
         self._since_shrink = 0
         self.events: list[str] = []  # what the guard did, for --verbose (the caller says it once)
@@ -438,7 +441,7 @@ class SpeedGuard:
         if self.cap < self.budget:
             self.cap = min(self.budget, max(1, self.cap) * RECOVER)
             self._since_shrink = 0
-        self._spec_s, self._spec_tokens, self._spec_steps = 0.0, 0, 0
+        self._spec_s, self._spec_tokens, self._spec_steps, self._spec_nodes = 0.0, 0, 0, 0
 
     def plain_s(self) -> float | None:
         if self._plain.known:
@@ -465,6 +468,7 @@ class SpeedGuard:
             self._spec_s += seconds
             self._spec_tokens += n_tokens
             self._spec_steps += 1
+            self._spec_nodes = max(self._spec_nodes, tree_nodes)
         if self.cap < self.budget and self._since_shrink >= self.retry_after:
             self.cap = max(1, 2 * self.cap)
             self._since_shrink = 0
@@ -474,11 +478,12 @@ class SpeedGuard:
 
     def _judge(self) -> None:
         per_token = self._spec_s / max(self._spec_tokens, 1)
-        self._spec_s, self._spec_tokens, self._spec_steps = 0.0, 0, 0
+        largest = self._spec_nodes
+        self._spec_s, self._spec_tokens, self._spec_steps, self._spec_nodes = 0.0, 0, 0, 0
         plain = self.plain_s()
         if plain is None or per_token <= plain * (1 + self.margin):
             return
-        self.cap //= 2
+        self.cap = min(self.cap, largest) // 2
         self._since_shrink = 0
         what = f"a tree of at most {self.cap} nodes" if self.cap else "plain decoding"
         self.events.append(
