@@ -409,8 +409,9 @@ class SpeedGuard:
     the largest tree those steps verified (0 = plain decoding): halving a cap far above the trees
     that run would change nothing (the hybrid's budget counts its lookup branches, 5 + 64, while
     on free text its draft chain of 5 is what runs: four cuts, 64 steps, before it shrank). After
-    `retry_after` steps at a lower cap it tries twice the cap again, and every new request (`new_request`) starts from RECOVER times the cap: whatever one
-    request taught (a busy moment, text that did not repeat) is forgotten within a few requests.
+    `retry_after` steps at a lower cap it tries twice the cap again, and every new request
+    (`new_request`) starts from RECOVER times the cap: whatever one request taught (a busy
+    moment, text that did not repeat) is forgotten within a few requests.
     """
 
     def __init__(self, budget: int, plain_s: float | None = None, window: int = 16, margin: float = 0.03, retry_after: int = 256, probe_every: int = 128):

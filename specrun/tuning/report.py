@@ -59,10 +59,14 @@ def report_lines(profile: dict) -> list[str]:
                 f"measured x{check.get('tree_measured_speedup', 0.0):.2f}"
             )
     elif profile.get("tuned_config"):
+        slower = [name for name, w in (profile.get("workloads") or {}).items() if w.get("tuned_slower")]
         lines.append(f"stored: {config_text(config)} (the untuned default), with lookup branches sized online "
                      "(--no-lookup: without)")
-        lines.append(f"  trees alone against plain decoding, measured: the tuned tree ({config_text(profile['tuned_config'])}) "
-                     f"x{check.get('tree_measured_speedup', 0.0):.2f}, this one x{profile['measured_speedup']:.2f}")
+        lines.append(f"  trees alone against plain decoding, measured: the tuned tree "
+                     f"({config_text(profile['tuned_config'])}) x{check.get('tree_measured_speedup', 0.0):.2f}, "
+                     f"this one x{profile['measured_speedup']:.2f}")
+        lines.append(f"  with lookup branches the tuned tree ran slower than the untuned default on "
+                     f"{', '.join(slower) or 'a workload'}: the untuned default is stored")
     else:
         lines.append(f"stored: {config_text(config)}, with lookup branches sized online (--no-lookup: without)")
         lines.append(
@@ -79,11 +83,6 @@ def report_lines(profile: dict) -> list[str]:
         if not check.get("identical_output", True):
             lines.append("  warning: the tree's output differed from plain decoding on a held-out prompt")
     workloads = profile.get("workloads") or {}
-    tuned = profile.get("tuned_config")
-    if tuned:
-        slower = [name for name, w in workloads.items() if w.get("tuned_slower")]
-        lines.append(f"  with lookup branches the tuned tree ran slower than the untuned default on "
-                     f"{', '.join(slower) or 'a workload'}: the untuned default is stored")
     if workloads:
         lines.append("the default per workload, speedup over plain decoding (each prompt afresh, greedy):")
         for name, w in workloads.items():
