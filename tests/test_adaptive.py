@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from specrun.core.tree import DraftTree
 from specrun.decoding.adaptive import DraftPrior, Hindsight, HindsightByKind, SpeedGuard, TargetCost
@@ -127,12 +128,15 @@ def test_speed_guard_leaves_a_paying_tree_alone_and_measures_plain_without_a_pro
     assert guard.cap == 16 and not guard.events
 
 
-def simulate(drafter, text, prompt_len, seconds=lambda n: 0.010 + 0.002 * (n - 1)):
+def simulate(drafter, text, prompt_len, seconds=lambda n: 0.010 + 0.002 * (n - 1), overhead=None, guard=None):
     """Decode `text` after its first prompt_len tokens as a decoder would, the target "choosing"
-    the text's own next tokens; return the steps' (tree nodes, accepted) pairs."""
+    the text's own next tokens; return the steps' (tree nodes, accepted) pairs. `overhead(drafted)`:
+    a step's seconds beside the target's and the draft's passes (0.2 ms); `guard`: a SpeedGuard
+    whose plain steps measure plain decoding, as the decoder's does."""
     committed, root, at, out = list(text[: prompt_len - 1]), text[prompt_len - 1], prompt_len, []
     while at < len(text):
-        grown = drafter.propose(committed, root, 64, 16)
+        probe = guard is not None and guard.wants_plain_step()
+        grown = None if probe else drafter.propose(committed, root, 64, 16)
         node, accepted = 0, []
         while grown is not None and at + len(accepted) < len(text):
             child = grown.tree.find_child(node, text[at + len(accepted)])
@@ -145,7 +149,13 @@ def simulate(drafter, text, prompt_len, seconds=lambda n: 0.010 + 0.002 * (n - 1
         committed += [root] + accepted
         root = emitted[-1]
         at += len(emitted)
-        drafter.observe(Step(emitted, target_s=seconds(nodes + 1), total_s=seconds(nodes + 1) + 0.0002, tree_nodes=nodes))
+        draft_s, passes = (grown.draft_s, grown.draft_passes) if grown is not None else (0.0, 0)
+        extra = overhead(passes > 0) if overhead is not None else 0.0002
+        step = Step(emitted, target_s=seconds(nodes + 1), draft_s=draft_s, total_s=seconds(nodes + 1) + draft_s + extra,
+                    tree_nodes=nodes, draft_passes=passes)
+        drafter.observe(step)
+        if guard is not None:
+            guard.record(len(emitted), step.total_s, nodes)
         out.append((nodes, len(accepted)))
     return out
 
@@ -336,6 +346,72 @@ def test_the_hybrid_leans_on_lookup_for_copies_after_long_prompts_and_drafts_fre
     free = [(words(20), words(90)) for _ in range(3)]
     _, draft_calls, steps = hybrid_session(free)
     assert draft_calls >= len(steps) - 2 and sum(a for _, a in steps) >= 60
+
+
+class MeasuredDraft(ScriptedDraft):
+    """A draft chain of 5 that gets the first 4 tokens right (in its first chain, the first 2),
+    with the demo pair's Q4_1 draft's costs on a 2-core host: 6.5 ms an expansion pass (one
+    token), and a catch-up of n tokens 7.5 ms + 2.4 ms a token beyond the first (a 49-token chat
+    prompt: 123 ms)."""
+
+    def __init__(self, text):
+        super().__init__(text)
+        self.last_passes = []
+
+    def propose(self, committed, root, budget, depth):
+        self.calls += 1
+        caught = self.debt(committed, root)
+        self.last_catch_up = (caught, 0.0075 + 0.0024 * (caught - 1))
+        at = len(committed) + 1
+        right = 2 if self.calls == 1 else 4
+        tokens = self.text[at : at + right] + [1] * (5 - right)  # the rest is wrong
+        n = min(5, budget, depth)
+        self.last_passes = [(1, 0.0065)] * (n - 1)
+        self.cached = at + min(n - 1, right)  # the nodes up to the first wrong one are kept
+        return GrownTree(chain(root, tokens[:n]), self.last_catch_up[1] + 0.0065 * (n - 1), n)
+
+    def commit(self, proposal, accepted_nodes):
+        pass  # `cached` already counts the chain's decoded nodes; the rejected one is dropped
+
+
+def _measured_pair_run(target_s, prompt_len=49, answer_len=200):
+    """A fresh hybrid (no profile) decoding free text with MeasuredDraft: a leaning step costs
+    0.5 ms beside its target pass, a drafting step 2.5 ms (the draft's top-k rows, its sequences);
+    return (seconds per token of the answer's second half, of plain decoding, the hybrid)."""
+    rng = np.random.default_rng(12)
+    text = [int(t) for t in rng.integers(100, 30000, prompt_len + answer_len)]
+    draft = MeasuredDraft(text)
+    hybrid = HybridDrafter(draft, 5, 64, catch_up_s=0.0024)
+    hybrid.start(prompt_len, answer_len)
+    overhead = lambda drafted: 0.0025 if drafted else 0.0005  # noqa: E731
+    guard = SpeedGuard(64)  # its plain steps measure a plain step's cost
+    steps = simulate(hybrid, text, prompt_len=prompt_len, seconds=target_s, overhead=overhead, guard=guard)
+    late, tokens = [], 0
+    for nodes, accepted in steps:
+        tokens += accepted + 1
+        if tokens > answer_len // 2:
+            draft_s = 0.0075 + 0.0065 * (nodes - 1) if nodes else 0.0
+            late.append((accepted + 1, target_s(nodes + 1) + draft_s + overhead(nodes > 0)))
+    return sum(s for _, s in late) / sum(n for n, _ in late), target_s(1) + overhead(False), hybrid
+
+
+def test_the_hybrid_prices_plain_steps_and_one_token_catch_ups_as_they_were_measured():
+    """Two states of one 2-core host, the demo pair without a profile, free text after a 49-token
+    chat prompt. Slow: a plain step 13.5 ms, verifying the chain 25 ms; drafting pays (5 tokens
+    for 59 ms), though the first chain accepted only 2 of 5: the hybrid drafts. Fast: a plain
+    step 10.1 ms, verifying the chain 25 ms; drafting loses (12.3 ms a token against 10.6). With
+    a drafting step's bookkeeping taken for a plain step's (2.5 ms against 0.5) drafting looked
+    the faster (chat ran at 0.85x plain); and leaning, running the draft again every 8 plain
+    steps to measure it cost a catch-up of 9 tokens each time (0.94x plain here)."""
+    slow = lambda n: 0.0135 if n == 1 else 0.0135 + 0.0023 * (n - 1)  # noqa: E731
+    per_token, plain, hybrid = _measured_pair_run(slow)
+    assert per_token < 0.9 * plain, f"{1e3 * per_token:.1f} ms a token against {1e3 * plain:.1f} plain"
+    # A one-token catch-up is priced as the draft's one-token passes measured (6.5 ms), not from
+    # the prompt's 49-token catch-up at a tenth of its cost a token (19 ms).
+    assert float(hybrid.draft_pass(np.array([1]))[0]) == pytest.approx(0.0065, rel=0.1)
+    fast = lambda n: 0.0101 if n == 1 else 0.0101 + 0.003 * (n - 1)  # noqa: E731
+    per_token, plain, _ = _measured_pair_run(fast)
+    assert per_token <= 1.03 * plain, f"{1e3 * per_token:.1f} ms a token against {1e3 * plain:.1f} plain"
 
 
 # What a tuning profile measured for the scripted pair: a plain step 16 ms, a pass over the

@@ -210,6 +210,11 @@ class Hindsight:
         return self._accepted.known or bool(self._open)
 
     @property
+    def watched(self) -> int:
+        """How many proposals were watched (finished, or still followed)."""
+        return self._accepted.count + len(self._open)
+
+    @property
     def measured(self) -> bool:
         """Whether any watched proposal has met an emitted token yet (matched it or not)."""
         return self._accepted.known or any(watch.fed > 0 for watch in self._open)

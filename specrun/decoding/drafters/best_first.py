@@ -69,6 +69,7 @@ class TreeGrower:
         self._used_seqs: list[int] = []
         self.p0 = 0
         self.last_catch_up = (0, 0.0)  # (tokens, seconds) the last proposal's catch-up decoded
+        self.last_passes: list[tuple[int, float]] = []  # (tokens, seconds) of its expansion passes
 
     def debt(self, committed: Sequence[int], root: int) -> int:
         """Return how many tokens the next proposal's catch-up would decode (the root included)."""
@@ -99,7 +100,16 @@ class TreeGrower:
         """Make the draft cache hold committed + root; return the draft's logits after the root."""
         _, tokens, seconds = self.cache.sync([*committed, root], include_last=True)
         self.last_catch_up = (tokens, seconds)
+        self.last_passes = []
         return self.ctx.logits_row(-1)
+
+    def _expand(self, n_tokens: int) -> float:
+        """Decode the batch of n_tokens tree nodes; return (and note) the pass's seconds."""
+        t0 = time.perf_counter()
+        self.ctx.decode(self.batch)
+        seconds = time.perf_counter() - t0
+        self.last_passes.append((n_tokens, seconds))
+        return seconds
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> GrownTree:
         """Return a tree of at most `budget` nodes below `root`, at most `depth` deep."""
@@ -146,9 +156,7 @@ class TreeGrower:
                 node_seq[node] = seq
             self._used_seqs.extend(seqs)
             self.batch.set_arrays(tree.tokens[candidates], p0 + depths[candidates], seqs, True)
-            t0 = time.perf_counter()
-            ctx.decode(self.batch)
-            draft_s += time.perf_counter() - t0
+            draft_s += self._expand(len(candidates))
             passes += 1
             room -= len(candidates)
             expanded[candidates] = True

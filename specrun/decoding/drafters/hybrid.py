@@ -31,6 +31,14 @@ from specrun.decoding.lookup_index import LookupIndex, cut, graft, new_by_rank
 # bringing it up costs no more than catching up this many tokens.
 _LEAN_REFRESH = 8
 _REFRESH_DEBT = 16
+# After the first such refresh of an answer, the next ones only while drafting is expected at
+# least this fraction of leaning's speed (a close call that new figures may turn): each costs the
+# draft's catch-up with what the lean steps emitted, a quarter of a plain step's time per token
+# on the demo pair, and refreshing every 8 plain steps ran free chat at 0.94x plain.
+_REFRESH_WITHIN = 0.9
+# Drafting steps measured before the hybrid leans on plain steps (lookup proposing nothing): one
+# step's acceptance is chance (a chat answer's first chain accepted 2 of 5, where 4.5 was the rule).
+_MIN_DRAFTED = 3
 # An answer that has outlived the session's typical length is expected to go on at least this long.
 _MIN_AHEAD = 16
 # Before this process has run the draft model, a catch-up dearer than what drafting would save
@@ -78,8 +86,20 @@ class HybridDrafter:
         self.alone = HindsightByKind(lookup_budget)  # the lookup tree alone, per kind of match
         self.cost = cost or TargetCost()
         self.draft_s = Average(24)  # draft-model seconds of a step that runs it, catch-up aside
-        self.catch_up = TargetCost()  # seconds of the draft's catch-up pass over n tokens
-        self.step_s = Average(24)  # seconds of a step outside the target and draft passes
+        # Seconds of one draft-model pass over n tokens: its catch-ups with unread text and its
+        # expansion passes (one token a pass for a chain), which price a one-token catch-up.
+        self.draft_pass = TargetCost()
+        # Tokens a drafting step right after another one catches up with: the root, and the
+        # chain's last token when the whole chain was accepted (never decoded by the draft).
+        self.steady_debt = Average(24)
+        # Seconds of a step outside the target's and the draft's passes, of steps that lean and
+        # of steps that draft: a drafting step's bookkeeping (the draft's top-k rows, its
+        # sequences) is several times a leaning step's, and pricing both alike made plain steps
+        # look 20% dearer than they are on the demo pair (2.5 ms against 0.5 ms beside 10 ms
+        # target passes), so that the hybrid drafted through chat at 0.82x plain. (Steps with
+        # lookup branches alone share a plain step's figure: priced apart, marginal lookup
+        # trees lost to plain steps, and code edits ran 3-5% slower.)
+        self.overhead = {"lean": Average(24), "draft": Average(24)}
         self.drafted = False  # the last step ran the draft model
         self._lean_steps = 0
         self._lean_proposal: Proposal | None = None
@@ -87,6 +107,7 @@ class HybridDrafter:
         self.answer_len = Average(8)  # tokens of this session's answers
         self._n_prompt, self._max_tokens = 0, 1 << 30  # the generation under way (see start)
         self._deferred = 0  # steps of this answer that waited before paying the draft's catch-up
+        self._refreshed = False  # this answer has run the draft model again after leaning
         # Tokens and seconds of this answer's recent steps without the draft model.
         self._lean = Average(_LEAN_HALF_LIFE, 2)
 
@@ -98,6 +119,7 @@ class HybridDrafter:
         """A generation begins: a prompt of n_prompt tokens, at most max_tokens to generate."""
         self._n_prompt, self._max_tokens = n_prompt, max_tokens
         self._deferred = 0
+        self._refreshed = False
         self._lean = Average(_LEAN_HALF_LIFE, 2)
 
     def learn(self, text: Sequence[int], complete: bool = True) -> None:
@@ -124,10 +146,10 @@ class HybridDrafter:
         alone = self.alone.record(kind)
         self._lean_proposal = None
         leaning = self._should_lean(alone, look and branches is not None, kind[0] == 2, committed, root)
-        self.drafted = not leaning
+        after_draft, self.drafted = self.drafted, not leaning
         if leaning:
             self._lean_steps += 1
-            chosen = self._best(alone, lookup_budget, draft_s=0.0) if look and branches is not None else 0
+            chosen = self._best(alone, lookup_budget, self._overhead_s("lean")) if look and branches is not None else 0
             if not chosen:
                 return None  # a plain step beats the draft model's tree here
             self.idle.paid()
@@ -135,9 +157,9 @@ class HybridDrafter:
             return self._lean_proposal
         self._lean_steps = 0
         grown = self.draft.propose(committed, root, min(self.draft_budget, budget), min(self.draft_depth or depth, depth))
-        caught, catch_up_s = self.draft.last_catch_up
-        self.catch_up.observe(caught, catch_up_s)
-        self.draft_s.add(max(0.0, grown.draft_s - catch_up_s))
+        self._observe_draft(grown)
+        if after_draft:
+            self.steady_debt.add(self.draft.last_catch_up[0])
         tree = grown.tree
         base_len = len(tree)
         room = budget - (base_len - 1)
@@ -145,24 +167,56 @@ class HybridDrafter:
             self.with_draft.watch(None, base=tree)
             return grown
         self.with_draft.watch(branches, base=tree, new_by_rank=new_by_rank(tree, branches))
-        chosen = min(room, self._best(self.with_draft, lookup_budget, draft_s=self._draft_step_s(1)))
+        overhead = self._draft_step_s(self._steady_debt()) + self._overhead_s("draft")
+        chosen = min(room, self._best(self.with_draft, lookup_budget, overhead))
         if chosen:
             graft(tree, cut(branches, chosen), MAX_LEAVES)
             if len(tree) > base_len:
                 grown.lookup_from = base_len
         return grown
 
-    def _best(self, hindsight: Hindsight, budget: int, draft_s: float) -> int:
+    def _best(self, hindsight: Hindsight, budget: int, overhead: float) -> int:
+        """The lookup budget with the most tokens per second, a step costing `overhead` seconds
+        beside the target's pass."""
         if not self.adapt or not hindsight.known:
             return budget
-        overhead = draft_s + (float(self.step_s.mean) if self.step_s.known else 0.0)
         best, _ = hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead, MARGIN)
         return min(best, budget)
 
-    def _draft_step_s(self, debt: int) -> float:
+    def _overhead_s(self, kind: str) -> float:
+        """Seconds of a step beyond its passes, a leaning or a drafting one (`kind`), as measured;
+        before any was, a drafting step takes a leaning step's figure, and a leaning step none."""
+        for known in (kind, "lean"):
+            if self.overhead[known].known:
+                return float(self.overhead[known].mean)
+        return 0.0
+
+    def _observe_draft(self, grown: Proposal) -> None:
+        """Take what the draft model's passes cost this step.
+
+        Every pass prices the draft's passes over that many tokens. Without its expansion passes
+        a one-token catch-up (a step after a drafting step) would be priced from long catch-ups
+        only (a prompt, what lean steps emitted), at a tenth of their per-pass cost per token:
+        the demo pair's 49-token catch-up made it 19 ms where a pass takes 6, and the hybrid
+        leaned on plain steps through a chat answer at 0.92x plain that the draft chain alone
+        ran at 1.2x."""
+        caught, catch_up_s = self.draft.last_catch_up
+        self.draft_pass.observe(caught, catch_up_s)
+        for n_tokens, seconds in getattr(self.draft, "last_passes", ()):
+            self.draft_pass.observe(n_tokens, seconds)
+        self.draft_s.add(max(0.0, grown.draft_s - catch_up_s))
+
+    def _steady_debt(self) -> float:
+        """Tokens a drafting step usually catches up with, as measured (1 before it was: the root).
+        A chain accepted whole leaves its last token to catch up with as well: on the demo pair's
+        chat, priced as one token, drafting looked 9% faster than it ran, and beat plain steps
+        that were faster."""
+        return float(self.steady_debt.mean) if self.steady_debt.known else 1.0
+
+    def _draft_step_s(self, debt: float) -> float:
         """Seconds the draft model would spend on a step: its catch-up over `debt` tokens (the
         root included) and its expansion passes."""
-        catch_up = float(self.catch_up(np.array([debt]))[0]) if self.catch_up.known else 0.0
+        catch_up = float(self.draft_pass(np.array([debt]))[0]) if self.draft_pass.known else 0.0
         return catch_up + (float(self.draft_s.mean) if self.draft_s.known else 0.0)
 
     def _should_lean(self, alone: Hindsight, proposed: bool, long_run: bool, committed: Sequence[int], root: int) -> bool:
@@ -180,19 +234,24 @@ class HybridDrafter:
         if not self.with_draft.known:
             return self._lean_by_prior(alone, proposed, committed, root)
         debt = self.draft.debt(committed, root)
-        if self._lean_steps >= _LEAN_REFRESH and not long_run and debt <= _REFRESH_DEBT:
+        if not proposed and self.with_draft.watched < _MIN_DRAFTED:
             return False
-        step_s = float(self.step_s.mean) if self.step_s.known else 0.0
+        lean_s = self._overhead_s("lean")
         if proposed:
-            _, lean = alone.best(lambda nodes: self.cost(nodes + 1) + step_s)
+            _, lean = alone.best(lambda nodes: self.cost(nodes + 1) + lean_s)
         else:
-            lean = 1.0 / (float(self.cost(np.array([1]))[0]) + step_s)
+            lean = 1.0 / (float(self.cost(np.array([1]))[0]) + lean_s)
         ahead = self._tokens_ahead(len(committed) + 1, debt)
-        draft_s = self._draft_step_s(1)
-        catch_up_s = self._draft_step_s(debt) - draft_s  # beyond the usual one-token catch-up
+        draft_s = self._draft_step_s(self._steady_debt())
+        catch_up_s = max(0.0, self._draft_step_s(debt) - draft_s)  # beyond a drafting step's usual catch-up
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
-        seconds = self.cost(nodes + 1) + step_s + draft_s + catch_up_s * accepted / ahead
-        return lean > float(np.max(accepted / seconds))
+        seconds = self.cost(nodes + 1) + self._overhead_s("draft") + draft_s + catch_up_s * accepted / ahead
+        drafting = float(np.max(accepted / seconds))
+        if (self._lean_steps >= _LEAN_REFRESH and not long_run and debt <= _REFRESH_DEBT
+                and (not self._refreshed or drafting >= _REFRESH_WITHIN * lean)):
+            self._refreshed = True
+            return False
+        return lean > drafting
 
     def _lean_by_prior(self, alone: Hindsight, proposed: bool, committed: Sequence[int], root: int) -> bool:
         """Before this process has run the draft model, decide from the profile's figures (or,
@@ -228,8 +287,8 @@ class HybridDrafter:
                 return True
         lean = plain_rate
         if proposed and self.cost.known:
-            step_s = float(self.step_s.mean) if self.step_s.known else 0.0
-            lean = max(lean, alone.best(lambda nodes: self.cost(nodes + 1) + step_s)[1])
+            lean_s = self._overhead_s("lean")
+            lean = max(lean, alone.best(lambda nodes: self.cost(nodes + 1) + lean_s)[1])
         if self._lean.known:
             # What leaning has made of this answer's recent steps, plain and lookup steps
             # together: the rest of an answer that copied is expected to go on much as it went
@@ -279,7 +338,7 @@ class HybridDrafter:
     def observe(self, step) -> None:
         """Take one step's measurements (from the decoder)."""
         self.cost.observe(step.tree_nodes + 1, step.target_s)
-        self.step_s.add(max(0.0, step.total_s - step.target_s - step.draft_s))
+        self.overhead["draft" if step.draft_passes else "lean"].add(max(0.0, step.total_s - step.target_s - step.draft_s))
         if not self.drafted:
             self._lean.add([len(step.tokens), step.total_s])
 

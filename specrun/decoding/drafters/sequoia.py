@@ -89,9 +89,7 @@ class StaticTreeGrower(TreeGrower):
             self._used_seqs.extend(seqs)
             nodes = np.asarray(level)
             self.batch.set_arrays(tree.tokens[nodes], p0 + tree.depths[nodes], seqs, True)
-            t0 = time.perf_counter()
-            ctx.decode(self.batch)
-            draft_s += time.perf_counter() - t0
+            draft_s += self._expand(len(nodes))
             passes += 1
             logits = ctx.logits()
         return GrownTree(tree, draft_s, passes, node_seq=node_seq)
