@@ -316,8 +316,10 @@ def _prefer_the_default(choice: tuner.Choice, best_tree: tuner.Choice, default: 
     (its measured figures standing for the prediction). Return (choice, best tree, check)."""
     if default is None or check.default_tokens_per_s <= check.tree_tokens_per_s * (1.0 + DEFAULT_MARGIN):
         return choice, best_tree, check
+    # With plain decoding chosen, the default is what is weighed against it next, not stored yet.
+    then = "weighing the default against plain decoding" if choice.kind == "plain" else "storing the default"
     ui.dim(f"the tuned tree ({report.config_text(best_tree.to_dict())}) measured slower than the untuned "
-           f"default ({report.config_text(default.to_dict())}): storing the default")
+           f"default ({report.config_text(default.to_dict())}): {then}")
     kept = replace(default, predicted_tokens_per_s=check.default_tokens_per_s, predicted_speedup=check.default_speedup)
     return (choice if choice.kind == "plain" else kept), kept, check.with_default_as_tree()
 
