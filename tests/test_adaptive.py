@@ -414,6 +414,26 @@ def test_the_hybrid_prices_plain_steps_and_one_token_catch_ups_as_they_were_meas
     assert per_token <= 1.03 * plain, f"{1e3 * per_token:.1f} ms a token against {1e3 * plain:.1f} plain"
 
 
+def test_without_a_profile_a_draft_that_could_not_pay_even_accepted_whole_never_runs():
+    """The load's timings (no profile): plain steps 10 ms; the draft's chain of 5 accepted whole
+    would pass 6 tokens for 62 ms (a 25 ms target pass, 37 ms of draft passes): 0.97x plain at
+    best. The draft model never runs; free text decodes on plain steps. Where its chain would
+    pass 6 tokens for 35 ms, it drafts from the first step."""
+    rng = np.random.default_rng(9)
+    words = lambda n: [int(t) for t in rng.integers(100, 30000, n)]  # noqa: E731
+    prompt, answer = words(40), words(120)
+    for step_s, drafts in ((0.037, False), (0.010, True)):
+        best = DraftPrior(plain_s=0.010, tree_s=0.025, step_s=step_s, catch_up_s=0.0024, accepted=5.0)
+        draft = ScriptedDraft(prompt + answer)
+        hybrid = HybridDrafter(draft, 5, 64, catch_up_s=0.0024, best_case=best)
+        hybrid.start(len(prompt), 160)
+        steps = simulate(hybrid, prompt + answer, prompt_len=len(prompt))
+        if drafts:
+            assert draft.calls >= len(steps) - 1
+        else:
+            assert draft.calls == 0 and all(nodes == 0 for nodes, _ in steps)
+
+
 # What a tuning profile measured for the scripted pair: a plain step 16 ms, a pass over the
 # 5-token chain 36 ms, the draft's passes 5 ms, its catch-up 4 ms per token, 4 of 5 accepted.
 PRIOR = DraftPrior(plain_s=0.016, tree_s=0.036, step_s=0.005, catch_up_s=0.004, accepted=4.0)

@@ -290,3 +290,27 @@ def test_speed_guard_turns_a_losing_draft_tree_into_plain_steps_and_says_so_once
     assert guard.cap == 0 and spec.stats.steps[-1].tree_nodes == 0
     switches = [r for r in caplog.records if "switching to" in r.getMessage()]
     assert len(switches) >= 2 and [r.levelno for r in switches].count(logging.INFO) == 1
+
+
+def test_without_a_profile_the_hybrid_times_both_models_at_load_and_leaves_their_caches_empty(target, draft, contexts, prompts, references):
+    """A hybrid made without a profile times the draft's passes (catch-up, one-token expansions)
+    and the target's (one token, the whole tree): the figures that say whether the draft's tree
+    could pay at all. The probe leaves both caches empty: the answer is the target's own."""
+    from specrun.runtime.plan import TreePlan
+    from specrun.runtime.runtime import make_drafter
+
+    shape = TreeShape(budget=5, depth=5, width=1, top_k=1)
+    target_ctx = contexts(target, n_ctx=N_CTX, n_batch=TREE_BATCH)
+    draft_ctx = contexts(draft, n_ctx=N_CTX, n_batch=64)
+    plan = TreePlan(shape, None, "default", lookup=lookup_shape(64))
+    drafter = make_drafter(plan, draft, draft_ctx, target_ctx)
+    best = drafter.best_case
+    assert isinstance(drafter, HybridDrafter) and best is not None and drafter.catch_up_s > 0
+    # Six tokens in one target pass cost more than one, and less than six one-token passes.
+    assert best.plain_s < best.tree_s < 6 * best.plain_s
+    assert best.step_s > 5 * best.catch_up_s > 0 and best.accepted == 5.0
+    decoder = SpeculativeDecoder(target, target_ctx, drafter, TreeShape(budget=69, depth=16, width=1, top_k=1))
+    prompt = prompts["free"][0]
+    out = token_ids(decoder, prompt, GREEDY, MATRIX_TOKENS)
+    divergence = compare(references(prompt, MATRIX_TOKENS), out, MATRIX_TOKENS, "after the probe")
+    check_divergences([divergence] if divergence else [], 1, "after the probe")

@@ -105,3 +105,24 @@ class CachedSequence:
     def room(self) -> int:
         """Return how many more tokens fit in the context."""
         return self.ctx.n_ctx - self.n_cached
+
+
+def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 2, logits: str = "last") -> dict[int, float] | None:
+    """Seconds of one pass over n tokens, for each n of `sizes` (at most n_batch and what the
+    context holds), asking for the `logits` of the last token or of all ('last', 'all'): the least
+    of `repeats` timings, after a one-token pass that warms the model up. Needs an empty cache,
+    and leaves it so (None when it holds text)."""
+    if cache.tokens:
+        return None
+    limit = min(cache.batch.capacity, cache.ctx.n_ctx - 1)
+
+    def timed(n: int) -> float:
+        cache.batch.set_sequence([0] * n, 0, cache.seq, logits)
+        t0 = time.perf_counter()
+        cache.ctx.decode(cache.batch)
+        elapsed = time.perf_counter() - t0
+        cache.truncate(0)
+        return elapsed
+
+    timed(1)
+    return {n: min(timed(n) for _ in range(repeats)) for n in sorted({max(1, min(n, limit)) for n in sizes})}

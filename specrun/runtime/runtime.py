@@ -11,14 +11,16 @@ import logging
 
 from specrun import engine, ui
 from specrun.chat.session import ChatFormat
-from specrun.decoding.adaptive import SpeedGuard
+from specrun.decoding.adaptive import DraftPrior, SpeedGuard
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
 from specrun.decoding.drafters.mtp import MtpDrafter
 from specrun.decoding.drafters.sequoia import StaticTreeGrower
+from specrun.decoding.kv import CachedSequence, probe_passes
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.errors import EngineError
 from specrun.models import pairing
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, TreePlan, build_plan
 from specrun.tuning import profiles
@@ -172,8 +174,33 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
         model_drafter = TreeGrower(draft, draft_ctx, tree.shape)
     if tree.lookup is None:
         return model_drafter
-    # Without a profile's figures the draft's catch-up cost is measured now (a short pass, as a
-    # warm-up): it decides whether a long prompt's catch-up waits while lookup looks.
-    catch_up_s = model_drafter.probe_catch_up() if tree.prior is None else None
+    # Without a profile's figures the draft's passes are timed now (short passes, a warm-up too):
+    # its catch-up cost decides whether a long prompt's catch-up waits while lookup looks; with
+    # the target's passes, they say whether the draft's tree could pay at all.
+    probe = model_drafter.probe() if tree.prior is None else None
+    catch_up_s = probe[0] if probe is not None else None
+    best_case = _best_case(tree.shape, probe, target_ctx) if probe is not None else None
     return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
-                         prior=tree.prior, catch_up_s=catch_up_s)
+                         prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case)
+
+
+def _best_case(shape, probe: tuple[float, float], target_ctx) -> DraftPrior | None:
+    """What the draft model's steps would be, timed now, if the target accepted every draft token:
+    the target's passes over one token and over the tree, the draft's passes for a tree (and
+    the catch-up with its last token, which the draft never decoded). None when the target's
+    passes cannot be timed (no context, or one that cannot be probed)."""
+    if target_ctx is None:
+        return None
+    try:
+        target_ctx.clear()  # a new decoder's cache starts empty; the probe leaves it so
+        seconds = probe_passes(CachedSequence(target_ctx, engine.Batch(target_ctx.n_batch, 1)), (1, shape.budget + 1), logits="all")
+    except EngineError:
+        return None
+    if not seconds:
+        return None
+    catch_up_s, one_pass_s = probe
+    width = max(1, min(shape.width, shape.budget))
+    passes = shape.depth if width == 1 else max(1, -(-shape.budget // width))
+    pass_s = one_pass_s + (width - 1) * catch_up_s  # a pass over `width` nodes
+    return DraftPrior(plain_s=seconds[1], tree_s=seconds[max(seconds)], step_s=passes * pass_s + catch_up_s,
+                      catch_up_s=catch_up_s, accepted=float(shape.depth))

@@ -19,7 +19,7 @@ from specrun.core.sampling import log_softmax_topk
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.core.tree import MAX_LEAVES, DraftTree
 from specrun.decoding.drafters.base import Proposal
-from specrun.decoding.kv import CachedSequence
+from specrun.decoding.kv import CachedSequence, probe_passes
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
 
@@ -81,20 +81,21 @@ class TreeGrower:
         text = [*committed, root]
         return len(text) - self.cache.reusable(text)
 
-    def probe_catch_up(self) -> float | None:
-        """Return the seconds per token of a catch-up, timed on a pass over _PROBE_TOKENS tokens
-        after a one-token pass that warms the model up (None when the cache holds text: the probe
-        needs it empty, and leaves it so)."""
-        if self.cache.tokens:
+    def probe(self) -> tuple[float, float] | None:
+        """Return (seconds per token of a catch-up, seconds of an expansion pass over one token,
+        its top-k included), timed on passes over _PROBE_TOKENS tokens and over one (None when
+        the cache holds text: the probe needs it empty, and leaves it so)."""
+        seconds = probe_passes(self.cache, (1, _PROBE_TOKENS))
+        if not seconds:
             return None
-        n = min(_PROBE_TOKENS, self.ctx.n_batch, self.ctx.n_ctx - 1)
-        self.cache.extend([0], want_last_logits=True)
-        self.cache.truncate(0)
-        t0 = time.perf_counter()
-        self.cache.extend([0] * n, want_last_logits=True)
-        seconds = time.perf_counter() - t0
-        self.cache.truncate(0)
-        return seconds / n
+        row = self.ctx.logits_row(-1)[None, :]
+        top_k_s = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            log_softmax_topk(row, self.shape.top_k)
+            top_k_s.append(time.perf_counter() - t0)
+        n = max(seconds)
+        return seconds[n] / n, seconds[min(seconds)] + min(top_k_s)
 
     def _catch_up(self, committed: Sequence[int], root: int) -> np.ndarray:
         """Make the draft cache hold committed + root; return the draft's logits after the root."""

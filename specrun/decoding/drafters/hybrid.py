@@ -17,6 +17,7 @@ import numpy as np
 from specrun.core.tree import MAX_LEAVES
 from specrun.decoding.adaptive import (
     MARGIN,
+    STRONG_ORDER,
     Average,
     DraftPrior,
     Hindsight,
@@ -28,14 +29,15 @@ from specrun.decoding.drafters.lookup import IdleSchedule, SessionText, lookup_p
 from specrun.decoding.lookup_index import LookupIndex, cut, graft, new_by_rank
 
 # Steps leaning on lookup alone before the draft model runs again (to measure it again), when
-# bringing it up costs no more than catching up this many tokens.
+# bringing it up costs no more than catching up this many tokens. After an answer's first such
+# refresh, the next ones only where drafting could pay: its tree accepted whole would beat
+# leaning by MARGIN. Each costs the draft's catch-up with what the lean steps emitted (a quarter
+# of a plain step's time per token on the demo pair), which nothing pays back where even a whole
+# chain loses: refreshing every 8 plain steps there ran free chat at 0.94x plain. Where a whole
+# chain would win, an answer's first chains may have been unlucky (1 to 3 of 5 accepted, where
+# 4.5 was the rule): one refresh an answer left such an answer leaning, at 0.93x plain.
 _LEAN_REFRESH = 8
 _REFRESH_DEBT = 16
-# After the first such refresh of an answer, the next ones only while drafting is expected at
-# least this fraction of leaning's speed (a close call that new figures may turn): each costs the
-# draft's catch-up with what the lean steps emitted, a quarter of a plain step's time per token
-# on the demo pair, and refreshing every 8 plain steps ran free chat at 0.94x plain.
-_REFRESH_WITHIN = 0.9
 # Drafting steps measured before the hybrid leans on plain steps (lookup proposing nothing): one
 # step's acceptance is chance (a chat answer's first chain accepted 2 of 5, where 4.5 was the rule).
 _MIN_DRAFTED = 3
@@ -68,7 +70,8 @@ class HybridDrafter:
 
     def __init__(self, draft: Drafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
                  cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None,
-                 prior: DraftPrior | None = None, catch_up_s: float | None = None):
+                 prior: DraftPrior | None = None, catch_up_s: float | None = None,
+                 best_case: DraftPrior | None = None):
         self.draft = draft
         # What the tuning profile measured for the draft model: decides the steps before this
         # process has run it (None: an assumed prior from what this process measured, see
@@ -77,6 +80,11 @@ class HybridDrafter:
         # Without a profile: the draft's catch-up seconds per token, measured when it was loaded
         # (TreeGrower.probe_catch_up), which prices a long text's catch-up (see _assumed_prior).
         self.catch_up_s = catch_up_s
+        # Without a profile: the draft's steps as timed when it was loaded, were every draft token
+        # accepted. Where even that would not beat plain steps by MARGIN, the draft model never
+        # runs in this process (exploring it costs a prompt's catch-up and a few losing steps:
+        # the demo pair's free chat ran at 0.86x plain so on a host whose plain passes were fast).
+        self.best_case = best_case
         self.draft_budget = draft_budget
         self.draft_depth = draft_depth  # the draft model's tree stays as deep as planned (None: any)
         self.lookup_budget = lookup_budget
@@ -101,6 +109,7 @@ class HybridDrafter:
         # trees lost to plain steps, and code edits ran 3-5% slower.)
         self.overhead = {"lean": Average(24), "draft": Average(24)}
         self.drafted = False  # the last step ran the draft model
+        self._deepest = 0  # the depth of the draft model's last tree
         self._lean_steps = 0
         self._lean_proposal: Proposal | None = None
         self.idle = IdleSchedule()  # when a leaning step looks at lookup's proposal
@@ -133,14 +142,18 @@ class HybridDrafter:
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         self.text.read(committed, root, self.with_draft, self.alone)
         lookup_budget = min(self.lookup_budget, budget)
-        branches = self.index.propose(self.index.live, lookup_budget, depth) if lookup_budget else None
-        kind = self.alone.kind(self.index.last_order)
         # While the draft model is not running and no lookup tree pays, look at lookup's
         # proposals exactly when lookup alone would (watching every chance match in free text,
         # this drafter trusted them sooner: a batch of Gemma rewrites ran at 0.81x lookup alone;
         # looking at a fresh process's first step too, which lookup alone leaves to its
         # schedule, it sized the demo pair's rewrites' trees otherwise, at 0.96x lookup alone).
-        look = self.idle.looks(not self.drafted and self._lean_proposal is None and not self.alone.run(), kind[1])
+        # A step that does not look proposes nothing unless it drafts: a plain step then costs
+        # what lookup alone's does (a tree proposed each step made them 0.16 ms dearer, 2% of
+        # the demo pair's plain passes).
+        idle = not self.drafted and self._lean_proposal is None and not self.alone.run()
+        look = self.idle.looks(idle, idle and self.index.match_order(self.index.live, STRONG_ORDER) > 0)
+        branches = self.index.propose(self.index.live, lookup_budget, depth) if lookup_budget and look else None
+        kind = self.alone.kind(self.index.last_order if look else 0)
         if look:
             self.alone[kind].watch(branches)
         alone = self.alone.record(kind)
@@ -156,12 +169,15 @@ class HybridDrafter:
             self._lean_proposal = lookup_proposal(cut(branches, chosen))
             return self._lean_proposal
         self._lean_steps = 0
+        if lookup_budget and not look:
+            branches = self.index.propose(self.index.live, lookup_budget, depth)
         grown = self.draft.propose(committed, root, min(self.draft_budget, budget), min(self.draft_depth or depth, depth))
         self._observe_draft(grown)
         if after_draft:
             self.steady_debt.add(self.draft.last_catch_up[0])
         tree = grown.tree
         base_len = len(tree)
+        self._deepest = tree.max_depth
         room = budget - (base_len - 1)
         if branches is None or room < 1:
             self.with_draft.watch(None, base=tree)
@@ -246,12 +262,14 @@ class HybridDrafter:
         catch_up_s = max(0.0, self._draft_step_s(debt) - draft_s)  # beyond a drafting step's usual catch-up
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
         seconds = self.cost(nodes + 1) + self._overhead_s("draft") + draft_s + catch_up_s * accepted / ahead
-        drafting = float(np.max(accepted / seconds))
-        if (self._lean_steps >= _LEAN_REFRESH and not long_run and debt <= _REFRESH_DEBT
-                and (not self._refreshed or drafting >= _REFRESH_WITHIN * lean)):
-            self._refreshed = True
-            return False
-        return lean > drafting
+        if self._lean_steps >= _LEAN_REFRESH and not long_run and debt <= _REFRESH_DEBT:
+            # The draft's own tree accepted whole: its deepest path, the catch-up spread as ever.
+            tokens = self._deepest + 1.0
+            whole = tokens / (float(seconds[0]) + catch_up_s * (tokens - float(accepted[0])) / ahead)
+            if not self._refreshed or whole >= lean * (1.0 + MARGIN):
+                self._refreshed = True
+                return False
+        return lean > float(np.max(accepted / seconds))
 
     def _lean_by_prior(self, alone: Hindsight, proposed: bool, committed: Sequence[int], root: int) -> bool:
         """Before this process has run the draft model, decide from the profile's figures (or,
@@ -264,6 +282,8 @@ class HybridDrafter:
         catch-up is cheap: a short prompt) the draft model runs unless lookup alone, or a plain
         step, is expected faster than its steps with that catch-up spread over the answer.
         """
+        if self.prior is None and not self._could_pay():
+            return True
         debt = self.draft.debt(committed, root)
         prior = self.prior or self._assumed_prior(debt)
         if prior is None:
@@ -297,6 +317,12 @@ class HybridDrafter:
             tokens, seconds = self._lean.mean
             lean = max(lean, tokens / seconds)
         return lean > prior.draft_rate(debt, ahead, scale)
+
+    def _could_pay(self) -> bool:
+        """Whether the draft's tree, accepted whole, would beat plain steps by MARGIN as the load's
+        timings have it (True when nothing was timed)."""
+        best = self.best_case
+        return best is None or best.draft_rate(1, 1.0) * best.plain_s >= 1.0 + MARGIN
 
     def _assumed_prior(self, debt: int) -> DraftPrior | None:
         """Without a profile: a prior from this process's own measurements (the draft's catch-up
