@@ -427,6 +427,7 @@ def test_without_a_profile_a_draft_that_could_not_pay_even_accepted_whole_never_
         draft = ScriptedDraft(prompt + answer)
         hybrid = HybridDrafter(draft, 5, 64, catch_up_s=0.0024, best_case=best)
         hybrid.start(len(prompt), 160)
+        assert hybrid.could_pay() == drafts
         steps = simulate(hybrid, prompt + answer, prompt_len=len(prompt))
         if drafts:
             assert draft.calls >= len(steps) - 1

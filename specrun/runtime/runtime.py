@@ -180,8 +180,13 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
     probe = model_drafter.probe() if tree.prior is None else None
     catch_up_s = probe[0] if probe is not None else None
     best_case = _best_case(tree.shape, probe, target_ctx) if probe is not None else None
-    return HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
-                         prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case)
+    hybrid = HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
+                           prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case)
+    if not hybrid.could_pay():
+        log.info("the draft model stays off: its tree would run at %.2fx plain decoding at best (every draft token "
+                 "accepted, passes timed now); lookup and plain steps decode. `specrun tune` measures this machine",
+                 hybrid.best_speedup())
+    return hybrid
 
 
 def _best_case(shape, probe: tuple[float, float], target_ctx) -> DraftPrior | None:

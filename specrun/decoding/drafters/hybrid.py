@@ -282,7 +282,7 @@ class HybridDrafter:
         catch-up is cheap: a short prompt) the draft model runs unless lookup alone, or a plain
         step, is expected faster than its steps with that catch-up spread over the answer.
         """
-        if self.prior is None and not self._could_pay():
+        if self.prior is None and not self.could_pay():
             return True
         debt = self.draft.debt(committed, root)
         prior = self.prior or self._assumed_prior(debt)
@@ -318,11 +318,17 @@ class HybridDrafter:
             lean = max(lean, tokens / seconds)
         return lean > prior.draft_rate(debt, ahead, scale)
 
-    def _could_pay(self) -> bool:
-        """Whether the draft's tree, accepted whole, would beat plain steps by MARGIN as the load's
-        timings have it (True when nothing was timed)."""
+    def best_speedup(self) -> float | None:
+        """The draft's tree accepted whole, against plain steps, as timed when it was made (None
+        when nothing was timed: a profile's figures decide)."""
         best = self.best_case
-        return best is None or best.draft_rate(1, 1.0) * best.plain_s >= 1.0 + MARGIN
+        return best.draft_rate(1, 1.0) * best.plain_s if best is not None else None
+
+    def could_pay(self) -> bool:
+        """Whether the draft's tree, accepted whole, would beat plain steps by MARGIN as timed when
+        it was made (True when nothing was timed)."""
+        best = self.best_speedup()
+        return best is None or best >= 1.0 + MARGIN
 
     def _assumed_prior(self, debt: int) -> DraftPrior | None:
         """Without a profile: a prior from this process's own measurements (the draft's catch-up
