@@ -383,7 +383,7 @@ def _measured_pair_run(target_s, prompt_len=49, answer_len=200):
     draft = MeasuredDraft(text)
     hybrid = HybridDrafter(draft, 5, 64, catch_up_s=0.0024)
     hybrid.start(prompt_len, answer_len)
-    overhead = lambda drafted: 0.0025 if drafted else 0.0005  # noqa: E731
+    overhead = lambda drafted: 0.0025 if drafted else 0.0005
     guard = SpeedGuard(64)  # its plain steps measure a plain step's cost
     steps = simulate(hybrid, text, prompt_len=prompt_len, seconds=target_s, overhead=overhead, guard=guard)
     late, tokens = [], 0
@@ -403,13 +403,13 @@ def test_the_hybrid_prices_plain_steps_and_one_token_catch_ups_as_they_were_meas
     a drafting step's bookkeeping taken for a plain step's (2.5 ms against 0.5) drafting looked
     the faster (chat ran at 0.85x plain); and leaning, running the draft again every 8 plain
     steps to measure it cost a catch-up of 9 tokens each time (0.94x plain here)."""
-    slow = lambda n: 0.0135 if n == 1 else 0.0135 + 0.0023 * (n - 1)  # noqa: E731
+    slow = lambda n: 0.0135 if n == 1 else 0.0135 + 0.0023 * (n - 1)
     per_token, plain, hybrid = _measured_pair_run(slow)
     assert per_token < 0.9 * plain, f"{1e3 * per_token:.1f} ms a token against {1e3 * plain:.1f} plain"
     # A one-token catch-up is priced as the draft's one-token passes measured (6.5 ms), not from
     # the prompt's 49-token catch-up at a tenth of its cost a token (19 ms).
     assert float(hybrid.draft_pass(np.array([1]))[0]) == pytest.approx(0.0065, rel=0.1)
-    fast = lambda n: 0.0101 if n == 1 else 0.0101 + 0.003 * (n - 1)  # noqa: E731
+    fast = lambda n: 0.0101 if n == 1 else 0.0101 + 0.003 * (n - 1)
     per_token, plain, _ = _measured_pair_run(fast)
     assert per_token <= 1.03 * plain, f"{1e3 * per_token:.1f} ms a token against {1e3 * plain:.1f} plain"
 
@@ -420,7 +420,7 @@ def test_without_a_profile_a_draft_that_could_not_pay_even_accepted_whole_never_
     best. The draft model never runs; free text decodes on plain steps. Where its chain would
     pass 6 tokens for 35 ms, it drafts from the first step."""
     rng = np.random.default_rng(9)
-    words = lambda n: [int(t) for t in rng.integers(100, 30000, n)]  # noqa: E731
+    words = lambda n: [int(t) for t in rng.integers(100, 30000, n)]
     prompt, answer = words(40), words(120)
     for step_s, drafts in ((0.037, False), (0.010, True)):
         best = DraftPrior(plain_s=0.010, tree_s=0.025, step_s=step_s, catch_up_s=0.0024, accepted=5.0)

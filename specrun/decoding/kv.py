@@ -107,7 +107,7 @@ class CachedSequence:
         return self.ctx.n_ctx - self.n_cached
 
 
-def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 2, logits: str = "last") -> dict[int, float] | None:
+def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 1, logits: str = "last") -> dict[int, float] | None:
     """Seconds of one pass over n tokens, for each n of `sizes` (at most n_batch and what the
     context holds), asking for the `logits` of the last token or of all ('last', 'all'): the least
     of `repeats` timings, after a one-token pass that warms the model up. Needs an empty cache,

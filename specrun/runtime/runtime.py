@@ -198,7 +198,9 @@ def _best_case(shape, probe: tuple[float, float], target_ctx) -> DraftPrior | No
         return None
     try:
         target_ctx.clear()  # a new decoder's cache starts empty; the probe leaves it so
-        seconds = probe_passes(CachedSequence(target_ctx, engine.Batch(target_ctx.n_batch, 1)), (1, shape.budget + 1), logits="all")
+        # The least of two timings each: the target's passes are short, and their ratio decides.
+        cache = CachedSequence(target_ctx, engine.Batch(target_ctx.n_batch, 1))
+        seconds = probe_passes(cache, (1, shape.budget + 1), repeats=2, logits="all")
     except EngineError:
         return None
     if not seconds:
