@@ -175,11 +175,12 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
     if tree.lookup is None:
         return model_drafter
     # Without a profile's figures the draft's passes are timed now (short passes, a warm-up too):
-    # its catch-up cost decides whether a long prompt's catch-up waits while lookup looks; with
-    # the target's passes, they say whether the draft's tree could pay at all.
+    # its catch-up cost decides whether a long prompt's catch-up waits while lookup looks; for
+    # the default tree (not one asked for with --budget or --depth), with the target's passes
+    # timed too, they say whether the draft's tree could pay at all.
     probe = model_drafter.probe() if tree.prior is None else None
     catch_up_s = probe[0] if probe is not None else None
-    best_case = _best_case(tree.shape, probe, target_ctx) if probe is not None else None
+    best_case = _best_case(tree.shape, probe, target_ctx) if probe is not None and tree.source == "default" else None
     hybrid = HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
                            prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case)
     if not hybrid.could_pay():
