@@ -8,6 +8,7 @@ Commands use it as a context manager so contexts are closed before their models.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from specrun import engine, ui
 from specrun.chat.session import ChatFormat
@@ -24,6 +25,7 @@ from specrun.errors import EngineError
 from specrun.models import pairing
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, TreePlan, build_plan
 from specrun.tuning import profiles
+from specrun.tuning.cost_model import CostCurve
 
 log = logging.getLogger("specrun")
 
@@ -178,9 +180,13 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
     # its catch-up cost decides whether a long prompt's catch-up waits while lookup looks; for
     # the default tree (not one asked for with --budget or --depth), with the target's passes
     # timed too, they say whether the draft's tree could pay at all.
-    probe = model_drafter.probe() if tree.prior is None else None
-    catch_up_s = probe[0] if probe is not None else None
-    best_case = _best_case(tree.shape, probe, target_ctx) if probe is not None and tree.source == "default" else None
+    draft_passes = model_drafter.probe() if tree.prior is None else None
+    catch_up_s = best_case = None
+    if draft_passes is not None:
+        widest = max(draft_passes)
+        catch_up_s = draft_passes[widest] / widest
+        if tree.source == "default":
+            best_case = _best_case(tree.shape, draft_passes, target_ctx)
     hybrid = HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
                            prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case)
     if not hybrid.could_pay():
@@ -190,11 +196,12 @@ def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
     return hybrid
 
 
-def _best_case(shape, probe: tuple[float, float], target_ctx) -> DraftPrior | None:
+def _best_case(shape, draft_passes: dict[int, float], target_ctx) -> DraftPrior | None:
     """What the draft model's steps would be, timed now, if the target accepted every draft token:
-    the target's passes over one token and over the tree, the draft's passes for a tree (and
-    the catch-up with its last token, which the draft never decoded). None when the target's
-    passes cannot be timed (no context, or one that cannot be probed)."""
+    a profile's prior for the tree (profiles.Facts.draft_prior) from the target's passes over one
+    token and over the tree and the draft's `draft_passes` ({tokens: seconds}), with the catch-up
+    of the tree's last token, which the draft never decoded. None when the target's passes cannot
+    be timed (no context, or one that cannot be probed)."""
     if target_ctx is None:
         return None
     try:
@@ -206,9 +213,7 @@ def _best_case(shape, probe: tuple[float, float], target_ctx) -> DraftPrior | No
         return None
     if not seconds:
         return None
-    catch_up_s, one_pass_s = probe
-    width = max(1, min(shape.width, shape.budget))
-    passes = shape.depth if width == 1 else max(1, -(-shape.budget // width))
-    pass_s = one_pass_s + (width - 1) * catch_up_s  # a pass over `width` nodes
-    return DraftPrior(plain_s=seconds[1], tree_s=seconds[max(seconds)], step_s=passes * pass_s + catch_up_s,
-                      catch_up_s=catch_up_s, accepted=float(shape.depth))
+    facts = profiles.Facts(target=CostCurve.from_points(seconds), draft=CostCurve.from_points(draft_passes),
+                           plain_s=seconds[1], tau={shape.budget: shape.depth + 1.0}, tree_speedup=None)
+    prior = facts.draft_prior(shape)
+    return replace(prior, step_s=prior.step_s + prior.catch_up_s)

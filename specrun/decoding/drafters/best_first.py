@@ -25,7 +25,7 @@ from specrun.limits import MAX_SEQ
 
 # Cached tokens compared with the text before trusting the cache to hold a prefix of it.
 _DEBT_CHECK = 16
-# Tokens of the timed pass that prices the draft's catch-up (TreeGrower.probe_catch_up): past a
+# Tokens of the timed pass that prices the draft's catch-up (TreeGrower.probe): past a
 # dozen tokens a pass costs about the same per token on a CPU as over hundreds.
 _PROBE_TOKENS = 16
 
@@ -81,10 +81,10 @@ class TreeGrower:
         text = [*committed, root]
         return len(text) - self.cache.reusable(text)
 
-    def probe(self) -> tuple[float, float] | None:
-        """Return (seconds per token of a catch-up, seconds of an expansion pass over one token,
-        its top-k included), timed on passes over _PROBE_TOKENS tokens and over one (None when
-        the cache holds text: the probe needs it empty, and leaves it so)."""
+    def probe(self) -> dict[int, float] | None:
+        """Return {tokens: seconds} of the draft's passes over one token (an expansion pass, its
+        top-k included) and over _PROBE_TOKENS (a catch-up), timed now (None when the cache holds
+        text: the probe needs it empty, and leaves it so)."""
         seconds = probe_passes(self.cache, (1, _PROBE_TOKENS))
         if not seconds:
             return None
@@ -94,8 +94,8 @@ class TreeGrower:
             t0 = time.perf_counter()
             log_softmax_topk(row, self.shape.top_k)
             top_k_s.append(time.perf_counter() - t0)
-        n = max(seconds)
-        return seconds[n] / n, seconds[min(seconds)] + min(top_k_s)
+        seconds[min(seconds)] += min(top_k_s)
+        return seconds
 
     def _catch_up(self, committed: Sequence[int], root: int) -> np.ndarray:
         """Make the draft cache hold committed + root; return the draft's logits after the root."""

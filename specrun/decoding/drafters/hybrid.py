@@ -78,7 +78,7 @@ class HybridDrafter:
         # _assumed_prior).
         self.prior = prior
         # Without a profile: the draft's catch-up seconds per token, measured when it was loaded
-        # (TreeGrower.probe_catch_up), which prices a long text's catch-up (see _assumed_prior).
+        # (TreeGrower.probe), which prices a long text's catch-up (see _assumed_prior).
         self.catch_up_s = catch_up_s
         # Without a profile: the draft's steps as timed when it was loaded, were every draft token
         # accepted. Where even that would not beat plain steps by MARGIN, the draft model never
