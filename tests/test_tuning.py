@@ -127,6 +127,9 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
         assert all(row["tuned_speedup"] > 0 and row["untuned_speedup"] > 0 for row in rows)
         kept_untuned = any(row["tuned_slower"] for row in rows)
         assert ("tuned_config" in profile) == kept_untuned
+        # Both decoded the held-out prompts too; the figure reported is that of what was stored.
+        kept = "untuned" if kept_untuned else "tuned"
+        assert all(row["measured_speedup"] == row[f"{kept}_measured_speedup"] > 0 for row in rows)
         if kept_untuned:
             assert (profile["config"]["kind"], profile["config"]["budget"], profile["config"]["depth"]) == ("specexec", 5, 5)
     else:
@@ -334,3 +337,36 @@ def test_tune_predicts_and_measures_on_the_same_kinds_of_request():
         assert sorted(i % KINDS for i in predicted) == sorted(i % KINDS for i in measured)
         assert len(predicted) + len(measured) <= max(2, min(n, ROUNDS * KINDS))
     assert tune_workloads._half_rounds(8) == ([0, 1, 2, 3], [4, 5, 6, 7])
+
+
+def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(monkeypatch):
+    """A machine whose speed moves during a tune moves both halves alike: a prompt of one half,
+    then one of the other, each decoded plainly and by every candidate, the modes' order rotating."""
+    from specrun.runtime.runtime import Runtime
+    from specrun.runtime.plan import tuned_default
+
+    decoded = []  # (prompt, decoder kind) in the order they ran
+    real = tune_workloads.token_ids
+
+    def watched(decoder, prompt, params, max_tokens):
+        decoded.append((tuple(prompt), type(decoder).__name__))
+        return real(decoder, prompt, params, max_tokens)
+
+    monkeypatch.setattr(tune_workloads, "token_ids", watched)
+    chain3 = tune_command.tuner.Choice("specexec", 3, 3, 1, 1, 0.0, 0.0)
+    chain5 = tune_command._untuned_default(chain3, max_budget=512)
+    with Runtime(RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", threads=1, ctx_size=512)) as rt:
+        trees = {"tuned": tuned_default(chain3, None), "untuned": tuned_default(chain5, None)}
+        halves = ([rt.tokenize_prompt(t, chat=True) for t in CODE[:2]],
+                  [rt.tokenize_prompt(t, chat=True) for t in CODE[4:6]])
+        predicting, held_out = tune_workloads._decode_halves(rt, trees, halves, 4, lambda: None)
+    order = [halves[0][0], halves[1][0], halves[0][1], halves[1][1]]
+    assert [prompt for prompt, _ in decoded[::3]] == [tuple(p) for p in order]  # the halves alternate
+    for turn in range(4):
+        runs = decoded[3 * turn: 3 * turn + 3]
+        assert len({prompt for prompt, _ in runs}) == 1  # every mode on one prompt, then the next
+        assert sorted(kind for _, kind in runs) == ["PlainDecoder", "SpeculativeDecoder", "SpeculativeDecoder"]
+    assert [kind for _, kind in decoded[::3]][:3] != ["PlainDecoder"] * 3  # plain does not always go first
+    for half in (predicting, held_out):
+        assert set(half) == {"tuned", "untuned"} and half["tuned"].plain is half["untuned"].plain
+        assert all(len(h.plain) == len(h.default) == 2 and h.speedup > 0 for h in half.values())

@@ -91,8 +91,10 @@ def report_lines(profile: dict) -> list[str]:
             lines.append(f"  {name:>8} ({w['drafter']}): predicted x{w['predicted_speedup']:.2f}, "
                          f"measured x{w['measured_speedup']:.2f} on held-out prompts{each}")
             if "untuned_speedup" in w:
+                held = ("" if "untuned_measured_speedup" not in w else
+                        f" (held-out: x{w['tuned_measured_speedup']:.2f} and x{w['untuned_measured_speedup']:.2f})")
                 lines.append(f"  {'':>8} tuned tree x{w['tuned_speedup']:.2f}, untuned default x{w['untuned_speedup']:.2f} "
-                             "on the predicting prompts")
+                             f"on the predicting prompts{held}")
     plain_predicted = check.get("plain_predicted_tokens_per_s")
     plain_measured = check.get("plain_tokens_per_s")
     if plain_predicted and plain_measured and abs(plain_measured / plain_predicted - 1) > DRIFT_WARNING:
