@@ -41,6 +41,10 @@ _REFRESH_DEBT = 16
 # Drafting steps measured before the hybrid leans on plain steps (lookup proposing nothing): one
 # step's acceptance is chance (a chat answer's first chain accepted 2 of 5, where 4.5 was the rule).
 _MIN_DRAFTED = 3
+# A kind of lookup proposal (HindsightByKind) whose record has watched fewer proposals than this
+# is priced by what lookup alone would have made of the steps that drafted, where that is faster
+# (HybridDrafter._lean_record): about where its DOUBT has faded to half (KIND_HALF_LIFE).
+_THIN_KIND = 8
 # An answer that has outlived the session's typical length is expected to go on at least this long.
 _MIN_AHEAD = 16
 # Before this process has run the draft model, a catch-up dearer than what drafting would save
@@ -92,6 +96,9 @@ class HybridDrafter:
         self.adapt = adapt
         self.with_draft = Hindsight(lookup_budget)  # lookup nodes grafted onto the draft tree
         self.alone = HindsightByKind(lookup_budget)  # the lookup tree alone, per kind of match
+        # The lookup tree alone on the steps that drafted (those with_draft watches): what leaning
+        # would have made of them, which prices leaning while the kind's own record is thin.
+        self.alone_on_drafts = Hindsight(lookup_budget)
         self.cost = cost or TargetCost()
         self.draft_s = Average(24)  # draft-model seconds of a step that runs it, catch-up aside
         # Seconds of one draft-model pass over n tokens: its catch-ups with unread text and its
@@ -135,12 +142,12 @@ class HybridDrafter:
         """Index a finished generation's text (prompt + answer) and finish watching its proposals.
         An answer the model ended (`complete`) tells how long answers run in this session; one cut
         by a token limit would have run longer, by how much nobody knows."""
-        self.text.read(text[:-1], text[-1], self.with_draft, self.alone)
+        self.text.read(text[:-1], text[-1], self.with_draft, self.alone, self.alone_on_drafts)
         if complete:
             self.answer_len.add(len(text) - self._n_prompt)
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
-        self.text.read(committed, root, self.with_draft, self.alone)
+        self.text.read(committed, root, self.with_draft, self.alone, self.alone_on_drafts)
         lookup_budget = min(self.lookup_budget, budget)
         # While the draft model is not running and no lookup tree pays, look at lookup's
         # proposals exactly when lookup alone would (watching every chance match in free text,
@@ -156,7 +163,7 @@ class HybridDrafter:
         kind = self.alone.kind(self.index.last_order if look else 0)
         if look:
             self.alone[kind].watch(branches)
-        alone = self.alone.record(kind)
+        alone = self._lean_record(self.alone.record(kind))
         self._lean_proposal = None
         leaning = self._should_lean(alone, look and branches is not None, kind[0] == 2, committed, root)
         after_draft, self.drafted = self.drafted, not leaning
@@ -179,6 +186,7 @@ class HybridDrafter:
         base_len = len(tree)
         self._deepest = tree.max_depth
         room = budget - (base_len - 1)
+        self.alone_on_drafts.watch(branches)
         if branches is None or room < 1:
             self.with_draft.watch(None, base=tree)
             return grown
@@ -198,6 +206,23 @@ class HybridDrafter:
             return budget
         best, _ = hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead, MARGIN)
         return min(best, budget)
+
+    def _lean_record(self, record: Hindsight) -> Hindsight:
+        """The record that prices and sizes a lookup step alone: the kind's own (`record`), or,
+        while it has watched fewer than _THIN_KIND proposals, what lookup alone would have made
+        of the steps that drafted where that is faster.
+
+        A kind's record starts from DOUBT steps of nothing accepted, which fade with the steps
+        it watches: a lookup step's few tokens at a time learn fast, but drafting steps that
+        carry 20-30 tokens each (their lookup branches did) leave each kind two or three
+        watches. Gemma-270M's chat answers, which repeat themselves, drafted so through copies
+        that lookup alone ran 1.5x faster: a drafting step's lookup branches carried 25 tokens
+        in 180 ms where lookup alone would have carried them in 80."""
+        if record.watched >= _THIN_KIND or not self.alone_on_drafts.known:
+            return record
+        lean_s = self._overhead_s("lean")
+        rate = lambda hindsight: hindsight.best(lambda nodes: self.cost(nodes + 1) + lean_s)[1]
+        return self.alone_on_drafts if rate(self.alone_on_drafts) > rate(record) else record
 
     def _overhead_s(self, kind: str) -> float:
         """Seconds of a step beyond its passes, a leaning or a drafting one (`kind`), as measured;
@@ -378,3 +403,4 @@ class HybridDrafter:
         self.draft.reset()
         self.with_draft.forget_open()
         self.alone.forget_open()
+        self.alone_on_drafts.forget_open()
