@@ -130,6 +130,8 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
         # Both decoded the held-out prompts too; the figure reported is that of what was stored.
         kept = "untuned" if kept_untuned else "tuned"
         assert all(row["measured_speedup"] == row[f"{kept}_measured_speedup"] > 0 for row in rows)
+        tuned = profile["tuned_config"] if kept_untuned else profile["config"]
+        assert all(row["tuned_drafter"] == ("lookup" if tuned["kind"] == "plain" else "hybrid") for row in rows)
         if kept_untuned:
             assert (profile["config"]["kind"], profile["config"]["budget"], profile["config"]["depth"]) == ("specexec", 5, 5)
     else:
@@ -306,7 +308,11 @@ def test_keeping_the_untuned_default_stores_the_chain_with_its_checked_figures()
     assert "stored: SpecExec tree, budget 5, depth 5, width 1, top-k 1 (the untuned default)" in text
     assert "the tuned tree (SpecExec tree, budget 24, depth 8, width 4, top-k 4) x0.85, this one x1.25" in text
     assert "the tuned tree ran slower than the untuned default on chat: the untuned default is stored" in text
-    assert "tuned tree x1.40, untuned default x1.70" in text
+    assert "tuned tree x1.40, untuned default x1.70 on the predicting prompts\n" in text
+    # With held-out figures of both, and where the tune chose lookup alone.
+    profile["workloads"]["chat"].update(tuned_drafter="lookup", tuned_measured_speedup=1.3, untuned_measured_speedup=1.6)
+    text = "\n".join(report.report_lines(profile))
+    assert "lookup alone (tuned) x1.40, untuned default x1.70 on the predicting prompts (held-out: x1.30 and x1.60)" in text
 
 
 def test_a_workload_half_sums_its_prompts_and_keeps_each_ones_speedup():

@@ -77,6 +77,7 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
             "tokens": max_tokens,
         }
         if "untuned" in candidates:
+            out[name]["tuned_drafter"] = candidates["tuned"].drafter  # lookup: the tune chose no draft tree
             for which in candidates:  # both, on each half: the predicting half decided
                 out[name][f"{which}_speedup"] = round(predicting[name][which].speedup, 3)
                 out[name][f"{which}_measured_speedup"] = round(held_out[name][which].speedup, 3)

@@ -93,7 +93,8 @@ def report_lines(profile: dict) -> list[str]:
             if "untuned_speedup" in w:
                 held = ("" if "untuned_measured_speedup" not in w else
                         f" (held-out: x{w['tuned_measured_speedup']:.2f} and x{w['untuned_measured_speedup']:.2f})")
-                lines.append(f"  {'':>8} tuned tree x{w['tuned_speedup']:.2f}, untuned default x{w['untuned_speedup']:.2f} "
+                tuned = "lookup alone (tuned)" if w.get("tuned_drafter") == "lookup" else "tuned tree"
+                lines.append(f"  {'':>8} {tuned} x{w['tuned_speedup']:.2f}, untuned default x{w['untuned_speedup']:.2f} "
                              f"on the predicting prompts{held}")
     plain_predicted = check.get("plain_predicted_tokens_per_s")
     plain_measured = check.get("plain_tokens_per_s")
