@@ -8,6 +8,7 @@ deselect with -m "not slow").
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -119,6 +120,8 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
     for row in profile["workloads"].values():
         assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
         assert row["prompts"] == 2 and 0 < row["measured_range"][0] <= row["measured_range"][1]
+        low, high = row["predicted_range"]  # one prompt a half: no spread known, a point
+        assert low == pytest.approx(row["predicted_speedup"], abs=1e-3) == pytest.approx(high, abs=1e-3)
         assert row["drafter"] == ("lookup" if profile["config"]["kind"] == "plain" else "hybrid")
     # The untuned default decoded the predicting prompts too (unless it is what the tune chose);
     # it is stored exactly where the tuned tree ran some workload slower than it.
@@ -309,6 +312,9 @@ def test_keeping_the_untuned_default_stores_the_chain_with_its_checked_figures()
     assert "the tuned tree (SpecExec tree, budget 24, depth 8, width 4, top-k 4) x0.85, this one x1.25" in text
     assert "the tuned tree ran slower than the untuned default on chat: the untuned default is stored" in text
     assert "tuned tree x1.40, untuned default x1.70 on the predicting prompts\n" in text
+    assert "chat (hybrid): predicted x1.70, measured x1.60 on held-out prompts" in text
+    profile["workloads"]["chat"]["predicted_range"] = [1.4, 2.05]
+    assert "chat (hybrid): predicted x1.70 (x1.40 to x2.05 expected), measured x1.60" in "\n".join(report.report_lines(profile))
     # With held-out figures of both, and where the tune chose lookup alone.
     profile["workloads"]["chat"].update(tuned_drafter="lookup", tuned_measured_speedup=1.3, untuned_measured_speedup=1.6)
     text = "\n".join(report.report_lines(profile))
@@ -320,6 +326,22 @@ def test_a_workload_half_sums_its_prompts_and_keeps_each_ones_speedup():
     assert half.speedup == pytest.approx((150 / 2.5) / (150 / 6.0))
     assert half.each == [pytest.approx(2.0), pytest.approx(4.0)]
     assert tune_workloads._Half().each == []
+
+
+def test_a_prediction_expects_a_range_as_wide_as_its_prompts_are_unlike():
+    def half(speedups):
+        return tune_workloads._Half(plain=[(100, 1.0)] * len(speedups), default=[(100, 1.0 / s) for s in speedups])
+
+    alike, unlike = half([2.0, 2.1, 1.9, 2.0, 2.05, 1.95, 2.0, 2.0]), half([1.0, 3.0, 2.0, 1.2, 2.8, 1.5, 2.5, 2.0])
+    for h in (alike, unlike):
+        low, high = h.expected_range()
+        assert low < h.speedup < high and low * high == pytest.approx(h.speedup ** 2)
+    assert alike.expected_range()[1] / alike.speedup < 1.05  # within 5%: prompts alike
+    assert unlike.expected_range()[1] / unlike.speedup > 1.3  # 0.9x to 3x plain: no closer than 30%
+    # Twice the prompts, the same spread: a narrower range (by about the square root of two).
+    twice = half([1.0, 3.0, 2.0, 1.2, 2.8, 1.5, 2.5, 2.0] * 2)
+    assert math.log(twice.expected_range()[1] / twice.speedup) < 0.75 * math.log(unlike.expected_range()[1] / unlike.speedup)
+    assert half([2.0]).expected_range() == (pytest.approx(2.0), pytest.approx(2.0))  # one prompt: no spread known
 
 
 def test_each_workload_asks_every_kind_of_request_four_times():

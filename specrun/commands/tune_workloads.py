@@ -23,7 +23,10 @@ Sequoia tree of 15 at 0.81x of the untuned chain on chat, though 17% faster than
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from specrun import ui
 from specrun.commands.bench_prompts import KINDS, ROUNDS, WORKLOADS
@@ -38,6 +41,8 @@ from specrun.tuning.cost_model import Choice
 # predicting half; slower, and the untuned default is stored instead (a false alarm costs only what
 # the tuned tree would have gained; the untuned default is what runs without a profile anyway).
 UNTUNED_MARGIN = 0.05
+# Two-sided 95% of a normal distribution, for the range a prediction expects (_Half.expected_range).
+_Z95 = 1.96
 
 
 def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress,
@@ -69,6 +74,9 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
             "drafter": tree.drafter,
             "predicted_speedup": round(predicted.speedup, 3),
             "measured_speedup": round(measured.speedup, 3),
+            # Where the held-out half's figure is expected, from how unlike the predicting
+            # half's prompts were (_Half.expected_range).
+            "predicted_range": [round(bound, 3) for bound in predicted.expected_range()],
             # The held-out prompts' own spread: a prediction for a workload can be no closer
             # than its prompts are alike.
             "measured_range": [round(min(measured.each), 3), round(max(measured.each), 3)],
@@ -82,8 +90,9 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
                 out[name][f"{which}_speedup"] = round(predicting[name][which].speedup, 3)
                 out[name][f"{which}_measured_speedup"] = round(held_out[name][which].speedup, 3)
             out[name]["tuned_slower"] = name in slower
-        ui.dim(f"{name}: the default ({tree.drafter}) predicted x{predicted.speedup:.2f} on {len(predicted.plain)} prompts, "
-               f"measured x{measured.speedup:.2f} on {len(measured.plain)} others of the same kinds "
+        low, high = predicted.expected_range()
+        ui.dim(f"{name}: the default ({tree.drafter}) predicted x{predicted.speedup:.2f} on {len(predicted.plain)} prompts "
+               f"(x{low:.2f} to x{high:.2f} for as many others), measured x{measured.speedup:.2f} on {len(measured.plain)} others of the same kinds "
                f"(x{min(measured.each):.2f} to x{max(measured.each):.2f} each)")
     rt.clear_contexts()
     return (untuned if kept == "untuned" else choice), out
@@ -139,6 +148,18 @@ class _Half:
     def each(self) -> list[float]:
         """The default's speedup prompt by prompt."""
         return [_speedup(plain, default) for plain, default in zip(self.plain, self.default)]
+
+    def expected_range(self) -> tuple[float, float]:
+        """Where the speedup of as many other prompts of the same kinds is expected (95%): the
+        spread of these prompts' own speedups (their logs' standard deviation), over two halves
+        of as many prompts each. Prompts alike (Gemma's code edits, within 1.3x of each other)
+        give a narrow range; unlike ones (a small model repeating itself on one chat prompt and
+        not the next: 0.9x to 3x plain) a wide one, which no closer prediction can beat."""
+        logs = np.log([s for s in self.each if s > 0])
+        if len(logs) < 2:
+            return self.speedup, self.speedup
+        width = _Z95 * float(np.std(logs, ddof=1)) * math.sqrt(2.0 / len(logs))
+        return self.speedup * math.exp(-width), self.speedup * math.exp(width)
 
 
 def _speedup(plain: tuple[int, float], default: tuple[int, float]) -> float:

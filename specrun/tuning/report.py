@@ -88,7 +88,9 @@ def report_lines(profile: dict) -> list[str]:
         for name, w in workloads.items():
             spread = w.get("measured_range")
             each = f" (x{spread[0]:.2f} to x{spread[1]:.2f} each)" if spread else ""
-            lines.append(f"  {name:>8} ({w['drafter']}): predicted x{w['predicted_speedup']:.2f}, "
+            expected = w.get("predicted_range")
+            expected = f" (x{expected[0]:.2f} to x{expected[1]:.2f} expected)" if expected else ""
+            lines.append(f"  {name:>8} ({w['drafter']}): predicted x{w['predicted_speedup']:.2f}{expected}, "
                          f"measured x{w['measured_speedup']:.2f} on held-out prompts{each}")
             if "untuned_speedup" in w:
                 held = ("" if "untuned_measured_speedup" not in w else
