@@ -627,7 +627,7 @@ def test_where_lookup_branches_carry_the_drafting_steps_the_hybrid_leans_on_look
     prompt = [1, 2, 3] + question + [4, 5]
     answer = question + [77] + ([88] + extra + question + [77]) * 8
     text = prompt + answer
-    seconds = lambda n: 0.020 + 0.0015 * (n - 1)  # noqa: E731
+    seconds = lambda n: 0.020 + 0.0015 * (n - 1)
 
     def run(drafter):
         spent = []

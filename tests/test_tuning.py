@@ -26,7 +26,8 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
 from specrun.errors import SpecrunError, UsageError
-from specrun.runtime.plan import RunOptions
+from specrun.runtime.plan import RunOptions, tuned_default
+from specrun.runtime.runtime import Runtime
 from specrun.tuning import profiles, report
 from specrun.tuning.cost_model import sequoia_tree
 
@@ -370,9 +371,6 @@ def test_tune_predicts_and_measures_on_the_same_kinds_of_request():
 def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(monkeypatch):
     """A machine whose speed moves during a tune moves both halves alike: a prompt of one half,
     then one of the other, each decoded plainly and by every candidate, the modes' order rotating."""
-    from specrun.runtime.runtime import Runtime
-    from specrun.runtime.plan import tuned_default
-
     decoded = []  # (prompt, decoder kind) in the order they ran
     real = tune_workloads.token_ids
 
