@@ -15,8 +15,8 @@ with lookup branches) decodes too, in turn with the others: where the tuned tree
 workload slower than it by more than UNTUNED_MARGIN, the untuned chain is what is stored, so that
 a profile never makes a workload slower than no profile. Both decode the held-out half too (the
 choice is not known until the predicting half is done, and the halves take turns); only the
-predicting half decides, and the held-out figure reported is that of what was stored. The tree check (tune._check) compares
-the trees alone; with lookup branches on, a deep tree can lose where its draft passes pay for
+predicting half decides, and the held-out figure reported is that of what was stored. The tree
+check (tune._check) compares the trees alone; with lookup branches on, a deep tree can lose where its draft passes pay for
 tokens that lookup would have carried for free (the Gemma pair's chat after a full tune: a
 Sequoia tree of 15 at 0.81x of the untuned chain on chat, though 17% faster than it alone).
 """
@@ -70,13 +70,14 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
     out = {}
     for name in prompts:
         predicted, measured = predicting[name][kept], held_out[name][kept]
+        expected = predicted.expected_range()
         out[name] = {
             "drafter": tree.drafter,
             "predicted_speedup": round(predicted.speedup, 3),
             "measured_speedup": round(measured.speedup, 3),
             # Where the held-out half's figure is expected, from how unlike the predicting
             # half's prompts were (_Half.expected_range).
-            "predicted_range": [round(bound, 3) for bound in predicted.expected_range()],
+            "predicted_range": [round(bound, 3) for bound in expected],
             # The held-out prompts' own spread: a prediction for a workload can be no closer
             # than its prompts are alike.
             "measured_range": [round(min(measured.each), 3), round(max(measured.each), 3)],
@@ -90,9 +91,9 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
                 out[name][f"{which}_speedup"] = round(predicting[name][which].speedup, 3)
                 out[name][f"{which}_measured_speedup"] = round(held_out[name][which].speedup, 3)
             out[name]["tuned_slower"] = name in slower
-        low, high = predicted.expected_range()
         ui.dim(f"{name}: the default ({tree.drafter}) predicted x{predicted.speedup:.2f} on {len(predicted.plain)} prompts "
-               f"(x{low:.2f} to x{high:.2f} for as many others), measured x{measured.speedup:.2f} on {len(measured.plain)} others of the same kinds "
+               f"(x{expected[0]:.2f} to x{expected[1]:.2f} for as many others), measured x{measured.speedup:.2f} "
+               f"on {len(measured.plain)} others of the same kinds "
                f"(x{min(measured.each):.2f} to x{max(measured.each):.2f} each)")
     rt.clear_contexts()
     return (untuned if kept == "untuned" else choice), out
@@ -173,11 +174,12 @@ def _decode_halves(rt, trees: dict, halves: tuple[list, list], max_tokens: int, 
     """Decode both halves' prompts plainly and with a fresh decoder of each tree, a prompt of one
     half then one of the other, the modes' order rotating prompt by prompt (a drifting machine hits
     all alike); return each half's {tree: _Half}, whose plain runs are its prompts' plain decoding."""
-    out = tuple({name: _Half(plain=plain) for name in trees} for plain in ([], []))
+    plains: tuple[list, list] = ([], [])  # each half's plain runs, shared by its trees' halves
+    out = tuple({name: _Half(plain=plain) for name in trees} for plain in plains)
     modes = ["plain", *trees]
     turn = 0
     for pair in zip(*halves):
-        for half, prompt in zip(out, pair):
+        for half, plain, prompt in zip(out, plains, pair):
             for mode in modes[turn % len(modes):] + modes[: turn % len(modes)]:
                 rt.clear_contexts()
                 decoder = (PlainDecoder(rt.target, rt.target_ctx) if mode == "plain"
@@ -185,7 +187,7 @@ def _decode_halves(rt, trees: dict, halves: tuple[list, list], max_tokens: int, 
                 token_ids(decoder, prompt, SamplingParams(), max_tokens)
                 run = (decoder.stats.n_generated, decoder.stats.decode_s)
                 if mode == "plain":
-                    next(iter(half.values())).plain.append(run)
+                    plain.append(run)
                 else:
                     half[mode].default.append(run)
                     half[mode].lookup_tokens += sum(step.lookup_tokens for step in decoder.stats.steps)

@@ -163,13 +163,16 @@ class HybridDrafter:
         kind = self.alone.kind(self.index.last_order if look else 0)
         if look:
             self.alone[kind].watch(branches)
-        alone = self._lean_record(self.alone.record(kind))
+        proposed = look and branches is not None
+        alone = self.alone.record(kind)
+        if proposed:  # the record prices and sizes a lookup step only where lookup proposes one
+            alone = self._lean_record(alone)
         self._lean_proposal = None
-        leaning = self._should_lean(alone, look and branches is not None, kind[0] == 2, committed, root)
+        leaning = self._should_lean(alone, proposed, kind[0] == 2, committed, root)
         after_draft, self.drafted = self.drafted, not leaning
         if leaning:
             self._lean_steps += 1
-            chosen = self._best(alone, lookup_budget, self._overhead_s("lean")) if look and branches is not None else 0
+            chosen = self._best(alone, lookup_budget, self._overhead_s("lean")) if proposed else 0
             if not chosen:
                 return None  # a plain step beats the draft model's tree here
             self.idle.paid()
@@ -220,9 +223,12 @@ class HybridDrafter:
         in 180 ms where lookup alone would have carried them in 80."""
         if record.watched >= _THIN_KIND or not self.alone_on_drafts.known:
             return record
+        return self.alone_on_drafts if self._lean_rate(self.alone_on_drafts) > self._lean_rate(record) else record
+
+    def _lean_rate(self, record: Hindsight) -> float:
+        """Tokens per second of lookup steps alone sized by `record` (a leaning step's overhead)."""
         lean_s = self._overhead_s("lean")
-        rate = lambda hindsight: hindsight.best(lambda nodes: self.cost(nodes + 1) + lean_s)[1]
-        return self.alone_on_drafts if rate(self.alone_on_drafts) > rate(record) else record
+        return record.best(lambda nodes: self.cost(nodes + 1) + lean_s)[1]
 
     def _overhead_s(self, kind: str) -> float:
         """Seconds of a step beyond its passes, a leaning or a drafting one (`kind`), as measured;
@@ -277,11 +283,10 @@ class HybridDrafter:
         debt = self.draft.debt(committed, root)
         if not proposed and self.with_draft.watched < _MIN_DRAFTED:
             return False
-        lean_s = self._overhead_s("lean")
         if proposed:
-            _, lean = alone.best(lambda nodes: self.cost(nodes + 1) + lean_s)
+            lean = self._lean_rate(alone)
         else:
-            lean = 1.0 / (float(self.cost(np.array([1]))[0]) + lean_s)
+            lean = 1.0 / (float(self.cost(np.array([1]))[0]) + self._overhead_s("lean"))
         ahead = self._tokens_ahead(len(committed) + 1, debt)
         draft_s = self._draft_step_s(self._steady_debt())
         catch_up_s = max(0.0, self._draft_step_s(debt) - draft_s)  # beyond a drafting step's usual catch-up
@@ -332,8 +337,7 @@ class HybridDrafter:
                 return True
         lean = plain_rate
         if proposed and self.cost.known:
-            lean_s = self._overhead_s("lean")
-            lean = max(lean, alone.best(lambda nodes: self.cost(nodes + 1) + lean_s)[1])
+            lean = max(lean, self._lean_rate(alone))
         if self._lean.known:
             # What leaning has made of this answer's recent steps, plain and lookup steps
             # together: the rest of an answer that copied is expected to go on much as it went
