@@ -136,3 +136,70 @@ def test_without_a_gpu_a_run_reads_no_model_shapes(offline_models, monkeypatch):
     assert plan.target_gpu_layers == 0 and plan.draft_gpu_layers == 0
     files = offline_models.smollm2_f32.stat().st_size + offline_models.smollm2_q4.stat().st_size
     assert plan.placement.ram_bytes == files
+
+
+PROFILE_PASS_S = 0.0108  # the target's one-token pass when the stored profile was made
+
+
+def _store_measured(offline_models, choice: Choice) -> None:
+    """A profile with what tune measures (the demo pair's figures), deciding `choice`."""
+    key = profiles.profile_key(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=OPTS.threads)
+    profiles.save({
+        "key": key, "config": choice.to_dict(), "best_tree": choice.to_dict(), "workloads": {},
+        "predicted_speedup": 1.0, "measured_speedup": 1.0,
+        "curves": {"target": {"sizes": [1, 8, 64], "seconds": [0.0113, 0.02, 0.09]},
+                   "draft": {"sizes": [1, 64], "seconds": [0.0078, 0.3]}, "draft_topk": None},
+        "plain": {"target_s": PROFILE_PASS_S, "overhead_s": 0.00003},
+        "acceptance": {"tau": {"4": 3.1, "5": 3.4}},
+    })
+
+
+def test_a_profile_is_checked_at_load_against_the_plan_made_without_it(offline_models, cli):
+    """A profile measured on this machine in another state (a laptop on battery, a busy host)
+    must not run slower than no profile: its plan carries the target's pass as the profile timed
+    it, and the plan made without the profile, loaded when the pass timed at load is off."""
+    _store_measured(offline_models, Choice("plain", 0, 0, 0, 0, 90.0, 1.0))
+    plan = build_plan(OPTS, devices=[])
+    assert plan.drafter == "lookup" and not plan.draft_loaded
+    check = plan.check
+    assert check.pass_s == PROFILE_PASS_S
+    fallback = check.fallback
+    assert fallback.drafter == "hybrid" and fallback.draft_loaded and fallback.check is None
+    assert fallback.tree.shape == DEFAULT_SHAPE and fallback.tree.prior is None and fallback.tree.plain_s is None
+    assert fallback.target_ctx == plan.target_ctx and fallback.draft_ctx is not None
+    assert fallback.placement.ram_bytes > plan.placement.ram_bytes  # the draft's file is counted
+    # Within 15% either way the profile holds; beyond, the run decides as without it.
+    for holds in (PROFILE_PASS_S, PROFILE_PASS_S * 1.14, PROFILE_PASS_S / 1.14, None):
+        assert plan.checked(holds) is plan
+    for off in (PROFILE_PASS_S * 1.16, PROFILE_PASS_S / 1.16, PROFILE_PASS_S * 3):
+        checked = plan.checked(off)
+        assert checked.drafter == "hybrid" and checked.draft_loaded and checked.check is None
+        assert f"{off * 1e3:.1f} ms now against 10.8 ms" in checked.why and fallback.why in checked.why
+    # A profile whose tree won: its prior decides the first steps, and the fallback drops it.
+    _store_measured(offline_models, Choice("specexec", 4, 4, 1, 1, 110.0, 1.2))
+    tree = build_plan(OPTS, devices=[])
+    assert tree.tree.source == "profile" and tree.tree.prior is not None and tree.tree.shape.budget == 4
+    assert tree.check.fallback.tree.shape == DEFAULT_SHAPE and tree.check.fallback.tree.prior is None
+    assert build_plan(OPTS, TreeShape(3, 3, 1, 1), devices=[]).check is None  # a tree given: nothing to check
+    # `specrun plan` says so.
+    data = json.loads(cli("plan", "--json", "--threads", "1", "--ctx-size", "1024").stdout)
+    assert data["profile_check"] == {"target_pass_s": PROFILE_PASS_S, "drift": 0.15,
+                                     "otherwise": {"drafter": "hybrid", "draft_loaded": True,
+                                                   "tree": fallback.tree.describe()}}
+    text = cli("plan", "--threads", "1", "--ctx-size", "1024").stdout
+    assert "check: at load the target's one-token pass is timed; more than 15% off the profile's 10.8 ms" in text
+
+
+def test_a_profile_check_that_would_take_the_targets_gpu_layers_is_not_offered(offline_models):
+    """The fallback is loaded after the target: only where the target loads the same in both.
+    A draft model that the profile left out would take GPU room the target's layers have."""
+    _store_measured(offline_models, Choice("plain", 0, 0, 0, 0, 90.0, 1.0))
+    sizes = (QWEN25_14B_Q4KM, QWEN25_05B_Q4KM)
+    snug = [DeviceInfo("GPU", "assumed", "gpu", "CUDA", int(9.6 * GB), 10 * GB)]  # the target, nearly alone
+    roomy = [DeviceInfo("GPU", "assumed", "gpu", "CUDA", int(23 * GB), 24 * GB)]  # both, whole
+    plan = build_plan(OPTS, devices=snug, ram_free_bytes=32 * GB, sizes=sizes)
+    assert not plan.draft_loaded and plan.check is None
+    assert plan.target_gpu_layers == QWEN25_14B_Q4KM.n_layer + 1  # whole on the GPU without the draft
+    plan = build_plan(OPTS, devices=roomy, ram_free_bytes=32 * GB, sizes=sizes)
+    assert plan.check is not None and plan.check.fallback.placement.draft_device == 0
+    assert plan.check.fallback.target_gpu_layers == plan.target_gpu_layers == QWEN25_14B_Q4KM.n_layer + 1

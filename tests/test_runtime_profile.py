@@ -18,6 +18,7 @@ from specrun.decoding.drafters.sequoia import StaticTreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
+from specrun.runtime import plan as plan_module
 from specrun.runtime.plan import DEFAULT_SHAPE, RunOptions
 from specrun.runtime.runtime import Runtime
 from specrun.tuning import profiles
@@ -117,3 +118,50 @@ def test_without_a_profile_a_long_copy_prompt_is_not_read_by_the_draft_before_lo
         assert sum(step.lookup_tokens for step in steps) > 0
     with Runtime(replace(OPTS, no_spec=True)) as plain:
         assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE[0], chat=True), SamplingParams(), 48) == out
+
+
+def _store_measured(offline_models, choice: Choice, pass_s: float) -> None:
+    """A profile with what tune measures, its target's one-token pass taking `pass_s`."""
+    key = profiles.profile_key(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=OPTS.threads)
+    profiles.save({
+        "key": key, "config": choice.to_dict(), "best_tree": choice.to_dict(), "workloads": {},
+        "predicted_speedup": 1.0, "measured_speedup": 1.0,
+        "curves": {"target": {"sizes": [1, 8, 64], "seconds": [pass_s, 2 * pass_s, 8 * pass_s]},
+                   "draft": {"sizes": [1, 64], "seconds": [0.7 * pass_s, 30 * pass_s]}, "draft_topk": None},
+        "plain": {"target_s": pass_s, "overhead_s": 0.00003},
+        "acceptance": {"tau": {"4": 3.1, "5": 3.4}},
+    })
+
+
+def test_a_profile_from_another_state_of_the_machine_is_set_aside_at_load(offline_models, capsys):
+    """The profile found the draft's trees slower, when the target's pass took 10 s (another
+    machine state, as far as this run can tell). The run times the pass at load, sees it is
+    not so now, and decides as without the profile: the draft model loads and the hybrid, which
+    times both models itself, decodes the target's own text."""
+    _store_measured(offline_models, PLAIN, pass_s=10.0)
+    opts = replace(OPTS, lookup=None, quiet=False)
+    with Runtime(opts) as rt:
+        assert rt.profile_set_aside and 0 < rt.target_pass_s < 1
+        assert rt.plan.drafter == "hybrid" and rt.draft is not None and rt.draft_ctx is not None
+        assert rt.plan.check is None and "when the tuning profile was made" in rt.plan.why
+        assert rt.decoder.drafter.prior is None  # its first steps come from its own timing
+        prompt = rt.tokenize_prompt(REWRITE[0], chat=True)
+        out = token_ids(rt.decoder, prompt, SamplingParams(), 48)
+    err = capsys.readouterr().err
+    assert "when this machine was tuned: this run decides as without the tuning profile" in err
+    assert "tip:" not in err  # the pair is tuned: no suggestion to tune it
+    with Runtime(replace(OPTS, no_spec=True)) as plain:
+        assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE[0], chat=True), SamplingParams(), 48) == out
+
+
+def test_a_profile_whose_timing_holds_decides_the_run(offline_models, monkeypatch):
+    """Where the pass timed at load is the profile's (here: any pass is, with the drift widened),
+    the profile's verdict stands: lookup alone, no draft model loaded."""
+    _store_measured(offline_models, PLAIN, pass_s=0.01)
+    monkeypatch.setattr(plan_module, "PROFILE_DRIFT", 1e6)
+    with Runtime(replace(OPTS, lookup=None)) as rt:
+        assert not rt.profile_set_aside and rt.target_pass_s > 0
+        assert rt.plan.drafter == "lookup" and rt.draft is None and rt.plan.check is not None
+        prompt = rt.tokenize_prompt(REWRITE[0], chat=True)
+        token_ids(rt.decoder, prompt, SamplingParams(), 48)
+        assert sum(step.lookup_tokens for step in rt.decoder.stats.steps) > 0

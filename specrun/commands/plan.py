@@ -46,6 +46,8 @@ def plan_lines(plan: Plan) -> list[str]:
     else:
         lines.append(f"drafter  {plan.drafter}: {plan.tree.describe()}")
         lines.append(f"         why: {plan.why}")
+    if plan.check is not None:
+        lines.append(f"         check: {plan.check.describe()}")
     tctx = plan.target_ctx
     lines.append(
         f"context  {tctx.n_ctx} tokens ({plan.ctx_why}); target batch = ubatch {tctx.n_ubatch}"

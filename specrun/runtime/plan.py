@@ -16,11 +16,19 @@
    buffer grows with it), and the memory expected on each device and in RAM.
 
 `Runtime(plan)` loads exactly this; `specrun plan` prints it without loading any weights.
+
+A plan made from a tuning profile carries one check (`Plan.check`): the profile's figures hold
+for the machine as it was when tuned. At load the target's one-token pass is timed; where it is
+off the profile's by more than PROFILE_DRIFT (a laptop on battery, another power state, a busy
+machine), the run loads `check.fallback` instead: the plan made as without a profile, whose
+drafter times both models itself. It is offered only where it loads the target the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -51,6 +59,10 @@ LOOKUP_SHAPE = TreeShape(budget=64, depth=32, width=1, top_k=1)
 # long by default (llama.cpp's draft-mtp default; --depth or --budget sets it).
 MTP = "mtp"
 MTP_CHAIN = 3
+# How far the target's one-token pass at load may be from the tuning profile's (either way, as a
+# fraction) before the profile's figures are set aside for the run. The same pass timed twice on
+# a quiet machine agrees within a few percent; a CPU in another power state is 30-50% off.
+PROFILE_DRIFT = 0.15
 
 
 @dataclass(frozen=True)
@@ -201,6 +213,16 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     ctx_why: str = "--ctx-size"  # why this context size
     n_ctx_train: int = 0  # the target's trained context, when read (0: not read)
+    check: ProfileCheck | None = None  # a tuning profile decided: what the load re-times
+
+    def checked(self, target_pass_s: float | None) -> Plan:
+        """Return the plan to load once the target's one-token pass is timed (None: could not
+        be): this one while the tuning profile's timing holds, else the plan made without it."""
+        if self.check is None or target_pass_s is None or self.check.holds(target_pass_s):
+            return self
+        why = (f"the target's one-token pass takes {target_pass_s * 1e3:.1f} ms now against "
+               f"{self.check.pass_s * 1e3:.1f} ms when the tuning profile was made: deciding as without it")
+        return replace(self.check.fallback, why=f"{why}; {self.check.fallback.why}")
 
     @property
     def speculative(self) -> bool:
@@ -261,7 +283,31 @@ class Plan:
                 "fits": self.placement.fits,
             },
             "warnings": list(self.placement.warnings) + list(self.notes),
+            "profile_check": None if self.check is None else {
+                "target_pass_s": self.check.pass_s, "drift": PROFILE_DRIFT,
+                "otherwise": {"drafter": self.check.fallback.drafter, "draft_loaded": self.check.fallback.draft_loaded,
+                              "tree": self.check.fallback.tree.describe() if self.check.fallback.tree else None},
+            },
         }
+
+
+@dataclass(frozen=True)
+class ProfileCheck:
+    """A tuning profile's timing of the target, checked at load, and the plan made without the
+    profile, loaded where that timing no longer holds (the target loads the same in both)."""
+
+    pass_s: float  # the target's one-token pass when the profile was made
+    fallback: Plan
+
+    def holds(self, target_pass_s: float) -> bool:
+        """Whether a one-token pass timed now is within PROFILE_DRIFT of the profile's, either way."""
+        return abs(math.log(target_pass_s / self.pass_s)) <= math.log1p(PROFILE_DRIFT)
+
+    def describe(self) -> str:
+        fallback = self.fallback
+        otherwise = f"{fallback.drafter}: {fallback.tree.describe()}" if fallback.tree else "plain decoding"
+        return (f"at load the target's one-token pass is timed; more than {PROFILE_DRIFT:.0%} off the profile's "
+                f"{self.pass_s * 1e3:.1f} ms, the run decides as without the profile ({otherwise})")
 
 
 def _path(path: Path | None) -> str | None:
@@ -298,10 +344,20 @@ def build_plan(
     files = resolve_models(opts, fetch=fetch)
     if shape is not None and files.draft_name is None:
         raise UsageError(f"no draft model for {files.target_name}: pass --draft")
+    if devices is None:
+        devices = engine.list_devices()
+    return _build(opts, files, shape, devices, ram_free_bytes, sizes, detailed, use_profile=True)
+
+
+def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices: list,
+           ram_free_bytes: int | None, sizes, detailed: bool, use_profile: bool) -> Plan:
+    """Return the plan for resolved files (build_plan's arguments); `use_profile=False` decides
+    as without a tuning profile: the plan a profile's check falls back to."""
+    pass_s = None
     if shape is not None:
         tree, why, untuned = TreePlan(shape, None, "flags"), "tree given by the caller", False
     else:
-        tree, why, untuned = choose_tree(opts, files)
+        tree, why, untuned, pass_s = choose_tree(opts, files, use_profile)
     notes = []
     target_arch = engine.gguf_architecture(files.target_path) if files.target_path is not None else None
     draft_arch = engine.gguf_architecture(files.draft_path) if files.draft_path is not None else None
@@ -318,8 +374,6 @@ def build_plan(
         # More threads than cores only makes them wait for each other (and 999 would start 999).
         notes.append(f"--threads {threads} is more than the {cores} CPU cores this process may use: using {cores}")
         threads = cores
-    if devices is None:
-        devices = engine.list_devices()
     gpus = placement.gpus_of(devices)
     if opts.gpu_memory is not None:
         if not gpus:
@@ -368,11 +422,24 @@ def build_plan(
             target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
             ram_free_bytes=ram_free_bytes,
         )
-    return Plan(
+    plan = Plan(
         files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
         threads=threads, placement=placed, devices=gpus, untuned=untuned,
         notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
     )
+    if pass_s is not None:
+        fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False)
+        if fallback.placement.fits and _loads_target_alike(plan, fallback):
+            plan = replace(plan, check=ProfileCheck(pass_s, fallback))
+    return plan
+
+
+def _loads_target_alike(plan: Plan, other: Plan) -> bool:
+    """Whether two plans load the target the same way (layers, devices, context, threads): the
+    second can then be loaded after the first's target was, once the target's pass is timed."""
+    a, b = plan.placement, other.placement
+    return ((a.target_gpu_layers, a.target_tensor_split, a.op_offload, plan.target_ctx, plan.threads)
+            == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads))
 
 
 # The longest chain a target with a recurrent state verifies per step: llama.cpp keeps one state
@@ -420,7 +487,15 @@ def _fit_tree(tree: TreePlan, budget: int) -> TreePlan:
 def _model_size(name: str, path: Path | None) -> offload.ModelSize:
     if path is None:
         raise UsageError(f"{name} is not on this machine, so its layers cannot be planned: run `specrun pull {name}`")
-    return placement.model_size(path)
+    stat = path.stat()
+    return _read_model_size(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_model_size(path: str, size: int, mtime_ns: int) -> offload.ModelSize:
+    """The planner's view of a model file, read once per file version (a plan with a profile
+    check plans twice; reading a large vocabulary takes seconds)."""
+    return placement.model_size(Path(path))
 
 
 def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
@@ -486,8 +561,10 @@ def _local_path(spec, quiet: bool, fetch: bool) -> Path | None:
     return Path(hub.ensure_local(spec, progress=not quiet, console=ui.err_console()))
 
 
-def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, str, bool]:
-    """Return (the tree or None for plain decoding, why, whether the pair is untuned).
+def choose_tree(opts: RunOptions, files: ModelFiles,
+                use_profile: bool = True) -> tuple[TreePlan | None, str, bool, float | None]:
+    """Return (the tree or None for plain decoding, why, whether the pair is untuned, the
+    target's one-token pass by the profile that decided, if one did and timed it).
 
     `--draft lookup`: lookup trees alone. Otherwise explicit --budget/--depth win; else the stored
     tuning profile; else the default chain. Lookup branches join the draft model's tree unless
@@ -495,20 +572,23 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
     turns off the draft model only: lookup alone runs (plain decoding only with --no-lookup).
     With an explicit `--lookup` lookup also stands alone where there is no draft model. The
     profile's figures (`prior`) decide the hybrid's first steps in a fresh process.
+    `use_profile=False`: as without a profile.
     """
     if opts.lookup_only:
-        return _lookup_tree(opts, None), "--draft lookup: trees from the session's text, no draft model", False
+        return _lookup_tree(opts, None), "--draft lookup: trees from the session's text, no draft model", False, None
     if files.mtp:
-        return _mtp_tree(opts), files.mtp_why, False
+        return _mtp_tree(opts), files.mtp_why, False, None
     if files.draft_name is None:
         if opts.lookup is True:
-            return _lookup_tree(opts, None), f"--lookup without a draft model for {files.target_name}: lookup alone", False
+            why = f"--lookup without a draft model for {files.target_name}: lookup alone"
+            return _lookup_tree(opts, None), why, False, None
         why = "--no-spec" if opts.no_spec else f"no draft model for {files.target_name} (pass --draft)"
-        return None, why, False
+        return None, why, False, None
     choice = facts = None
-    if files.target_path is not None and files.draft_path is not None:
+    if use_profile and files.target_path is not None and files.draft_path is not None:
         choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory)
         facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory) if choice else None
+    pass_s = facts.pass_s if facts is not None and (facts.pass_s or 0) > 0 else None
     plain_s = None
     if choice is not None and choice.predicted_tokens_per_s > 0:
         plain_s = choice.predicted_speedup / choice.predicted_tokens_per_s  # tokens/s / speedup = plain's
@@ -519,8 +599,8 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
         # where it has nothing that pays): it stays on unless --no-lookup.
         why = "the tuning profile measured the draft model's trees slower than plain decoding here"
         if opts.lookup is False:
-            return None, why + " (--no-lookup: plain decoding)", False
-        return _lookup_tree(opts, plain_s), why + ": lookup alone, sized online", False
+            return None, why + " (--no-lookup: plain decoding)", False, pass_s
+        return _lookup_tree(opts, plain_s), why + ": lookup alone, sized online", False, pass_s
     tuned = tree_of_choice(choice) if choice is not None else None
     if tuned is not None:
         tree, why = tuned, "tuned profile for this pair on this machine"
@@ -539,7 +619,7 @@ def choose_tree(opts: RunOptions, files: ModelFiles) -> tuple[TreePlan | None, s
         tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; --lookup adds branches from the session's text"
     elif opts.lookup is None:
         tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; with lookup branches from the session's text (--no-lookup: without)"
-    return tree, why, choice is None
+    return tree, why, choice is None, pass_s
 
 
 def _mtp_tree(opts: RunOptions) -> TreePlan:

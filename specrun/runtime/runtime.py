@@ -39,23 +39,27 @@ class Runtime:
             plan = build_plan(plan, shape_override)
         else:
             self.opts = None
-        self.plan = plan
         for note in plan.notes:
             ui.warn(note)
-        self.models = plan.files
-        self.shape = plan.tree.shape if plan.tree else None
+        quiet = self.opts.quiet if self.opts is not None else True
         self._owned: list = []
         self._chat_format = None
         self.draft = self.draft_ctx = None
-        target_load, draft_load = load_arguments(plan)
+        # The target's one-token pass timed at load (with a profile to check), and whether it set
+        # the profile aside.
+        self.target_pass_s: float | None = None
+        self.profile_set_aside = False
+        target_load, _ = load_arguments(plan)
         try:
             self.target = self._load(plan.files.target_path, **target_load)
+            self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"], plan.threads)
+            if plan.check is not None:
+                plan = self._checked(plan, quiet)
+            _, draft_load = load_arguments(plan)
             if plan.draft_loaded:
                 self.draft = self._load(plan.files.draft_path, **draft_load)
                 pairing.check_vocab(self.target, self.draft, plan.files.target_name, plan.files.draft_name)
-            self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"])
-            if plan.draft_loaded:
-                self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"])
+                self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"], plan.threads)
             elif plan.tree is not None and plan.tree.mtp:
                 # The target's MTP block drafts in a context of its own, fed the target's rows.
                 engine.enable_target_rows(self.target_ctx)
@@ -64,9 +68,11 @@ class Runtime:
         except BaseException:
             self.close()
             raise
+        self.plan = plan
+        self.models = plan.files
+        self.shape = plan.tree.shape if plan.tree else None
         self.decoder = make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx)
-        quiet = self.opts.quiet if self.opts is not None else True
-        if plan.untuned and not quiet:
+        if plan.untuned and not quiet and not self.profile_set_aside:
             self._suggest_tuning()
 
     def _load(self, path, op_offload: bool | None = None, **placement):
@@ -74,11 +80,26 @@ class Runtime:
         self._owned.append(model)
         return model
 
-    def _context(self, model, sizes: ContextPlan, op_offload: bool | None):
+    def _context(self, model, sizes: ContextPlan, op_offload: bool | None, threads: int):
         ctx = engine.Context(model, n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_seq_max=sizes.n_seq_max,
-                             threads=self.plan.threads, op_offload=op_offload, n_rs_seq=sizes.n_rs_seq)
+                             threads=threads, op_offload=op_offload, n_rs_seq=sizes.n_rs_seq)
         self._owned.append(ctx)
         return ctx
+
+    def _checked(self, plan: Plan, quiet: bool) -> Plan:
+        """Time the target's one-token pass (the target is loaded, nothing else yet) and return the
+        plan to load: the profile's while its timing holds, else the one made without it."""
+        self.target_pass_s = target_pass_s(self.target_ctx)
+        checked = plan.checked(self.target_pass_s)
+        if checked is not plan:
+            self.profile_set_aside = True
+            if quiet:
+                log.info("%s", checked.why)
+            else:
+                ui.dim(f"the target's passes take {self.target_pass_s * 1e3:.1f} ms now, {plan.check.pass_s * 1e3:.1f} ms "
+                       "when this machine was tuned: this run decides as without the tuning profile "
+                       "(`specrun tune` again if the machine changed for good)")
+        return checked
 
     def _suggest_tuning(self) -> None:
         """Once per pair that runs without a profile (and loaded fine): say that tuning exists."""
@@ -121,6 +142,18 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def target_pass_s(target_ctx) -> float | None:
+    """Seconds of the target's one-token pass, timed now in its empty context (the least of three,
+    after a warm-up); None where the context cannot be timed. Leaves the cache empty."""
+    try:
+        target_ctx.clear()
+        cache = CachedSequence(target_ctx, engine.Batch(target_ctx.n_batch, 1))
+        seconds = probe_passes(cache, (1,), repeats=3)
+    except EngineError:
+        return None
+    return seconds[1] if seconds else None
 
 
 def load_arguments(plan: Plan) -> tuple[dict, dict]:
