@@ -5,7 +5,9 @@ process (`specrun generate --json`), and all of a workload's prompts in one `--j
                                   [--modes default,lookup,tree] [-- more generate options]
 
 Modes: plain (`--no-spec`), default (no flag: what the stored profile, or none, makes),
-lookup (`--draft lookup`), tree (`--no-lookup`: the draft model's tree alone). They alternate
+lookup (`--draft lookup`), tree (`--no-lookup`: the draft model's tree alone); MODE@DIR runs the
+mode with its profiles in DIR (`default@/tmp/none,default@/tmp/tuned`: a profile against none,
+in one run; the later ones' ratios to the first are printed). They alternate
 prompt by prompt (and round by round, in the other order), so a drifting machine hits all alike.
 Tokens/s counts decoding after the prefill (the draft's catch-up included), from each answer's
 own stats; model loading is not timed. SPECRUN_PROFILES picks the profile directory (a fresh
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,8 +35,10 @@ def _run(mode: str, requests: list[dict], tokens: int, extra: list[str]) -> list
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         for request in requests:
             f.write(json.dumps({**request, "max_tokens": tokens, "chat": True}) + "\n")
-    argv = [sys.executable, "-m", "specrun", "generate", "--jsonl", "--file", f.name, *FLAGS[mode], *extra]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    flags, _, profiles = mode.partition("@")
+    env = {**os.environ, "SPECRUN_PROFILES": profiles} if profiles else None
+    argv = [sys.executable, "-m", "specrun", "generate", "--jsonl", "--file", f.name, *FLAGS[flags], *extra]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
     Path(f.name).unlink()
     if done.returncode != 0:
         raise SystemExit(f"{mode}: {done.stderr.strip()}")
@@ -81,6 +86,9 @@ def main() -> None:
             for other in ("lookup", "tree"):
                 if other in rate and rate[other]:
                     print(f"{name:>8}  default / {other}: x{rate['default'] / rate[other]:.3f}", flush=True)
+        profiled = [m for m in modes if "@" in m]
+        for m in profiled[1:]:
+            print(f"{name:>8}  {m} / {profiled[0]}: x{rate[m] / rate[profiled[0]]:.3f}", flush=True)
 
 
 if __name__ == "__main__":

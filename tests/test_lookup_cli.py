@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_runtime_profile import PLAIN, store_measured
 from typer.testing import CliRunner
 
 from specrun.cli import app
@@ -108,6 +109,21 @@ def test_bench_workload_rows_compare_four_modes(tmp_path, offline_models):
     assert rows[0]["lookup_tokens"] == rows[0]["draft_tokens"] == 0
     assert rows[1]["lookup_tokens"] == 0 and rows[2]["draft_tokens"] == 0
     assert rows[2]["lookup_share"] == round(rows[2]["lookup_tokens"] / 8, 3)
+
+
+def test_bench_marks_what_a_run_uses_after_the_profile_check(tmp_path, offline_models):
+    """A profile found the draft's trees slower when the target's pass took 10 s: this machine is
+    not in that state now, so runs decide as without the profile and bench marks the hybrid."""
+    store_measured(offline_models, PLAIN, pass_s=10.0, threads=None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name a colour."}) + "\n", encoding="utf-8")
+
+    result = invoke("bench", "--json", "--prompts", str(prompts), "--max-tokens", "8")
+
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert [row["mode"] for row in rows] == ["plain", "draft tree", "lookup", "hybrid"]
+    assert [row["mode"] for row in rows if row["default"]] == ["hybrid"]
 
 
 def test_bench_workload_options(tmp_path, offline_models):

@@ -120,9 +120,9 @@ def test_without_a_profile_a_long_copy_prompt_is_not_read_by_the_draft_before_lo
         assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE[0], chat=True), SamplingParams(), 48) == out
 
 
-def _store_measured(offline_models, choice: Choice, pass_s: float) -> None:
+def store_measured(offline_models, choice: Choice, pass_s: float, threads: int | None = OPTS.threads) -> None:
     """A profile with what tune measures, its target's one-token pass taking `pass_s`."""
-    key = profiles.profile_key(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=OPTS.threads)
+    key = profiles.profile_key(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=threads)
     profiles.save({
         "key": key, "config": choice.to_dict(), "best_tree": choice.to_dict(), "workloads": {},
         "predicted_speedup": 1.0, "measured_speedup": 1.0,
@@ -138,7 +138,7 @@ def test_a_profile_from_another_state_of_the_machine_is_set_aside_at_load(offlin
     machine state, as far as this run can tell). The run times the pass at load, sees it is
     not so now, and decides as without the profile: the draft model loads and the hybrid, which
     times both models itself, decodes the target's own text."""
-    _store_measured(offline_models, PLAIN, pass_s=10.0)
+    store_measured(offline_models, PLAIN, pass_s=10.0)
     opts = replace(OPTS, lookup=None, quiet=False)
     with Runtime(opts) as rt:
         assert rt.profile_set_aside and 0 < rt.target_pass_s < 1
@@ -157,7 +157,7 @@ def test_a_profile_from_another_state_of_the_machine_is_set_aside_at_load(offlin
 def test_a_profile_whose_timing_holds_decides_the_run(offline_models, monkeypatch):
     """Where the pass timed at load is the profile's (here: any pass is, with the drift widened),
     the profile's verdict stands: lookup alone, no draft model loaded."""
-    _store_measured(offline_models, PLAIN, pass_s=0.01)
+    store_measured(offline_models, PLAIN, pass_s=0.01)
     monkeypatch.setattr(plan_module, "PROFILE_DRIFT", 1e6)
     with Runtime(replace(OPTS, lookup=None)) as rt:
         assert not rt.profile_set_aside and rt.target_pass_s > 0

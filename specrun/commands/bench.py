@@ -161,10 +161,12 @@ def bench_workloads(opts: RunOptions, workload: str, prompts_file: Path | None, 
     sets = workload_prompts(workload, prompts_file)
     report.warn_if_busy(engine.default_threads(), "speedups measured now may not hold on a quiet machine")
     plan = build_plan(replace(opts, lookup=not opts.lookup_only))
-    default = _default_mode(build_plan(opts, fetch=False).tree)  # what a run with these options uses
     rows = []
     with Runtime(plan) as rt:
-        trees = _mode_trees(plan)
+        # What a run with these options uses: its plan, checked as the load checked this one (a
+        # profile's figures set aside where the target's pass timed now is not the profile's).
+        default = _default_mode(build_plan(opts, fetch=False).checked(rt.target_pass_s).tree)
+        trees = _mode_trees(rt.plan)
         decoders = {mode: make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx)
                     for mode, tree in trees.items()}
         for name, texts in sets.items():
