@@ -141,7 +141,7 @@ def test_without_a_gpu_a_run_reads_no_model_shapes(offline_models, monkeypatch):
 PROFILE_PASS_S = 0.0108  # the target's one-token pass when the stored profile was made
 
 
-def _store_measured(offline_models, choice: Choice) -> None:
+def _store_measured(offline_models, choice: Choice, pass_s: float = PROFILE_PASS_S) -> None:
     """A profile with what tune measures (the demo pair's figures), deciding `choice`."""
     key = profiles.profile_key(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=OPTS.threads)
     profiles.save({
@@ -149,7 +149,7 @@ def _store_measured(offline_models, choice: Choice) -> None:
         "predicted_speedup": 1.0, "measured_speedup": 1.0,
         "curves": {"target": {"sizes": [1, 8, 64], "seconds": [0.0113, 0.02, 0.09]},
                    "draft": {"sizes": [1, 64], "seconds": [0.0078, 0.3]}, "draft_topk": None},
-        "plain": {"target_s": PROFILE_PASS_S, "overhead_s": 0.00003},
+        "plain": {"target_s": pass_s, "overhead_s": 0.00003},
         "acceptance": {"tau": {"4": 3.1, "5": 3.4}},
     })
 
@@ -203,3 +203,11 @@ def test_a_profile_check_that_would_take_the_targets_gpu_layers_is_not_offered(o
     plan = build_plan(OPTS, devices=roomy, ram_free_bytes=32 * GB, sizes=sizes)
     assert plan.check is not None and plan.check.fallback.placement.draft_device == 0
     assert plan.check.fallback.target_gpu_layers == plan.target_gpu_layers == QWEN25_14B_Q4KM.n_layer + 1
+
+
+@pytest.mark.parametrize("pass_s", [0.0, -0.01, float("inf"), float("nan")])
+def test_a_profile_whose_pass_time_is_nonsense_offers_no_check(offline_models, pass_s):
+    """A hand-edited profile's pass time is not trusted to divide by: no check, the run goes on."""
+    _store_measured(offline_models, Choice("plain", 0, 0, 0, 0, 90.0, 1.0), pass_s)
+    plan = build_plan(OPTS, devices=[])
+    assert plan.check is None and plan.drafter == "lookup"
