@@ -236,8 +236,9 @@ def exactness(args, made: dict) -> dict:
     from specrun.core.shapes import TreeShape
     from specrun.decoding.stream import token_ids
     from specrun.engine import Batch
-    from specrun.runtime.plan import RunOptions, TreePlan
+    from specrun.runtime.plan import RunOptions
     from specrun.runtime.runtime import Runtime, make_decoder
+    from specrun.runtime.trees import TreePlan
 
     opts = RunOptions(target=made["tiny-target"], draft=made["tiny-draft"], ctx_size=1024, lookup=False, quiet=True)
     cases, same, gaps = 0, 0, []

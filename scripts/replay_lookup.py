@@ -35,7 +35,7 @@ from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
-from specrun.runtime.plan import LOOKUP_SHAPE
+from specrun.runtime.trees import LOOKUP_SHAPE
 
 
 def record(out: Path, tokens: int, extra: list[str]) -> None:

@@ -296,8 +296,8 @@ def test_without_a_profile_the_hybrid_times_both_models_at_load_and_leaves_their
     """A hybrid made without a profile times the draft's passes (catch-up, one-token expansions)
     and the target's (one token, the whole tree): the figures that say whether the draft's tree
     could pay at all. The probe leaves both caches empty: the answer is the target's own."""
-    from specrun.runtime.plan import TreePlan
     from specrun.runtime.runtime import make_drafter
+    from specrun.runtime.trees import TreePlan
 
     shape = TreeShape(budget=5, depth=5, width=1, top_k=1)
     target_ctx = contexts(target, n_ctx=N_CTX, n_batch=TREE_BATCH)

@@ -17,8 +17,9 @@ from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
 from specrun.core.shapes import TreeShape, TreeTemplate
 from specrun.engine import DeviceInfo
 from specrun.hardware import placement
-from specrun.runtime.plan import DEFAULT_SHAPE, PREFILL_BATCH, RunOptions, build_plan
+from specrun.runtime.plan import PREFILL_BATCH, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime, load_arguments
+from specrun.runtime.trees import DEFAULT_SHAPE
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice
 

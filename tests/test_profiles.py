@@ -15,7 +15,7 @@ import pytest
 
 from specrun import engine, paths
 from specrun.core.shapes import TreeShape
-from specrun.runtime.plan import tree_of_choice
+from specrun.runtime.trees import tree_of_choice
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice, sequoia_tree
 

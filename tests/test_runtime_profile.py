@@ -19,8 +19,9 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
 from specrun.runtime import plan as plan_module
-from specrun.runtime.plan import DEFAULT_SHAPE, RunOptions
+from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
+from specrun.runtime.trees import DEFAULT_SHAPE
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice
 

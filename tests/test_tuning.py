@@ -26,8 +26,9 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
 from specrun.errors import SpecrunError, UsageError
-from specrun.runtime.plan import RunOptions, tuned_default
+from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
+from specrun.runtime.trees import tuned_default
 from specrun.tuning import profiles, report
 from specrun.tuning.cost_model import sequoia_tree
 

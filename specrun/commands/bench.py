@@ -21,14 +21,9 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import token_ids
 from specrun.errors import UsageError
-from specrun.runtime.plan import (
-    DEFAULT_SHAPE,
-    LOOKUP_SHAPE,
-    RunOptions,
-    TreePlan,
-    build_plan,
-)
+from specrun.runtime.plan import RunOptions, build_plan
 from specrun.runtime.runtime import Runtime, make_decoder
+from specrun.runtime.trees import DEFAULT_SHAPE, LOOKUP_SHAPE, TreePlan
 from specrun.tuning import report
 
 

@@ -26,13 +26,9 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.errors import SpecrunError, UsageError
 from specrun.hardware import offload
 from specrun.limits import MAX_SEQ
-from specrun.runtime.plan import (
-    DEFAULT_SHAPE,
-    RunOptions,
-    resolve_models,
-    tree_of_choice,
-)
+from specrun.runtime.plan import RunOptions, resolve_models
 from specrun.runtime.runtime import Runtime, make_decoder
+from specrun.runtime.trees import DEFAULT_SHAPE, tree_of_choice
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import measure as profiler
 from specrun.tuning import profiles, report

@@ -33,8 +33,8 @@ from specrun.commands.bench_prompts import KINDS, ROUNDS, WORKLOADS
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import token_ids
-from specrun.runtime.plan import tuned_default
 from specrun.runtime.runtime import make_decoder
+from specrun.runtime.trees import tuned_default
 from specrun.tuning.cost_model import Choice
 
 # The tuned default may run a workload at most this much slower than the untuned default on the

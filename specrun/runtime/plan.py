@@ -3,7 +3,7 @@
 `build_plan(opts)` decides everything a run needs, in this order, and nothing later changes it:
 
 1. the model files (registry aliases resolved; missing files fetched unless `fetch=False`);
-2. the drafter and its tree: explicit --budget/--depth > the stored tuning profile > the default
+2. the drafter and its tree (`runtime.trees`): explicit --budget/--depth > the stored tuning profile > the default
    chain; or plain decoding (no draft, --no-spec, or --no-lookup with a profile that measured the
    draft model's trees slower than plain decoding: without --no-lookup such a profile leaves
    lookup alone on). `--draft lookup` drafts from the session's text alone (no draft model);
@@ -33,156 +33,30 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specrun import architectures, engine, ui
-from specrun.core.shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
-from specrun.decoding.adaptive import DraftPrior
+from specrun.core.shapes import TreeShape
 from specrun.errors import UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
 from specrun.models import hub, pairing, registry
-from specrun.tuning import profiles
-from specrun.tuning.cost_model import Choice
+from specrun.runtime.options import ModelFiles, RunOptions
+from specrun.runtime.trees import (
+    MAX_CHAINS,
+    TreePlan,
+    choose_tree,
+    fit_tree,
+    fit_tree_to_target,
+)
 
 log = logging.getLogger("specrun")
 
-DEFAULT_CTX = 4096
-# Used when no tuning profile exists: a short chain (classic speculative decoding), which pays
-# wherever the draft is much cheaper than the target, even on a CPU where wide trees cost dearly.
-DEFAULT_SHAPE = TreeShape.chain(5)
 # Prompts are prefilled in batches of this many tokens.
 PREFILL_BATCH = 512
-# `--draft lookup` names no model: trees come from earlier occurrences in the session's text.
-LOOKUP = "lookup"
-# The largest lookup tree a step may verify (the drafter adapts below it to what pays): deep
-# enough for a long verbatim copy, wide enough for a few different continuations.
-LOOKUP_SHAPE = TreeShape(budget=64, depth=32, width=1, top_k=1)
-# `--draft mtp` names no model either: the target's own MTP layers draft a chain per step, this
-# long by default (llama.cpp's draft-mtp default; --depth or --budget sets it).
-MTP = "mtp"
-MTP_CHAIN = 3
 # How far the target's one-token pass at load may be from the tuning profile's (either way, as a
 # fraction) before the profile's figures are set aside for the run. The pass timed at load and
 # plain decoding's passes agree within about 5% in one state of a machine; a CPU in another power
 # state is 15-50% off, and on the 2-core test host the demo pair's draft went from losing (10.8 ms
 # target passes) to paying 1.1x (12 ms). Set aside, a run is the untuned default: never slower.
 PROFILE_DRIFT = 0.08
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Options shared by chat, generate, bench, tune, plan and serve."""
-
-    target: str | None = None
-    draft: str | None = None
-    gpu_layers: int | None = None
-    ctx_size: int | None = DEFAULT_CTX  # None: the model's trained context, as far as memory holds it
-    threads: int | None = None
-    budget: int | None = None
-    depth: int | None = None
-    no_spec: bool = False
-    # Add lookup branches to the draft model's trees (hybrid drafting). None: the default, on
-    # wherever a draft model runs (measured no slower than its trees alone on free text, and
-    # about twice as fast on text that repeats: see README); False: --no-lookup.
-    lookup: bool | None = None
-    quiet: bool = False  # no download progress bars
-    # --gpu-memory: use at most this many bytes of each GPU (a big card stands in for a smaller one)
-    gpu_memory: int | None = None
-
-    @property
-    def lookup_only(self) -> bool:
-        """Whether --draft lookup: lookup trees and no draft model."""
-        return is_lookup(self.draft)
-
-    @property
-    def mtp_only(self) -> bool:
-        """Whether --draft mtp: the target's MTP layers draft, no draft model."""
-        return self.draft is not None and self.draft.strip().lower() == MTP
-
-
-def is_lookup(draft: str | None) -> bool:
-    """Whether a --draft value asks for the draft-free lookup drafter."""
-    return draft is not None and draft.strip().lower() == LOOKUP
-
-
-@dataclass(frozen=True)
-class ModelFiles:
-    """The resolved target and draft: alias (or path) and local file."""
-
-    target_name: str
-    target_path: Path | None  # None: not downloaded yet (only when planning without fetching)
-    draft_name: str | None
-    draft_path: Path | None
-    # The target's own MTP layers draft (--draft mtp, or a target that carries them and no --draft).
-    mtp: bool = False
-    mtp_why: str = ""
-
-
-@dataclass(frozen=True)
-class TreePlan:
-    """The tree a speculative run grows, and why this one."""
-
-    shape: TreeShape  # the draft model's tree (lookup only: the largest lookup tree)
-    template: TreeTemplate | None  # a tuned Sequoia tree, grown as is (None: best-first growth)
-    source: str  # "flags", "profile" or "default"
-    lookup: TreeShape | None = None  # lookup nodes a step may add (None: no lookup)
-    draft_model: bool = True  # False: lookup alone proposes, no draft model is loaded
-    plain_s: float | None = None  # plain decoding's seconds per token by the tuning profile
-    # How the target verifies: "tree" (attention KV cache) or "chains" (a recurrent state that
-    # rolls back only in the sequence that made it: each step checks the proposal's best paths,
-    # each in a sequence of its own).
-    verify: str = architectures.TREE
-    prior: DraftPrior | None = None  # the profile's figures for the draft model (hybrid's first steps)
-    mtp: bool = False  # the target's MTP layers draft a chain of `shape.depth` (draft_model is False)
-
-    @property
-    def drafter(self) -> str:
-        """"draft model", "sequoia" (static, draft model), "lookup" (no model), "hybrid" or "mtp"."""
-        if self.mtp:
-            return "mtp"
-        if not self.draft_model:
-            return "lookup"
-        if self.lookup is not None:
-            return "hybrid"
-        return "sequoia" if self.template is not None else "draft model"
-
-    @property
-    def kind(self) -> str:
-        if self.mtp:
-            return "mtp"
-        if not self.draft_model:
-            return "lookup"
-        if self.template is not None:
-            return "sequoia"
-        return "chain" if self.shape.is_chain else "specexec"
-
-    @property
-    def verified(self) -> TreeShape:
-        """The largest tree one target pass verifies: the draft model's plus lookup branches."""
-        if self.lookup is None or not self.draft_model:
-            return self.shape
-        return replace(self.shape, budget=min(MAX_BUDGET, self.shape.budget + self.lookup.budget),
-                       depth=max(self.shape.depth, self.lookup.depth))
-
-    def describe(self) -> str:
-        text = self._describe_drafts()
-        if self.verify == architectures.CHAINS:
-            text += f"; the target verifies up to {MAX_CHAINS} chains of up to {self.verified.depth} drafts per step"
-        return text
-
-    def _describe_drafts(self) -> str:
-        s = self.shape
-        if self.mtp:
-            return f"chain of {s.depth} drafts from the target's own MTP layers (no draft model)"
-        if not self.draft_model:
-            return f"lookup trees of up to {s.budget} tokens from the session's text, depth {s.depth} (no draft model)"
-        if self.template is not None:
-            text = f"Sequoia static tree of {s.budget} draft tokens, depth {s.depth}"
-        elif s.is_chain:
-            text = f"chain of {s.budget} draft tokens"
-        else:
-            text = f"best-first tree of {s.budget} draft tokens, depth {s.depth}, width {s.width}, top-k {s.top_k}"
-        if self.lookup is not None:
-            text += f" + up to {self.lookup.budget} lookup tokens from the session's text"
-        return text
 
 
 @dataclass(frozen=True)
@@ -398,7 +272,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
         notes.append(f"a tree of {tree.verified.budget} tokens does not fit a {n_ctx}-token context: "
                      f"using {n_ctx - 1}")
-        tree = _fit_tree(tree, n_ctx - 1)
+        tree = fit_tree(tree, n_ctx - 1)
     draft_ctx = None
     if tree is not None:
         tree_tokens = tree.verified.budget + 1
@@ -442,48 +316,6 @@ def _loads_target_alike(plan: Plan, other: Plan) -> bool:
     a, b = plan.placement, other.placement
     return ((a.target_gpu_layers, a.target_tensor_split, a.op_offload, plan.target_ctx, plan.threads)
             == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads))
-
-
-# The longest chain a target with a recurrent state verifies per step: llama.cpp keeps one state
-# snapshot per draft token (memory: the recurrent state times this), and chains gain little beyond.
-MAX_CHAIN = 8
-# Chains per step: each holds a recurrent state and its snapshots (memory: times this).
-MAX_CHAINS = 4
-
-
-def fit_tree_to_target(tree: TreePlan, why: str, arch: str) -> tuple[TreePlan | None, str, str | None]:
-    """Return (the tree the target's architecture can verify exactly or None, why, a note or None).
-
-    Attention targets verify trees as planned. Targets whose recurrent state rolls back verify
-    chains: trees no deeper than MAX_CHAIN whose best paths (up to MAX_CHAINS) are scored each in
-    a sequence of its own.
-    Targets whose state cannot roll back decode plainly, said in one line.
-    """
-    support = architectures.speculation_support(arch)
-    if support.shape == architectures.TREE:
-        return tree, why, None
-    if support.shape == architectures.PLAIN:
-        return None, support.reason, f"plain decoding: {support.reason}"
-    if tree.mtp:
-        shape = TreeShape.chain(min(MAX_CHAIN, tree.shape.depth))
-        return replace(tree, shape=shape, verify=architectures.CHAIN), f"{why}; {support.reason}", None
-    depth = min(MAX_CHAIN, tree.verified.depth)
-    s = tree.shape
-    shape = TreeShape(min(s.budget, MAX_CHAINS * depth), min(s.depth, depth), s.width, s.top_k)
-    lookup = TreeShape(MAX_CHAINS * depth, depth, 1, 1) if tree.lookup is not None else None
-    if not tree.draft_model:
-        shape = lookup
-    chained = replace(tree, shape=shape, template=None, lookup=lookup, verify=architectures.CHAINS)
-    return chained, f"{why}; {support.reason}", None
-
-
-def _fit_tree(tree: TreePlan, budget: int) -> TreePlan:
-    """Return the tree cut to `budget` verified nodes: lookup branches give way first."""
-    if tree.lookup is not None and tree.draft_model and tree.shape.budget < budget:
-        return replace(tree, lookup=tree.lookup.resized(budget - tree.shape.budget))
-    shape = tree.shape.resized(budget)
-    lookup = shape if not tree.draft_model and not tree.mtp else None
-    return replace(tree, shape=shape, template=None, lookup=lookup)
 
 
 def _model_size(name: str, path: Path | None) -> offload.ModelSize:
@@ -561,98 +393,3 @@ def _local_path(spec, quiet: bool, fetch: bool) -> Path | None:
     if missing and not quiet:
         ui.info(f"pulling {missing}...")
     return Path(hub.ensure_local(spec, progress=not quiet, console=ui.err_console()))
-
-
-def choose_tree(opts: RunOptions, files: ModelFiles,
-                use_profile: bool = True) -> tuple[TreePlan | None, str, bool, float | None]:
-    """Return (the tree or None for plain decoding, why, whether the pair is untuned, the
-    target's one-token pass by the profile that decided, if one did and timed it).
-
-    `--draft lookup`: lookup trees alone. Otherwise explicit --budget/--depth win; else the stored
-    tuning profile; else the default chain. Lookup branches join the draft model's tree unless
-    --no-lookup. A profile that measured the draft model's trees slower than plain decoding
-    turns off the draft model only: lookup alone runs (plain decoding only with --no-lookup).
-    With an explicit `--lookup` lookup also stands alone where there is no draft model. The
-    profile's figures (`prior`) decide the hybrid's first steps in a fresh process.
-    `use_profile=False`: as without a profile.
-    """
-    if opts.lookup_only:
-        return _lookup_tree(opts, None), "--draft lookup: trees from the session's text, no draft model", False, None
-    if files.mtp:
-        return _mtp_tree(opts), files.mtp_why, False, None
-    if files.draft_name is None:
-        if opts.lookup is True:
-            why = f"--lookup without a draft model for {files.target_name}: lookup alone"
-            return _lookup_tree(opts, None), why, False, None
-        why = "--no-spec" if opts.no_spec else f"no draft model for {files.target_name} (pass --draft)"
-        return None, why, False, None
-    choice = facts = None
-    if use_profile and files.target_path is not None and files.draft_path is not None:
-        choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory)
-        facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory) if choice else None
-    pass_s = facts.pass_s if facts is not None and 0 < (facts.pass_s or 0) < math.inf else None
-    plain_s = None
-    if choice is not None and choice.predicted_tokens_per_s > 0:
-        plain_s = choice.predicted_speedup / choice.predicted_tokens_per_s  # tokens/s / speedup = plain's
-    overridden = opts.budget is not None or opts.depth is not None
-    if choice is not None and choice.kind == "plain" and not overridden:
-        # The profile measured the draft model's trees slower than plain decoding here. That says
-        # nothing about lookup, which costs no draft pass and sizes its trees online (plain steps
-        # where it has nothing that pays): it stays on unless --no-lookup.
-        why = "the tuning profile measured the draft model's trees slower than plain decoding here"
-        if opts.lookup is False:
-            return None, why + " (--no-lookup: plain decoding)", False, pass_s
-        return _lookup_tree(opts, plain_s), why + ": lookup alone, sized online", False, pass_s
-    tuned = tree_of_choice(choice) if choice is not None else None
-    if tuned is not None:
-        tree, why = tuned, "tuned profile for this pair on this machine"
-    else:
-        tree, why = TreePlan(DEFAULT_SHAPE, None, "default"), "default (no tuning profile: `specrun tune` measures one)"
-    if overridden:
-        shape = tree.shape
-        if opts.budget is not None:
-            shape = shape.resized(opts.budget)
-        if opts.depth is not None:
-            shape = replace(shape, depth=opts.depth)
-        # explicit sizes: grow best-first trees of that size, of the tuned (or default) kind
-        tree, why = TreePlan(shape, None, "flags"), "--budget/--depth"
-    tree = replace(tree, plain_s=plain_s, prior=facts.draft_prior(tree.shape) if facts is not None else None)
-    if opts.lookup is True:
-        tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; --lookup adds branches from the session's text"
-    elif opts.lookup is None:
-        tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; with lookup branches from the session's text (--no-lookup: without)"
-    return tree, why, choice is None, pass_s
-
-
-def _mtp_tree(opts: RunOptions) -> TreePlan:
-    """Return the MTP chain: MTP_CHAIN drafts, or --depth (else --budget) of them."""
-    depth = opts.depth or opts.budget
-    shape = TreeShape.chain(depth or MTP_CHAIN)
-    return TreePlan(shape, None, "flags" if depth else "default", draft_model=False, mtp=True)
-
-
-def _lookup_tree(opts: RunOptions, plain_s: float | None) -> TreePlan:
-    """Return lookup trees alone: LOOKUP_SHAPE, or the --budget/--depth given."""
-    shape, source = LOOKUP_SHAPE, "default"
-    if opts.budget is not None or opts.depth is not None:
-        shape, source = TreeShape(opts.budget or shape.budget, opts.depth or shape.depth, 1, 1), "flags"
-    return TreePlan(shape, None, source, lookup=shape, draft_model=False, plain_s=plain_s)
-
-
-def tuned_default(choice: Choice, facts: profiles.Facts | None) -> TreePlan:
-    """The tree a run without flags grows from a profile: the profile's tree with lookup branches
-    (the profile's figures deciding the hybrid's first steps), or lookup alone where the profile
-    measured the draft model's trees slower than plain decoding."""
-    tree = tree_of_choice(choice)
-    if tree is None:
-        return TreePlan(LOOKUP_SHAPE, None, "profile", lookup=LOOKUP_SHAPE, draft_model=False)
-    return replace(tree, lookup=LOOKUP_SHAPE, prior=facts.draft_prior(tree.shape) if facts is not None else None)
-
-
-def tree_of_choice(choice: Choice) -> TreePlan | None:
-    """Return the tree a tuner choice stands for (None for plain decoding)."""
-    if choice.kind == "plain":
-        return None
-    if choice.kind == "sequoia" and choice.tree is not None:
-        return TreePlan(template_shape(choice.tree), choice.tree, "profile")
-    return TreePlan(TreeShape(choice.budget, choice.depth, choice.width, choice.top_k), None, "profile")

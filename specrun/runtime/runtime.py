@@ -23,7 +23,8 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.errors import EngineError
 from specrun.models import pairing
-from specrun.runtime.plan import ContextPlan, Plan, RunOptions, TreePlan, build_plan
+from specrun.runtime.plan import ContextPlan, Plan, RunOptions, build_plan
+from specrun.runtime.trees import TreePlan
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import CostCurve
 

@@ -1,0 +1,61 @@
+"""What a run is asked for: the options every command shares, and the model files they resolve to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_CTX = 4096
+# `--draft lookup` names no model: trees come from earlier occurrences in the session's text.
+LOOKUP = "lookup"
+# `--draft mtp` names no model either: the target's own MTP layers draft (runtime.trees.MTP_CHAIN).
+MTP = "mtp"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options shared by chat, generate, bench, tune, plan and serve."""
+
+    target: str | None = None
+    draft: str | None = None
+    gpu_layers: int | None = None
+    ctx_size: int | None = DEFAULT_CTX  # None: the model's trained context, as far as memory holds it
+    threads: int | None = None
+    budget: int | None = None
+    depth: int | None = None
+    no_spec: bool = False
+    # Add lookup branches to the draft model's trees (hybrid drafting). None: the default, on
+    # wherever a draft model runs (measured no slower than its trees alone on free text, and
+    # about twice as fast on text that repeats: see README); False: --no-lookup.
+    lookup: bool | None = None
+    quiet: bool = False  # no download progress bars
+    # --gpu-memory: use at most this many bytes of each GPU (a big card stands in for a smaller one)
+    gpu_memory: int | None = None
+
+    @property
+    def lookup_only(self) -> bool:
+        """Whether --draft lookup: lookup trees and no draft model."""
+        return is_lookup(self.draft)
+
+    @property
+    def mtp_only(self) -> bool:
+        """Whether --draft mtp: the target's MTP layers draft, no draft model."""
+        return self.draft is not None and self.draft.strip().lower() == MTP
+
+
+def is_lookup(draft: str | None) -> bool:
+    """Whether a --draft value asks for the draft-free lookup drafter."""
+    return draft is not None and draft.strip().lower() == LOOKUP
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The resolved target and draft: alias (or path) and local file."""
+
+    target_name: str
+    target_path: Path | None  # None: not downloaded yet (only when planning without fetching)
+    draft_name: str | None
+    draft_path: Path | None
+    # The target's own MTP layers draft (--draft mtp, or a target that carries them and no --draft).
+    mtp: bool = False
+    mtp_why: str = ""
