@@ -148,13 +148,18 @@ class Runtime:
 def target_pass_s(target_ctx) -> float | None:
     """Seconds of the target's one-token pass, timed now in its empty context (the least of three,
     after a warm-up); None where the context cannot be timed. Leaves the cache empty."""
+    seconds = _target_passes(target_ctx, (1,), repeats=3)
+    return seconds[1] if seconds else None
+
+
+def _target_passes(target_ctx, sizes, repeats: int, logits: str = "last") -> dict[int, float] | None:
+    """kv.probe_passes over the target's context, emptied first (a new decoder's cache starts
+    empty; the probe leaves it so); None where the context cannot be probed."""
     try:
         target_ctx.clear()
-        cache = CachedSequence(target_ctx, engine.Batch(target_ctx.n_batch, 1))
-        seconds = probe_passes(cache, (1,), repeats=3)
+        return probe_passes(CachedSequence(target_ctx, engine.Batch(target_ctx.n_batch, 1)), sizes, repeats, logits)
     except EngineError:
         return None
-    return seconds[1] if seconds else None
 
 
 def load_arguments(plan: Plan) -> tuple[dict, dict]:
@@ -238,13 +243,8 @@ def _best_case(shape, draft_passes: dict[int, float], target_ctx) -> DraftPrior 
     be timed (no context, or one that cannot be probed)."""
     if target_ctx is None:
         return None
-    try:
-        target_ctx.clear()  # a new decoder's cache starts empty; the probe leaves it so
-        # The least of two timings each: the target's passes are short, and their ratio decides.
-        cache = CachedSequence(target_ctx, engine.Batch(target_ctx.n_batch, 1))
-        seconds = probe_passes(cache, (1, shape.budget + 1), repeats=2, logits="all")
-    except EngineError:
-        return None
+    # The least of two timings each: the target's passes are short, and their ratio decides.
+    seconds = _target_passes(target_ctx, (1, shape.budget + 1), repeats=2, logits="all")
     if not seconds:
         return None
     facts = profiles.Facts(target=CostCurve.from_points(seconds), draft=CostCurve.from_points(draft_passes),
