@@ -346,8 +346,8 @@ def test_a_prediction_expects_a_range_as_wide_as_its_prompts_are_unlike():
     assert half([2.0]).expected_range() == (pytest.approx(2.0), pytest.approx(2.0))  # one prompt: no spread known
 
 
-def test_each_workload_asks_every_kind_of_request_four_times():
-    # tune predicts from rounds 0 and 2 of the requests and measures on rounds 1 and 3: the same
+def test_each_workload_asks_every_kind_of_request_eight_times():
+    # tune predicts from the even rounds of the requests and measures on the odd ones: the same
     # kinds, other prompts.
     for prompts in WORKLOADS.values():
         assert len(prompts) == ROUNDS * KINDS and len(set(prompts)) == len(prompts)
@@ -361,12 +361,15 @@ def test_each_workload_asks_every_kind_of_request_four_times():
 def test_tune_predicts_and_measures_on_the_same_kinds_of_request():
     predicted, measured = tune_workloads._half_rounds(16)
     assert predicted == [0, 1, 2, 3, 8, 9, 10, 11] and measured == [4, 5, 6, 7, 12, 13, 14, 15]
-    for n in (2, 4, 8, 12, 16, 40):
+    for n in (2, 4, 8, 12, 16, 24, 32, 40):
         predicted, measured = tune_workloads._half_rounds(n)
         assert len(predicted) == len(measured) and not set(predicted) & set(measured)
         assert sorted(i % KINDS for i in predicted) == sorted(i % KINDS for i in measured)
         assert len(predicted) + len(measured) <= max(2, min(n, ROUNDS * KINDS))
     assert tune_workloads._half_rounds(8) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    predicted, measured = tune_workloads._half_rounds(tune_command.FULL.workload_prompts)  # all of them
+    assert sorted(predicted + measured) == list(range(ROUNDS * KINDS))
+    assert {i // KINDS % 2 for i in predicted} == {0} and {i // KINDS % 2 for i in measured} == {1}
 
 
 def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(monkeypatch):

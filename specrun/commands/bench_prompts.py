@@ -48,13 +48,15 @@ _MEETING = (
     "twelve thousand euros a year. A decision was postponed until the budget review in March."
 )
 
-# Each workload holds four kinds of request, four times over in the same order: prompts i, i + 4,
-# i + 8 and i + 12 ask alike of the same pasted text (another change, other words; for chat,
-# another question of the same kind). `tune` predicts from rounds 0 and 2 and measures on rounds
-# 1 and 3, so both halves hold the same mix: how much of an answer a small model copies swings by
-# 3x between pasted texts and kinds of edit, and two halves of four unlike prompts differed by up
-# to 44% for that alone; two requests of one kind still differ by up to 1.7x (one copies the
-# function whole, its sibling rewrites it), which two requests a kind per half average down.
+# Each workload holds four kinds of request, eight times over in the same order: prompts i, i + 4,
+# i + 8, ... ask alike of the same pasted text (another change, other words; for chat, another
+# question of the same kind). `tune` predicts from the even rounds and measures on the odd ones
+# (a quick tune: rounds 0 to 3), so both halves hold the same mix: how much of an answer a small
+# model copies swings by 3x between pasted texts and kinds of edit, and two halves of four unlike
+# prompts differed by up to 44% for that alone. Two requests of one kind still differ by up to 3x
+# (one copies the function whole, its sibling rewrites it; Gemma-270M repeats itself answering
+# one chat question and not the next), which only more requests a kind per half average down:
+# with two a kind, a full tune's chat prediction for the Gemma pair missed by 22-23% twice.
 
 # Free-form questions: little to copy from the prompt.
 CHAT = [
@@ -74,6 +76,22 @@ CHAT = [
     "Write a short story about a gardener who finds a key buried under a rose bush.",
     "List five tips for cooking on a small budget.",
     "What are the main differences between Python and JavaScript?",
+    "Explain why the sea is salty to a ten-year-old.",
+    "Write a short story about a librarian who finds a note hidden in a returned book.",
+    "List five tips for saving money on groceries.",
+    "What are the main differences between a crocodile and an alligator?",
+    "Explain how airplanes stay in the air to a ten-year-old.",
+    "Write a short story about a fisherman who finds a brass compass in his net.",
+    "List five tips for training for your first marathon.",
+    "What are the main differences between weather and climate?",
+    "Explain why we have seasons to a ten-year-old.",
+    "Write a short story about a teacher who finds a time capsule under the playground.",
+    "List five tips for keeping houseplants alive.",
+    "What are the main differences between HTTP and HTTPS?",
+    "Explain how the heart pumps blood to a ten-year-old.",
+    "Write a short story about a painter who finds a door behind her canvas.",
+    "List five tips for writing a good cover letter.",
+    "What are the main differences between Git and Subversion?",
 ]
 # A pasted function (fenced, as chat users paste code) rewritten with a small change, the whole
 # function in the answer.
@@ -94,6 +112,22 @@ CODE = [
     f"Rename the loop variable `value` to `item` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
     f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with 'REM'. Show the full updated function.",
     f"```python\n{_PARSER}```\n\nAdd a docstring example with a comment line to the function above. Output the whole function.",
+    f"Add type hints to this function, using list[float] for the values, and reply with the complete function.\n\n```python\n{FUNCTION}```",
+    f"Rename the function `moving_average` to `rolling_mean`. Reply with the full function only.\n\n```python\n{FUNCTION}```",
+    f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with '!'. Show the full updated function.",
+    f"```python\n{_PARSER}```\n\nAdd a docstring example with an empty input to the function above. Output the whole function.",
+    f"Give this function type hints for its arguments and its result. Reply with the entire function.\n\n```python\n{FUNCTION}```",
+    f"Rename the loop index `i` to `index` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
+    f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with '%'. Show the full updated function.",
+    f"```python\n{_PARSER}```\n\nAdd a short usage example to the docstring of the function above. Output the whole function.",
+    f"Add Python type hints to this function. Reply with the complete updated function.\n\n```python\n{FUNCTION}```",
+    f"Rename the parameter `values` to `numbers` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
+    f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with '*'. Show the full updated function.",
+    f"```python\n{_PARSER}```\n\nAdd a docstring example whose input has a blank line to the function above. Output the whole function.",
+    f"Type-annotate this function, its parameters and its return value. Reply with the complete function.\n\n```python\n{FUNCTION}```",
+    f"Rename the variable `total` to `window_sum` in this function. Reply with the full function only.\n\n```python\n{FUNCTION}```",
+    f"Here is a function:\n\n```python\n{_PARSER}```\n\nChange it to also skip lines that start with '>'. Show the full updated function.",
+    f"```python\n{_PARSER}```\n\nAdd a docstring example with a key that contains spaces to the function above. Output the whole function.",
 ]
 # A pasted text copied with small changes, or sentences extracted verbatim.
 REWRITE = [
@@ -113,10 +147,26 @@ REWRITE = [
     f"Quote the first and the last sentence of this text verbatim:\n\n{LIGHTHOUSE}",
     f"Rewrite this text in the present perfect tense, changing nothing else:\n\n{_MEETING}",
     f"Extract, word for word, the sentence about the meeting day:\n\n{_MEETING}",
+    f"Copy this text, replacing 'clockwork' with 'winding gear':\n\n{LIGHTHOUSE}",
+    f"Quote the third sentence of this text verbatim:\n\n{LIGHTHOUSE}",
+    f"Rewrite this text in the future perfect tense, changing nothing else:\n\n{_MEETING}",
+    f"Extract, word for word, the sentence that names a month:\n\n{_MEETING}",
+    f"Copy this text, replacing 'fog after midnight' with 'rain before dawn':\n\n{LIGHTHOUSE}",
+    f"Quote the sentence about the storm verbatim:\n\n{LIGHTHOUSE}",
+    f"Rewrite this text so that the meeting was on Thursday, changing nothing else:\n\n{_MEETING}",
+    f"Extract, word for word, the last sentence:\n\n{_MEETING}",
+    f"Copy this text, replacing 'He' with 'She' and 'his' with 'her':\n\n{LIGHTHOUSE}",
+    f"Quote the first sentence of this text verbatim:\n\n{LIGHTHOUSE}",
+    f"Rewrite this text in the first person plural, as the council, changing nothing else:\n\n{_MEETING}",
+    f"Extract, word for word, the sentence about the residents' request:\n\n{_MEETING}",
+    f"Copy this text, replacing 'the stairs' with 'the spiral staircase':\n\n{LIGHTHOUSE}",
+    f"Quote the sentence about the log verbatim:\n\n{LIGHTHOUSE}",
+    f"Rewrite this text with 'council' replaced by 'city board', changing nothing else:\n\n{_MEETING}",
+    f"Extract, word for word, the first sentence:\n\n{_MEETING}",
 ]
 WORKLOADS = {"chat": CHAT, "code": CODE, "rewrite": REWRITE}
 KINDS = 4  # kinds of request per workload: WORKLOADS[w][i + r * KINDS] is request r of kind i
-ROUNDS = 4  # requests of each kind
+ROUNDS = 8  # requests of each kind
 
 
 def workload_prompts(workload: str, path: Path | None) -> dict[str, list[str]]:

@@ -63,7 +63,7 @@ QUICK = TuneSettings(
 FULL = TuneSettings(
     max_budget=512, depth=16, width=4, top_k=4, curve_repeats=5, curve_seconds=120,
     calibration_prompts=6, calibration_tokens=96, calibration_seconds=420,
-    check_prompts=3, check_tokens=128, check_seconds=300, workload_tokens=160,
+    check_prompts=3, check_tokens=128, check_seconds=300, workload_tokens=128, workload_prompts=32,
 )
 
 # Trees of this many tokens (root included) at most for Sequoia: its inner nodes must fit the

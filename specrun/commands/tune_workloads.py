@@ -4,10 +4,10 @@ For each of bench's workloads (free chat, code edits, rewrites) the default that
 makes (the tuned tree with lookup branches, or lookup alone) and plain decoding decode the same
 prompts, greedily, the order alternating prompt by prompt. Every prompt gets a fresh drafter, as
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
-first steps). Rounds 0 and 2 of a workload's requests (one request of each kind a round) predict
-its speedup; rounds 1 and 3, held out, measure it (bench_prompts.KINDS, ROUNDS). The two halves
-take turns prompt by prompt, so a machine whose speed moves during the minutes a tune takes moves
-both alike: run one after the other, a prediction taken while plain passes ran at 105 tok/s was
+first steps). The even rounds of a workload's requests (one request of each kind a round: rounds
+0 and 2 in a quick tune, 0, 2, 4 and 6 in a full one) predict its speedup; the odd rounds, held
+out, measure it (bench_prompts.KINDS, ROUNDS). The two halves take turns prompt by prompt, so a
+machine whose speed moves during the minutes a tune takes moves both alike: run one after the other, a prediction taken while plain passes ran at 105 tok/s was
 checked against prompts decoded at 78, and missed by 30% for that alone.
 
 On the predicting half the untuned default (what runs without a profile: a chain of DEFAULT_SHAPE
@@ -124,8 +124,8 @@ def _slower_workloads(predicting: dict[str, dict[str, _Half]]) -> dict[str, tupl
 
 def _half_rounds(n_prompts: int) -> tuple[list[int], list[int]]:
     """Return the indexes into a workload's prompts that predict and that measure: n_prompts in
-    all, each half the same kinds, rounds alternating between the halves (0, 2: predict; 1, 3:
-    measure). Fewer than two prompts a kind take the first kinds of rounds 0 and 1."""
+    all, each half the same kinds, rounds alternating between the halves (0, 2, ...: predict; 1, 3,
+    ...: measure). Fewer than two prompts a kind take the first kinds of rounds 0 and 1."""
     n_prompts = max(2, min(n_prompts, KINDS * ROUNDS))
     kinds = min(KINDS, n_prompts // 2)
     rounds = max(1, n_prompts // (2 * kinds))
