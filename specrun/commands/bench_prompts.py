@@ -50,8 +50,8 @@ _MEETING = (
 
 # Each workload holds four kinds of request, eight times over in the same order: prompts i, i + 4,
 # i + 8, ... ask alike of the same pasted text (another change, other words; for chat, another
-# question of the same kind). `tune` predicts from the even rounds and measures on the odd ones
-# (a quick tune: rounds 0 to 3), so both halves hold the same mix: how much of an answer a small
+# question of the same kind). `tune` predicts from the even rounds and measures on the odd ones,
+# so both halves hold the same mix: how much of an answer a small
 # model copies swings by 3x between pasted texts and kinds of edit, and two halves of four unlike
 # prompts differed by up to 44% for that alone. Two requests of one kind still differ by up to 3x
 # (one copies the function whole, its sibling rewrites it; Gemma-270M repeats itself answering

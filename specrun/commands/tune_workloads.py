@@ -4,9 +4,8 @@ For each of bench's workloads (free chat, code edits, rewrites) the default that
 makes (the tuned tree with lookup branches, or lookup alone) and plain decoding decode the same
 prompts, greedily, the order alternating prompt by prompt. Every prompt gets a fresh drafter, as
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
-first steps). The even rounds of a workload's requests (one request of each kind a round: rounds
-0 and 2 in a quick tune, 0, 2, 4 and 6 in a full one) predict its speedup; the odd rounds, held
-out, measure it (bench_prompts.KINDS, ROUNDS). The two halves take turns prompt by prompt, so a
+first steps). The even rounds of a workload's requests (one request of each kind a round) predict
+its speedup; the odd rounds, held out, measure it (bench_prompts.KINDS, ROUNDS). The two halves take turns prompt by prompt, so a
 machine whose speed moves during the minutes a tune takes moves both alike: run one after the
 other, a prediction taken while plain passes ran at 105 tok/s was checked against prompts decoded
 at 78, and missed by 30% for that alone.
