@@ -367,9 +367,11 @@ def test_tune_predicts_and_measures_on_the_same_kinds_of_request():
         assert sorted(i % KINDS for i in predicted) == sorted(i % KINDS for i in measured)
         assert len(predicted) + len(measured) <= max(2, min(n, ROUNDS * KINDS))
     assert tune_workloads._half_rounds(8) == ([0, 1, 2, 3], [4, 5, 6, 7])
-    predicted, measured = tune_workloads._half_rounds(tune_command.FULL.workload_prompts)  # all of them
-    assert sorted(predicted + measured) == list(range(ROUNDS * KINDS))
-    assert {i // KINDS % 2 for i in predicted} == {0} and {i // KINDS % 2 for i in measured} == {1}
+    for settings in (tune_command.QUICK, tune_command.FULL):  # both take every prompt: four a kind per half
+        predicted, measured = tune_workloads._half_rounds(settings.workload_prompts)
+        assert sorted(predicted + measured) == list(range(ROUNDS * KINDS))
+        assert {i // KINDS % 2 for i in predicted} == {0} and {i // KINDS % 2 for i in measured} == {1}
+        assert all(sum(i % KINDS == kind for i in measured) == 4 for kind in range(KINDS))
 
 
 def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(monkeypatch):
