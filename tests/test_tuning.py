@@ -295,6 +295,20 @@ def test_the_untuned_default_is_stored_where_the_tuned_tree_runs_a_workload_slow
     assert tune_workloads._slower_workloads(predicting) == {}
     # Where only the tuned default ran (it is the untuned chain), nothing is compared.
     assert tune_workloads._slower_workloads({"chat": {"tuned": half(0.5)}}) == {}
+    # Slower on every workload, each within the margin (the Gemma pair's full tune, Sequoia 15
+    # against the chain): slower on the whole, so the untuned default is stored.
+    losing = {"chat": {"tuned": half(2.96), "untuned": half(3.00)},
+              "code": {"tuned": half(3.49), "untuned": half(3.56)},
+              "rewrite": {"tuned": half(2.27), "untuned": half(2.35)}}
+    assert list(tune_workloads._slower_workloads(losing)) == ["chat", "code", "rewrite"]
+    # Slower on one within the margin, faster on the whole: the tuned tree stays.
+    winning = {"chat": {"tuned": half(2.65), "untuned": half(2.72)},
+               "code": {"tuned": half(4.11), "untuned": half(4.05)},
+               "rewrite": {"tuned": half(2.97), "untuned": half(2.87)}}
+    assert tune_workloads._slower_workloads(winning) == {}
+    # Faster on the whole but losing on one by more than the margin still stores the untuned one.
+    winning["chat"]["tuned"] = half(2.50)
+    assert list(tune_workloads._slower_workloads(winning)) == ["chat"]
 
 
 def test_keeping_the_untuned_default_stores_the_chain_with_its_checked_figures():
