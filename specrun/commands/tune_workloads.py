@@ -114,8 +114,8 @@ def _slower_workloads(predicting: dict[str, dict[str, _Half]]) -> dict[str, tupl
     tuned default ran some workload slower than the untuned one by more than UNTUNED_MARGIN on the
     predicting half (those workloads), or ran slower on the whole, the workloads' ratios' geometric
     mean below 1 (every workload it lost: the Gemma pair's full tune stored a Sequoia tree of 15
-    that ran each workload 1-4% slower than the chain, and fresh processes ran its chat at 0.93-0.96
-    of no profile). Nothing where only one ran."""
+    that ran each workload 1-4% slower than the chain on its predicting prompts). Nothing where
+    only one ran."""
     ran = {name: (halves["tuned"].speedup, halves["untuned"].speedup)
            for name, halves in predicting.items() if "untuned" in halves}
     ran = {name: pair for name, pair in ran.items() if min(pair) > 0}
