@@ -51,9 +51,9 @@ _MEETING = (
 # Each workload holds four kinds of request, eight times over in the same order: prompts i, i + 4,
 # i + 8, ... ask alike of the same pasted text (another change, other words; for chat, another
 # question of the same kind). `tune` predicts from the even rounds and measures on the odd ones,
-# so both halves hold the same mix: how much of an answer a small
-# model copies swings by 3x between pasted texts and kinds of edit, and two halves of four unlike
-# prompts differed by up to 44% for that alone. Two requests of one kind still differ by up to 3x
+# so both halves hold the same mix: how much of an answer a small model copies swings by 3x
+# between pasted texts and kinds of edit, and two halves of four unlike prompts differed by up to
+# 44% for that alone. Two requests of one kind still differ by up to 3x
 # (one copies the function whole, its sibling rewrites it; Gemma-270M repeats itself answering
 # one chat question and not the next), which only more requests a kind per half average down:
 # with two a kind, a full tune's chat prediction for the Gemma pair missed by 22-23% twice.

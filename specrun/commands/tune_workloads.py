@@ -5,20 +5,21 @@ makes (the tuned tree with lookup branches, or lookup alone) and plain decoding 
 prompts, greedily, the order alternating prompt by prompt. Every prompt gets a fresh drafter, as
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
 first steps). The even rounds of a workload's requests (one request of each kind a round) predict
-its speedup; the odd rounds, held out, measure it (bench_prompts.KINDS, ROUNDS). The two halves take turns prompt by prompt, so a
-machine whose speed moves during the minutes a tune takes moves both alike: run one after the
-other, a prediction taken while plain passes ran at 105 tok/s was checked against prompts decoded
-at 78, and missed by 30% for that alone.
+its speedup; the odd rounds, held out, measure it (bench_prompts.KINDS, ROUNDS). The two halves
+take turns prompt by prompt, so a machine whose speed moves during the minutes a tune takes moves
+both alike: run one after the other, a prediction taken while plain passes ran at 105 tok/s was
+checked against prompts decoded at 78, and missed by 30% for that alone.
 
 On the predicting half the untuned default (what runs without a profile: a chain of DEFAULT_SHAPE
 with lookup branches) decodes too, in turn with the others: where the tuned tree's default runs a
 workload slower than it by more than UNTUNED_MARGIN, or the workloads slower on the whole, the
-untuned chain is what is stored, so that a profile never makes a workload slower than no profile. Both decode the held-out half too (the
-choice is not known until the predicting half is done, and the halves take turns); only the
-predicting half decides, and the held-out figure reported is that of what was stored. The tree
-check (tune._check) compares the trees alone; with lookup branches on, a deep tree can lose where its draft passes pay for
-tokens that lookup would have carried for free (the Gemma pair's chat after a full tune: a
-Sequoia tree of 15 at 0.81x of the untuned chain on chat, though 17% faster than it alone).
+untuned chain is what is stored, so that a profile never makes a workload slower than no profile.
+Both decode the held-out half too (the choice is not known until the predicting half is done, and
+the halves take turns); only the predicting half decides, and the held-out figure reported is that
+of what was stored. The tree check (tune._check) compares the trees alone; with lookup branches on,
+a deep tree can lose where its draft passes pay for tokens that lookup would have carried for free
+(the Gemma pair's chat after a full tune: a Sequoia tree of 15 at 0.81x of the untuned chain on
+chat, though 17% faster than it alone).
 """
 
 from __future__ import annotations
@@ -118,10 +119,14 @@ def _slower_workloads(predicting: dict[str, dict[str, _Half]]) -> dict[str, tupl
     only one ran."""
     ran = {name: (halves["tuned"].speedup, halves["untuned"].speedup)
            for name, halves in predicting.items() if "untuned" in halves}
-    ran = {name: pair for name, pair in ran.items() if min(pair) > 0}
-    slower = {name: (tuned, untuned) for name, (tuned, untuned) in ran.items() if tuned < untuned * (1.0 - UNTUNED_MARGIN)}
-    if ran and not slower and sum(math.log(tuned / untuned) for tuned, untuned in ran.values()) < 0:
-        slower = {name: (tuned, untuned) for name, (tuned, untuned) in ran.items() if tuned < untuned}
+
+    def lost(margin: float) -> dict[str, tuple[float, float]]:
+        return {name: (tuned, untuned) for name, (tuned, untuned) in ran.items() if tuned < untuned * (1.0 - margin)}
+
+    slower = lost(UNTUNED_MARGIN)
+    ratios = [tuned / untuned for tuned, untuned in ran.values() if tuned > 0 and untuned > 0]  # 0: unknown
+    if ratios and not slower and sum(map(math.log, ratios)) < 0:
+        slower = lost(0.0)
     return slower
 
 
