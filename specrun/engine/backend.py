@@ -5,6 +5,7 @@ Also the base of every owner object: each C pointer is freed exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -28,6 +29,9 @@ recent_errors: deque[str] = deque(maxlen=8)
 _last_level = [logging.INFO]
 _backend_lock = threading.Lock()
 _backend_ready = False
+# Lists collecting every log line while captured_log() blocks run (engine.memory reads them).
+_captures: list[list[str]] = []
+_quiet = 0  # captures that keep llama.cpp's lines out of `logging`
 
 
 # A Ctrl-C that lands while llama.cpp runs our callback cannot cross the C code back to Python
@@ -60,10 +64,35 @@ def _log(level: int, text: bytes) -> None:
     message = text.decode("utf-8", errors="replace").rstrip("\n")
     if not message.strip():
         return
+    for lines in _captures:
+        lines.append(message)
+    if _quiet:
+        return
     if py_level >= logging.WARNING:
         recent_errors.append(message.strip())
     if log.isEnabledFor(py_level):
         log.log(py_level, "%s", message)
+
+
+@contextlib.contextmanager
+def captured_log(quiet: bool = False):
+    """Collect every llama.cpp log line (all levels) written while the block runs, in a list;
+    `quiet` keeps them out of `logging` meanwhile (a simulated load is not the run's).
+
+    llama.cpp states what it allocates (model, KV, recurrent state, compute and output buffers)
+    only in its log: engine.memory reads the figures from these lines.
+    """
+    global _quiet
+    lines: list[str] = []
+    with _backend_lock:
+        _captures.append(lines)
+        _quiet += quiet
+    try:
+        yield lines
+    finally:
+        with _backend_lock:
+            _captures.remove(lines)
+            _quiet -= quiet
 
 
 def ensure_backend() -> None:

@@ -34,16 +34,23 @@ class Model(Owner):
         tensor_split: Sequence[float] = (),
         main_gpu: int | None = None,
         load_mtp: bool = False,
+        simulate: bool = False,
     ):
         """Load a model. `tensor_split` (per GPU) spreads offloaded layers as planned; `main_gpu`
         puts the whole model on one GPU (llama.cpp's split mode "none"); `load_mtp` also loads its
-        MTP layers, for drafting with them (engine.mtp)."""
+        MTP layers, for drafting with them (engine.mtp); `simulate` reads only the metadata and
+        makes llama.cpp size every buffer without allocating it (engine.memory), contexts too."""
         ensure_backend()
         self.path = check_complete_gguf(Path(path))
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
         params.load_mtp = load_mtp
+        if simulate:
+            # The simulation llama.cpp's own fitting runs: it needs load mode "none" (with mmap it
+            # asserts), and reads no tensor data, so a header-only sparse copy of a file will do.
+            params.no_alloc = True
+            params.load_mode = C.LLAMA_LOAD_MODE_NONE
         if tensor_split:
             # llama.cpp reads llama_max_devices() floats; keep the array alive while loading.
             self._split = (ctypes.c_float * C.llama_max_devices())(*tensor_split)

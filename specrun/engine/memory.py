@@ -1,0 +1,221 @@
+"""What llama.cpp allocates for a model and its contexts, in llama.cpp's own figures.
+
+llama.cpp can simulate a load: with `no_alloc` and load mode "none" it reads only the GGUF's
+metadata and tensor infos, builds the model and its contexts and sizes every buffer (the KV cache
+of each kind of layer, the recurrent state with its rollback snapshots, the compute buffers for
+the largest batch, the output buffer) without allocating any of them; its own fitting
+(common/fit.cpp) works the same way. The sizes are written only to its log, so this module runs
+such a simulation with exactly the parameters a run will pass and reads the lines. A real load
+writes the same lines (with the weights' buffers too): `Allocation.read` serves both, and the run
+compares what it allocated with what was planned.
+
+A simulation needs the file's header and its full size, not its data: a header-only sparse copy
+(models.headers) plans a model before it is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specrun.engine.backend import captured_log, llama_version_info
+from specrun.engine.context import Context
+from specrun.engine.model import Model
+from specrun.engine.mtp import MtpContext
+from specrun.files import atomic_write_json, file_key, read_json
+from specrun.paths import cache_dir
+
+MIB = 1024**2
+
+# The lines llama.cpp writes as it sizes its buffers (src/llama-kv-cache.cpp,
+# llama-memory-recurrent.cpp, llama-context.cpp, llama-model.cpp). Sizes are MiB with 2 decimals.
+_KV = re.compile(r"^llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers")
+_STATE = re.compile(r"^llama_memory_recurrent: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers")
+_COMPUTE = re.compile(r"(\S+) compute buffer size = +([\d.]+) MiB")
+_OUTPUT = re.compile(r"(\S+) +output buffer size = +([\d.]+) MiB")
+_MODEL = re.compile(r"(\S+) model buffer size = +([\d.]+) MiB")
+_FLASH = re.compile(r"Flash Attention (enabled|not supported)", re.IGNORECASE)
+
+
+def _bytes(mib: str) -> int:
+    return round(float(mib) * MIB)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The bytes llama.cpp allocated (or, simulated, would allocate) for one context, or the sum
+    of several: by what they hold, and per buffer type ("CPU", "CUDA0", ...) where it says."""
+
+    kv: int = 0  # attention keys and values, every cache (full and sliding-window layers)
+    kv_layers: int = 0
+    state: int = 0  # recurrent state, every copy (sequences x (1 + rollback snapshots))
+    state_layers: int = 0
+    compute: dict[str, int] = field(default_factory=dict)
+    output: int = 0  # the host buffer of logits
+    model: dict[str, int] = field(default_factory=dict)  # weights (a real load; a simulation logs none)
+    flash_attn: bool | None = None  # as llama.cpp resolved "auto" (None: it did not say)
+
+    @classmethod
+    def read(cls, lines: Iterable[str]) -> Allocation:
+        """Return the figures llama.cpp's log lines state."""
+        kv = kv_layers = state = state_layers = output = 0
+        compute: dict[str, int] = {}
+        model: dict[str, int] = {}
+        flash = None
+        for line in lines:
+            text = line.strip()
+            if m := _KV.match(text):
+                kv += _bytes(m.group(1))
+                kv_layers += int(m.group(3))
+            elif m := _STATE.match(text):
+                state += _bytes(m.group(1))
+                state_layers += int(m.group(3))
+            elif m := _COMPUTE.search(text):
+                compute[m.group(1)] = compute.get(m.group(1), 0) + _bytes(m.group(2))
+            elif m := _OUTPUT.search(text):
+                output += _bytes(m.group(2))
+            elif m := _MODEL.search(text):
+                model[m.group(1)] = model.get(m.group(1), 0) + _bytes(m.group(2))
+            elif m := _FLASH.search(text):
+                flash = m.group(1).lower() == "enabled"
+        return cls(kv, kv_layers, state, state_layers, compute, output, model, flash)
+
+    @property
+    def context(self) -> int:
+        """The context's memory: KV cache and recurrent state."""
+        return self.kv + self.state
+
+    @property
+    def compute_total(self) -> int:
+        return sum(self.compute.values())
+
+    @property
+    def model_total(self) -> int:
+        return sum(self.model.values())
+
+    @property
+    def total(self) -> int:
+        return self.model_total + self.context + self.compute_total + self.output
+
+    def __add__(self, other: Allocation) -> Allocation:
+        def merged(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
+
+        return Allocation(
+            self.kv + other.kv, self.kv_layers + other.kv_layers, self.state + other.state,
+            self.state_layers + other.state_layers, merged(self.compute, other.compute),
+            self.output + other.output, merged(self.model, other.model),
+            self.flash_attn if self.flash_attn is not None else other.flash_attn,
+        )
+
+    def to_record(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Allocation:
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model_total, "kv": self.kv, "state": self.state, "compute": self.compute_total,
+                "output": self.output, "total": self.total, "compute_by_buffer": dict(self.compute),
+                "flash_attn": self.flash_attn}
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """The llama.cpp context parameters a run opens (engine.Context's), or an MTP context."""
+
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int = 1
+    n_rs_seq: int = 0
+    mtp: bool = False  # an MTP context on the same model (engine.MtpContext)
+
+
+class Simulation:
+    """llama.cpp's simulated load of one model file (loaded as given), asked for the contexts a
+    run may open; each answer is kept on disk per file version, so later runs do not load the
+    metadata again (a large vocabulary takes most of a second)."""
+
+    def __init__(self, path: Path, *, n_gpu_layers: int = 0, tensor_split: Sequence[float] = (),
+                 load_mtp: bool = False):
+        self.path = Path(path)
+        self._load = {"n_gpu_layers": n_gpu_layers, "tensor_split": list(tensor_split), "load_mtp": load_mtp}
+        self._model: Model | None = None
+        self._known: dict[ContextSpec, Allocation] = {}
+
+    def context(self, spec: ContextSpec) -> Allocation:
+        """Return what llama.cpp would allocate for this context (raises EngineError where it refuses)."""
+        if spec not in self._known:
+            record = _record_path(self.path, spec, self._load)
+            cached = read_json(record, dict, "memory record") if record else None
+            if cached is not None and cached.get("key") == _record_key(self.path, spec, self._load):
+                allocation = Allocation.from_dict(cached["allocation"])
+            else:
+                allocation = self._simulate(spec)
+                if record is not None:
+                    _store(record, {"key": _record_key(self.path, spec, self._load),
+                                    "allocation": allocation.to_record()})
+            self._known[spec] = allocation
+        return self._known[spec]
+
+    def _simulate(self, spec: ContextSpec) -> Allocation:
+        if self._model is None:
+            with captured_log(quiet=True):
+                self._model = Model(self.path, n_gpu_layers=self._load["n_gpu_layers"],
+                                    tensor_split=self._load["tensor_split"], load_mtp=self._load["load_mtp"],
+                                    simulate=True)
+        with captured_log(quiet=True) as lines:
+            ctx = _open(self._model, spec)
+        ctx.close()
+        return Allocation.read(lines)
+
+    def close(self) -> None:
+        if self._model is not None:
+            self._model.close()
+            self._model = None
+
+    def __enter__(self) -> Simulation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def simulate(path: Path, contexts: Sequence[ContextSpec], **load) -> list[Allocation]:
+    """Return what llama.cpp would allocate for each of these contexts on the model at `path`,
+    loaded as `load` says (Simulation's arguments)."""
+    with Simulation(path, **load) as simulation:
+        return [simulation.context(spec) for spec in contexts]
+
+
+def _open(model: Model, spec: ContextSpec) -> Context:
+    if spec.mtp:
+        return MtpContext(model, spec.n_ctx, n_batch=spec.n_batch, threads=1)
+    return Context(model, n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max, threads=1,
+                   n_rs_seq=spec.n_rs_seq)
+
+
+def _record_key(path: Path, spec: ContextSpec, load: dict) -> dict:
+    return {"file": file_key(path), "context": asdict(spec), "load": load, "llama": llama_version_info()}
+
+
+def _record_path(path: Path, spec: ContextSpec, load: dict) -> Path | None:
+    """Where this simulation's figures are kept (None: the file cannot be read)."""
+    try:
+        key = json.dumps(_record_key(path, spec, load), sort_keys=True)
+    except OSError:
+        return None
+    return cache_dir() / "memory" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _store(record: Path, data: dict) -> None:
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(record, data)
+    except OSError:  # a read-only cache only costs the next run a simulation
+        pass
