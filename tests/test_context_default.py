@@ -64,11 +64,8 @@ def test_a_model_trained_for_less_than_the_floor_keeps_its_own():
     assert placement.largest_context(small, None, [], 512, ram_free_bytes=32 * GB)[0] == 2048
 
 
-def test_gguf_metadata_gives_the_trained_context():
-    meta = {"general.architecture": "llama", "llama.block_count": 1, "llama.embedding_length": 64,
-            "llama.attention.head_count": 4, "llama.context_length": 8192, "tokenizer.ggml.tokens": ["a"] * 10}
-    size = offload.model_size_from_gguf_tensors([("blk.0.attn_q.weight", 100), ("token_embd.weight", 50)], meta)
-    assert size.n_ctx_train == 8192
+def test_gguf_metadata_gives_the_trained_context(offline_models):
+    assert placement.model_size(offline_models.smollm2_q4).n_ctx_train == 8192
 
 
 def test_specrun_plan_says_why(offline_models, cli):

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from specrun.hardware import placement
 from specrun.hardware.offload import (
     DEFAULT_MARGIN_BYTES,
     Device,
     ModelSize,
     compute_buffer_bytes,
     kv_cache_bytes,
-    model_size_from_gguf_tensors,
     plan_offload,
 )
 
@@ -216,22 +216,13 @@ def test_plans_never_exceed_memory_and_more_memory_never_means_fewer_layers(
 
 
 def test_model_size_from_gguf_tensors():
-    tensors = [
-        ("token_embd.weight", 1000),
-        ("blk.0.attn_q.weight", 100), ("blk.0.ffn_up.weight", 300), ("blk.0.attn_norm.weight", 4),
-        ("blk.1.attn_q.weight", 100), ("blk.1.ffn_up.weight", 320),
-        ("output_norm.weight", 4), ("output.weight", 1500),
-    ]
-    meta = {  # as llama.cpp's metadata API returns them: strings
-        "general.architecture": "llama",
-        "llama.block_count": "2",
-        "llama.embedding_length": "64",
-        "llama.attention.head_count": "8",
-        "llama.attention.head_count_kv": "2",
-        "llama.feed_forward_length": "256",
-        "llama.vocab_size": "32000",
+    tensors = {
+        "token_embd.weight": 1000,
+        "blk.0.attn_q.weight": 100, "blk.0.ffn_up.weight": 300, "blk.0.attn_norm.weight": 4,
+        "blk.1.attn_q.weight": 100, "blk.1.ffn_up.weight": 320,
+        "output_norm.weight": 4, "output.weight": 1500,
     }
-    size = model_size_from_gguf_tensors(tensors, meta, file_bytes=4000)
+    size = placement.size_from_tensors(tensors, 4000, 2, n_embd=64, n_vocab=32000, n_head=8, n_head_kv=2, n_ff=256)
     assert size.layer_bytes == (404, 420) and size.n_layer == 2
     assert size.input_bytes == 1000 and size.output_bytes == 1504
     assert size.n_embd_k_gqa == size.n_embd_v_gqa == 2 * 8  # 2 kv heads of 64 / 8 dims
@@ -239,20 +230,17 @@ def test_model_size_from_gguf_tensors():
     assert size.largest_tensor_bytes == 320
 
 
-def test_model_size_with_tied_embeddings_and_per_layer_heads():
-    tensors = [("token_embd.weight", 800), ("blk.0.attn_k.weight", 50), ("output_norm.weight", 2)]
-    meta = {
-        "general.architecture": "gemma3",
-        "gemma3.block_count": 1,
-        "gemma3.embedding_length": 640,
-        "gemma3.attention.head_count": 4,
-        "gemma3.attention.head_count_kv": [1],
-        "gemma3.attention.key_length": 256,
-        "gemma3.attention.value_length": 256,
-        "tokenizer.ggml.tokens": ["a", "b", "c"],
-    }
-    size = model_size_from_gguf_tensors(tensors, meta)
+def test_model_size_with_tied_embeddings_and_stated_head_sizes():
+    tensors = {"token_embd.weight": 800, "blk.0.attn_k.weight": 50, "output_norm.weight": 2}
+    size = placement.size_from_tensors(tensors, 852, 1, n_embd=640, n_vocab=3, n_head=4, n_head_kv=1,
+                                       key_length=256, value_length=256)
     assert size.output_bytes == 802  # llama.cpp keeps a copy of the embedding as the output
     assert size.input_bytes == 800 and size.file_bytes == 852
-    assert size.n_embd_k_gqa == 256 and size.n_vocab == 3
+    assert size.n_embd_k_gqa == 256  # the key length the file states, not n_embd / n_head = 160
     assert size.n_ff == 0  # unknown: the planner estimates it
+
+
+def test_a_real_gemma_file_gives_its_stated_head_size(offline_models):
+    """Gemma 3's heads are 256 wide although n_embd / n_head is 160 (llama.cpp reads key_length)."""
+    size = placement.model_size(offline_models.gemma_q4)
+    assert size.n_embd_k_gqa == size.n_embd_v_gqa == 256 and size.n_ctx_train == 32768

@@ -17,7 +17,7 @@ from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
 from specrun.core.shapes import TreeShape, TreeTemplate
 from specrun.engine import DeviceInfo
 from specrun.hardware import placement
-from specrun.runtime.plan import PREFILL_BATCH, RunOptions, build_plan
+from specrun.runtime.plan import PREFILL_BATCH, ContextMemory, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime, load_arguments
 from specrun.runtime.trees import DEFAULT_SHAPE
 from specrun.tuning import profiles
@@ -66,8 +66,11 @@ def test_the_loaded_context_has_the_planned_ubatch_and_placement(offline_models,
     # The GPU layers were planned for exactly the context that was loaded.
     sizes = placement.model_size(offline_models.smollm2_f32), placement.model_size(offline_models.smollm2_q4)
     gpus = placement.gpus_of(FAKE_GPU)
+    draft = offline_models.smollm2_q4 if plan.draft_loaded else None
+    measure = ContextMemory(offline_models.smollm2_f32, draft, plan.tree, "llama")
     again = placement.plan(sizes[0], sizes[1] if plan.draft_loaded else None, gpus, opts.ctx_size, rt.target_ctx.n_ubatch,
-                           ram_free_bytes=16 * GB)
+                           ram_free_bytes=16 * GB, measured=measure)
+    measure.close()
     assert plan.placement == again
 
 
@@ -128,7 +131,8 @@ def test_load_arguments_follow_the_plan_on_several_gpus():
 
 
 def test_without_a_gpu_a_run_reads_no_model_shapes(offline_models, monkeypatch):
-    """Nothing to place on a CPU: a run must not pay for reading the models' metadata."""
+    """Nothing to place on a CPU: a run must not pay for reading the models' shapes; RAM holds
+    the files (memory-mapped) and the contexts as llama.cpp's simulation sizes them."""
     def no_reading(path):
         raise AssertionError(f"read {path}")
 
@@ -136,7 +140,9 @@ def test_without_a_gpu_a_run_reads_no_model_shapes(offline_models, monkeypatch):
     plan = build_plan(OPTS, devices=[])
     assert plan.target_gpu_layers == 0 and plan.draft_gpu_layers == 0
     files = offline_models.smollm2_f32.stat().st_size + offline_models.smollm2_q4.stat().st_size
-    assert plan.placement.ram_bytes == files
+    (ram,) = plan.placement.breakdown
+    assert ram.model == files and plan.placement.measured
+    assert plan.placement.ram_bytes == files + ram.context + ram.compute + ram.output > files
 
 
 PROFILE_PASS_S = 0.0108  # the target's one-token pass when the stored profile was made

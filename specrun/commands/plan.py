@@ -56,20 +56,30 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.draft_ctx is not None:
         lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
     lines.append(f"threads  {plan.threads}")
+    parts = {place.name: _parts(place) for place in placed.breakdown}
     lines.append(f"memory   RAM: {human_size(placed.ram_bytes)} planned, {human_size(placed.ram_limit_bytes)} usable"
-                 + ("" if placed.ram_fits else "  (does not fit)"))
+                 + ("" if placed.ram_fits else "  (does not fit)") + parts.get("RAM", ""))
     for device in data["memory"]["devices"]:
         fits = device["planned_bytes"] <= device["limit_bytes"]
         lines.append(
             f"         {device['name']}: {human_size(device['planned_bytes'])} planned of "
             f"{human_size(device['free_bytes'])} free ({human_size(device['limit_bytes'])} usable)"
-            + ("" if fits else "  (does not fit)")
+            + ("" if fits else "  (does not fit)") + parts.get(device["name"], "")
         )
+    lines.append("         " + ("context and compute figures from llama.cpp's own simulation of this load"
+                              if placed.measured else "context and compute figures estimated from the models' shapes"))
     if not plan.devices:
         lines.append("         no GPU: everything runs on the CPU")
     for warning in data["warnings"]:
         lines.append(f"warning  {warning}")
     return lines
+
+
+def _parts(place) -> str:
+    """Return '  (model X, context Y, compute Z, output W)' for a place's planned bytes."""
+    kinds = (("model", place.model), ("context", place.context), ("compute", place.compute), ("output", place.output))
+    shown = [f"{name} {human_size(size)}" for name, size in kinds if size]
+    return f"  ({', '.join(shown)})" if shown else ""
 
 
 def _where(path: str | None) -> str:

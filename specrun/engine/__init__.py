@@ -9,23 +9,24 @@ sequence ids (the tree "colours" that make one forward pass score a whole draft 
 zero-copy numpy views, and llama.cpp's log lines routed into Python `logging`.
 
 The package is split by what it owns: `backend` (process-wide setup, logs, file checks), `model`
-(llama_model), `context` (llama_context, batches, detokenizing), `devices` (ggml's device list), `mtp` (a model's MTP layers as a drafter: the MTP context, the
+(llama_model), `context` (llama_context, batches, detokenizing), `devices` (ggml's device list), `memory` (what llama.cpp allocates, simulated or read from a load's log), `mtp` (a model's MTP layers as a drafter: the MTP context, the
 target's hidden rows, llama.cpp's C++ staging functions called by their mangled names).
 Everything a caller needs is importable from `specrun.engine`.
 """
 
-from specrun.engine.backend import GGUF_MAGIC, check_gguf_file, llama_version_info
+from specrun.engine.backend import GGUF_MAGIC, captured_log, check_gguf_file, llama_version_info
 from specrun.engine.context import Batch, Context, Detokenizer, default_threads
 from specrun.engine.devices import DeviceInfo, backend_names, list_devices, system_info
 from specrun.engine.gguf import architecture as gguf_architecture
 from specrun.engine.gguf import has_mtp_layers as gguf_has_mtp_layers
 from specrun.engine.gguf import header_facts as gguf_header_facts
+from specrun.engine.memory import Allocation, ContextSpec, Simulation
 from specrun.engine.model import Model, quantize
 from specrun.engine.mtp import MtpContext, check_mtp_support, embeddings_nextn_row, enable_target_rows, n_layer_nextn
 from specrun.limits import MAX_SEQ
 
 __all__ = [
-    "GGUF_MAGIC", "MAX_SEQ", "Batch", "Context", "Detokenizer", "DeviceInfo", "Model", "MtpContext", "backend_names", "check_mtp_support",
+    "GGUF_MAGIC", "MAX_SEQ", "Allocation", "Batch", "captured_log", "ContextSpec", "Simulation", "Context", "Detokenizer", "DeviceInfo", "Model", "MtpContext", "backend_names", "check_mtp_support",
     "embeddings_nextn_row", "enable_target_rows", "n_layer_nextn",
     "check_gguf_file", "default_threads", "gguf_architecture", "gguf_has_mtp_layers", "gguf_header_facts", "list_devices", "llama_version_info", "quantize", "system_info",
 ]

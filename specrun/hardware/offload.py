@@ -17,11 +17,10 @@ report it.
 
 from __future__ import annotations
 
-import ast
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 
 MIB = 1024**2
 
@@ -192,6 +191,39 @@ def logits_buffer_bytes(model: ModelSize, n_tokens: int) -> int:
 
 
 @dataclass(frozen=True)
+class ContextBytes:
+    """What one model's contexts in a run take beside its weights, as llama.cpp sizes them (its
+    simulation, engine.memory): KV cache and recurrent state, compute buffer, output buffer."""
+
+    context: int  # KV cache and recurrent state, every context of the model (target: MTP's too)
+    compute: int
+    output: int
+
+
+@dataclass(frozen=True)
+class PlaceBytes:
+    """The planned bytes in one place (a GPU, or RAM), by what they hold."""
+
+    name: str
+    model: int = 0  # weights
+    context: int = 0  # KV cache and recurrent state
+    compute: int = 0  # compute buffers (and the weights op offload copies in for big batches)
+    output: int = 0  # logits
+
+    @property
+    def total(self) -> int:
+        return self.model + self.context + self.compute + self.output
+
+    def plus(self, model: int = 0, context: int = 0, compute: int = 0, output: int = 0) -> PlaceBytes:
+        return replace(self, model=self.model + model, context=self.context + context,
+                       compute=self.compute + compute, output=self.output + output)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "model": self.model, "context": self.context, "compute": self.compute,
+                "output": self.output, "total": self.total}
+
+
+@dataclass(frozen=True)
 class OffloadPlan:
     """Where everything goes, and the memory each place is predicted to need.
 
@@ -216,6 +248,8 @@ class OffloadPlan:
     ram_limit_bytes: int
     overridden: bool
     warnings: tuple[str, ...]
+    breakdown: tuple[PlaceBytes, ...] = ()  # per device, then RAM: device_bytes and ram_bytes by kind
+    measured: bool = False  # the context figures are llama.cpp's own (its simulation), not estimates
 
     @property
     def gpu_fits(self) -> bool:
@@ -237,6 +271,7 @@ class OffloadPlan:
         data = asdict(self)
         for key in ("target_tensor_split", "device_bytes", "device_limit_bytes", "warnings"):
             data[key] = list(data[key])
+        data["breakdown"] = [place.to_dict() for place in self.breakdown]
         return data
 
 
@@ -251,8 +286,15 @@ class _Buffers:
     logits: int
 
     @classmethod
-    def of(cls, model: ModelSize, n_ctx: int, n_tokens: int, flash_attn: bool) -> _Buffers:
+    def of(cls, model: ModelSize, n_ctx: int, n_tokens: int, flash_attn: bool,
+           measured: ContextBytes | None = None) -> _Buffers:
+        """The buffers llama.cpp sizes (`measured`: its simulation; the context spread evenly over
+        the layers, each placed with its layer), else estimated from the model's shape."""
         copies = OP_OFFLOAD_COPIED_TENSORS * model.largest_tensor()
+        if measured is not None:
+            return cls(kv_layer=math.ceil(measured.context / max(model.n_layer, 1)), compute=measured.compute,
+                       weight_copies=copies, weight_copies_no_output=max(copies, model.output_bytes),
+                       logits=measured.output)
         return cls(
             kv_layer=kv_bytes_per_layer(model, n_ctx),
             compute=compute_buffer_bytes(model, n_ctx, n_tokens, flash_attn),
@@ -378,6 +420,7 @@ def plan_offload(
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
     gpu_layers_override: int | None = None,
     flash_attn: bool = False,
+    measured: tuple[ContextBytes | None, ContextBytes | None] = (None, None),
 ) -> OffloadPlan:
     """Return where the target's layers and the draft go, and the memory that needs.
 
@@ -391,30 +434,35 @@ def plan_offload(
     3. Everything else is in RAM; `ram_fits` is False (with a warning) when it exceeds the free
        RAM minus the margin. Weights are memory-mapped, so that still runs, reading from disk.
 
+    `measured` holds the target's and the draft's context figures as llama.cpp sizes them (its
+    simulation with the run's parameters); a model without them is estimated from its shape.
     `gpu_layers_override` (the user's --gpu-layers; negative = all) replaces the search in step 2;
     the plan still reports the predicted memory and warns when a device would overflow. It does
     not move the draft.
     """
     limits = [max(0, d.free_bytes - margin_bytes) for d in devices]
     base = [0] * len(devices)
+    places = [PlaceBytes(d.name) for d in devices]
+    ram = PlaceBytes("RAM")
     warnings: list[str] = []
     n_tokens = max(1, max_tree_tokens)
-    ram = 0
 
     draft_device, draft_gpu_layers = None, 0
     if draft is not None:
-        draft_buffers = _Buffers.of(draft, n_ctx, n_tokens, flash_attn)
+        draft_buffers = _Buffers.of(draft, n_ctx, n_tokens, flash_attn, measured[1])
         draft_gpu = _whole_model_gpu_bytes(draft, draft_buffers)
         roomiest = max(range(len(devices)), key=lambda k: limits[k], default=None)
+        draft_context = draft.n_layer * draft_buffers.kv_layer
         if roomiest is not None and draft_gpu <= limits[roomiest]:
             draft_device, draft_gpu_layers = roomiest, draft.n_layer + 1
             base[roomiest] += draft_gpu
-            ram += draft.input_bytes + draft_buffers.logits
+            places[roomiest] = places[roomiest].plus(sum(draft.layer_bytes) + draft.output_bytes, draft_context,
+                                                     draft_buffers.compute)
+            ram = ram.plus(model=draft.input_bytes, output=draft_buffers.logits)
         else:
-            ram += (draft.file_bytes + kv_cache_bytes(draft, n_ctx) + draft_buffers.compute
-                    + draft_buffers.logits)
+            ram = ram.plus(draft.file_bytes, draft_context, draft_buffers.compute, draft_buffers.logits)
 
-    buffers = _Buffers.of(target, n_ctx, n_tokens, flash_attn)
+    buffers = _Buffers.of(target, n_ctx, n_tokens, flash_attn, measured[0])
     slots = target.n_layer + 1
     overridden = gpu_layers_override is not None
     if not devices:
@@ -428,14 +476,15 @@ def plan_offload(
         gpu_layers, op_offload, placement = _best_placement(
             target, buffers, base, limits, n_tokens >= OP_OFFLOAD_MIN_BATCH, wanted
         )
+        places = _target_on_devices(target, buffers, gpu_layers, op_offload, placement.counts, places)
 
     # what stays in RAM: the input layer, the slots not offloaded and their KV cache, the CPU
     # backend's compute buffer and the host logits buffer
     cpu_layers = min(slots - gpu_layers, target.n_layer)
-    ram += target.input_bytes + sum(target.layer_bytes[:cpu_layers]) + cpu_layers * buffers.kv_layer
+    ram = ram.plus(target.input_bytes + sum(target.layer_bytes[:cpu_layers]), cpu_layers * buffers.kv_layer,
+                   buffers.compute, buffers.logits)
     if gpu_layers == 0:
-        ram += target.output_bytes
-    ram += buffers.compute + buffers.logits
+        ram = ram.plus(model=target.output_bytes)
 
     ram_limit = max(0, ram_free_bytes - margin_bytes)
     for device, used, limit in zip(devices, placement.used, limits):
@@ -444,9 +493,9 @@ def plan_offload(
                 f"{device.name}: the plan needs {_gib(used)} but only {_gib(limit)} is free "
                 f"(after a {_gib(margin_bytes)} margin); loading may fail"
             )
-    if ram > ram_limit:
+    if ram.total > ram_limit:
         warnings.append(
-            f"RAM: {_gib(ram)} must stay in system memory but only {_gib(ram_limit)} is free "
+            f"RAM: {_gib(ram.total)} must stay in system memory but only {_gib(ram_limit)} is free "
             f"(after a {_gib(margin_bytes)} margin); weights will be re-read from disk, very slowly"
         )
     return OffloadPlan(
@@ -458,102 +507,33 @@ def plan_offload(
         op_offload=op_offload,
         device_bytes=tuple(placement.used),
         device_limit_bytes=tuple(limits),
-        ram_bytes=ram,
+        ram_bytes=ram.total,
         ram_limit_bytes=ram_limit,
         overridden=overridden,
         warnings=tuple(warnings),
+        breakdown=(*places, ram),
+        measured=measured[0] is not None,
     )
+
+
+def _target_on_devices(target: ModelSize, buffers: _Buffers, gpu_layers: int, op_offload: bool,
+                       counts: Sequence[int], places: list[PlaceBytes]) -> list[PlaceBytes]:
+    """Return the places with the target's offloaded slots added, as _place_target counts them."""
+    places = list(places)
+    device0 = _device0_fixed(target, buffers, gpu_layers, op_offload)
+    if device0:
+        places[0] = places[0].plus(compute=device0)
+    first = target.n_layer + 1 - gpu_layers  # the first offloaded slot
+    for k, count in enumerate(counts):
+        slots = range(first, first + count)
+        layers = [i for i in slots if i < target.n_layer]
+        output = target.output_bytes if target.n_layer in slots else 0
+        compute = buffers.compute if count and not (k == 0 and device0) else 0
+        places[k] = places[k].plus(sum(target.layer_bytes[i] for i in layers) + output,
+                                   len(layers) * buffers.kv_layer, compute)
+        first += count
+    return places
 
 
 def _gib(n: int) -> str:
     return f"{n / 1024**3:.1f} GiB"
-
-
-# --------------------------------------------------------------------------------------------
-# From GGUF tensor sizes
-
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
-# llama.cpp's "input layer": kept in RAM whatever n_gpu_layers says
-_INPUT_PREFIXES = ("token_embd.", "token_embd_norm.", "position_embd.", "token_types.")
-
-
-def model_size_from_gguf_tensors(
-    tensors: Iterable[tuple[str, int]], meta: Mapping[str, object], file_bytes: int | None = None
-) -> ModelSize:
-    """Return a ModelSize from a GGUF's (tensor name, bytes) list and its metadata.
-
-    Tensors `blk.N.*` make layer N; `token_embd.*` and friends the input layer; the rest (output,
-    output_norm, ...) the output layer. Without an `output.weight` the model ties its output to the
-    token embedding, and llama.cpp keeps a copy of it with the output layer. `meta` holds GGUF keys
-    (`general.architecture`, `<arch>.block_count`, `<arch>.embedding_length`, ...), as values or
-    as the strings llama.cpp's metadata API returns.
-    """
-    arch = str(meta.get("general.architecture", ""))
-
-    def number(key: str, default: int | None = None) -> int:
-        value = meta.get(f"{arch}.{key}", meta.get(key))
-        if value is None:
-            if default is None:
-                raise ValueError(f"GGUF metadata lacks {arch}.{key}")
-            return default
-        return _as_int(value)
-
-    layers: dict[int, int] = {}
-    largest = input_bytes = output_bytes = total = 0
-    token_embd = 0
-    has_output_matrix = False
-    for name, nbytes in tensors:
-        total += nbytes
-        if match := _LAYER_TENSOR.match(name):
-            layer = int(match.group(1))
-            layers[layer] = layers.get(layer, 0) + nbytes
-            largest = max(largest, nbytes)
-        elif name.startswith(_INPUT_PREFIXES):
-            input_bytes += nbytes
-            if name == "token_embd.weight":
-                token_embd = nbytes
-        else:
-            output_bytes += nbytes
-            has_output_matrix |= name == "output.weight"
-    if not has_output_matrix:
-        output_bytes += token_embd
-
-    n_layer = number("block_count", max(layers, default=-1) + 1)
-    n_embd = number("embedding_length")
-    n_head = number("attention.head_count")
-    n_head_kv = number("attention.head_count_kv", n_head)
-    key_length = number("attention.key_length", n_embd // n_head)
-    value_length = number("attention.value_length", key_length)
-    return ModelSize(
-        file_bytes=file_bytes if file_bytes is not None else total,
-        layer_bytes=tuple(layers.get(i, 0) for i in range(n_layer)),
-        input_bytes=input_bytes,
-        output_bytes=output_bytes,
-        n_embd=n_embd,
-        n_vocab=_vocab_size(meta, arch),
-        n_head=n_head,
-        n_embd_k_gqa=n_head_kv * key_length,
-        n_embd_v_gqa=n_head_kv * value_length,
-        n_ff=number("feed_forward_length", 0),
-        largest_tensor_bytes=largest,
-        n_ctx_train=number("context_length", 0),
-    )
-
-
-def _as_int(value: object) -> int:
-    """Read a GGUF number, or the largest of a per-layer array (e.g. head_count_kv per layer)."""
-    if isinstance(value, str):
-        value = ast.literal_eval(value.strip())
-    if isinstance(value, (list, tuple)):
-        return max(int(v) for v in value)
-    return int(value)
-
-
-def _vocab_size(meta: Mapping[str, object], arch: str) -> int:
-    for key in (f"{arch}.vocab_size", "n_vocab"):
-        if key in meta:
-            return _as_int(meta[key])
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, (list, tuple)):
-        return len(tokens)
-    raise ValueError("GGUF metadata gives no vocabulary size")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specrun import engine, sysinfo
@@ -17,6 +17,9 @@ from specrun.errors import ModelFileError
 from specrun.hardware import offload
 
 log = logging.getLogger("specrun")
+
+# llama.cpp's own figures for a run's contexts at n_ctx cells: (target's, draft's), None where unknown.
+Measured = Callable[[int], "tuple[offload.ContextBytes | None, offload.ContextBytes | None]"]
 
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 GPU_KINDS = ("gpu", "igpu")
@@ -45,13 +48,18 @@ def model_size(path: Path) -> offload.ModelSize:
             raise ModelFileError(f"{path}: GGUF metadata lacks {arch}.embedding_length/block_count")
         n_head = _meta_int(model, f"{arch}.attention.head_count", 1)
         n_head_kv = _meta_int(model, f"{arch}.attention.head_count_kv", n_head)
+        # llama.cpp's head size is the key/value length where the file states it (Gemma 3: 256
+        # where n_embd / n_head is 160), else n_embd / n_head
+        key_length = _meta_int(model, f"{arch}.attention.key_length", n_embd // max(n_head, 1))
+        value_length = _meta_int(model, f"{arch}.attention.value_length", key_length)
         n_ff = _meta_int(model, f"{arch}.feed_forward_length", 0)
         n_ctx_train = _meta_int(model, f"{arch}.context_length", 0)
     file_bytes = total_file_bytes(Path(path))
     _, tensors = engine.gguf_header_facts(Path(path))
     if tensors and not _SHARD.search(Path(path).name):
         return size_from_tensors(tensors, file_bytes, n_layer, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head,
-                                 n_head_kv=n_head_kv, n_ff=n_ff, n_ctx_train=n_ctx_train)
+                                 n_head_kv=n_head_kv, n_ff=n_ff, n_ctx_train=n_ctx_train,
+                                 key_length=key_length, value_length=value_length)
     # Bytes per weight from a parameter estimate: attention ~ (2 + 2*kv/heads) n_embd^2, MLP 3 n_embd n_ff.
     per_layer_params = (2 + 2 * n_head_kv / max(n_head, 1)) * n_embd * n_embd + 3 * n_embd * max(n_ff, 4 * n_embd)
     params = n_layer * per_layer_params + 2 * n_vocab * n_embd
@@ -59,7 +67,7 @@ def model_size(path: Path) -> offload.ModelSize:
     embedding = int(n_vocab * n_embd * bytes_per_weight)
     return offload.ModelSize.from_totals(
         file_bytes, n_layer, n_embd=n_embd, n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv,
-        n_ff=n_ff, input_bytes=embedding, output_bytes=min(embedding, file_bytes // 4), n_ctx_train=n_ctx_train,
+        head_dim=key_length, n_ff=n_ff, input_bytes=embedding, output_bytes=min(embedding, file_bytes // 4), n_ctx_train=n_ctx_train,
     )
 
 
@@ -92,9 +100,11 @@ def size_from_tensors(tensors: dict[str, int], file_bytes: int, n_layer: int, **
     n_head = shape.pop("n_head")
     n_head_kv = shape.pop("n_head_kv")
     head_dim = shape["n_embd"] // max(n_head, 1)
+    key_length = shape.pop("key_length", head_dim)
+    value_length = shape.pop("value_length", key_length)
     return offload.ModelSize(
         file_bytes=file_bytes, layer_bytes=tuple(layers), input_bytes=input_bytes, output_bytes=output_bytes,
-        n_head=n_head, n_embd_k_gqa=n_head_kv * head_dim, n_embd_v_gqa=n_head_kv * head_dim,
+        n_head=n_head, n_embd_k_gqa=n_head_kv * key_length, n_embd_v_gqa=n_head_kv * value_length,
         largest_tensor_bytes=largest, **shape,
     )
 
@@ -107,6 +117,10 @@ def _meta_int(model, key: str, default: int) -> int:
     numbers = [int(float(v)) for v in re.findall(r"-?\d+(?:\.\d+)?", value)]
     return max(numbers) if numbers else default
 
+
+
+def _measured(measured: Measured | None, n_ctx: int) -> tuple[offload.ContextBytes | None, offload.ContextBytes | None]:
+    return measured(n_ctx) if measured is not None else (None, None)
 
 
 def gpus_of(devices) -> tuple[offload.Device, ...]:
@@ -122,12 +136,14 @@ def plan(
     n_ubatch: int,
     override: int | None = None,
     ram_free_bytes: int | None = None,
+    measured: Measured | None = None,
 ) -> offload.OffloadPlan:
     """Return where the target's layers and the draft go on these GPUs, for contexts of n_ctx
-    cells whose forward passes hold up to n_ubatch tokens (the compute buffer grows with it)."""
+    cells whose forward passes hold up to n_ubatch tokens (the compute buffer grows with it);
+    `measured(n_ctx)` gives llama.cpp's own context figures for both models."""
     placed = offload.plan_offload(
         target, draft, list(gpus), sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes,
-        n_ctx, n_ubatch, gpu_layers_override=override,
+        n_ctx, n_ubatch, gpu_layers_override=override, measured=_measured(measured, n_ctx),
     )
     if gpus:
         for warning in placed.warnings:
@@ -150,6 +166,7 @@ def largest_context(
     n_ubatch: int,
     override: int | None = None,
     ram_free_bytes: int | None = None,
+    measured: Measured | None = None,
 ) -> tuple[int, str]:
     """Return the context to use when none is asked for, and why: the target's trained context,
     lowered (as llama.cpp's --fit does) until the plan fits without moving more target layers off
@@ -162,7 +179,7 @@ def largest_context(
 
     def placed(n_ctx: int) -> offload.OffloadPlan:
         return offload.plan_offload(target, draft, list(gpus), free, n_ctx, min(n_ubatch, n_ctx),
-                                    gpu_layers_override=override)
+                                    gpu_layers_override=override, measured=_measured(measured, n_ctx))
 
     base = placed(floor)
 
@@ -183,15 +200,21 @@ def largest_context(
     return n_ctx, f"the model's trained context of {trained} tokens, lowered to what memory holds"
 
 
-def cpu_only(files: Sequence[Path], ram_free_bytes: int | None = None) -> offload.OffloadPlan:
-    """Return the plan for a machine without a GPU: everything in RAM, counted as the model files
-    (memory-mapped weights; KV cache and compute buffers not estimated, nothing is read)."""
-    ram = sum(total_file_bytes(Path(f)) for f in files)
+def cpu_only(files: Sequence[Path], ram_free_bytes: int | None = None,
+             measured: Sequence[offload.ContextBytes | None] = ()) -> offload.OffloadPlan:
+    """Return the plan for a machine without a GPU: everything in RAM, the weights counted as the
+    model files (memory-mapped), the contexts as llama.cpp sizes them where `measured` (per file)
+    says (else not counted)."""
+    ram = offload.PlaceBytes("RAM", model=sum(total_file_bytes(Path(f)) for f in files))
+    for figures in measured:
+        if figures is not None:
+            ram = ram.plus(context=figures.context, compute=figures.compute, output=figures.output)
     free = sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes
     return offload.OffloadPlan(
         target_gpu_layers=0, target_n_slots=0, target_tensor_split=(), draft_device=None, draft_gpu_layers=0,
-        op_offload=False, device_bytes=(), device_limit_bytes=(), ram_bytes=ram,
+        op_offload=False, device_bytes=(), device_limit_bytes=(), ram_bytes=ram.total,
         ram_limit_bytes=max(0, free - offload.DEFAULT_MARGIN_BYTES), overridden=False, warnings=(),
+        breakdown=(ram,), measured=bool(measured) and measured[0] is not None,
     )
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from specrun import architectures, engine, ui
 from specrun.core.shapes import TreeShape
-from specrun.errors import UsageError
+from specrun.errors import EngineError, ModelFileError, UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
 from specrun.models import hub, pairing, registry
@@ -157,6 +157,9 @@ class Plan:
                 ],
                 "ram": {"planned_bytes": self.placement.ram_bytes, "limit_bytes": self.placement.ram_limit_bytes},
                 "fits": self.placement.fits,
+                # per device, then RAM: weights, KV cache and recurrent state, compute, logits
+                "breakdown": [place.to_dict() for place in self.placement.breakdown],
+                "figures": "llama.cpp" if self.placement.measured else "estimated",
             },
             "warnings": list(self.placement.warnings) + list(self.notes),
             "profile_check": None if self.check is None else {
@@ -262,52 +265,109 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
         if draft_path is not None or (sizes and tree is not None and tree.draft_model):
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
-    if auto_ctx:
-        widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
-        n_ctx, ctx_why = placement.largest_context(target_size, draft_size, gpus, widest, opts.gpu_layers,
-                                                   ram_free_bytes)
-    else:
-        n_ctx, ctx_why = opts.ctx_size, "--ctx-size"
-    if tree is not None and tree.verified.budget + 1 > n_ctx:
-        # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
-        notes.append(f"a tree of {tree.verified.budget} tokens does not fit a {n_ctx}-token context: "
-                     f"using {n_ctx - 1}")
-        tree = fit_tree(tree, n_ctx - 1)
-    draft_ctx = None
-    if tree is not None:
-        tree_tokens = tree.verified.budget + 1
-        if tree.verify in (architectures.CHAINS, architectures.CHAIN):
-            # A sequence per chain (MTP drafts one), and snapshots to roll the state back by the
-            # rejected drafts.
-            n_chains = MAX_CHAINS if tree.verify == architectures.CHAINS else 1
-            chain_tokens = n_chains * (tree.verified.depth + 1)
-            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), n_chains, tree.verified.depth)
+    # llama.cpp's own figures for the files (not for shapes given in their place)
+    measure = ContextMemory(None if sizes else files.target_path, None if sizes else draft_path, tree, draft_arch)
+    try:
+        if auto_ctx:
+            widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
+            n_ctx, ctx_why = placement.largest_context(target_size, draft_size, gpus, widest, opts.gpu_layers,
+                                                       ram_free_bytes, measured=measure)
         else:
-            target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree_tokens)), MAX_SEQ)
-        if tree.draft_model:
-            # A draft with a recurrent state keeps one state per tree sequence: only as many as
-            # its tree has nodes (each node's state is its parent's, copied, plus its token).
-            seqs = min(MAX_SEQ, tree.shape.budget + 1) if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
-            draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs)
-    else:
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1)
-    if target_size is None:
-        placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes)
-    else:
-        placed = placement.plan(
-            target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
-            ram_free_bytes=ram_free_bytes,
+            n_ctx, ctx_why = opts.ctx_size, "--ctx-size"
+        if tree is not None and tree.verified.budget + 1 > n_ctx:
+            # A tree and its root must fit the context in one pass (llama.cpp caps n_batch at n_ctx).
+            notes.append(f"a tree of {tree.verified.budget} tokens does not fit a {n_ctx}-token context: "
+                         f"using {n_ctx - 1}")
+            tree = fit_tree(tree, n_ctx - 1)
+            measure.tree = tree
+        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch)
+        if target_size is None:
+            measured = measure(n_ctx)
+            placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes,
+                                        measured if measured[0] is not None else ())
+        else:
+            placed = placement.plan(
+                target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
+                ram_free_bytes=ram_free_bytes, measured=measure,
+            )
+        notes.extend(measure.notes)
+        plan = Plan(
+            files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
+            threads=threads, placement=placed, devices=gpus, untuned=untuned,
+            notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
         )
-    plan = Plan(
-        files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
-        threads=threads, placement=placed, devices=gpus, untuned=untuned,
-        notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
-    )
-    if pass_s is not None:
-        fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False)
-        if fallback.placement.fits and _loads_target_alike(plan, fallback):
-            plan = replace(plan, check=ProfileCheck(pass_s, fallback))
-    return plan
+        if pass_s is not None:
+            fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False)
+            if fallback.placement.fits and _loads_target_alike(plan, fallback):
+                plan = replace(plan, check=ProfileCheck(pass_s, fallback))
+        return plan
+    finally:
+        measure.close()
+
+
+def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None) -> tuple[ContextPlan, ContextPlan | None]:
+    """Return the target's and the draft's contexts (None: no draft model) for n_ctx cells."""
+    if tree is None:
+        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1), None
+    if tree.verify in (architectures.CHAINS, architectures.CHAIN):
+        # A sequence per chain (MTP drafts one), and snapshots to roll the state back by the
+        # rejected drafts.
+        n_chains = MAX_CHAINS if tree.verify == architectures.CHAINS else 1
+        chain_tokens = n_chains * (tree.verified.depth + 1)
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), n_chains, tree.verified.depth)
+    else:
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)), MAX_SEQ)
+    draft_ctx = None
+    if tree.draft_model:
+        # A draft with a recurrent state keeps one state per tree sequence: only as many as
+        # its tree has nodes (each node's state is its parent's, copied, plus its token).
+        seqs = min(MAX_SEQ, tree.shape.budget + 1) if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
+        draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs)
+    return target_ctx, draft_ctx
+
+
+class ContextMemory:
+    """llama.cpp's own figures for a run's contexts at any n_ctx (placement.Measured): its
+    simulated load of each file (engine.memory) with the contexts the run opens, the target's MTP
+    context included. A file it cannot simulate is estimated by the planner, with a note."""
+
+    def __init__(self, target_path: Path | None, draft_path: Path | None, tree: TreePlan | None,
+                 draft_arch: str | None):
+        self.tree, self.draft_arch = tree, draft_arch
+        self.mtp = tree is not None and tree.mtp
+        self.notes: list[str] = []
+        self._target = engine.Simulation(target_path, load_mtp=self.mtp) if target_path is not None else None
+        self._draft = engine.Simulation(draft_path) if draft_path is not None else None
+
+    def __call__(self, n_ctx: int) -> tuple[offload.ContextBytes | None, offload.ContextBytes | None]:
+        target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch)
+        target_specs = [_spec(target_ctx)]
+        if self.mtp:
+            target_specs.append(engine.ContextSpec(n_ctx, PREFILL_BATCH, mtp=True))  # as Runtime opens it
+        draft = self._figures(self._draft, [_spec(draft_ctx)]) if draft_ctx is not None else None
+        return self._figures(self._target, target_specs), draft
+
+    def close(self) -> None:
+        """Free the simulated models (their figures stay known, on disk too)."""
+        for simulation in (self._target, self._draft):
+            if simulation is not None:
+                simulation.close()
+
+    def _figures(self, simulation, specs) -> offload.ContextBytes | None:
+        if simulation is None:
+            return None
+        try:
+            total = sum((simulation.context(spec) for spec in specs), engine.Allocation())
+        except (EngineError, ModelFileError) as e:
+            note = f"llama.cpp could not size {simulation.path.name}'s contexts ({e}): its memory is estimated"
+            if note not in self.notes:
+                self.notes.append(note)
+            return None
+        return offload.ContextBytes(total.context, total.compute_total, total.output)
+
+
+def _spec(ctx: ContextPlan):
+    return engine.ContextSpec(ctx.n_ctx, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq)
 
 
 def _loads_target_alike(plan: Plan, other: Plan) -> bool:

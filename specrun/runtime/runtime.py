@@ -22,6 +22,7 @@ from specrun.decoding.kv import CachedSequence, probe_passes
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.errors import EngineError
+from specrun.files import human_size
 from specrun.models import pairing
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, build_plan
 from specrun.runtime.trees import TreePlan
@@ -29,6 +30,35 @@ from specrun.tuning import profiles
 from specrun.tuning.cost_model import CostCurve
 
 log = logging.getLogger("specrun")
+
+
+# How far what llama.cpp allocated may be from the plan's figures before the run says so: the
+# plan takes them from llama.cpp's own simulation of the same load, so a larger gap is a bug.
+ALLOCATION_DRIFT = 0.05
+
+
+def check_allocation(plan: Plan, allocated: engine.Allocation) -> None:
+    """Say (--verbose) what llama.cpp allocated against the plan; warn where they part by more
+    than ALLOCATION_DRIFT (only for plans whose figures are llama.cpp's own). The KV cache and
+    recurrent state are the same wherever they live; buffers and the total are compared where
+    everything is in RAM (each GPU backend sizes its compute buffers its own way, and a GPU given
+    with --gpu is not one llama.cpp loads onto)."""
+    planned = plan.placement.breakdown
+    if not plan.placement.measured or not planned:
+        return
+    planned_total = sum(p.total for p in planned)
+    log.info("memory: llama.cpp allocated %s (weights %s, context %s, compute %s, output %s); planned %s",
+             human_size(allocated.total), human_size(allocated.model_total), human_size(allocated.context),
+             human_size(allocated.compute_total), human_size(allocated.output), human_size(planned_total))
+    compared = [("the KV cache and recurrent state", sum(p.context for p in planned), allocated.context)]
+    if not plan.devices:
+        compared.append(("compute and output buffers", sum(p.compute + p.output for p in planned),
+                         allocated.compute_total + allocated.output))
+        compared.append(("everything", planned_total, allocated.total))
+    for what, planned_bytes, actual in compared:
+        if actual and abs(planned_bytes - actual) > ALLOCATION_DRIFT * actual:
+            ui.warn(f"llama.cpp allocated {human_size(actual)} for {what} where the plan counted "
+                    f"{human_size(planned_bytes)}: the memory plan is off (please report it)")
 
 
 class Runtime:
@@ -51,24 +81,27 @@ class Runtime:
         self.target_pass_s: float | None = None
         self.profile_set_aside = False
         target_load, _ = load_arguments(plan)
-        try:
-            self.target = self._load(plan.files.target_path, **target_load)
-            self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"], plan.threads)
-            if plan.check is not None:
-                plan = self._checked(plan, quiet)
-            _, draft_load = load_arguments(plan)
-            if plan.draft_loaded:
-                self.draft = self._load(plan.files.draft_path, **draft_load)
-                pairing.check_vocab(self.target, self.draft, plan.files.target_name, plan.files.draft_name)
-                self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"], plan.threads)
-            elif plan.tree is not None and plan.tree.mtp:
-                # The target's MTP block drafts in a context of its own, fed the target's rows.
-                engine.enable_target_rows(self.target_ctx)
-                self.draft_ctx = engine.MtpContext(self.target, plan.target_ctx.n_ctx, threads=plan.threads)
-                self._owned.append(self.draft_ctx)
-        except BaseException:
-            self.close()
-            raise
+        with engine.captured_log() as lines:  # what llama.cpp says it allocated, checked below
+            try:
+                self.target = self._load(plan.files.target_path, **target_load)
+                self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"], plan.threads)
+                if plan.check is not None:
+                    plan = self._checked(plan, quiet)
+                _, draft_load = load_arguments(plan)
+                if plan.draft_loaded:
+                    self.draft = self._load(plan.files.draft_path, **draft_load)
+                    pairing.check_vocab(self.target, self.draft, plan.files.target_name, plan.files.draft_name)
+                    self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"], plan.threads)
+                elif plan.tree is not None and plan.tree.mtp:
+                    # The target's MTP block drafts in a context of its own, fed the target's rows.
+                    engine.enable_target_rows(self.target_ctx)
+                    self.draft_ctx = engine.MtpContext(self.target, plan.target_ctx.n_ctx, threads=plan.threads)
+                    self._owned.append(self.draft_ctx)
+            except BaseException:
+                self.close()
+                raise
+        self.allocation = engine.Allocation.read(lines)
+        check_allocation(plan, self.allocation)
         self.plan = plan
         self.models = plan.files
         self.shape = plan.tree.shape if plan.tree else None
