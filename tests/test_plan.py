@@ -139,10 +139,10 @@ def test_without_a_gpu_a_run_reads_no_model_shapes(offline_models, monkeypatch):
     monkeypatch.setattr(placement, "model_size", no_reading)
     plan = build_plan(OPTS, devices=[])
     assert plan.target_gpu_layers == 0 and plan.draft_gpu_layers == 0
-    files = offline_models.smollm2_f32.stat().st_size + offline_models.smollm2_q4.stat().st_size
+    weights = sum(placement.weight_bytes(p) for p in (offline_models.smollm2_f32, offline_models.smollm2_q4))
     (ram,) = plan.placement.breakdown
-    assert ram.model == files and plan.placement.measured
-    assert plan.placement.ram_bytes == files + ram.context + ram.compute + ram.output > files
+    assert ram.model == weights and plan.placement.measured
+    assert plan.placement.ram_bytes == weights + ram.context + ram.compute + ram.output > weights
 
 
 PROFILE_PASS_S = 0.0108  # the target's one-token pass when the stored profile was made

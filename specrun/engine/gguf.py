@@ -56,6 +56,19 @@ def data_end(path: Path) -> int | None:
     Raises ModelFileError when the header itself cannot be read (cut short or damaged); returns
     None when libggml's reader is not available here.
     """
+    span = _data_span(path)
+    return span[1] if span else None
+
+
+def data_bytes(path: Path) -> int | None:
+    """Return how many bytes the file's tensor data spans (what llama.cpp maps as the weights'
+    buffer), None where libggml's reader is not available; ModelFileError for a damaged header."""
+    span = _data_span(path)
+    return span[1] - span[0] if span else None
+
+
+def _data_span(path: Path) -> tuple[int, int] | None:
+    """Return (where the tensor data starts, where the last tensor ends), from the header."""
     lib = _gguf_lib()
     if lib is None:
         return None
@@ -69,7 +82,7 @@ def data_end(path: Path) -> int | None:
         start = lib.gguf_get_data_offset(handle)
         ends = [lib.gguf_get_tensor_offset(handle, i) + lib.gguf_get_tensor_size(handle, i)
                 for i in range(lib.gguf_get_n_tensors(handle))]
-        return start + max(ends, default=0)
+        return start, start + max(ends, default=0)
     finally:
         lib.gguf_free(handle)
 

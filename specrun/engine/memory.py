@@ -98,6 +98,17 @@ class Allocation:
         return sum(self.model.values())
 
     @property
+    def weights(self) -> int:
+        """The weights' own buffers (mapped from the file, or on a device), without repacked copies."""
+        return self.model_total - self.repacked
+
+    @property
+    def repacked(self) -> int:
+        """Copies of quantized weights in the CPU's preferred layout ("CPU_REPACK" buffers): the
+        CPU backend chooses them per tensor at load; the file's pages for them are read once."""
+        return sum(size for name, size in self.model.items() if "REPACK" in name)
+
+    @property
     def total(self) -> int:
         return self.model_total + self.context + self.compute_total + self.output
 

@@ -25,14 +25,24 @@ _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 GPU_KINDS = ("gpu", "igpu")
 
 
-def total_file_bytes(path: Path) -> int:
-    """Return the size of a GGUF, adding every sibling shard of a split file."""
+def weight_bytes(path: Path) -> int:
+    """Return the bytes of a GGUF's weights, every shard of a split file (what llama.cpp maps)."""
+    return sum(engine.gguf_data_bytes(shard) or shard.stat().st_size for shard in shards(path))
+
+
+def shards(path: Path) -> list[Path]:
+    """Return the files of a GGUF: itself, or every sibling shard of a split file."""
     match = _SHARD.search(path.name)
     if not match:
-        return path.stat().st_size
+        return [path]
     count = int(match.group(2))
     stem = path.name[: match.start()]
-    return sum((path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf")).stat().st_size for i in range(1, count + 1))
+    return [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def total_file_bytes(path: Path) -> int:
+    """Return the size of a GGUF, adding every sibling shard of a split file."""
+    return sum(shard.stat().st_size for shard in shards(path))
 
 
 def model_size(path: Path) -> offload.ModelSize:
@@ -202,10 +212,10 @@ def largest_context(
 
 def cpu_only(files: Sequence[Path], ram_free_bytes: int | None = None,
              measured: Sequence[offload.ContextBytes | None] = ()) -> offload.OffloadPlan:
-    """Return the plan for a machine without a GPU: everything in RAM, the weights counted as the
-    model files (memory-mapped), the contexts as llama.cpp sizes them where `measured` (per file)
+    """Return the plan for a machine without a GPU: everything in RAM, the weights as the files'
+    tensor data (memory-mapped), the contexts as llama.cpp sizes them where `measured` (per file)
     says (else not counted)."""
-    ram = offload.PlaceBytes("RAM", model=sum(total_file_bytes(Path(f)) for f in files))
+    ram = offload.PlaceBytes("RAM", model=sum(weight_bytes(Path(f)) for f in files))
     for figures in measured:
         if figures is not None:
             ram = ram.plus(context=figures.context, compute=figures.compute, output=figures.output)

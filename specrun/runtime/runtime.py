@@ -47,14 +47,16 @@ def check_allocation(plan: Plan, allocated: engine.Allocation) -> None:
     if not plan.placement.measured or not planned:
         return
     planned_total = sum(p.total for p in planned)
-    log.info("memory: llama.cpp allocated %s (weights %s, context %s, compute %s, output %s); planned %s",
-             human_size(allocated.total), human_size(allocated.model_total), human_size(allocated.context),
-             human_size(allocated.compute_total), human_size(allocated.output), human_size(planned_total))
+    log.info("memory: llama.cpp allocated %s (weights %s%s, context %s, compute %s, output %s); planned %s",
+             human_size(allocated.total), human_size(allocated.weights),
+             f" and {human_size(allocated.repacked)} of them repacked for the CPU" if allocated.repacked else "",
+             human_size(allocated.context), human_size(allocated.compute_total), human_size(allocated.output),
+             human_size(planned_total))
     compared = [("the KV cache and recurrent state", sum(p.context for p in planned), allocated.context)]
     if not plan.devices:
         compared.append(("compute and output buffers", sum(p.compute + p.output for p in planned),
                          allocated.compute_total + allocated.output))
-        compared.append(("everything", planned_total, allocated.total))
+        compared.append(("everything", planned_total, allocated.total - allocated.repacked))
     for what, planned_bytes, actual in compared:
         if actual and abs(planned_bytes - actual) > ALLOCATION_DRIFT * actual:
             ui.warn(f"llama.cpp allocated {human_size(actual)} for {what} where the plan counted "

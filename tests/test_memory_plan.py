@@ -1,0 +1,125 @@
+"""The memory plan is llama.cpp's own allocation, for every architecture the registry holds.
+
+Each model below is loaded for real (engine.Model / Context, as a run loads it), and what
+llama.cpp says it allocated (its log lines) is held against the plan made before the load: KV
+cache with the real head sizes and windows, recurrent state with every copy, the MTP context,
+the draft's context and its sequences, compute and output buffers. Real small models where they
+exist (SmolLM2 for llama, Gemma-3-270M for gemma3), tiny random models of the real layouts
+otherwise (tests/tiny_archs.py, models/shapes.py scaled with the real head sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import MODEL_CACHE
+from pinned_sources import vocab_gguf
+from tiny_archs import tiny_arch_model
+
+from specrun import engine
+from specrun.engine.memory import Allocation
+from specrun.hardware import placement
+from specrun.models import shapes
+from specrun.runtime.plan import RunOptions, build_plan
+from specrun.runtime.runtime import Runtime
+
+# The plan's figures must be within this share of what llama.cpp allocated (the issue's bar).
+TOLERANCE = 0.03
+CONTEXTS = (1024, 4096, 16384)
+
+
+def _scaled_shape(name: str, head_dim: int) -> Path:
+    """A scaled random model of a registry shape that keeps its real head size."""
+    path = MODEL_CACHE / "tiny-arch" / f"{name}-scaled-h{head_dim or 0}.gguf"
+    if not path.exists():
+        shape = replace(shapes.SHAPES[name].scaled(2, 256, 512, n_vocab=151936), head_dim=head_dim)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shapes.write_shape_model(shape, vocab_gguf("qwen2"), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(offline_models) -> dict[str, Path]:
+    """{architecture: a model of it}, every one the registry holds that llama.cpp here can load."""
+    found = {
+        "llama": offline_models.smollm2_f32,
+        "gemma3": offline_models.gemma_q4,
+        "qwen2": _scaled_shape("qwen2.5-14b", 0),  # qwen2 has no key_length: n_embd / n_head
+        "qwen3moe": _scaled_shape("qwen3-30b-a3b", 128),  # heads of 128 where n_embd / n_head is 64
+    }
+    for arch in ("qwen35", "qwen35moe", "lfm2", "gpt-oss", "jamba", "mamba"):
+        found[arch] = tiny_arch_model(MODEL_CACHE, arch)
+    found["qwen35-mtp"] = tiny_arch_model(MODEL_CACHE, "qwen35", mtp=True)
+    return found
+
+
+def _planned_and_allocated(opts: RunOptions):
+    plan = build_plan(opts, devices=[])
+    with Runtime(plan) as rt:
+        return plan, rt.allocation
+
+
+def _assert_close(what: str, planned: int, allocated: int) -> None:
+    assert abs(planned - allocated) <= TOLERANCE * max(allocated, 1), (
+        f"{what}: planned {planned} bytes, llama.cpp allocated {allocated}")
+
+
+def _assert_plan_matches(plan, allocated: Allocation) -> None:
+    (ram,) = plan.placement.breakdown
+    assert plan.placement.measured
+    _assert_close("KV cache and recurrent state", ram.context, allocated.context)
+    _assert_close("compute buffers", ram.compute, allocated.compute_total)
+    _assert_close("output buffer", ram.output, allocated.output)
+    # the weights as mapped from the file; the CPU backend may also copy some into its own layout
+    _assert_close("weights", ram.model, allocated.weights)
+
+
+@pytest.mark.parametrize("n_ctx", CONTEXTS)
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3moe", "qwen35", "qwen35moe", "lfm2", "gpt-oss",
+                                  "jamba", "mamba"])
+def test_plain_decoding_plan_is_what_llama_cpp_allocates(models, arch, n_ctx):
+    plan, allocated = _planned_and_allocated(
+        RunOptions(target=str(models[arch]), ctx_size=n_ctx, no_spec=True, threads=1, quiet=True))
+    _assert_plan_matches(plan, allocated)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3moe", "qwen35", "qwen35moe", "lfm2", "gpt-oss"])
+def test_speculative_plan_is_what_llama_cpp_allocates(models, arch):
+    """Lookup trees (attention models: 256 sequences) or chains with rollback snapshots (hybrids:
+    the recurrent state kept once per chain and snapshot)."""
+    plan, allocated = _planned_and_allocated(
+        RunOptions(target=str(models[arch]), draft="lookup", ctx_size=4096, threads=1, quiet=True))
+    assert plan.tree is not None
+    _assert_plan_matches(plan, allocated)
+    if arch in ("qwen35", "qwen35moe", "lfm2"):
+        assert plan.target_ctx.n_rs_seq > 0 and allocated.state > 0
+
+
+def test_draft_model_plan_counts_the_draft_and_its_sequences(offline_models):
+    plan, allocated = _planned_and_allocated(RunOptions(ctx_size=4096, threads=1, quiet=True))
+    assert plan.draft_loaded and plan.draft_ctx.n_seq_max > 1
+    _assert_plan_matches(plan, allocated)
+
+
+def test_mtp_plan_counts_the_mtp_context(models):
+    plan, allocated = _planned_and_allocated(
+        RunOptions(target=str(models["qwen35-mtp"]), draft="mtp", ctx_size=4096, threads=1, quiet=True))
+    assert plan.tree is not None and plan.tree.mtp
+    _assert_plan_matches(plan, allocated)
+    without = build_plan(RunOptions(target=str(models["qwen35-mtp"]), ctx_size=4096, no_spec=True, threads=1,
+                                    quiet=True), devices=[])
+    assert plan.placement.breakdown[0].context > without.placement.breakdown[0].context  # the MTP block's KV
+
+
+def test_head_sizes_and_hybrid_layers_count_as_llama_cpp_counts_them(models):
+    """The old arithmetic's misses (issue 33): Gemma's 256-wide heads, Qwen3-MoE's 128-wide heads,
+    and hybrids whose recurrent layers keep no KV cache. The plan now carries llama.cpp's figures."""
+    for arch in ("gemma3", "qwen3moe", "qwen35", "lfm2"):
+        simulated = engine.Simulation(models[arch]).context(engine.ContextSpec(4096, 512))
+        plan = build_plan(RunOptions(target=str(models[arch]), ctx_size=4096, no_spec=True, threads=1, quiet=True),
+                          devices=[])
+        assert plan.placement.breakdown[0].context == simulated.context > 0
+    qwen35 = engine.Simulation(models["qwen35"]).context(engine.ContextSpec(4096, 512))
+    assert qwen35.kv_layers < placement.model_size(models["qwen35"]).n_layer  # only its attention layers
