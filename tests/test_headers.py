@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fakehub import FakeHub, tiny_gguf_bytes  # noqa: E402
 
 REPO = "fake/SmolLM2-GGUF"
+UNREACHABLE = "http://127.0.0.1:9"  # nothing listens on the discard port
 
 
 @pytest.fixture
@@ -116,7 +117,7 @@ def test_copy_costs_a_small_part_of_the_file_and_holds_its_real_header(env, offl
     assert headers.headers_dir() in copy.parents
 
 
-def test_second_call_uses_the_cache_offline_and_online(env, offline_models, monkeypatch):
+def test_second_call_uses_the_cache_offline_online_and_without_network(env, offline_models, monkeypatch):
     spec = serve(env, offline_models.smollm2_q4)
     copy, _ = headers.header_copy(spec)
     n_requests = len(env.hub.requests)
@@ -126,6 +127,8 @@ def test_second_call_uses_the_cache_offline_and_online(env, offline_models, monk
     monkeypatch.delenv("HF_HUB_OFFLINE")
     assert headers.header_copy(spec) == (copy, None)  # never fetched twice
     assert len(env.hub.requests) == n_requests
+    monkeypatch.setenv("HF_ENDPOINT", UNREACHABLE)
+    assert headers.header_copy(spec) == (copy, None)
 
 
 def test_libllama_loads_the_copy_with_no_alloc_and_plans_its_kv_cache(env, offline_models, caplog):
@@ -169,6 +172,14 @@ def test_offline_without_a_cached_header_says_so(env, offline_models, monkeypatc
 
     assert copy is None and "HF_HUB_OFFLINE" in reason and REPO in reason and "\n" not in reason
     assert env.hub.requests == []
+
+
+def test_unreachable_hub_without_a_cached_header_says_so(env, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", UNREACHABLE)
+
+    copy, reason = headers.header_copy(registry.resolve(f"hf:{REPO}/model.gguf"))
+
+    assert copy is None and f"cannot reach {UNREACHABLE}" in reason and "\n" not in reason
 
 
 def test_a_file_that_is_not_a_gguf_is_refused_after_one_range(env):
