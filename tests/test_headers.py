@@ -24,7 +24,7 @@ from specrun.models import headers, registry
 from specrun.models.gguf_header import NotGGUF, header_length
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fakehub import FakeHub, tiny_gguf_bytes  # noqa: E402
+from fakehub import FakeHub, tiny_gguf_bytes
 
 REPO = "fake/SmolLM2-GGUF"
 UNREACHABLE = "http://127.0.0.1:9"  # nothing listens on the discard port
