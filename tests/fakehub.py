@@ -2,7 +2,8 @@
 
 It serves `HEAD` and `GET /{owner}/{repo}/resolve/{revision}/{path}` with the headers that
 huggingface_hub and specrun rely on: ETag (the file's sha256, as the hub gives for LFS files),
-X-Repo-Commit, Content-Length, Accept-Ranges, and 206 partial content for `Range: bytes=N-`.
+X-Repo-Commit, Content-Length, Accept-Ranges, and 206 partial content for `Range: bytes=N-` and
+`bytes=N-M`. Each request's body bytes are counted (`Request.body_bytes`).
 Gated repos answer 401 with X-Error-Code: GatedRepo unless the right bearer token is sent.
 A file can be set to drop the connection part-way, once or every time.
 
@@ -120,7 +121,7 @@ def _make_handler(hub: FakeHub):
             fake = repo.files.get(match.group("path"))
             if fake is None:
                 return self._error(record, 404, "EntryNotFound", "Entry not found", repo.commit)
-            start = _range_start(record.headers.get("range"))
+            start, last = _byte_range(record.headers.get("range"))
             if start and send_body and fake.refuse_ranged:
                 fake.refuse_ranged -= 1
                 return self._error(record, 403, "", "Request has expired")
@@ -131,21 +132,22 @@ def _make_handler(hub: FakeHub):
                 self.end_headers()
                 record.status = 416
                 return
-            status = 206 if start else 200
+            status = 206 if start or last is not None else 200
             start = start or 0
+            stop = total if last is None else min(last + 1, total)
             self.send_response(status)
             self.send_header("ETag", f'"{fake.etag}"')
             self.send_header("X-Repo-Commit", repo.commit)
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(total - start))
+            self.send_header("Content-Length", str(stop - start))
             if status == 206:
-                self.send_header("Content-Range", f"bytes {start}-{total - 1}/{total}")
+                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{total}")
             self.end_headers()
             record.status = status
             if not send_body:
                 return
-            body = fake.data[start:]
+            body = fake.data[start:stop]
             if fake.drops_left and fake.drop_after is not None:
                 fake.drops_left -= 1 if fake.drops_left > 0 else 0
                 body = body[: max(fake.drop_after - start, 0)] if fake.drop_after > start else b""
@@ -171,9 +173,12 @@ def _make_handler(hub: FakeHub):
     return Handler
 
 
-def _range_start(header: str | None) -> int | None:
-    match = re.fullmatch(r"bytes=(\d+)-", header or "")
-    return int(match.group(1)) if match else None
+def _byte_range(header: str | None) -> tuple[int | None, int | None]:
+    """Return (first byte, last byte or None) of a `Range: bytes=N-` or `bytes=N-M` header."""
+    match = re.fullmatch(r"bytes=(\d+)-(\d*)", header or "")
+    if not match:
+        return None, None
+    return int(match.group(1)), int(match.group(2)) if match.group(2) else None
 
 
 def tiny_gguf_bytes(n_floats: int = 65536, seed: int = 0) -> bytes:

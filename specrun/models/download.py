@@ -148,7 +148,7 @@ def _get_rest(url: str, headers: dict, part: _PartFile, size: int | None, advanc
         if part.size and response.status == 200:
             advance(-part.size)  # the server ignored Range: start over
             part.restart()
-        total = _total_size(response, part.size)
+        total = total_size(response, part.size)
         size = size or total
         try:
             with _open_for_append(part.path) as f:
@@ -173,7 +173,8 @@ def _open_for_append(path: Path):
     return path.open("ab")
 
 
-def _total_size(response, offset: int) -> int | None:
+def total_size(response, offset: int) -> int | None:
+    """Return the whole file's size from an HTTP response that starts at byte offset, if it says."""
     content_range = response.headers.get("Content-Range")
     if content_range and "/" in content_range and not content_range.endswith("/*"):
         return int(content_range.rsplit("/", 1)[1])

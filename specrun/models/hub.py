@@ -17,6 +17,7 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from specrun import paths
@@ -177,7 +178,8 @@ def _hf_endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
-def _hf_offline() -> bool:
+def hf_offline() -> bool:
+    """Return whether HF_HUB_OFFLINE forbids asking the hub anything (read on each call)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
@@ -199,7 +201,7 @@ def _hf_cached_files(src: HFSource, revision: str | None = None) -> list[Path] |
 
 
 def _fetch_hf(spec: ModelSpec, src: HFSource, report: Reporter, force: bool = False) -> Path:
-    if _hf_offline():
+    if hf_offline():
         raise DownloadError(
             f"{spec.name} is not in the Hugging Face cache ({hf_cache_dir()}) and HF_HUB_OFFLINE is set: "
             f"run `specrun pull {spec.name}` with network access; it fetches {_files_text(src)} "
@@ -233,6 +235,33 @@ def _snapshot_commit(path: Path, repo: str) -> str | None:
         return None
 
 
+@dataclass(frozen=True)
+class HFFileLink:
+    """Where one file of a Hugging Face repo is read, as the hub's answer to a HEAD request says."""
+
+    url: str  # the download link (a CDN's, after the hub's redirect)
+    headers: dict[str, str]  # with the token only where the link is on the hub itself
+    size: int | None
+    commit: str | None
+    etag: str | None
+
+
+def hf_file_link(spec: ModelSpec, src: HFSource, name: str, revision: str) -> HFFileLink:
+    """Return where file `name` of an HF source is read at revision; DownloadError says why not."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(src.repo, name, revision=revision, endpoint=_hf_endpoint())
+    try:
+        meta = get_hf_file_metadata(url, token=_hf_token())
+    except Exception as e:  # the hub library raises its own types, httpx's, and OSError
+        raise _hf_error(spec, src, name, e) from None
+    headers = build_hf_headers(token=_hf_token())
+    if urllib.parse.urlsplit(meta.location).netloc != urllib.parse.urlsplit(url).netloc:
+        headers.pop("authorization", None)  # never send the token to a CDN
+    return HFFileLink(meta.location, headers, meta.size, meta.commit_hash, meta.etag)
+
+
 def _download_hf_file(
     spec: ModelSpec, src: HFSource, i: int, commit: str | None, report: Reporter, force: bool = False
 ) -> tuple[Path, str]:
@@ -241,18 +270,13 @@ def _download_hf_file(
     With force, a blob already there is downloaded again beside it and replaced only once the new
     copy is complete and matches the pinned sha256 (or the hub's, for unpinned files).
     """
-    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub import hf_hub_download
     from huggingface_hub.file_download import repo_folder_name
-    from huggingface_hub.utils import build_hf_headers
 
     name, expected = src.files[i], src.sha256[i] if src.sha256 else None
     endpoint, token, cache = _hf_endpoint(), _hf_token(), hf_cache_dir()
     revision = commit or src.revision
-    url = hf_hub_url(src.repo, name, revision=revision, endpoint=endpoint)
-    try:
-        meta = get_hf_file_metadata(url, token=token)
-    except Exception as e:  # the hub library raises its own types, httpx's, and OSError
-        raise _hf_error(spec, src, name, e) from None
+    meta = hf_file_link(spec, src, name, revision)
     if expected and meta.etag and SHA256_RE.fullmatch(meta.etag) and meta.etag != expected:
         raise DownloadError(
             f"the pinned sha256 for '{spec.name}' no longer matches: {src.repo} now serves {name} with sha256 "
@@ -261,23 +285,16 @@ def _download_hf_file(
         )
     storage = cache / repo_folder_name(repo_id=src.repo, repo_type="model")
     blob = storage / "blobs" / meta.etag
-    pinned_url = hf_hub_url(src.repo, name, revision=meta.commit_hash or revision, endpoint=endpoint)
     fresh = [meta]
 
     def locate() -> tuple[str, dict]:
         """Return the download link and headers; a new link when the old one expired."""
-        try:
-            current = fresh.pop() if fresh else get_hf_file_metadata(pinned_url, token=token)
-        except Exception as e:
-            raise _hf_error(spec, src, name, e) from None
+        current = fresh.pop() if fresh else hf_file_link(spec, src, name, meta.commit or revision)
         if current.etag != meta.etag:
             raise DownloadError(
                 f"{name} changed on {src.repo} during the download: run `specrun pull {spec.name}` again"
             )
-        headers = build_hf_headers(token=token)
-        if urllib.parse.urlsplit(current.location).netloc != urllib.parse.urlsplit(url).netloc:
-            headers.pop("authorization", None)  # never send the token to a CDN
-        return current.location, headers
+        return current.url, current.headers
 
     lock = cache / ".locks" / storage.name / f"{meta.etag}.lock"  # the lock huggingface_hub uses
     size = meta.size or (src.sizes[i] if src.sizes else None)
@@ -302,7 +319,7 @@ def _download_hf_file(
         path = hf_hub_download(src.repo, name, revision=revision, cache_dir=str(cache), endpoint=endpoint, token=token)
     except Exception as e:
         raise _hf_error(spec, src, name, e) from None
-    return Path(path), commit or meta.commit_hash
+    return Path(path), commit or meta.commit
 
 
 def _hf_error(spec: ModelSpec, src: HFSource, name: str, error: Exception) -> DownloadError:
