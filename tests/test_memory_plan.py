@@ -10,6 +10,8 @@ otherwise (tests/tiny_archs.py, models/shapes.py scaled with the real head sizes
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -123,3 +125,41 @@ def test_head_sizes_and_hybrid_layers_count_as_llama_cpp_counts_them(models):
         assert plan.placement.breakdown[0].context == simulated.context > 0
     qwen35 = engine.Simulation(models["qwen35"]).context(engine.ContextSpec(4096, 512))
     assert qwen35.kv_layers < placement.model_size(models["qwen35"]).n_layer  # only its attention layers
+
+
+def test_a_model_not_downloaded_is_planned_from_its_header_alone(offline_models, cli, tmp_path, monkeypatch):
+    """`specrun plan` of a Hugging Face model that is not on disk: its real header is fetched by
+    range requests (a small part of the file), and the plan is the one the downloaded file gets."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fakehub import FakeHub
+
+    real = offline_models.smollm2_q4
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
+    with FakeHub() as hub:
+        hub.add_file("fake/SmolLM2-GGUF", real.name, real.read_bytes())
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        args = ("plan", "--json", "--no-spec", "--ctx-size", "4096", "--gpu", "Test=8GiB", "--ram-free", "16GiB")
+        result = cli(*args, "--target", f"hf:fake/SmolLM2-GGUF/{real.name}")
+        assert result.exit_code == 0, result.output
+        fetched = sum(r.body_bytes for r in hub.gets())
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the header is kept: offline, the same plan
+        again = cli(*args, "--target", f"hf:fake/SmolLM2-GGUF/{real.name}")
+    assert again.exit_code == 0, again.output
+    planned = json.loads(result.stdout)
+    assert planned["target"]["path"] is None  # nothing was downloaded
+    assert 0 < fetched < 0.05 * real.stat().st_size
+    assert json.loads(again.stdout)["memory"] == planned["memory"]
+    local = json.loads(cli(*args, "--target", str(real)).stdout)
+    assert planned["memory"]["figures"] == "llama.cpp"
+    assert planned["memory"]["breakdown"] == local["memory"]["breakdown"]
+    assert planned["target"]["gpu_layers"] == local["target"]["gpu_layers"] == local["target"]["layer_slots"]
+
+
+def test_a_model_not_downloaded_offline_without_its_header_is_one_clear_line(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("plan", "--target", "qwen3.5-27b")
+    assert result.exit_code != 0
+    message = result.output.strip()
+    assert "cannot plan qwen3.5-27b before its download" in message and "HF_HUB_OFFLINE" in message
+    assert "Traceback" not in message and len(message.splitlines()) == 1

@@ -37,7 +37,7 @@ from specrun.core.shapes import TreeShape
 from specrun.errors import EngineError, ModelFileError, UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
-from specrun.models import hub, pairing, registry
+from specrun.models import headers, hub, pairing, registry
 from specrun.runtime.options import ModelFiles, RunOptions
 from specrun.runtime.trees import (
     MAX_CHAINS,
@@ -238,8 +238,12 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
     else:
         tree, why, untuned, pass_s = choose_tree(opts, files, use_profile)
     notes = []
-    target_arch = engine.gguf_architecture(files.target_path) if files.target_path is not None else None
-    draft_arch = engine.gguf_architecture(files.draft_path) if files.draft_path is not None else None
+    # A model not downloaded yet is planned from its real header (a sparse copy: models.headers),
+    # unless shapes are given in its place.
+    target_file = files.target_path or (None if sizes else _header_copy(files.target_name))
+    draft_file = files.draft_path or (None if sizes or files.draft_name is None else _header_copy(files.draft_name))
+    target_arch = engine.gguf_architecture(target_file) if target_file is not None else None
+    draft_arch = engine.gguf_architecture(draft_file) if draft_file is not None else None
     if tree is not None and target_arch is not None:
         tree, why, note = fit_tree_to_target(tree, why, target_arch)
         if note:
@@ -258,15 +262,15 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         if not gpus:
             notes.append("--gpu-memory has no effect: no GPU was found")
         gpus = offload.capped_devices(gpus, opts.gpu_memory)
-    draft_path = files.draft_path if tree is not None and tree.draft_model else None
+    draft_path = draft_file if tree is not None and tree.draft_model else None
     auto_ctx = opts.ctx_size is None
     target_size = draft_size = None
     if gpus or sizes is not None or detailed or auto_ctx:
-        target_size = sizes[0] if sizes else _model_size(files.target_name, files.target_path)
+        target_size = sizes[0] if sizes else _model_size(files.target_name, target_file)
         if draft_path is not None or (sizes and tree is not None and tree.draft_model):
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
     # llama.cpp's own figures for the files (not for shapes given in their place)
-    measure = ContextMemory(None if sizes else files.target_path, None if sizes else draft_path, tree, draft_arch)
+    measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch)
     try:
         if auto_ctx:
             widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
@@ -283,7 +287,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch)
         if target_size is None:
             measured = measure(n_ctx)
-            placed = placement.cpu_only([p for p in (files.target_path, draft_path) if p is not None], ram_free_bytes,
+            placed = placement.cpu_only([p for p in (target_file, draft_path) if p is not None], ram_free_bytes,
                                         measured if measured[0] is not None else ())
         else:
             placed = placement.plan(
@@ -376,6 +380,15 @@ def _loads_target_alike(plan: Plan, other: Plan) -> bool:
     a, b = plan.placement, other.placement
     return ((a.target_gpu_layers, a.target_tensor_split, a.op_offload, plan.target_ctx, plan.threads)
             == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads))
+
+
+def _header_copy(name: str) -> Path:
+    """Return a header-only copy of a registry model that is not downloaded (UsageError where none
+    can be had: offline without one cached, not on Hugging Face, ...)."""
+    copy, reason = headers.header_copy(registry.resolve(name))
+    if copy is None:
+        raise UsageError(f"cannot plan {name} before its download: {reason}")
+    return copy
 
 
 def _model_size(name: str, path: Path | None) -> offload.ModelSize:
