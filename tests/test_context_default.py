@@ -37,6 +37,7 @@ def test_little_ram_lowers_the_context_to_what_fits():
     n_ctx = plan.target_ctx.n_ctx
     assert 4096 < n_ctx < TRAINED and n_ctx % placement.AUTO_CTX_STEP == 0
     assert plan.placement.ram_fits and "lowered to what memory holds" in plan.ctx_why
+    assert f"{TRAINED} tokens would not fit" in plan.ctx_why
     # one step more would not have fitted
     more = _plan(replace(AUTO, ctx_size=n_ctx + placement.AUTO_CTX_STEP), [], 13)
     assert not more.placement.ram_fits
@@ -52,6 +53,11 @@ def test_the_context_never_costs_gpu_layers():
     assert auto.target_gpu_layers == floor.target_gpu_layers > 0
     assert auto.placement.draft_device == floor.placement.draft_device == 0
     assert auto.placement.gpu_fits
+    # the plan says the trade-off: what the trained context would keep on the GPU
+    trained = _plan(replace(AUTO, ctx_size=TRAINED), gpu, 32)
+    assert trained.target_gpu_layers < auto.target_gpu_layers
+    assert (f"{TRAINED} tokens would keep {trained.target_gpu_layers} of {trained.placement.target_n_slots} layer "
+            f"slots on the GPU; {auto.target_ctx.n_ctx} keep {auto.target_gpu_layers}") in auto.ctx_why
 
 
 def test_a_model_that_does_not_say_its_context_gets_the_old_default():

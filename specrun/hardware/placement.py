@@ -207,7 +207,18 @@ def largest_context(
         else:
             high = mid - 1
     n_ctx = max(floor, low * AUTO_CTX_STEP)
-    return n_ctx, f"the model's trained context of {trained} tokens, lowered to what memory holds"
+    return n_ctx, f"the model's trained context of {trained} tokens, lowered to what memory holds: {_trade(placed(trained), placed(n_ctx), trained, n_ctx)}"
+
+
+def _trade(full: offload.OffloadPlan, chosen: offload.OffloadPlan, trained: int, n_ctx: int) -> str:
+    """Return what the trained context would cost against the chosen one, e.g. "32768 tokens would
+    keep 12 of 65 layer slots on the GPU; 16384 keep 65"."""
+    if not full.fits:
+        return f"{trained} tokens would not fit {'in RAM' if not full.ram_fits else 'on the GPU'}"
+    slots = chosen.target_n_slots
+    return (f"{trained} tokens would keep {full.target_gpu_layers} of {slots} layer slots on the GPU"
+            f"{'' if full.draft_device == chosen.draft_device else ' and move the draft'}; "
+            f"{n_ctx} keep {chosen.target_gpu_layers}")
 
 
 def cpu_only(files: Sequence[Path], ram_free_bytes: int | None = None,
