@@ -163,3 +163,29 @@ def test_a_model_not_downloaded_offline_without_its_header_is_one_clear_line(cli
     message = result.output.strip()
     assert "cannot plan qwen3.5-27b before its download" in message and "HF_HUB_OFFLINE" in message
     assert "Traceback" not in message and len(message.splitlines()) == 1
+
+
+def test_pull_warns_before_a_download_that_will_not_fit(offline_models, cli, tmp_path, monkeypatch):
+    """The plan is made from the header before the weights come: a machine that cannot hold the
+    model hears so first (the download still happens: it was asked for)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fakehub import FakeHub
+
+    from specrun import sysinfo
+
+    real = offline_models.smollm2_q4
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
+    with FakeHub() as hub:
+        hub.add_file("fake/SmolLM2-GGUF", real.name, real.read_bytes())
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-first"))
+        roomy = cli("pull", f"hf:fake/SmolLM2-GGUF/{real.name}")
+        assert roomy.exit_code == 0, roomy.output
+        assert "pulling" in roomy.output and "very slowly" not in roomy.output
+        # a machine with 600 MiB of free RAM (none is so small here: its reading is replaced)
+        monkeypatch.setattr(sysinfo, "ram_bytes", lambda: (1 << 30, 600 << 20))
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-empty"))
+        small = cli("pull", f"hf:fake/SmolLM2-GGUF/{real.name}")
+    assert small.exit_code == 0, small.output
+    assert "needs about" in small.output and "very slowly" in small.output
+    assert Path(small.stdout.strip().splitlines()[-1]).stat().st_size == real.stat().st_size

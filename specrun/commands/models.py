@@ -5,8 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import logging
+
 from specrun import ui
+from specrun.errors import SpecrunError
+from specrun.files import human_size
 from specrun.models import hub, registry
+from specrun.runtime.plan import RunOptions, build_plan
+
+log = logging.getLogger("specrun")
 
 
 def pull(names: list[str], quiet: bool = False, force: bool = False) -> list[Path]:
@@ -23,12 +30,32 @@ def pull(names: list[str], quiet: bool = False, force: bool = False) -> list[Pat
             ui.info(f"pulling {spec.name} again from {spec.sources[0].describe()}...")
         elif missing:
             ui.info(f"pulling {missing}...")
+            if (too_big := fit_warning(spec)) is not None:
+                ui.warn(too_big)
         else:
             ui.dim(f"{spec.name} is already here")
         path = Path(hub.ensure_local(spec, progress=not quiet, console=ui.err_console(), force=force))
         print(path, flush=True)
         paths.append(path)
     return paths
+
+
+def fit_warning(spec: registry.ModelSpec) -> str | None:
+    """Return one line when the model will not fit this machine at its smallest default context
+    (planned from its header before the download), else None; None too where it cannot be planned."""
+    try:
+        plan = build_plan(RunOptions(target=spec.name, no_spec=True, ctx_size=None, quiet=True), fetch=False)
+    except SpecrunError as e:  # no header to be had (offline, not on Hugging Face): download as asked
+        log.info("%s: not planned before the download (%s)", spec.name, e)
+        return None
+    if plan.placement.fits:
+        return None
+    place = plan.placement
+    gpus = sum(place.device_limit_bytes)
+    room = f"{human_size(place.ram_limit_bytes)} of free RAM" + (f" and {human_size(gpus)} of GPU memory" if gpus else "")
+    return (f"{spec.name} needs about {human_size(place.ram_bytes + sum(place.device_bytes))} with a "
+            f"{plan.target_ctx.n_ctx}-token context and this machine has {room}: it would run from disk, very "
+            "slowly (`specrun plan --target NAME` shows the plan)").replace("NAME", spec.name)
 
 
 def list_models(as_json: bool) -> None:
