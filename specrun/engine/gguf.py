@@ -69,6 +69,7 @@ def data_bytes(path: Path) -> int | None:
 
 def _data_span(path: Path) -> tuple[int, int] | None:
     """Return (where the tensor data starts, where the last tensor ends), from the header."""
+    check_gguf_file(path)  # a missing file or one that is no GGUF at all says so plainly
     lib = _gguf_lib()
     if lib is None:
         return None

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from specrun import architectures, engine, ui
 from specrun.core.shapes import TreeShape
-from specrun.errors import EngineError, ModelFileError, UsageError
+from specrun.errors import EngineError, UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
 from specrun.models import headers, hub, pairing, registry
@@ -362,7 +362,7 @@ class ContextMemory:
             return None
         try:
             total = sum((simulation.context(spec) for spec in specs), engine.Allocation())
-        except (EngineError, ModelFileError) as e:
+        except EngineError as e:  # (a file llama.cpp cannot load at all fails here as the run would)
             note = f"llama.cpp could not size {simulation.path.name}'s contexts ({e}): its memory is estimated"
             if note not in self.notes:
                 self.notes.append(note)
