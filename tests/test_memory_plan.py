@@ -189,3 +189,55 @@ def test_pull_warns_before_a_download_that_will_not_fit(offline_models, cli, tmp
     assert small.exit_code == 0, small.output
     assert "needs about" in small.output and "very slowly" in small.output
     assert Path(small.stdout.strip().splitlines()[-1]).stat().st_size == real.stat().st_size
+
+
+def _moe_size(name: str):
+    """The planner's view of a registry MoE shape at Q4_K_M, from its exact tensor list."""
+    shape = shapes.SHAPES[name]
+    tensors = {name: shapes._nbytes(dims, kind) for name, dims, kind in shapes.tensor_plan(shape)}
+    return placement.size_from_tensors(
+        tensors, sum(tensors.values()), shape.n_layer, n_embd=shape.n_embd, n_vocab=shape.n_vocab,
+        n_head=shape.n_head, n_head_kv=shape.n_head_kv, n_ff=shape.n_ff, n_ctx_train=32768,
+        key_length=shape.n_embd_head, value_length=shape.n_embd_head)
+
+
+@pytest.mark.parametrize("card_gib", [8, 12, 16])
+def test_a_moe_model_keeps_its_experts_in_ram_and_every_other_weight_on_the_gpu(card_gib):
+    """Qwen3-30B-A3B (17 GB at Q4_K_M) on consumer cards: attention and shared weights of every
+    layer on the GPU, the routed experts of as few layers as need be in RAM (llama.cpp's own fit
+    and its users' --n-cpu-moe), where a whole-layer split keeps far fewer weights on the GPU."""
+    from specrun.hardware import offload
+
+    moe = _moe_size("qwen3-30b-a3b")
+    assert len(moe.expert_bytes) == moe.n_layer and sum(moe.expert_bytes) > 0.9 * sum(moe.layer_bytes)
+    card = [offload.Device("GPU", card_gib << 30, card_gib << 30)]
+    plan = offload.plan_offload(moe, None, card, 64 << 30, 16384, 512)
+    dense = offload.plan_offload(replace(moe, expert_bytes=()), None, card, 64 << 30, 16384, 512)
+    assert plan.gpu_fits and plan.target_gpu_layers == moe.n_layer + 1 and not plan.op_offload
+    assert 0 < plan.cpu_expert_layers < moe.n_layer
+    assert dense.target_gpu_layers < plan.target_gpu_layers
+    gpu, ram = plan.breakdown
+    assert gpu.context > dense.breakdown[0].context  # every layer's KV cache sits on the GPU too
+    assert ram.model == moe.input_bytes + sum(moe.expert_bytes[:plan.cpu_expert_layers])
+    # as few layers' experts in RAM as fit: one fewer would overflow the card
+    fewer = offload._place_target(offload._experts_in_ram(moe, plan.cpu_expert_layers - 1),
+                                  offload._Buffers.of(moe, 16384, 512, False), moe.n_layer + 1, False,
+                                  [0], list(plan.device_limit_bytes))
+    assert not fewer.fits
+
+
+def test_experts_kept_in_ram_load_and_decode_the_same(models):
+    """The override that keeps experts in RAM (tensor_buft_overrides) loads a real MoE file and
+    changes nothing in what it computes."""
+    from specrun.core.sampling import SamplingParams, make_rng
+    from specrun.decoding.plain import PlainDecoder
+
+    outputs = []
+    for experts_in_ram in (0, 1):
+        with engine.Model(models["qwen3moe"], experts_in_ram=experts_in_ram) as model:
+            ctx = engine.Context(model, n_ctx=256, n_batch=64, threads=1)
+            decoder = PlainDecoder(model, ctx)
+            steps = decoder.steps([1, 2, 3, 4], SamplingParams(temperature=0.0), 8, make_rng(0))
+            outputs.append([t for step in steps for t in step.tokens])
+            ctx.close()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8

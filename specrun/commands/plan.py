@@ -89,6 +89,9 @@ def _where(path: str | None) -> str:
 def _layers_text(gpu_layers: int, slots: int, plan: Plan) -> str:
     if not plan.devices or gpu_layers == 0:
         return f"all {slots} layer slots in RAM"
+    if experts := plan.placement.cpu_expert_layers:
+        return (f"all {slots} layer slots on the GPU but the routed experts of the first {experts} "
+                f"of {slots - 1} layers, kept in RAM")
     if gpu_layers >= slots:
         return f"all {slots} layer slots on the GPU"
     return f"{gpu_layers} of {slots} layer slots on the GPU, {slots - gpu_layers} in RAM"

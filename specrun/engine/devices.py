@@ -61,6 +61,8 @@ def ggml_lib():
         "ggml_backend_reg_count": ([], size_t),
         "ggml_backend_reg_get": ([size_t], ptr),
         "ggml_backend_reg_name": ([ptr], char_p),
+        "ggml_backend_dev_by_type": ([ctypes.c_int], ptr),
+        "ggml_backend_dev_buffer_type": ([ptr], ptr),
     }
     for fn_name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, fn_name)
@@ -93,6 +95,15 @@ def list_devices() -> list[DeviceInfo]:
             )
         )
     return devices
+
+
+def cpu_buffer_type() -> int:
+    """Return the CPU device's buffer type (where a tensor override keeps weights in RAM)."""
+    lib = ggml_lib()
+    device = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not device:
+        raise EngineError("llama.cpp reports no CPU device")
+    return lib.ggml_backend_dev_buffer_type(device)
 
 
 def backend_names() -> list[str]:

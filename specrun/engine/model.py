@@ -17,10 +17,26 @@ from specrun.engine.backend import (
     raise_if_interrupted,
     recent_errors,
 )
+from specrun.engine.devices import cpu_buffer_type
 from specrun.engine.gguf import check_complete_gguf
 from specrun.errors import EngineError, ModelFileError
 
 _FTYPES = {"F32": C.LLAMA_FTYPE_ALL_F32, "F16": C.LLAMA_FTYPE_MOSTLY_F16, "Q8_0": C.LLAMA_FTYPE_MOSTLY_Q8_0}
+
+
+class _BufferOverride(ctypes.Structure):
+    """llama_model_tensor_buft_override: tensors whose name matches `pattern` go to `buft`."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _experts_in_ram(n_layers: int):
+    """Return the override array (NULL-terminated) that keeps layers 0..n-1's experts in RAM."""
+    layers = "|".join(str(i) for i in range(n_layers))
+    pattern = rf"^blk\.({layers})\.ffn_(up|down|gate_up|gate)_(ch|)exps".encode()
+    overrides = (_BufferOverride * 2)()
+    overrides[0].pattern, overrides[0].buft = pattern, cpu_buffer_type()
+    return overrides
 
 
 class Model(Owner):
@@ -35,11 +51,14 @@ class Model(Owner):
         main_gpu: int | None = None,
         load_mtp: bool = False,
         simulate: bool = False,
+        experts_in_ram: int = 0,
     ):
         """Load a model. `tensor_split` (per GPU) spreads offloaded layers as planned; `main_gpu`
         puts the whole model on one GPU (llama.cpp's split mode "none"); `load_mtp` also loads its
         MTP layers, for drafting with them (engine.mtp); `simulate` reads only the metadata and
-        makes llama.cpp size every buffer without allocating it (engine.memory), contexts too."""
+        makes llama.cpp size every buffer without allocating it (engine.memory), contexts too;
+        `experts_in_ram` keeps the routed experts of the first that many layers in RAM wherever
+        their layers go (llama.cpp's tensor buffer overrides, as its --n-cpu-moe)."""
         ensure_backend()
         self.path = check_complete_gguf(Path(path))
         params = C.llama_model_default_params()
@@ -55,6 +74,9 @@ class Model(Owner):
             # llama.cpp reads llama_max_devices() floats; keep the array alive while loading.
             self._split = (ctypes.c_float * C.llama_max_devices())(*tensor_split)
             params.tensor_split = self._split
+        if experts_in_ram > 0:
+            self._overrides = _experts_in_ram(experts_in_ram)
+            params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         if main_gpu is not None:
             params.split_mode = C.LLAMA_SPLIT_MODE_NONE
             params.main_gpu = main_gpu

@@ -72,6 +72,7 @@ class ModelSize:
     n_ff: int = 0  # FFN width; 0 = unknown, estimated as FFN_WIDTH_ESTIMATE * n_embd
     largest_tensor_bytes: int = 0  # largest single weight in a layer; 0 = unknown, estimated
     n_ctx_train: int = 0  # the context the model was trained for; 0 = unknown
+    expert_bytes: tuple[int, ...] = ()  # per layer: its routed experts (ffn_*_exps); empty = a dense model
 
     @property
     def n_layer(self) -> int:
@@ -114,6 +115,7 @@ class ModelSize:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["layer_bytes"] = list(self.layer_bytes)
+        data["expert_bytes"] = list(self.expert_bytes)
         return data
 
 
@@ -249,6 +251,7 @@ class OffloadPlan:
     overridden: bool
     warnings: tuple[str, ...]
     breakdown: tuple[PlaceBytes, ...] = ()  # per device, then RAM: device_bytes and ram_bytes by kind
+    cpu_expert_layers: int = 0  # the first N layers keep their routed experts in RAM (MoE models)
     measured: bool = False  # the context figures are llama.cpp's own (its simulation), not estimates
 
     @property
@@ -410,6 +413,36 @@ def _best_placement(
     return gpu_layers, False, _place_target(target, buffers, gpu_layers, False, base, limits)
 
 
+def _experts_in_ram(target: ModelSize, experts: int) -> ModelSize:
+    """Return the model as the GPUs see it when its first `experts` layers keep their routed
+    experts in RAM (llama.cpp's tensor overrides; its --n-cpu-moe)."""
+    layers = tuple(size - (target.expert_bytes[i] if i < experts else 0) for i, size in enumerate(target.layer_bytes))
+    return replace(target, layer_bytes=layers)
+
+
+def _moe_placement(target: ModelSize, buffers: _Buffers, base: Sequence[int],
+                   limits: Sequence[int]) -> tuple[int, ModelSize, _Placement] | None:
+    """Return (layers whose experts stay in RAM, the model the GPUs hold, placement) for the fewest
+    such layers with every other weight on the GPUs, or None where even that does not fit.
+
+    This is how MoE models run on consumer GPUs (llama.cpp's own fit does it too): attention,
+    norms and shared weights of every layer on the GPU, which each token needs, and only the
+    routed experts, of which a token reads a few, in RAM. Without room for op offload (copying
+    a layer's expert stack to the GPU for every big batch would cost more than the CPU's work)."""
+    slots = target.n_layer + 1
+    low, high = 0, target.n_layer
+    if not _place_target(_experts_in_ram(target, high), buffers, slots, False, base, limits).fits:
+        return None
+    while low < high:  # the fewest layers with experts in RAM that fit (more in RAM only frees room)
+        mid = (low + high) // 2
+        if _place_target(_experts_in_ram(target, mid), buffers, slots, False, base, limits).fits:
+            high = mid
+        else:
+            low = mid + 1
+    view = _experts_in_ram(target, low)
+    return low, view, _place_target(view, buffers, slots, False, base, limits)
+
+
 def plan_offload(
     target: ModelSize,
     draft: ModelSize | None,
@@ -430,7 +463,9 @@ def plan_offload(
        with the target's KV cache for n_ctx cells on each layer's device and a compute buffer for
        a batch of `max_tree_tokens` tokens (root included) on every device it uses. When layers
        stay in RAM and trees reach OP_OFFLOAD_MIN_BATCH tokens, device 0 also keeps room for the
-       weights llama.cpp copies over for big-batch matmuls, if it can.
+       weights llama.cpp copies over for big-batch matmuls, if it can. A mixture-of-experts
+       target that does not fit whole keeps instead every layer on the GPUs but the routed
+       experts of its first layers, as few as fit (`cpu_expert_layers`, see _moe_placement).
     3. Everything else is in RAM; `ram_fits` is False (with a warning) when it exceeds the free
        RAM minus the margin. Weights are memory-mapped, so that still runs, reading from disk.
 
@@ -465,6 +500,7 @@ def plan_offload(
     buffers = _Buffers.of(target, n_ctx, n_tokens, flash_attn, measured[0])
     slots = target.n_layer + 1
     overridden = gpu_layers_override is not None
+    cpu_expert_layers, on_gpus = 0, target
     if not devices:
         gpu_layers, op_offload, placement = 0, False, _Placement([], [], True)
         if overridden and gpu_layers_override != 0:
@@ -476,13 +512,19 @@ def plan_offload(
         gpu_layers, op_offload, placement = _best_placement(
             target, buffers, base, limits, n_tokens >= OP_OFFLOAD_MIN_BATCH, wanted
         )
-        places = _target_on_devices(target, buffers, gpu_layers, op_offload, placement.counts, places)
+        if target.expert_bytes and gpu_layers < slots and not overridden:
+            moe = _moe_placement(target, buffers, base, limits)
+            if moe is not None:
+                cpu_expert_layers, on_gpus, placement = moe
+                gpu_layers, op_offload = slots, False
+        places = _target_on_devices(on_gpus, buffers, gpu_layers, op_offload, placement.counts, places)
 
     # what stays in RAM: the input layer, the slots not offloaded and their KV cache, the CPU
     # backend's compute buffer and the host logits buffer
     cpu_layers = min(slots - gpu_layers, target.n_layer)
-    ram = ram.plus(target.input_bytes + sum(target.layer_bytes[:cpu_layers]), cpu_layers * buffers.kv_layer,
-                   buffers.compute, buffers.logits)
+    experts_in_ram = sum(target.expert_bytes[:cpu_expert_layers])
+    ram = ram.plus(target.input_bytes + sum(target.layer_bytes[:cpu_layers]) + experts_in_ram,
+                   cpu_layers * buffers.kv_layer, buffers.compute, buffers.logits)
     if gpu_layers == 0:
         ram = ram.plus(model=target.output_bytes)
 
@@ -513,6 +555,7 @@ def plan_offload(
         warnings=tuple(warnings),
         breakdown=(*places, ram),
         measured=measured[0] is not None,
+        cpu_expert_layers=cpu_expert_layers,
     )
 
 

@@ -82,6 +82,8 @@ def model_size(path: Path) -> offload.ModelSize:
 
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+# A layer's routed experts (llama.cpp's names; the pattern its own fit moves to RAM).
+_EXPERTS = re.compile(r"^blk\.\d+\.ffn_(up|down|gate_up|gate)_(ch|)exps")
 # Tensors of the output head (the rest outside blk.* is the input side: embeddings and norms).
 _OUTPUT = ("output.weight", "output.bias", "output_norm.weight", "output_norm.bias")
 
@@ -95,11 +97,15 @@ def size_from_tensors(tensors: dict[str, int], file_bytes: int, n_layer: int, **
     count with the last layer.
     """
     layers = [0] * n_layer
+    experts = [0] * n_layer
     input_bytes = output_bytes = largest = 0
     for name, size in tensors.items():
         match = _BLOCK.match(name)
         if match:
-            layers[min(int(match.group(1)), n_layer - 1)] += size
+            layer = min(int(match.group(1)), n_layer - 1)
+            layers[layer] += size
+            if _EXPERTS.match(name):
+                experts[layer] += size
             largest = max(largest, size)
         elif name in _OUTPUT:
             output_bytes += size
@@ -115,7 +121,7 @@ def size_from_tensors(tensors: dict[str, int], file_bytes: int, n_layer: int, **
     return offload.ModelSize(
         file_bytes=file_bytes, layer_bytes=tuple(layers), input_bytes=input_bytes, output_bytes=output_bytes,
         n_head=n_head, n_embd_k_gqa=n_head_kv * key_length, n_embd_v_gqa=n_head_kv * value_length,
-        largest_tensor_bytes=largest, **shape,
+        largest_tensor_bytes=largest, expert_bytes=tuple(experts) if any(experts) else (), **shape,
     )
 
 

@@ -134,7 +134,8 @@ class Plan:
                     "verified_budget": self.tree.verified.budget}
         return {
             "target": {"name": f.target_name, "path": _path(f.target_path), "gpu_layers": self.target_gpu_layers,
-                       "layer_slots": self.placement.target_n_slots},
+                       "layer_slots": self.placement.target_n_slots,
+                       "experts_in_ram_layers": self.placement.cpu_expert_layers},
             "draft": None if f.draft_name is None or not self.draft_loaded else {
                 "name": f.draft_name, "path": _path(f.draft_path), "gpu_layers": self.draft_gpu_layers,
                 "device": (self.devices[self.placement.draft_device].name

@@ -213,6 +213,8 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     if not plan.devices:
         return target, draft
     target["op_offload"] = placed.op_offload
+    if placed.cpu_expert_layers:
+        target["experts_in_ram"] = placed.cpu_expert_layers
     if len(plan.devices) > 1 and placed.target_tensor_split:
         target["tensor_split"] = placed.target_tensor_split
     if placed.draft_device is None:
