@@ -241,3 +241,33 @@ def test_experts_kept_in_ram_load_and_decode_the_same(models):
             outputs.append([t for step in steps for t in step.tokens])
             ctx.close()
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
+def _header_only_shape(name: str) -> Path:
+    """A header-only sparse file of a registry shape at full size (a hole where the weights go)."""
+    path = MODEL_CACHE / "tiny-arch" / f"{name}-header-only.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shapes.write_shape_model(shapes.SHAPES[name], vocab_gguf("qwen2"), path, header_only=True)
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dense-27b"])
+def test_big_models_on_consumer_cards_never_exceed_the_card(name):
+    """Full-size header-only files (17-18 GB of weights that are not there) planned for 8, 12, 16
+    and 24 GiB cards with the default context: llama.cpp's own figures for the contexts, and the
+    plan never asks a card for more than it has; bigger cards never get less."""
+    path = _header_only_shape(name)
+    assert path.stat().st_blocks * 512 < 0.01 * path.stat().st_size  # the weights are a hole
+    previous = None
+    for gib in (8, 12, 16, 24):
+        card = [engine.DeviceInfo("Card", "assumed", "gpu", "CUDA", gib << 30, gib << 30)]
+        plan = build_plan(RunOptions(target=str(path), ctx_size=None, no_spec=True, threads=1, quiet=True),
+                          devices=card, ram_free_bytes=64 << 30)
+        assert plan.placement.measured and plan.placement.gpu_fits
+        device, _ = plan.placement.breakdown
+        assert device.total == plan.placement.device_bytes[0] <= (gib << 30) - (512 << 20)
+        assert plan.target_ctx.n_ctx >= placement.MIN_AUTO_CTX
+        if previous is not None:
+            assert device.model >= previous.model  # more room never means fewer weights on the GPU
+        previous = device

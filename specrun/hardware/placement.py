@@ -185,8 +185,8 @@ def largest_context(
     measured: Measured | None = None,
 ) -> tuple[int, str]:
     """Return the context to use when none is asked for, and why: the target's trained context,
-    lowered (as llama.cpp's --fit does) until the plan fits without moving more target layers off
-    the GPUs than the plan for MIN_AUTO_CTX cells keeps there."""
+    lowered (as llama.cpp's --fit does) until the plan fits without moving more target layers (or
+    a MoE model's experts) off the GPUs than the plan for MIN_AUTO_CTX cells keeps there."""
     trained = target.n_ctx_train
     if trained <= 0:
         return MIN_AUTO_CTX, "the model does not say its trained context"
@@ -201,7 +201,8 @@ def largest_context(
 
     def holds(n_ctx: int) -> bool:
         p = placed(n_ctx)
-        return p.fits and p.target_gpu_layers >= base.target_gpu_layers and p.draft_device == base.draft_device
+        return (p.fits and p.target_gpu_layers >= base.target_gpu_layers and p.draft_device == base.draft_device
+                and p.cpu_expert_layers <= base.cpu_expert_layers)
 
     if holds(trained):
         return trained, "the model's trained context"
@@ -222,6 +223,9 @@ def _trade(full: offload.OffloadPlan, chosen: offload.OffloadPlan, trained: int,
     if not full.fits:
         return f"{trained} tokens would not fit {'in RAM' if not full.ram_fits else 'on the GPU'}"
     slots = chosen.target_n_slots
+    if full.cpu_expert_layers != chosen.cpu_expert_layers:
+        return (f"{trained} tokens would keep the experts of {full.cpu_expert_layers} of {slots - 1} layers in RAM; "
+                f"{n_ctx} keep {chosen.cpu_expert_layers}")
     return (f"{trained} tokens would keep {full.target_gpu_layers} of {slots} layer slots on the GPU"
             f"{'' if full.draft_device == chosen.draft_device else ' and move the draft'}; "
             f"{n_ctx} keep {chosen.target_gpu_layers}")

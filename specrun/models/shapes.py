@@ -139,11 +139,14 @@ def _nbytes(dims: tuple[int, ...], kind: str) -> int:
     return count // weights * nbytes
 
 
-def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int = 0) -> None:
+def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int = 0,
+                      header_only: bool = False) -> None:
     """Write a random-weight Q4_K_M GGUF of `shape` to `dst` with `tokenizer_gguf`'s tokenizer.
 
     The vocabulary is the shape's: a tokenizer with fewer tokens is padded with unused tokens (a
     real embedding is often padded so too), one with more is refused. Appears atomically.
+    `header_only` writes the header and leaves the weights a hole of their size (a sparse file:
+    what llama.cpp's memory simulation reads, in seconds and no disk space, at any size).
     """
     import gguf
 
@@ -165,6 +168,12 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        if header_only:
+            writer.close()
+            _leave_data_hole(Path(tmp), plan, writer.data_alignment)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, dst)
+            return
         rng = np.random.default_rng(seed)
         pool = rng.integers(0, 256, POOL_BYTES, dtype=np.uint8)
         for name, dims, kind in plan:
@@ -175,6 +184,16 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _leave_data_hole(path: Path, plan, alignment: int) -> None:
+    """Extend a GGUF that ends after its tensor infos to its full size: the data a hole."""
+    def padded(n: int) -> int:
+        return (n + alignment - 1) // alignment * alignment
+
+    start = padded(path.stat().st_size)
+    with open(path, "r+b") as f:
+        f.truncate(start + sum(padded(_nbytes(dims, kind)) for _, dims, kind in plan))
 
 
 def _write_metadata(writer, shape: Shape, tokenizer: dict, seed: int) -> None:
