@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = ROOT / "scripts"
 # Options of other programs that the docs name for comparison.
-OTHER_TOOLS_OPTIONS = {"--fit"}  # llama.cpp's own, beside specrun's automatic context
+OTHER_TOOLS_OPTIONS = {"--fit", "--n-cpu-moe"}  # llama.cpp's own, beside specrun's automatic placement
 SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}
 SEPARATORS = {"|", "||", "&&", ";"}
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -284,7 +284,7 @@ def _quoted_figures() -> list[tuple[str, str]]:
         ("docs/tuning.md", f"would not beat plain steps by {MARGIN:.0%}"),
         ("docs/models.md", f"up to {WORDS[MAX_CHAINS]} chains (the proposal's best paths, at most {MAX_CHAIN} drafts each)"),
         ("docs/models.md", f"lowered in steps of {AUTO_CTX_STEP}"),
-        ("docs/models.md", f"target layers that a {MIN_AUTO_CTX}-token context would keep"),
+        ("docs/models.md", f"a MoE model's experts) that a {MIN_AUTO_CTX}-token context would keep"),
         ("docs/models.md", f"`generate`, `bench` and `tune` use {DEFAULT_CTX} tokens"),
         ("docs/how-it-works.md", f"up to {WORDS[MAX_CHAINS]} of the proposal's best paths (at most {MAX_CHAIN} drafts each)"),
         ("docs/how-it-works.md", f"a match of {WORDS[STRONG_ORDER]} tokens or more is watched at once"),
