@@ -1,4 +1,4 @@
-"""Which llama.cpp architectures keep a recurrent state, and how each can speculate.
+"""Which llama.cpp architectures keep a recurrent state, and how each can speculate: the one table.
 
 Attention models drop rejected draft tokens by removing their KV cells, so a whole draft tree is
 verified in one pass. A recurrent state (Mamba, RWKV, Gated DeltaNet, short convolutions) cannot
@@ -23,6 +23,14 @@ ROLLBACK = frozenset({
     "kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h", "nemotron_h_moe",
     "lfm2", "lfm2moe", "bailingmoe3",
 })
+
+# Not standalone models: heads loaded beside their target (Gemma 4's MTP assistants).
+HEADS = frozenset({"gemma4-assistant"})
+
+# Whether specrun drafts with MTP heads (`--draft mtp`, and by default for a target that carries
+# them): engine.mtp drives them from Python (load_mtp, an MTP context, the target's nextn rows
+# through C++ staging symbols the binding lacks), decoding/drafters/mtp.py proposes the chains.
+MTP_DRAFTING = True
 
 # The speculative shapes, most capable first: one tree (shared prefixes), several independent
 # chains of equal length, one chain, none.
@@ -69,3 +77,33 @@ def speculation_support(arch: str) -> Support:
         return Support(PLAIN, f"{arch} is a recurrent model whose state llama.cpp cannot roll back: "
                               "rejected drafts could not be undone, so it decodes plainly")
     return Support(TREE, f"{arch} keeps an attention KV cache: rejected branches are dropped, whole draft trees are verified")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a model speculates (what `specrun models` says of each entry before any download):
+    mode is "tree", "chains", "plain" or "unknown", with the reason."""
+
+    mode: str
+    reason: str
+    mtp: bool = False  # the file carries MTP layers
+
+    @property
+    def label(self) -> str:
+        """The short form `specrun models` shows: "tree", "chains", "plain only", "chains, MTP"..."""
+        text = {"plain": "plain only", "unknown": "?"}.get(self.mode, self.mode)
+        return f"{text}, MTP" if self.mtp and self.mode != "unknown" else text
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "reason": self.reason, "mtp": self.mtp, "mtp_drafting": self.mtp and MTP_DRAFTING}
+
+
+def speculation(arch: str | None, mtp: bool = False) -> Speculation:
+    """Return how a model of this architecture (GGUF `general.architecture`) can speculate."""
+    if not arch:
+        return Speculation("unknown", "architecture not known until the file is loaded", mtp)
+    arch = arch.lower()
+    if arch in HEADS:
+        return Speculation("plain", f"{arch} is a drafting head, not a standalone model", mtp)
+    support = speculation_support(arch)  # what the plan itself will verify with
+    return Speculation(support.shape, support.reason, mtp)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from specrun.errors import RegistryError
-from specrun.models import architectures, registry
-from specrun.models.architectures import speculation
+from specrun import architectures
+from specrun.architectures import speculation
+from specrun.models import registry
 from specrun.models.registry import HFSource
 from pinned_sources import gguf_py
 
@@ -57,10 +58,10 @@ def test_each_architecture_speculates_as_llama_cpp_allows(arch, mode):
 
 
 def test_every_named_architecture_exists_in_the_pinned_llama_cpp(llama_cpp_arch_names):
-    named = architectures.ROLLBACK_HYBRIDS | architectures.FIXED_HYBRIDS | architectures.RECURRENT | architectures.HEADS
+    named = architectures.ROLLBACK | (architectures.HYBRID - architectures.ROLLBACK) | architectures.RECURRENT | architectures.HEADS
     assert sorted(named - llama_cpp_arch_names) == []
     # The three kinds do not overlap: a hybrid either rolls back or it does not.
-    kinds = [architectures.ROLLBACK_HYBRIDS, architectures.FIXED_HYBRIDS, architectures.RECURRENT, architectures.HEADS]
+    kinds = [architectures.ROLLBACK, architectures.HYBRID - architectures.ROLLBACK, architectures.RECURRENT, architectures.HEADS]
     assert sum(map(len, kinds)) == len(named)
 
 

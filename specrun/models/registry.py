@@ -18,7 +18,8 @@ from typing import Any
 
 from specrun import paths
 from specrun.errors import ModelFileError, RegistryError
-from specrun.models import architectures, specs
+from specrun import architectures
+from specrun.models import specs
 from specrun.models.specs import (
     DerivedSource,
     HFSource,

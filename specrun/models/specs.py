@@ -10,7 +10,7 @@ from typing import Any, Union
 
 from specrun.errors import RegistryError
 from specrun.files import human_size
-from specrun.models.architectures import Speculation
+from specrun.architectures import Speculation
 
 # Split GGUFs name their shards NAME-00001-of-00003.gguf; llama.cpp is given the first one.
 SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
