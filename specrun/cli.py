@@ -521,6 +521,7 @@ def pull(
 )
 def models_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON array instead of a table.")] = False,
+    fit: Annotated[bool, typer.Option("--fit", help="Also plan each model on this machine: context, GPU layers, drafter (fetches a missing model's header, a few MB).")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """List the model aliases: family, size, quantization, whether present here, recommended draft."""
@@ -528,7 +529,7 @@ def models_command(
     with _user_errors():
         from specrun.commands import models as models_commands
 
-        models_commands.list_models(as_json)
+        models_commands.list_models(as_json, fit)
 
 
 # ---------------------------------------------------------------------------------------------

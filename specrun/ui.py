@@ -116,29 +116,37 @@ def stats_line(stats: dict, prefill: bool = True) -> str:
     return " · ".join(parts)
 
 
-def models_table(rows, default_pair: tuple[str, str] | None = None) -> None:
-    """Print `specrun models` rows as a table on stdout; notes go to stderr."""
+def models_table(rows, default_pair: tuple[str, str] | None = None, fits: dict[str, str] | None = None) -> None:
+    """Print `specrun models` rows as a table on stdout; notes go to stderr. `fits` (alias: text)
+    adds a column saying how each would run here."""
     from rich.table import Table
 
 
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
-    for name in ("ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "SPECULATES", "ALSO KNOWN AS", "DRAFT"):
+    columns = ["ALIAS", "FAMILY", "PARAMS", "QUANT", "SIZE", "LOCAL", "SPECULATES", "ALSO KNOWN AS", "DRAFT"]
+    if fits:
+        columns.insert(6, "HERE")
+    for name in columns:
         table.add_column(name, no_wrap=True, justify="right" if name == "SIZE" else "left")
     unverified = False
     for row in rows:
         mark = "" if row.verified else "*"
         unverified |= not row.verified
-        table.add_row(
-            row.alias + mark, row.family or "-", row.params or "-", row.quant or "-",
-            human_size(row.size), "yes" if row.present else "",
-            row.speculation.label if row.speculation else "?", ", ".join(row.aliases), row.draft or "-",
-        )
+        cells = [row.alias + mark, row.family or "-", row.params or "-", row.quant or "-",
+                 human_size(row.size), "yes" if row.present else "",
+                 row.speculation.label if row.speculation else "?", ", ".join(row.aliases), row.draft or "-"]
+        if fits:
+            cells.insert(6, fits.get(row.alias, "?"))
+        table.add_row(*cells)
     out_console().print(table)
     if unverified:
         dim("* file name or checksum seen in one public catalog only")
     dim("speculates: tree = draft trees, chains = up to four draft chains per step (hybrids that roll back), "
         "plain only = no speculation; MTP = the file has MTP layers, which draft (--draft mtp); "
         "`specrun models --json` gives the reason")
+    if fits:
+        dim("here: how each would run on this machine with the default options (context, where the layers go, "
+            "drafter), planned from its file or its header; no = does not fit; ? = neither to be had")
     if default_pair:
         dim(f"default: --target {default_pair[0]} --draft {default_pair[1]} (works offline)")
 

@@ -271,3 +271,36 @@ def test_big_models_on_consumer_cards_never_exceed_the_card(name):
         if previous is not None:
             assert device.model >= previous.model  # more room never means fewer weights on the GPU
         previous = device
+
+
+def test_models_fit_says_how_each_would_run_here_downloaded_or_not(offline_models, cli, tmp_path, monkeypatch):
+    """`specrun models --fit`: a downloaded model, one not downloaded (planned from its header,
+    fetched from the fake hub) and one whose header cannot be had (another repo, offline)."""
+    import os
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fakehub import FakeHub
+
+    real = offline_models.smollm2_q4
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
+    config = Path(os.environ["SPECRUN_CONFIG"])
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "models.toml").write_text(
+        f'[models."remote-smol"]\nfamily = "smollm2"\ndraft = false\n'
+        f'[[models."remote-smol".source]]\nhf = "fake/SmolLM2-GGUF"\nfile = "{real.name}"\n')
+    with FakeHub() as hub:
+        hub.add_file("fake/SmolLM2-GGUF", real.name, real.read_bytes())
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setenv("SPECRUN_HOME", str(MODEL_CACHE))  # the demo pair is there
+        result = cli("models", "--fit", "--json")
+        fetched = sum(r.body_bytes for r in hub.gets())
+    assert result.exit_code == 0, result.output
+    rows = {row["alias"]: row for row in json.loads(result.stdout)}
+    remote = rows["remote-smol"]["fit"]
+    assert remote["fits"] is True and remote["n_ctx"] == 8192 and not rows["remote-smol"]["present"]
+    assert 0 < fetched < 0.05 * real.stat().st_size  # its header only
+    demo = rows["smollm2-135m-f32"]["fit"]
+    assert demo["fits"] is True and demo["drafter"] == "hybrid"
+    unknown = rows["qwen3.5-27b"]["fit"]  # another repo: the fake hub does not have it
+    assert unknown["fits"] is None and unknown["text"] == "?" and "qwen3.5-27b" in unknown["why"]

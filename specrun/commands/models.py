@@ -58,13 +58,43 @@ def fit_warning(spec: registry.ModelSpec) -> str | None:
             "slowly (`specrun plan --target NAME` shows the plan)").replace("NAME", spec.name)
 
 
-def list_models(as_json: bool) -> None:
-    """Print the registry's aliases: a table, or a JSON array."""
+def list_models(as_json: bool, fit: bool = False) -> None:
+    """Print the registry's aliases: a table, or a JSON array; with `fit`, whether and how each
+    would run on this machine (planned from its file, or its header alone)."""
     reg = registry.load()
     for error in reg.broken.values():
         ui.warn(f"left out: {error}")
     rows = registry.list_models(reg, hub.is_present)
+    fits = {}
+    if fit:
+        ui.dim(f"planning {len(rows)} models on this machine (a missing model's header is fetched: a few MB)...")
+        fits = {row.alias: fit_here(row.alias) for row in rows}
     if as_json:
-        print(json.dumps([row.as_dict() for row in rows], ensure_ascii=False, indent=2))
+        print(json.dumps([{**row.as_dict(), **({"fit": fits[row.alias]} if fit else {})} for row in rows],
+                         ensure_ascii=False, indent=2))
     else:
-        ui.models_table(rows, registry.default_pair(reg))
+        ui.models_table(rows, registry.default_pair(reg), {alias: f["text"] for alias, f in fits.items()})
+
+
+def fit_here(alias: str) -> dict:
+    """Return how the model would run here as a target with the default options: context,
+    drafter, GPU layers, whether it fits, and a short text; "unknown" with the reason where it
+    cannot be planned (neither its file nor its header to be had)."""
+    opts = RunOptions(target=alias, ctx_size=None, quiet=True)
+    try:
+        try:
+            plan = build_plan(opts, fetch=False)
+        except SpecrunError:  # its draft cannot be planned (not here, no header): lookup drafts
+            plan = build_plan(RunOptions(target=alias, draft="lookup", ctx_size=None, quiet=True), fetch=False)
+    except SpecrunError as e:
+        return {"fits": None, "text": "?", "why": str(e)}
+    placed = plan.placement
+    where = ("in RAM" if not plan.devices or not placed.target_gpu_layers else
+             f"GPU {placed.target_gpu_layers}/{placed.target_n_slots}"
+             + (f", experts of {placed.cpu_expert_layers} layers in RAM" if placed.cpu_expert_layers else ""))
+    text = f"{plan.target_ctx.n_ctx // 1024}k ctx, {where}, {plan.drafter}" if placed.fits else "no"
+    return {"fits": placed.fits, "n_ctx": plan.target_ctx.n_ctx, "drafter": plan.drafter,
+            "gpu_layers": placed.target_gpu_layers, "layer_slots": placed.target_n_slots,
+            "experts_in_ram_layers": placed.cpu_expert_layers,
+            "ram_bytes": placed.ram_bytes, "device_bytes": list(placed.device_bytes), "text": text,
+            "why": plan.ctx_why if placed.fits else "; ".join(placed.warnings)}
