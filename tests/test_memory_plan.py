@@ -32,11 +32,12 @@ TOLERANCE = 0.03
 CONTEXTS = (1024, 4096, 16384)
 
 
-def _scaled_shape(name: str, head_dim: int) -> Path:
-    """A scaled random model of a registry shape that keeps its real head size."""
-    path = MODEL_CACHE / "tiny-arch" / f"{name}-scaled-h{head_dim or 0}.gguf"
+def _scaled_shape(name: str, head_dim: int, arch: str | None = None) -> Path:
+    """A scaled random model of a registry shape that keeps its real head size (as `arch`)."""
+    path = MODEL_CACHE / "tiny-arch" / f"{name}{'-' + arch if arch else ''}-scaled-h{head_dim or 0}.gguf"
     if not path.exists():
         shape = replace(shapes.SHAPES[name].scaled(2, 256, 512, n_vocab=151936), head_dim=head_dim)
+        shape = replace(shape, arch=arch) if arch else shape
         path.parent.mkdir(parents=True, exist_ok=True)
         shapes.write_shape_model(shape, vocab_gguf("qwen2"), path)
     return path
@@ -50,6 +51,9 @@ def models(offline_models) -> dict[str, Path]:
         "gemma3": offline_models.gemma_q4,
         "qwen2": _scaled_shape("qwen2.5-14b", 0),  # qwen2 has no key_length: n_embd / n_head
         "qwen3moe": _scaled_shape("qwen3-30b-a3b", 128),  # heads of 128 where n_embd / n_head is 64
+        "qwen3": _scaled_shape("qwen2.5-14b", 128, "qwen3"),
+        # Mistral Small's GGUFs are llama files whose heads (128) are narrower than n_embd / n_head (160)
+        "mistral": _scaled_shape("qwen2.5-14b", 96, "llama"),
     }
     for arch in ("qwen35", "qwen35moe", "lfm2", "gpt-oss", "jamba", "mamba"):
         found[arch] = tiny_arch_model(MODEL_CACHE, arch)
@@ -79,8 +83,8 @@ def _assert_plan_matches(plan, allocated: Allocation) -> None:
 
 
 @pytest.mark.parametrize("n_ctx", CONTEXTS)
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3moe", "qwen35", "qwen35moe", "lfm2", "gpt-oss",
-                                  "jamba", "mamba"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe",
+                                  "lfm2", "gpt-oss", "jamba", "mamba"])
 def test_plain_decoding_plan_is_what_llama_cpp_allocates(models, arch, n_ctx):
     plan, allocated = _planned_and_allocated(
         RunOptions(target=str(models[arch]), ctx_size=n_ctx, no_spec=True, threads=1, quiet=True))
