@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from specrun.core.tree import DraftTree
-from specrun.decoding.adaptive import DraftPrior, Hindsight, HindsightByKind, SpeedGuard, TargetCost
+from specrun.decoding.adaptive import (
+    DraftPrior,
+    Hindsight,
+    HindsightByKind,
+    SpeedGuard,
+    TargetCost,
+)
+from specrun.decoding.drafters.base import ModelDrafter
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter, SessionText
@@ -281,7 +288,7 @@ def test_a_copy_under_way_does_not_earn_trust_again_at_each_run_level():
     assert kinds.record((2, True)) is kinds[(2, True)]  # its own record from now on
 
 
-class ScriptedDraft:
+class ScriptedDraft(ModelDrafter):
     """A draft-model drafter that knows the text: it proposes the next 5 tokens right (a draft
     model that always agrees) for 5 ms a step, but catching up costs 4 ms per unread token, as
     the Q4_1 demo draft's does on a 2-core CPU."""

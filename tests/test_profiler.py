@@ -13,6 +13,7 @@ import pytest
 from specrun import engine
 from specrun.core.sampling import SamplingParams
 from specrun.core.shapes import TreeShape
+from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
@@ -124,7 +125,7 @@ def test_curve_sizes_cover_the_largest_tree():
 # Acceptance calibration
 
 
-class _TopSubtreeCheck:
+class _TopSubtreeCheck(Drafter):
     """A grower that, before growing the real tree, grows smaller trees from the same state and
     checks each is exactly the top-B' nodes (by best-first rank) of the big one."""
 

@@ -24,6 +24,7 @@ from specrun import engine
 from specrun.chat import templates
 from specrun.core.sampling import SamplingParams, make_rng, target_probs
 from specrun.core.shapes import TreeShape
+from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
@@ -307,7 +308,7 @@ def test_greedy_long_generations_equal_plain_decoding(target, references, spec_d
 # Sampling is exact
 
 
-class RecordingGrower:
+class RecordingGrower(Drafter):
     """Wraps a TreeGrower and keeps every tree it grew (to compare walks with the draft's trees)."""
 
     def __init__(self, grower: TreeGrower):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import logging
+from pathlib import Path
 
 from specrun import ui
 from specrun.errors import SpecrunError

@@ -62,9 +62,6 @@ class SpeculativeDecoder:
         self.guard = guard
         self._guards: dict[str, SpeedGuard] = {}
         self._guard_told = False  # the guard's first event was said (at info level)
-        self._observe_drafter = getattr(drafter, "observe", None)  # adapting drafters measure steps
-        self._learn = getattr(drafter, "learn", None)  # lookup drafters index whole answers
-        self._start = getattr(drafter, "start", None)  # the hybrid plans over the whole answer
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
 
@@ -76,17 +73,15 @@ class SpeculativeDecoder:
         self.drafter.reset()
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
-        if self._start is not None:
-            self._start(len(prompt), max_tokens)
+        self.drafter.start(len(prompt), max_tokens)
         if self.guard is not None:
             self.guard = self._guard_for(params)
             self.guard.new_request()
         yield from self._steps(prompt, params, max_tokens, rng)
         # The generation ended (not interrupted): a drafter that learns from the session's text
         # reads all of it, the last step's tokens included.
-        if self._learn is not None:
-            text = [*prompt, *(t for step in self.stats.steps for t in step.tokens)]
-            self._learn(text, complete=self.stats.finish_reason == "eog")
+        text = [*prompt, *(t for step in self.stats.steps for t in step.tokens)]
+        self.drafter.learn(text, complete=self.stats.finish_reason == "eog")
 
     def _steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         self.stats = stats = GenerationStats(n_prompt=len(prompt))
@@ -160,8 +155,7 @@ class SpeculativeDecoder:
 
     def _observe(self, step: Step, first: bool) -> None:
         """Let an adapting drafter and the speed guard see the step's measurements."""
-        if self._observe_drafter is not None:
-            self._observe_drafter(step)
+        self.drafter.observe(step)
         # A generation's first drafted step also brings the draft model up to the prompt (its
         # prefill): a one-off, like the target's prefill, not what a step costs.
         if self.guard is not None and not first:

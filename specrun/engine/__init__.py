@@ -14,7 +14,12 @@ target's hidden rows, llama.cpp's C++ staging functions called by their mangled 
 Everything a caller needs is importable from `specrun.engine`.
 """
 
-from specrun.engine.backend import GGUF_MAGIC, captured_log, check_gguf_file, llama_version_info
+from specrun.engine.backend import (
+    GGUF_MAGIC,
+    captured_log,
+    check_gguf_file,
+    llama_version_info,
+)
 from specrun.engine.context import Batch, Context, Detokenizer, default_threads
 from specrun.engine.devices import DeviceInfo, backend_names, list_devices, system_info
 from specrun.engine.gguf import architecture as gguf_architecture
@@ -23,7 +28,13 @@ from specrun.engine.gguf import has_mtp_layers as gguf_has_mtp_layers
 from specrun.engine.gguf import header_facts as gguf_header_facts
 from specrun.engine.memory import Allocation, ContextSpec, Simulation
 from specrun.engine.model import Model, quantize
-from specrun.engine.mtp import MtpContext, check_mtp_support, embeddings_nextn_row, enable_target_rows, n_layer_nextn
+from specrun.engine.mtp import (
+    MtpContext,
+    check_mtp_support,
+    embeddings_nextn_row,
+    enable_target_rows,
+    n_layer_nextn,
+)
 from specrun.limits import MAX_SEQ
 
 __all__ = [

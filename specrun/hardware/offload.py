@@ -18,7 +18,6 @@ report it.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 

@@ -8,8 +8,9 @@ Sequoia template, n-gram lookup in the text so far, or a mix).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from specrun.core.tree import DraftTree
 
@@ -39,25 +40,52 @@ class Proposal:
         return ()
 
 
-class Drafter(Protocol):
-    """Proposes trees for the speculative decoder and follows what the target accepted."""
+class Drafter(ABC):
+    """Proposes trees for the speculative decoder and follows what the target accepted.
 
+    Every drafter derives from this class. Its hooks beyond propose and commit do nothing here:
+    a drafter overrides those it uses, and the decoder calls them all without asking which kind
+    of drafter it holds.
+    """
+
+    @abstractmethod
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         """Return a tree of at most `budget` nodes below `root`, at most `depth` deep (None: nothing
         to propose; the step then decodes the root alone). `committed` is the text in the
         target's cache, before the root."""
-        ...
 
+    @abstractmethod
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         """Take note that the target accepted the path `accepted_nodes` (root first) of `proposal`."""
-        ...
 
     def reset(self) -> None:
         """Forget any cached state (after an error left the caches in an unknown state)."""
-        ...
 
-    # Optional: `observe(step)`, called with every Step the decoder made (its timings and tree
-    # size), for drafters that adapt to what this run measures (lookup, hybrid); `learn(text,
-    # complete)`, called with prompt + answer when a generation ends (complete: the model ended
-    # it, rather than a token limit), for drafters that index the text;
-    # `start(n_prompt, max_tokens)`, called when a generation begins.
+    def start(self, n_prompt: int, max_tokens: int) -> None:
+        """A generation of at most `max_tokens` begins after a prompt of `n_prompt` tokens (the
+        hybrid plans over the whole answer)."""
+
+    def observe(self, step) -> None:
+        """See every Step the decoder made (its timings and tree size): drafters that adapt to
+        what this run measures (lookup, hybrid) learn from it."""
+
+    def learn(self, text: Sequence[int], complete: bool = True) -> None:
+        """Take prompt + answer when a generation ends (`complete`: the model ended it, not a
+        token limit): drafters that index the text (lookup) learn from it."""
+
+
+class ModelDrafter(Drafter):
+    """A drafter that runs a draft model (best_first.TreeGrower): what the hybrid asks of it
+    besides proposing, namely how far its cache is behind the committed text and what catching
+    up and its expansion passes cost."""
+
+    last_catch_up: tuple[int, float] = (0, 0.0)  # (tokens, seconds) the last proposal's catch-up decoded
+    last_passes: Sequence[tuple[int, float]] = ()  # (tokens, seconds) of the last proposal's expansion passes
+
+    @abstractmethod
+    def debt(self, committed: Sequence[int], root: int) -> int:
+        """Return how many tokens the draft's cache must decode before it can propose below root."""
+
+    def probe(self) -> dict[int, float] | None:
+        """Return the draft's pass seconds by batch size, timed now (None: cannot be timed)."""
+        return None

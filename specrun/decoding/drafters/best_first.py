@@ -18,7 +18,7 @@ import numpy as np
 from specrun.core.sampling import log_softmax_topk
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.core.tree import MAX_LEAVES, DraftTree
-from specrun.decoding.drafters.base import Proposal
+from specrun.decoding.drafters.base import ModelDrafter, Proposal
 from specrun.decoding.kv import CachedSequence, probe_passes
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
@@ -56,7 +56,7 @@ class GrownTree(Proposal):
         return out
 
 
-class TreeGrower:
+class TreeGrower(ModelDrafter):
     """A drafter that grows trees best-first with the draft model, its KV cache in step with the target."""
 
     def __init__(self, model, ctx: Context, shape: TreeShape):

@@ -24,7 +24,7 @@ from specrun.decoding.adaptive import (
     HindsightByKind,
     TargetCost,
 )
-from specrun.decoding.drafters.base import Drafter, Proposal
+from specrun.decoding.drafters.base import Drafter, ModelDrafter, Proposal
 from specrun.decoding.drafters.lookup import IdleSchedule, SessionText, lookup_proposal
 from specrun.decoding.lookup_index import LookupIndex, cut, graft, new_by_rank
 
@@ -65,14 +65,14 @@ _LEAN_HALF_LIFE = 24
 _UNMEASURED = DraftPrior(plain_s=0.0, tree_s=0.0, step_s=0.0, catch_up_s=0.0, accepted=0.0)
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """The draft model's tree plus lookup branches; leans on lookup while the text repeats.
 
     `draft` is a draft-model drafter (best_first.TreeGrower or a subclass): it says how far its
     cache is behind (`debt`) and what its last catch-up cost (`last_catch_up`).
     """
 
-    def __init__(self, draft: Drafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
+    def __init__(self, draft: ModelDrafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
                  cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None,
                  prior: DraftPrior | None = None, catch_up_s: float | None = None,
                  best_case: DraftPrior | None = None):
@@ -249,7 +249,7 @@ class HybridDrafter:
         ran at 1.2x."""
         caught, catch_up_s = self.draft.last_catch_up
         self.draft_pass.observe(caught, catch_up_s)
-        for n_tokens, seconds in getattr(self.draft, "last_passes", ()):
+        for n_tokens, seconds in self.draft.last_passes:
             self.draft_pass.observe(n_tokens, seconds)
         self.draft_s.add(max(0.0, grown.draft_s - catch_up_s))
 

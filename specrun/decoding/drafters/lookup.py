@@ -16,7 +16,7 @@ from specrun.decoding.adaptive import (
     HindsightByKind,
     TargetCost,
 )
-from specrun.decoding.drafters.base import Proposal
+from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.lookup_index import LookupIndex, cut
 
 # Tokens compared with the index's copy of the text before indexing a step's tokens: a cheap
@@ -94,7 +94,7 @@ class SessionText:
                 watcher.feed(emitted)
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """Proposes lookup trees; adapts their size to measured acceptance and target cost.
 
     Each kind of proposal (mid-copy or not, long n-gram match or short: HindsightByKind) gets the

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from specrun.core.tree import DraftTree
-from specrun.decoding.drafters.base import Proposal
+from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.engine import Context, MtpContext, embeddings_nextn_row
 
 # Tokens compared with the text before trusting the MTP cache to hold a prefix of it.
@@ -35,7 +35,7 @@ _TAIL_CHECK = 16
 DEFAULT_CHAIN = 3
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     """Proposes a chain of MTP drafts below the root; its MTP cache follows the committed text."""
 
     def __init__(self, mtp_ctx: MtpContext, target_ctx: Context, chain: int = DEFAULT_CHAIN):
