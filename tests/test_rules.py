@@ -134,6 +134,20 @@ def test_repeat_penalty_is_llama_cpps():
     assert shaped.tolist() == [2.0, -8.0, 4.0, 0, 0]
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e300])
+def test_an_extreme_repeat_penalty_leaves_a_row_that_can_be_sampled(penalty):
+    """Issue 37, item 4: 1e-300 divided a repeated token's logit to inf, and a sample needs a
+    finite maximum (a 500 on the server); 1e300 multiplies one to -inf."""
+    params = SamplingParams(temperature=1.0, repeat_penalty=penalty)
+    rules = PathRules(params)
+    for t in (0, 1, 3):
+        rules.accept(t)
+    shaped = rules.shape(np.array([4.0, -4.0, 1.0, 0.0, 0.5], np.float32))
+    assert np.isfinite(shaped).all()
+    probs = target_probs(shaped, params)
+    assert probs.sum() == pytest.approx(1.0) and (probs[0] == 1.0 if penalty < 1 else probs[1] == 0.0)
+
+
 def test_forced_tokens_come_from_the_grammar():
     rules = PathRules(SamplingParams(grammar=ToyGrammar()))
     assert rules.forced(5) == []
