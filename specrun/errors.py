@@ -17,6 +17,11 @@ class UsageError(SpecrunError):
     exit_code = 2
 
 
+class GrammarError(UsageError):
+    """A grammar or JSON schema the grammar engine cannot follow: found when it is compiled, or
+    only mid-answer (a limit of llguidance met by the text generated so far)."""
+
+
 class ModelFileError(SpecrunError):
     """A model file is missing, unreadable or not a usable GGUF."""
 

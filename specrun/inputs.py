@@ -15,6 +15,12 @@ from pathlib import Path
 from specrun.errors import UsageError
 
 
+def token_id(key: str) -> int | None:
+    """Return the token id a JSON object key spells (ASCII digits: "²" is a digit to Python, but
+    no number), or None."""
+    return int(key) if key.isascii() and key.isdigit() else None
+
+
 def decode_utf8(data: bytes, where: str) -> str:
     """Return data decoded as UTF-8; raise UsageError naming `where` and the first bad byte."""
     try:

@@ -187,13 +187,21 @@ def test_generate_jsonl_constraints_and_clear_errors(cli, tmp_path):
         json.dumps({"prompt": "Is the sky blue?", "grammar": 'root ::= "yes" | "no"', "id": "g"}),
         json.dumps({"prompt": "Hi", "json_schema": {"type": "object", "dependentRequired": {"a": ["b"]}}, "id": "bad"}),
         json.dumps({"prompt": "Hi", "logit_bias": {"x": 1}, "id": "bias"}),
+        json.dumps({"prompt": "Hi", "logit_bias": {"\u00b2": 1}, "id": "superscript"}),  # a digit to str.isdigit
+        json.dumps({"prompt": "Hi", "json_schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                                    "$ref": "#/$defs/a"}, "id": "cycle"}),
+        json.dumps({"prompt": "Hi", "json_schema": {"type": "object", "required": ["s"], "properties": {
+            "s": {"type": "string", "pattern": "^(.{0,20}){20}$"}}}, "id": "pattern"}),
     ]) + "\n"
     result = cli("generate", "--jsonl", "-n", "8", "--no-spec", input=lines)
     assert result.exit_code == 0, result.output
     answers = {o["id"]: o for o in map(json.loads, result.stdout.splitlines())}
     assert answers["g"]["text"] in ("yes", "no")
     assert answers["bad"]["field"] == "json_schema" and "dependentRequired" in answers["bad"]["error"]
-    assert answers["bias"]["field"] == "logit_bias"
+    assert answers["bias"]["field"] == "logit_bias" and answers["superscript"]["field"] == "logit_bias"
+    # Grammars llguidance cannot follow: at their first step, or mid-answer; never a short "answer".
+    assert "no answer can follow" in answers["cycle"]["error"] and "text" not in answers["cycle"]
+    assert "too many expressions" in answers["pattern"]["error"] and "text" not in answers["pattern"]
     refused = cli("generate", "--logprobs", "2", "Hi")
     assert refused.exit_code == 2 and "--logprobs needs --json" in refused.output
     bad_file = cli("generate", "--grammar", str(tmp_path / "missing.gbnf"), "Hi")

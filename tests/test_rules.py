@@ -134,6 +134,20 @@ def test_repeat_penalty_is_llama_cpps():
     assert shaped.tolist() == [2.0, -8.0, 4.0, 0, 0]
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e300])
+def test_an_extreme_repeat_penalty_leaves_a_row_that_can_be_sampled(penalty):
+    """Issue 37, item 4: 1e-300 divided a repeated token's logit to inf, and a sample needs a
+    finite maximum (a 500 on the server); 1e300 multiplies one to -inf."""
+    params = SamplingParams(temperature=1.0, repeat_penalty=penalty)
+    rules = PathRules(params)
+    for t in (0, 1, 3):
+        rules.accept(t)
+    shaped = rules.shape(np.array([4.0, -4.0, 1.0, 0.0, 0.5], np.float32))
+    assert np.isfinite(shaped).all()
+    probs = target_probs(shaped, params)
+    assert probs.sum() == pytest.approx(1.0) and (probs[0] == 1.0 if penalty < 1 else probs[1] == 0.0)
+
+
 def test_forced_tokens_come_from_the_grammar():
     rules = PathRules(SamplingParams(grammar=ToyGrammar()))
     assert rules.forced(5) == []
@@ -169,8 +183,10 @@ def test_a_forced_run_is_grafted_where_the_drafters_tree_leaves_it():
     tree.add(a, 2, -0.2)
     tree.add(0, 3, -0.3)
     proposal = graft_forced(Proposal(tree), 9, [1, 4, 5], max_nodes=10)
-    assert proposal.forced_from == 4 and tree.path(len(tree) - 1) == [0, a, 4, 5]
-    assert [int(tree.tokens[n]) for n in tree.path(5)[1:]] == [1, 4, 5]
+    grafted = proposal.tree
+    assert proposal.forced_from == 4 and grafted.path(len(grafted) - 1) == [0, a, 4, 5]
+    assert [int(grafted.tokens[n]) for n in grafted.path(5)[1:]] == [1, 4, 5]
+    assert len(tree) == 4  # the drafter's own tree is left as it proposed it
     assert proposal.forced_tokens([0, a, 4, 5]) == 2 and proposal.forced_tokens([0, a]) == 0
     # Already in the tree: nothing grafted. No drafter tree: the run is the tree.
     assert graft_forced(Proposal(DraftTree.chain(9, [1, 4])), 9, [1, 4], 10).forced_from is None
@@ -178,3 +194,21 @@ def test_a_forced_run_is_grafted_where_the_drafters_tree_leaves_it():
     assert alone.tree.tokens.tolist() == [9, 7, 8] and alone.forced_from == 1
     # Chains stay chains: no graft at a branching point.
     assert graft_forced(Proposal(DraftTree.chain(9, [1, 2])), 9, [3], 10, chain=True).forced_from is None
+
+
+def test_a_grafted_run_leaves_the_drafters_record_of_its_tree_whole():
+    """Issue 37, item 1: lookup watched its tree (sizing its rank table by it), then the decoder
+    grafted a grammar's forced run onto that same tree; walking the emitted run into the grafted
+    nodes indexed past the table (IndexError, a 500 under a JSON schema)."""
+    from specrun.core.tree import DraftTree
+    from specrun.decoding.adaptive import Hindsight
+    from specrun.decoding.drafters.base import Proposal
+    from specrun.decoding.speculative import graft_forced
+
+    tree = DraftTree.chain(9, [1, 2], [-0.1, -0.2])
+    record = Hindsight(64)
+    record.watch(tree)
+    proposal = graft_forced(Proposal(tree), 9, [1, 2, 4, 5], max_nodes=10)
+    assert [int(t) for t in proposal.tree.tokens] == [9, 1, 2, 4, 5]
+    record.feed([1, 2, 4, 5, 6])  # what the target emitted: the forced run, then its own token
+    assert record.accepted()[-1] == 2  # the walk matched the drafter's two nodes, not the grafted ones

@@ -14,7 +14,9 @@ renders it); what differs between families is how the model writes a call:
 
 Grammars are llguidance Lark: a marker that is one special token of the vocabulary is written as
 that token (`<[id]>`), anything else as text; arguments are `%json` sub-grammars of each tool's
-parameter schema. A forced call starts at the first generated token.
+parameter schema. A forced call starts at the first generated token. A parameter schema placed
+inside a larger one (the call object) has its local `$ref`s rewritten to point where it now lies,
+so the `$defs` of nested models (pydantic's) still resolve.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import secrets
 import string
 from dataclasses import dataclass, field, replace
 
+from specrun.engine.grammar import JSON_OPTIONS
 from specrun.errors import UsageError
 
 
@@ -58,6 +61,13 @@ class ToolFormat:
         if not self.thinks:
             return grammar.replace("start: think? ", "start: ")
         return grammar + _thinking(marker) if "start: think? " in grammar else grammar
+
+    def call_or_answer(self, tools: list[dict], marker, schema: dict) -> str:
+        """Return a Lark grammar for one call of one of `tools`, or instead an answer that is JSON
+        valid under `schema` (tools the model may call, and response_format)."""
+        call = self.grammar(tools, marker).replace("start:", "tool_call:", 1)
+        answer = {**schema, "x-guidance": JSON_OPTIONS}  # laid out as response_format alone lays it out
+        return f"start: tool_call | json_answer\njson_answer: %json {_schema_json(answer)}\n{call}"
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         """Return (content without the calls, the calls) from a model's answer (special tokens kept)."""
@@ -93,15 +103,44 @@ def _params(tool: dict) -> dict:
     return params
 
 
-def _call_object(tools: list[dict], args_key: str, extra: dict | None = None) -> dict:
+# Keywords whose values are data, not schemas: a "$ref" key inside them is no reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _placed(schema, at: str):
+    """Return `schema` as it must read at JSON pointer `at` of a larger schema: each local $ref
+    ("#/$defs/X", "#") rewritten to point below `at` (a copy; the tool's own schema is left as it is)."""
+    if isinstance(schema, list):
+        return [_placed(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + at + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _placed(value, at)
+    return out
+
+
+def _pointer_key(key: str) -> str:
+    """Return a property name as one step of a JSON pointer (RFC 6901 escapes)."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _call_object(tools: list[dict], args_key: str, extra: dict | None = None, at: str = "") -> dict:
     """Return a JSON schema: {"name": one tool's name, args_key: its parameters}, name first
-    (then the optional `extra` properties)."""
-    options = [
-        {"type": "object", "properties": {"name": {"const": t["name"]}, args_key: _params(t), **(extra or {})},
-         "required": ["name", args_key], "additionalProperties": False}
-        for t in tools
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    (then the optional `extra` properties); `at`: the JSON pointer where the result will lie."""
+    def option(tool: dict, where: str) -> dict:
+        args = _placed(_params(tool), f"{where}/properties/{_pointer_key(args_key)}")
+        return {"type": "object", "properties": {"name": {"const": tool["name"]}, args_key: args, **(extra or {})},
+                "required": ["name", args_key], "additionalProperties": False}
+
+    if len(tools) == 1:
+        return option(tools[0], at)
+    return {"anyOf": [option(tool, f"{at}/anyOf/{i}") for i, tool in enumerate(tools)]}
 
 
 def _thinking(marker) -> str:
@@ -120,7 +159,7 @@ def _llama3_grammar(tools, marker) -> str:
 
 def _mistral_grammar(tools, marker) -> str:
     # Nemo writes each call's 9-character id after its arguments.
-    call = _call_object(tools, "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}})
+    call = _call_object(tools, "arguments", {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}}, at="/items")
     schema = {"type": "array", "items": call, "minItems": 1, "maxItems": 1}
     return f"start: {marker('[TOOL_CALLS]')} calls\ncalls: %json {_schema_json(schema)}\n"
 
@@ -158,7 +197,7 @@ def _qwen_xml_grammar(tools, marker) -> str:
                 # One line: the newline before </parameter> ends it (lexemes match as much as they can).
                 rules.append(f"{value}: /[^<\\n]*/")
             else:
-                rules.append(f"{value}: %json {_schema_json(schema)}")
+                rules.append(f"{value}: %json {_schema_json(_value_schema(params, key))}")
             parts.append(f"{json.dumps('<parameter=' + key + '>' + chr(10))} {value} {json.dumps(chr(10) + '</parameter>' + chr(10))}")
         alts.append(f"call{i}")
         head = json.dumps("\n<function=" + t["name"] + ">\n")
@@ -166,9 +205,20 @@ def _qwen_xml_grammar(tools, marker) -> str:
     return "start: think? (" + " | ".join(alts) + ")\n" + "\n".join(rules) + "\n"
 
 
+def _value_schema(params: dict, key: str) -> dict:
+    """Return the schema of one parameter as the root of a grammar: itself, or, where it refers
+    to other parts of the parameters (their $defs), a reference into a copy of them all."""
+    schema = params["properties"][key]
+    at = "/$defs/parameters"
+    if _placed(schema, at) == schema:
+        return schema
+    return {"$defs": {"parameters": _placed(params, at)}, "$ref": f"#{at}/properties/{_pointer_key(key)}"}
+
+
 def _gemma4_grammar(tools, marker) -> str:
-    raise UsageError("forcing a tool call (tool_choice required or named) is not supported for Gemma's "
-                     "tool-call format; use tool_choice auto")
+    raise UsageError("Gemma's tool-call format has no grammar in specrun: forcing a call (tool_choice required or "
+                     "named) and tools beside response_format are not supported for it; use tool_choice auto "
+                     "without response_format")
 
 
 _GRAMMARS = {"hermes": _hermes_grammar, "llama3": _llama3_grammar, "mistral": _mistral_grammar,
@@ -180,21 +230,18 @@ _GRAMMARS = {"hermes": _hermes_grammar, "llama3": _llama3_grammar, "mistral": _m
 # Parsing
 
 
-def _json_values(text: str, start: int = 0):
-    """Yield (value, start, end) for each JSON value that begins at a { or [ in text."""
-    decoder = json.JSONDecoder()
-    i = start
-    while True:
-        match = re.compile(r"[\[{]").search(text, i)
-        if match is None:
-            return
-        try:
-            value, end = decoder.raw_decode(text, match.start())
-        except ValueError:
-            i = match.start() + 1
-            continue
-        yield value, match.start(), end
-        i = end
+def _json_at(text: str, start: int = 0):
+    """Return the JSON object or array that begins at `start` (after white space), or None.
+
+    Only there: a call cut short by the token limit must not become a call made of the first
+    complete object nested inside its arguments."""
+    i = len(text) - len(text[start:].lstrip())
+    if text[i: i + 1] not in ("{", "["):
+        return None
+    try:
+        return json.JSONDecoder().raw_decode(text, i)[0]
+    except ValueError:
+        return None
 
 
 def _call_from(obj, args_key: str = "arguments") -> ParsedCall | None:
@@ -209,11 +256,9 @@ def _call_from(obj, args_key: str = "arguments") -> ParsedCall | None:
 def _parse_hermes(text: str):
     calls, content = [], text
     for block in re.finditer(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.S):
-        for value, _, _ in _json_values(block.group(1)):
-            call = _call_from(value)
-            if call:
-                calls.append(call)
-            break
+        call = _call_from(_json_at(block.group(1)))
+        if call:
+            calls.append(call)
     if calls:
         content = text[: text.find("<tool_call>")]
     return content.strip(), calls
@@ -221,13 +266,8 @@ def _parse_hermes(text: str):
 
 def _parse_llama3(text: str):
     stripped = text.strip().removeprefix("<|python_tag|>").strip()
-    if stripped.startswith("{"):
-        for value, start, end in _json_values(stripped):
-            call = _call_from(value, "parameters")
-            if call and start == 0:
-                return "", [call]
-            break
-    return text.strip(), []
+    call = _call_from(_json_at(stripped), "parameters")
+    return ("", [call]) if call else (text.strip(), [])
 
 
 def _parse_mistral(text: str):
@@ -237,15 +277,14 @@ def _parse_mistral(text: str):
     rest = text[at + len("[TOOL_CALLS]"):]
     calls = []
     if rest.lstrip().startswith("["):
-        for value, _, _ in _json_values(rest):
-            if isinstance(value, list):
-                calls = [c for c in (_call_from(v) for v in value) if c]
-            break
+        value = _json_at(rest)
+        if isinstance(value, list):
+            calls = [c for c in (_call_from(v) for v in value) if c]
     else:  # name[ARGS]{...} (Mistral Small 3.2, Devstral), possibly several
         for match in re.finditer(r"([\w.-]+)(?:\[CALL_ID\]\w+)?\[ARGS\]", rest):
-            for value, _, _ in _json_values(rest, match.end()):
+            value = _json_at(rest, match.end())
+            if value is not None:
                 calls.append(ParsedCall(match.group(1), json.dumps(value, ensure_ascii=False)))
-                break
     return text[:at].strip(), calls
 
 
@@ -253,9 +292,9 @@ def _parse_harmony(text: str):
     calls = []
     pattern = r"to=functions\.([\w.-]+).*?<\|message\|>"
     for match in re.finditer(pattern, text, re.S):
-        for value, _, _ in _json_values(text, match.end()):
+        value = _json_at(text, match.end())
+        if value is not None:
             calls.append(ParsedCall(match.group(1), json.dumps(value, ensure_ascii=False)))
-            break
     if not calls:
         final = text.split("<|channel|>final<|message|>")
         return final[-1].replace("<|end|>", "").replace("<|return|>", "").strip(), []

@@ -21,6 +21,10 @@ import numpy as np
 
 from specrun.core.sampling import SamplingParams
 
+# The largest float32: a penalised logit is held within it, so that an extreme repeat_penalty
+# (1e-300 divides a logit by almost nothing) leaves a row with a finite maximum.
+_LOGIT_LIMIT = float(np.finfo(np.float32).max)
+
 
 class GrammarMatcher(Protocol):
     """One grammar's state along one path (engine.grammar implements it with llguidance)."""
@@ -61,8 +65,9 @@ class PathRules:
             out[self._bias_ids[ok]] += self._bias[ok]
         if p.repeat_penalty != 1 and self.recent:
             ids = np.unique(np.fromiter(self.recent, np.int64, len(self.recent)))
-            values = out[ids]
-            out[ids] = np.where(values > 0, values / p.repeat_penalty, values * p.repeat_penalty)
+            values = out[ids].astype(np.float64)
+            penalised = np.where(values > 0, values / p.repeat_penalty, values * p.repeat_penalty)
+            out[ids] = np.clip(penalised, -_LOGIT_LIMIT, _LOGIT_LIMIT)
         if (p.presence_penalty or p.frequency_penalty) and self.counts:
             ids = np.fromiter(self.counts.keys(), np.int64, len(self.counts))
             n = np.fromiter(self.counts.values(), np.float32, len(self.counts))

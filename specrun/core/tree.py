@@ -97,6 +97,16 @@ class DraftTree:
         tree._n = n
         return tree
 
+    def copy(self) -> DraftTree:
+        """Return an independent tree with the same nodes and ids."""
+        tree = DraftTree(int(self._tokens[0]), capacity=self._n)
+        n = self._n
+        tree._tokens[:n], tree._parents[:n] = self._tokens[:n], self._parents[:n]
+        tree._depths[:n], tree._logps[:n] = self._depths[:n], self._logps[:n]
+        tree._children = [list(children) for children in self._children]
+        tree._n = n
+        return tree
+
     def __len__(self) -> int:
         return self._n
 

@@ -328,7 +328,8 @@ def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max
     """Return the proposal with a grammar's forced run as a path from the root: the drafter's tree
     where it already holds the run, the rest appended below (new ids, past the drafter's own, so
     its `commit` is unaffected), within `max_nodes` nodes besides the root; with `chain`, only
-    below the end of a chain."""
+    below the end of a chain. The run is appended to a copy: the drafter may still be following
+    its own tree (adaptive.Hindsight sized its records by it), so that tree is never grown."""
     if proposal is None:
         return Proposal(DraftTree.chain(pending, forced[:max_nodes]), forced_from=1)
     tree, node = proposal.tree, 0
@@ -340,6 +341,7 @@ def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max
             if not rest or (branching and (chain or len(tree.leaves()) >= MAX_SEQ)):
                 return proposal
             proposal.forced_from = len(tree)
+            proposal.tree = tree = tree.copy()
             logp = float(tree.logps[node])
             for token in rest:
                 node = tree.add(node, token, logp)

@@ -5,6 +5,13 @@ GBNF grammars, and per token gives a vocabulary bitmask and the run of tokens th
 next. Its tokenizer is built from the llama.cpp vocabulary once per model (about a second on a
 49k vocabulary) and kept with the model. A `Grammar` is compiled once per request; each
 generation takes a fresh `Matcher` from it.
+
+llguidance finds some grammars unusable only when it walks them: a `$ref` cycle admits no value
+at all, a required property that refers back to its own object forces text without end (both
+show at the first step, so `Grammar` takes that step when it is compiled), and a pattern may
+exceed its lexer's limits only at the text the model chose (mid-answer). Either way the matcher
+enters an error state in which it allows nothing but the end of the text; `Matcher` checks for it
+at every step and raises a GrammarError, so a failure is never mistaken for a finished answer.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from specrun.errors import EngineError, UsageError
+from specrun.errors import EngineError, GrammarError, UsageError
 
 # The JSON layout a schema's grammar forces: the compact separators most models were trained on
 # (llama.cpp's converter writes them too), no free whitespace between tokens, so that keys,
@@ -87,15 +94,27 @@ def _checked(grammar: str, what: str) -> str:
 class Grammar:
     """A compiled grammar for one model; `matcher()` starts it at the beginning of the output."""
 
-    def __init__(self, model, grammar: str):
+    def __init__(self, model, grammar: str, what: str = "grammar"):
         self.tokenizer = _tokenizer(model)
         self.grammar = grammar
+        self.what = what  # what the user gave: "grammar" or "JSON schema", for error messages
         self.n_vocab = model.n_vocab
-        self.matcher().close_check()  # compile errors surface here, once
+        self._check_first_step()
+
+    def _check_first_step(self) -> None:
+        """Raise a GrammarError when no answer can begin: take the first step (the forced run,
+        then the choice after it), where llguidance meets cycles and endless forced text."""
+        matcher = self.matcher()
+        try:
+            for token in matcher.forced():
+                matcher.consume(token)
+            matcher.allowed()
+        except GrammarError:
+            raise GrammarError(f"unsupported {self.what}: no answer can follow it ({matcher.failure()})") from None
 
     @classmethod
     def from_schema(cls, model, schema: Any) -> Grammar:
-        return cls(model, schema_grammar(schema))
+        return cls(model, schema_grammar(schema), "JSON schema")
 
     @classmethod
     def from_text(cls, model, text: str) -> Grammar:
@@ -115,23 +134,40 @@ class Grammar:
         return json.dumps(text, ensure_ascii=False)
 
     def matcher(self) -> Matcher:
-        return Matcher(_llg().LLMatcher(self.tokenizer, self.grammar, log_level=0), self.n_vocab)
+        matcher = _llg().LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"unsupported {self.what}: {_first_line(matcher.get_error())}")
+        return Matcher(matcher, self.n_vocab, self.what)
+
+
+def _first_line(error: str) -> str:
+    """Return the message of an llguidance error (its dump of the parser's state left out)."""
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
 
 
 class Matcher:
-    """One grammar's state along the emitted text (see core.rules.GrammarMatcher)."""
+    """One grammar's state along the emitted text (see core.rules.GrammarMatcher).
 
-    def __init__(self, matcher, n_vocab: int):
+    Every step raises a GrammarError once llguidance is in its error state."""
+
+    def __init__(self, matcher, n_vocab: int, what: str = "grammar"):
         self._m = matcher
         self.n_vocab = n_vocab
+        self.what = what
 
-    def close_check(self) -> None:
+    def failure(self) -> str:
+        """Return why the matcher is in its error state ("" when it is not)."""
+        return _first_line(self._m.get_error()) if self._m.is_error() else ""
+
+    def _check(self) -> None:
         if self._m.is_error():
-            raise UsageError(f"the grammar does not compile: {self._m.get_error()}")
+            raise GrammarError(f"the {self.what} could not be followed to the end of the answer: llguidance "
+                               f"gave up ({self.failure()}); simplify the {self.what}")
 
     def allowed(self) -> np.ndarray:
         """Return a bool per vocabulary token: may it come next?"""
         bits = np.frombuffer(self._m.compute_bitmask(), np.uint8)
+        self._check()
         return np.unpackbits(bits, bitorder="little")[: self.n_vocab].view(bool)
 
     def mask(self, row: np.ndarray) -> None:
@@ -141,12 +177,15 @@ class Matcher:
 
     def consume(self, token: int) -> None:
         if not self._m.consume_token(token):
-            raise EngineError(f"the grammar refused token {token}: {self._m.get_error()}")
+            self._check()
+            raise EngineError(f"the {self.what} refused token {token}")  # one its mask had allowed
 
     def forced(self) -> list[int]:
         if self._m.is_stopped():
             return []
-        return list(self._m.compute_ff_tokens())
+        tokens = list(self._m.compute_ff_tokens())
+        self._check()
+        return tokens
 
     def accepting(self) -> bool:
         """True when the text so far is a complete sentence of the grammar."""

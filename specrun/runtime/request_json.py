@@ -11,7 +11,7 @@ import math
 from dataclasses import replace
 
 from specrun.errors import UsageError
-from specrun.inputs import check_utf8
+from specrun.inputs import check_utf8, token_id
 from specrun.runtime.request import Request
 
 FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "parse_special",
@@ -78,9 +78,10 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
         raise FieldError("logit_bias", f"logit_bias must be an object of token id -> bias, got {json.dumps(value)}")
     out = []
     for key, bias in value.items():
-        if not str(key).isdigit():
+        token = token_id(key)
+        if token is None:
             raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {json.dumps(key)}")
-        out.append((int(key), _number_in("logit_bias", bias, -100.0, 100.0)))
+        out.append((token, _number_in("logit_bias", bias, -100.0, 100.0)))
     return tuple(out)
 
 

@@ -3,8 +3,10 @@
 Routes validate a request, hand it to the generation worker as a Job and turn the worker's events
 into a JSON answer or a server-sent-event stream. A response's status is decided when the job's
 turn comes (its prompt is tokenized and checked against the context then), so even a streamed
-request gets a proper 400 for a prompt that does not fit. Every error, including a bug, is
-answered as an OpenAI-shaped JSON error; the server keeps serving.
+request gets a proper 400 for a prompt that does not fit (or a grammar whose first step fails).
+Every error, including a bug, is answered as a JSON error in the shape of the route's API
+(OpenAI's, or Ollama's under /api/); the server keeps serving. An error after a stream began
+(a grammar llguidance gives up on mid-answer) is the stream's last event.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specrun.engine.grammar import schema_grammar
+from specrun.engine.grammar import schema_grammar, text_grammar
 from specrun.errors import UsageError
 from specrun.server.jobs import (
     ChatPrompt,
@@ -38,8 +40,8 @@ from specrun.server.schemas import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    Constraint,
     GenerationRequest,
-    error_body,
     parse_body,
     refuse_unsupported,
 )
@@ -120,8 +122,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the traceback on stderr after this answer; the client only hears that it happened.
-        return JSONResponse(error_body(f"internal error ({type(exc).__name__}); the server logged it", "server_error"),
-                            status_code=500)
+        error = APIError(500, f"internal error ({type(exc).__name__}); the server logged it")
+        return error_response(error, request.url.path)
 
 
 class RequestGuard:
@@ -216,7 +218,10 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatRequest)
         envelope = Envelope(worker.ready_model().target, chat=True)
-        return await _answer(request, worker, body, chat_prompt(body), envelope)
+        prompt = chat_prompt(body)
+        constraint = checked_constraint(body)
+        _refuse_grammar_beside_tools(prompt, constraint)
+        return await _answer(request, worker, body, prompt, envelope, constraint)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -226,7 +231,7 @@ def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
         else:
             prompt = TextPrompt(token_ids=body.prompt)
         envelope = Envelope(worker.ready_model().target, chat=False)
-        return await _answer(request, worker, body, prompt, envelope)
+        return await _answer(request, worker, body, prompt, envelope, checked_constraint(body))
 
 
 def chat_prompt(body: ChatRequest) -> ChatPrompt:
@@ -260,15 +265,25 @@ def _tool_choice(choice, names: set[str]) -> str:
     return f"function:{name}"
 
 
-def checked_schema(body: GenerationRequest) -> dict | None:
-    """Return response_format's schema, or raise a 400 naming what it cannot be compiled for."""
-    schema = body.json_schema()
-    if schema is not None:
-        try:
-            schema_grammar(schema)
-        except UsageError as e:
-            raise APIError(400, str(e), param="response_format", code="invalid_value") from None
-    return schema
+def checked_constraint(body: GenerationRequest) -> Constraint | None:
+    """Return what the answer must follow, or raise a 400 naming what cannot be compiled in it."""
+    constraint = body.constraint()
+    try:
+        if constraint is not None and constraint.schema is not None:
+            schema_grammar(constraint.schema)
+        elif constraint is not None:
+            text_grammar(constraint.grammar)
+    except UsageError as e:
+        raise APIError(400, str(e), param=constraint.field, code="invalid_value") from None
+    return constraint
+
+
+def _refuse_grammar_beside_tools(prompt: ChatPrompt, constraint: Constraint | None) -> None:
+    """Raise a 400 for a grammar of the client's own beside tools the model may call: it leaves no
+    room for a call (a JSON schema does: the answer is then the call or the JSON)."""
+    if constraint is not None and constraint.grammar is not None and prompt.tools and prompt.tool_choice != "none":
+        raise APIError(400, "grammar cannot be combined with tools the model may call (send tool_choice none, "
+                       "or a JSON schema in response_format)", param="grammar", code="invalid_value")
 
 
 async def _parse(request: Request, model: type[GenerationRequest]) -> GenerationRequest:
@@ -279,9 +294,11 @@ async def _parse(request: Request, model: type[GenerationRequest]) -> Generation
     return body
 
 
-async def _answer(request: Request, worker: GenerationWorker, body: GenerationRequest, prompt, envelope: Envelope) -> Response:
-    job = Job(envelope.id, prompt, body.sampling(), body.token_limit(), body.stop, asyncio.get_running_loop(),
-              json_schema=checked_schema(body))
+async def _answer(request: Request, worker: GenerationWorker, body: GenerationRequest, prompt, envelope: Envelope,
+                  constraint: Constraint | None) -> Response:
+    shape = {} if constraint is None else {"json_schema": constraint.schema, "grammar": constraint.grammar,
+                                           "constraint_field": constraint.field}
+    job = Job(envelope.id, prompt, body.sampling(), body.token_limit(), body.stop, asyncio.get_running_loop(), **shape)
     worker.submit(job)
     events = EventReader(request, job)
     try:

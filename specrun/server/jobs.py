@@ -88,7 +88,9 @@ class Job:
     max_tokens: int | None
     stop: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
-    json_schema: dict | None = None  # response_format: the answer is JSON valid under it
+    json_schema: dict | None = None  # the answer is JSON valid under it (response_format, json_schema)
+    grammar: str | None = None  # or it follows this GBNF (llama.cpp) or Lark grammar
+    constraint_field: str = "response_format"  # the request field that asked for either (named in errors)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)

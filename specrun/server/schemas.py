@@ -3,14 +3,15 @@
 Unknown fields are ignored: clients send many that do not matter here. Fields whose value would
 change the answer in a way specrun cannot honour (n > 1, echo, suffix, best_of, legacy
 `functions`) are refused with a 400 that says so rather than silently dropped
-(`refuse_unsupported`). Log-probabilities, penalties, logit_bias, response_format and tools are
-served, exactly under speculation.
+(`refuse_unsupported`). Log-probabilities, penalties, logit_bias, response_format (and llama.cpp's
+server's `json_schema` and `grammar` fields) and tools are served, exactly under speculation.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specrun.chat import reasoning
 from specrun.core.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from specrun.errors import UsageError
+from specrun.inputs import token_id
 
 # What an absent sampling field means. Temperature 1 is the OpenAI API's documented default (the
 # CLI's greedy default would surprise API clients, which send a temperature when they want one).
@@ -197,6 +199,20 @@ class CalledFunction(BaseModel):
     name: str
     arguments: Any = "{}"
 
+    @field_validator("arguments")
+    @classmethod
+    def _json_arguments(cls, arguments: Any) -> Any:
+        """Return the arguments as an object: templates read them so (Hugging Face's convention),
+        while the OpenAI API sends them as JSON text."""
+        if not isinstance(arguments, str):
+            return arguments
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise ValueError("arguments must be JSON (an object of the call's arguments)") from None
+        except RecursionError:
+            raise ValueError("arguments are nested too deeply") from None
+
 
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -206,19 +222,22 @@ class ToolCall(BaseModel):
     function: CalledFunction
 
     def as_template_call(self) -> dict:
-        arguments = self.function.arguments
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                raise ValueError(f"tool call {self.function.name!r}: arguments are not valid JSON") from None
-        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": self.function.arguments}}
         if self.id is not None:
             call["id"] = self.id
         return call
 
 
 Message.model_rebuild()
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the answer must follow (besides a forced tool call), and the request field that asked."""
+
+    field: str  # response_format, json_schema or grammar: named in errors
+    schema: dict | None = None  # a JSON schema the answer is valid under, or
+    grammar: str | None = None  # a GBNF (llama.cpp) or Lark grammar it follows
 
 
 class GenerationRequest(BaseModel):
@@ -244,6 +263,9 @@ class GenerationRequest(BaseModel):
     repeat_penalty: float | None = Field(default=None, gt=0)  # llama.cpp's server's field
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    # llama.cpp's server's fields for a constrained answer: a JSON schema, or a GBNF (or Lark) grammar.
+    json_schema: dict | None = None
+    grammar: str | None = None
     # Accepted only at their neutral values (see refuse_unsupported).
     functions: Any = None
 
@@ -251,7 +273,7 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit():
+            if token_id(key) is None:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
@@ -309,7 +331,7 @@ class GenerationRequest(BaseModel):
     def sampling(self) -> SamplingParams:
         """Return the sampling settings (without a grammar), or raise a 400 naming the bad one."""
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-        bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        bias = tuple((token_id(k), float(v)) for k, v in (self.logit_bias or {}).items())
         try:
             return SamplingParams(temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p,
                                   self.min_p or 0.0, self.seed, presence_penalty=self.presence_penalty or 0.0,
@@ -319,9 +341,19 @@ class GenerationRequest(BaseModel):
         except UsageError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
-    def json_schema(self) -> dict | None:
-        """Return the schema response_format asks the answer to satisfy (None: free text)."""
-        return None if self.response_format is None else self.response_format.answer_schema()
+    def constraint(self) -> Constraint | None:
+        """Return what the answer must follow (None: free text), or raise a 400 when more than one
+        field asks."""
+        schema = None if self.response_format is None else self.response_format.answer_schema()
+        given = [Constraint("response_format", schema=schema)] if schema is not None else []
+        if self.json_schema is not None:
+            given.append(Constraint("json_schema", schema=self.json_schema))
+        if self.grammar is not None:
+            given.append(Constraint("grammar", grammar=self.grammar))
+        if len(given) > 1:
+            raise APIError(400, f"{' and '.join(c.field for c in given)} both shape the answer: give one of them",
+                           param=given[1].field, code="invalid_value")
+        return given[0] if given else None
 
 
 class JSONSchemaFormat(BaseModel):

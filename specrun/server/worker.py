@@ -31,11 +31,12 @@ from typing import Callable
 from specrun import ui
 from specrun.chat import reasoning
 from specrun.chat.reasoning import ChatSettings, ReasoningParser
-from specrun.decoding.steps import GenerationStats
 from specrun.chat.tools import ToolFormat, tool_format
+from specrun.core.sampling import SamplingParams
+from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import stream
 from specrun.engine.grammar import Grammar
-from specrun.errors import SpecrunError, UsageError
+from specrun.errors import GrammarError, SpecrunError, UsageError
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.request import logprob_json
 from specrun.runtime.runtime import Runtime
@@ -232,13 +233,17 @@ class GenerationWorker:
                                           job.prompt.reasoning_format or self.chat.reasoning_format)
         param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
         limit = token_budget(len(prompt), rt.target_ctx.n_ctx, job.max_tokens, param)
-        params = self._params(job, tools)
+        params, shaped_by = self._params(job, tools)
         started = Started(len(prompt), rt.decoder.cache.reusable(prompt), limit, job.max_tokens,
                           queue_s=self._started_at - job.queued_at)
         if started.capped:
             ui.dim(f"{job.id}: max_tokens {job.max_tokens} lowered to {limit} to fit the {rt.target_ctx.n_ctx}-token context")
         job.emit(started)
-        generated, finish = self._decode(job, prompt, limit, params, parser, hold_text=tools is not None)
+        try:
+            generated, finish = self._decode(job, prompt, limit, params, parser, hold_text=tools is not None)
+        except GrammarError as e:  # llguidance gave up mid-answer: the answer is no answer
+            self._reset()  # raised inside a step, which may have left half of it behind
+            raise APIError(400, str(e), param=shaped_by, code="grammar_failed") from None
         stats = rt.decoder.stats
         if job.cancel.is_set():
             self._memory.forget()
@@ -273,27 +278,41 @@ class GenerationWorker:
                            param="tools", code="unsupported_parameter")
         return None if prompt.tool_choice == "none" else fmt
 
-    def _params(self, job: Job, tools: ToolFormat | None):
-        """Return the job's sampling settings with its grammar compiled for the target's vocabulary."""
+    def _params(self, job: Job, tools: ToolFormat | None) -> tuple[SamplingParams, str]:
+        """Return the job's sampling settings with its grammar compiled for the target's vocabulary,
+        and the request field that asked for the grammar (named if it fails)."""
         model = self.runtime.target
         params = job.params
         for token, _ in params.logit_bias:
             if token >= model.n_vocab:
                 raise APIError(400, f"logit_bias: token id {token} is not below the vocabulary size {model.n_vocab}",
                                param="logit_bias", code="invalid_value")
+        forced = tools is not None and job.prompt.tool_choice not in ("auto", "none")
+        field = "tool_choice" if forced else job.constraint_field
         try:
-            if job.json_schema is not None:
-                return replace(params, grammar=Grammar.from_schema(model, job.json_schema))
-            choice = job.prompt.tool_choice if isinstance(job.prompt, ChatPrompt) else "auto"
-            if tools is not None and choice not in ("auto", "none"):
-                chosen = [t["function"] for t in job.prompt.tools]
-                if choice.startswith("function:"):
-                    chosen = [f for f in chosen if f["name"] == choice.removeprefix("function:")]
-                return replace(params, grammar=Grammar.from_lark(model, tools.grammar(chosen, self._marker)))
+            grammar = self._call_grammar(job.prompt, tools) if forced else self._answer_grammar(job, tools)
         except UsageError as e:
-            raise APIError(400, str(e), param="response_format" if job.json_schema is not None else "tool_choice",
-                           code="invalid_value") from None
-        return params
+            raise APIError(400, str(e), param=field, code="invalid_value") from None
+        return (params if grammar is None else replace(params, grammar=grammar)), field
+
+    def _call_grammar(self, prompt: ChatPrompt, tools: ToolFormat) -> Grammar:
+        """Return the grammar of a forced call (tool_choice required or named). The answer is that
+        call, whatever response_format asks of an answer in words (as with the OpenAI API)."""
+        chosen = [t["function"] for t in prompt.tools]
+        if prompt.tool_choice.startswith("function:"):
+            chosen = [f for f in chosen if f["name"] == prompt.tool_choice.removeprefix("function:")]
+        return Grammar.from_lark(self.runtime.target, tools.grammar(chosen, self._marker))
+
+    def _answer_grammar(self, job: Job, tools: ToolFormat | None) -> Grammar | None:
+        """Return the grammar the request asks the answer to follow (None: free text); with tools
+        the model may call, a call is allowed in place of a response_format answer."""
+        model = self.runtime.target
+        if job.json_schema is not None and tools is not None:
+            functions = [t["function"] for t in job.prompt.tools]
+            return Grammar.from_lark(model, tools.call_or_answer(functions, self._marker, job.json_schema))
+        if job.json_schema is not None:
+            return Grammar.from_schema(model, job.json_schema)
+        return Grammar.from_text(model, job.grammar) if job.grammar is not None else None
 
     def _marker(self, text: str) -> str:
         """Return text as a grammar literal: the special token it is, if the vocabulary has one."""
@@ -333,6 +352,8 @@ class GenerationWorker:
                     logprobs = logprob_json(rt.target, [lp for lp in chunk.logprobs if lp.token not in eog]) or None
                 if (chunk.text or logprobs) and not hold_text:
                     _emit_text(job, chunk.text, parser, logprobs)
+                elif logprobs:  # the text is held back (it may be a tool call); its log-probs are not
+                    job.emit(Piece("", logprobs=logprobs))
                 finish = chunk.finish_reason or finish
                 if job.cancel.is_set():
                     break
