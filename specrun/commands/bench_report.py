@@ -20,6 +20,7 @@ from specrun.commands import bench, tune
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.files import human_size
 from specrun.hardware import offload
+from specrun.hardware.machine import probe_hardware
 from specrun.runtime.plan import Plan, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
 from specrun.tuning import cost_model as tuner
@@ -61,7 +62,7 @@ def bench_report(opts: RunOptions, settings: ReportSettings, workload: str, prom
 def measure_report(opts: RunOptions, settings: ReportSettings, workload: str, prompts_file: Path | None,
                    max_tokens: int) -> dict:
     """Return the report as a dict (see `markdown` for what each part means)."""
-    hardware = profiler.probe_hardware()
+    hardware = probe_hardware()
     budget = max(1, min(settings.max_tree, MAX_BUDGET, opts.ctx_size - 1))
     shape = TreeShape(budget, min(settings.depth, budget), min(settings.width, budget), min(settings.top_k, budget))
     with Runtime(replace(opts, lookup=False), shape_override=shape) as rt:

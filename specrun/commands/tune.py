@@ -25,6 +25,7 @@ from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.decoding.plain import PlainDecoder
 from specrun.errors import SpecrunError, UsageError
 from specrun.hardware import offload
+from specrun.hardware.machine import probe_hardware
 from specrun.limits import MAX_SEQ
 from specrun.runtime.plan import RunOptions, resolve_models
 from specrun.runtime.runtime import Runtime, make_decoder
@@ -88,7 +89,7 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
 
     t_start = time.monotonic()
     _check_profiles_writable()
-    hardware = profiler.probe_hardware()
+    hardware = probe_hardware()
     report.warn_if_busy(hardware.cores)
     max_budget = min(opts.budget or settings.max_budget, MAX_BUDGET)
     depth = opts.depth or settings.depth

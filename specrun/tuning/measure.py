@@ -1,9 +1,8 @@
-"""Measures this machine for the tuner: devices, forward-pass cost curves, draft acceptance.
+"""Measures the model pair for the tuner: forward-pass cost curves, plain decoding, draft acceptance.
 
-Three kinds of measurement, all on the models and contexts the user will decode with:
+Two kinds of measurement, both on the models and contexts the user will decode with (the machine
+itself is hardware.machine's):
 
-- `probe_hardware`: CPU, RAM, the devices and backends llama.cpp sees, and a fingerprint of the
-  parts that decide speed (a stored profile is only valid on the same hardware).
 - `measure_curve`: seconds for one forward pass over n tokens appended to a real prompt, for
   n = 1, 2, 4, ... (warm-up, repeats, medians, a time budget). For the draft it includes the top-k
   over the logits, which every draft pass pays in Python.
@@ -17,8 +16,6 @@ Timings here are medians over repeats: a 2-core machine shared with other work i
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import statistics
@@ -28,14 +25,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specrun import engine, sysinfo
 from specrun.core.sampling import SamplingParams, log_softmax_topk, make_rng
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
 from specrun.engine import Batch
-from specrun.hardware.offload import Device
 from specrun.tuning import cost_model as tuner
 
 log = logging.getLogger("specrun.profiler")
@@ -63,78 +58,6 @@ MAX_CURVE_TOKENS = 2048
 # Draft ranks beyond this count as "not proposed" for the Sequoia positional rates: trees never
 # give a node more children than this (the DP would give the rest near-zero value anyway).
 MAX_CHILD_RANK = 8
-
-
-# --------------------------------------------------------------------------------------------
-# Hardware
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What this machine offers llama.cpp. Memory in bytes; `devices` as engine.DeviceInfo dicts."""
-
-    cpu: str
-    cores: int
-    ram_total_bytes: int
-    ram_available_bytes: int
-    devices: tuple[dict, ...]
-    backends: tuple[str, ...]
-    cpu_features: str = ""
-
-    @property
-    def gpus(self) -> list:
-        """Return the accelerators (not the CPU) as offload.Device, for the offload planner."""
-
-        return [
-            Device(d["name"], d["free_bytes"], d["total_bytes"])
-            for d in self.devices
-            if d["kind"] in ("gpu", "igpu")
-        ]
-
-    def fingerprint(self) -> str:
-        """Return a short hash of what decides speed: CPU, cores, RAM size, GPUs, backends.
-
-        Free memory changes from run to run and is left out; total RAM and GPU memory are rounded
-        to GiB so a kernel reserving a little more does not invalidate a profile.
-        """
-        stable = {
-            "cpu": self.cpu,
-            "cores": self.cores,
-            "ram_gib": round(self.ram_total_bytes / 2**30),
-            "gpus": sorted((d["name"], d["description"], round(d["total_bytes"] / 2**30)) for d in self.devices if d["kind"] != "cpu"),
-            "backends": sorted(self.backends),
-            "cpu_features": self.cpu_features,
-        }
-        return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
-
-    def to_dict(self) -> dict:
-        return {
-            "cpu": self.cpu,
-            "cores": self.cores,
-            "ram_total_bytes": self.ram_total_bytes,
-            "ram_available_bytes": self.ram_available_bytes,
-            "devices": [dict(d) for d in self.devices],
-            "backends": list(self.backends),
-            "cpu_features": self.cpu_features,
-            "fingerprint": self.fingerprint(),
-        }
-
-
-def probe_hardware() -> Hardware:
-    """Return the CPU, RAM, devices and backends of this machine as llama.cpp sees them."""
-
-    total, available = sysinfo.ram_bytes()
-    return Hardware(
-        cpu=sysinfo.cpu_name(),
-        cores=engine.default_threads(),
-        ram_total_bytes=total,
-        ram_available_bytes=available,
-        devices=tuple(d.to_dict() for d in engine.list_devices()),
-        backends=tuple(engine.backend_names()),
-        cpu_features=engine.system_info(),
-    )
-
-
 
 
 # --------------------------------------------------------------------------------------------

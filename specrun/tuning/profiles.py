@@ -24,7 +24,7 @@ from specrun import engine, files, paths
 from specrun.core.shapes import TreeShape, template_shape
 from specrun.decoding.adaptive import DraftPrior
 from specrun.errors import SpecrunError
-from specrun.tuning import measure as profiler
+from specrun.hardware.machine import probe_hardware
 from specrun.tuning.cost_model import Choice, CostCurve
 
 log = logging.getLogger("specrun.profiles")
@@ -37,7 +37,7 @@ PROFILE_FORMAT = 1
 def hardware_fingerprint() -> str:
     """Return this machine's hardware fingerprint (probed once per process)."""
 
-    return profiler.probe_hardware().fingerprint()
+    return probe_hardware().fingerprint()
 
 
 def profile_key(

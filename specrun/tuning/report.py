@@ -16,8 +16,8 @@ from rich.progress import (
 
 from specrun import sysinfo, ui
 from specrun.errors import UsageError
+from specrun.hardware.machine import Hardware
 from specrun.tuning import cost_model as tuner
-from specrun.tuning.measure import Hardware
 
 # Other work using more than this share of the CPU when tuning starts gets a warning.
 BUSY_FRACTION = 0.25
