@@ -402,9 +402,7 @@ def bench(
         if report:
             from specrun.commands import bench_report
 
-            settings = bench_report.ReportSettings(calibration_tokens=max(16, max_tokens),
-                                                   **({"max_tree": max(budgets)} if budgets else {}))
-            bench_report.bench_report(opts, settings, workload or "all", prompts, max_tokens, as_json)
+            bench_report.bench_report(opts, budgets, workload or "all", prompts, max_tokens, as_json)
             return
         bench_command.bench(opts, budgets, prompts, max_tokens, as_json, width=width, children=children, workload=workload)
 

@@ -12,20 +12,20 @@ from __future__ import annotations
 import json
 import platform
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from specrun import engine, ui
-from specrun.commands import bench, tune
+from specrun.commands import bench
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.files import human_size
-from specrun.hardware import offload
 from specrun.hardware.machine import probe_hardware
 from specrun.runtime.plan import Plan, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
 from specrun.tuning import cost_model as tuner
-from specrun.tuning import measure as profiler
 from specrun.tuning import profiles
+from specrun.tuning import report as tuning_report
+from specrun.tuning.pair import Measured, PairSettings, choose, measure_pair
 
 REPORT_FORMAT = 1
 # The workload row that stands for what a run with the same options uses, by the plan's drafter.
@@ -33,24 +33,17 @@ DEFAULT_MODES = {"hybrid": "hybrid", "lookup": "lookup", "draft model": "draft t
                  "mtp": "mtp", "none": "plain"}
 
 
-@dataclass(frozen=True)
-class ReportSettings:
-    """How hard the report measures: the largest tree, curve repeats, calibration and workloads."""
-
-    max_tree: int = 512  # draft tokens of the largest tree whose cost is measured (root added)
-    curve_repeats: int = 3
-    curve_seconds: float = 120.0
-    calibration_prompts: int = 3
-    calibration_tokens: int = 48
-    calibration_seconds: float = 120.0
-    depth: int = 12
-    width: int = 4
-    top_k: int = 4
+# How hard the report measures: the largest tree whose cost is measured (root added), curve
+# repeats, the calibration and the time given each.
+REPORT = PairSettings(max_budget=512, depth=12, width=4, top_k=4, curve_repeats=3, curve_seconds=120.0,
+                      calibration_prompts=3, calibration_tokens=48, calibration_seconds=120.0)
 
 
-def bench_report(opts: RunOptions, settings: ReportSettings, workload: str, prompts_file: Path | None,
+def bench_report(opts: RunOptions, budgets: list[int] | None, workload: str, prompts_file: Path | None,
                  max_tokens: int, as_json: bool) -> dict:
-    """Measure everything the report holds; print it as Markdown (or JSON) on stdout; return it."""
+    """Measure everything the report holds (cost curves up to the largest of `budgets`, the
+    calibration as long as the answers); print it as Markdown (or JSON) on stdout; return it."""
+    settings = replace(REPORT, calibration_tokens=max(16, max_tokens), max_budget=max(budgets or [REPORT.max_budget]))
     report = measure_report(opts, settings, workload, prompts_file, max_tokens)
     if as_json:
         print(json.dumps(report, indent=1))
@@ -59,17 +52,18 @@ def bench_report(opts: RunOptions, settings: ReportSettings, workload: str, prom
     return report
 
 
-def measure_report(opts: RunOptions, settings: ReportSettings, workload: str, prompts_file: Path | None,
+def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prompts_file: Path | None,
                    max_tokens: int) -> dict:
     """Return the report as a dict (see `markdown` for what each part means)."""
     hardware = probe_hardware()
-    budget = max(1, min(settings.max_tree, MAX_BUDGET, opts.ctx_size - 1))
+    budget = max(1, min(settings.max_budget, MAX_BUDGET, opts.ctx_size - 1))
     shape = TreeShape(budget, min(settings.depth, budget), min(settings.width, budget), min(settings.top_k, budget))
     with Runtime(replace(opts, lookup=False), shape_override=shape) as rt:
         plan = rt.plan
         ui.dim(f"report: measuring cost curves up to {budget + 1} tokens")
-        measured = _measure(rt, settings, shape)
-        choice, best_tree = tune._choose(measured)
+        with tuning_report.progress() as progress:
+            measured = measure_pair(rt, settings, shape, progress, whole_curve=True)
+        choice, best_tree = choose(measured)
     ui.dim("report: measuring the drafters per workload")
     rows = bench.bench_workloads(opts, workload, prompts_file, max_tokens, as_json=False, quiet=True)
     default = build_plan(opts)  # what a run with these options uses
@@ -99,30 +93,7 @@ def measure_report(opts: RunOptions, settings: ReportSettings, workload: str, pr
     }
 
 
-def _measure(rt, settings: ReportSettings, shape: TreeShape) -> tune.Measured:
-    """Measure the whole target curve (no early stop: the report shows where it jumps), the
-    draft's curve, plain decoding and a short calibration: what the tuner chooses from."""
-    prompts = [rt.tokenize_prompt(text, chat=True) for _, text in profiler.CALIBRATION_PROMPTS]
-    steps = offload.cost_steps(rt.plan.placement)
-    target = profiler.measure_curve(
-        rt.target_ctx, prompts[0], profiler.curve_sizes(shape.budget + 1, steps), repeats=settings.curve_repeats,
-        deadline=time.monotonic() + settings.curve_seconds, steps=steps,
-    )
-    draft = profiler.measure_curve(
-        rt.draft_ctx, prompts[0], profiler.curve_sizes(max(tuner.DEFAULT_WIDTHS[-1], 2 * shape.width)),
-        repeats=settings.curve_repeats, deadline=time.monotonic() + settings.curve_seconds / 2, top_k=shape.top_k,
-    )
-    plain = profiler.measure_plain(rt.target, rt.target_ctx, prompts[0], 16)
-    calibration = profiler.calibrate(
-        rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, prompts[: settings.calibration_prompts], shape,
-        settings.calibration_tokens, deadline=time.monotonic() + settings.calibration_seconds,
-    )
-    topk = draft.topk_curve()
-    return tune.Measured(target, draft, plain, calibration, calibration.overhead_s(topk),
-                         calibration.overhead_per_pass_s(topk))
-
-
-def _tau(measured: tune.Measured) -> dict[str, float]:
+def _tau(measured: Measured) -> dict[str, float]:
     """Return the accepted draft tokens per pass for trees of n - 1 draft tokens, n the curve's sizes:
     with the cost curve, the speedup any tree size would give (see `predicted_speedup`)."""
     cal = measured.calibration

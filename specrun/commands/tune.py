@@ -24,30 +24,27 @@ from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.decoding.plain import PlainDecoder
 from specrun.errors import SpecrunError, UsageError
-from specrun.hardware import offload
 from specrun.hardware.machine import probe_hardware
-from specrun.limits import MAX_SEQ
 from specrun.runtime.plan import RunOptions, resolve_models
 from specrun.runtime.runtime import Runtime, make_decoder
 from specrun.runtime.trees import DEFAULT_SHAPE, tree_of_choice
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import measure as profiler
 from specrun.tuning import profiles, report
+from specrun.tuning.pair import (
+    Measured,
+    PairSettings,
+    choose,
+    measure_pair,
+    tau_budgets,
+)
 
 
 @dataclass(frozen=True)
-class TuneSettings:
-    """How long and how hard `tune` measures. Times are budgets in seconds per phase."""
+class TuneSettings(PairSettings):
+    """How long and how hard `tune` measures: the pair (PairSettings), then the check of its
+    choice on held-out prompts and the default per workload. Times are budgets in seconds."""
 
-    max_budget: int  # largest tree (draft tokens) calibrated
-    depth: int  # depth limit of the calibration tree: deeper trees are not considered
-    width: int  # nodes per draft pass while calibrating
-    top_k: int  # children per expanded node
-    curve_repeats: int
-    curve_seconds: float
-    calibration_prompts: int
-    calibration_tokens: int
-    calibration_seconds: float
     check_prompts: int
     check_tokens: int
     check_seconds: float
@@ -67,9 +64,6 @@ FULL = TuneSettings(
     check_prompts=3, check_tokens=128, check_seconds=300, workload_tokens=128, workload_prompts=32,
 )
 
-# Trees of this many tokens (root included) at most for Sequoia: its inner nodes must fit the
-# draft's sequence ids (sequoia_draft.MAX_INNER_NODES).
-MAX_SEQUOIA_TOKENS = MAX_SEQ
 # A draft tree that measures slower than this against plain decoding on the held-out prompts is
 # turned off (lookup stays on), whatever the prediction said; one that measures at least this
 # fast stays, whatever the prediction said. The check decodes a few short answers, whose speed
@@ -81,7 +75,6 @@ CHECK_MIN_SPEEDUP = 0.90
 # The held-out check also decodes what runs without a profile (a chain of DEFAULT_SHAPE); a tuned
 # tree must not measure slower than it by more than this, or the default is what is stored.
 DEFAULT_MARGIN = 0.03
-
 
 
 def tune(opts: RunOptions, settings: TuneSettings) -> dict:
@@ -101,18 +94,18 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             f"tuning {rt.models.target_name} with draft {rt.models.draft_name} on {hardware.cpu}, "
             f"{rt.target_ctx.threads} threads" + report.gpu_note(hardware)
         )
-        calib_prompts = [rt.tokenize_prompt(text, chat=True) for _, text in profiler.CALIBRATION_PROMPTS]
         held_out = [rt.tokenize_prompt(text, chat=True) for _, text in profiler.HELD_OUT_PROMPTS]
         with report.progress() as progress:
-            measured = _measure(rt, settings, calibration_shape, calib_prompts, progress)
-            choice, best_tree = _choose(measured)
+            measured = measure_pair(rt, settings, calibration_shape, progress)
+            _say_measured(measured)
+            choice, best_tree = choose(measured)
             default = _untuned_default(best_tree, max_budget)
             check = _check(rt, best_tree, held_out, settings, progress, default)
         choice, best_tree, check = _prefer_the_default(choice, best_tree, default, check)
         # Measured beats predicted, both ways.
         if choice.kind != "plain" and check.tree_speedup < CHECK_MIN_SPEEDUP:
             # The tree lost on the held-out prompts: the draft model's trees are turned off.
-            choice = tuner.Choice("plain", 0, 0, 0, 0, _plain_rate(measured), 1.0)
+            choice = tuner.Choice("plain", 0, 0, 0, 0, measured.plain_tokens_per_s, 1.0)
         elif choice.kind == "plain" and best_tree.kind != "plain" and check.tree_speedup >= CHECK_MIN_SPEEDUP:
             choice = best_tree  # predicted to lose, measured level or faster: it stays
         key = profiles.profile_key(
@@ -136,6 +129,17 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
     return profile
 
 
+def _say_measured(measured: Measured) -> None:
+    """Print the passes' costs and the calibration's acceptance (on stderr)."""
+    draft, cal = measured.draft, measured.calibration.summary()
+    ui.dim("target pass: " + report.curve_text(measured.target.decode))
+    ui.dim("draft pass:  " + report.curve_text({n: s + draft.topk.get(n, 0.0) for n, s in draft.decode.items()}))
+    ui.dim(
+        f"calibration: {cal['n_tokens']} tokens in {cal['n_steps']} passes of a {measured.calibration.budget}-token tree, "
+        f"{cal['accepted_per_pass']:.2f} accepted per pass"
+    )
+
+
 def _check_profiles_writable() -> None:
     """Refuse before minutes of measuring when the profile could not be saved afterwards."""
     folder = paths.profiles_dir()
@@ -145,138 +149,6 @@ def _check_profiles_writable() -> None:
             f"cannot save tuning profiles in {folder} ({reason}): make it writable, or point SPECRUN_HOME "
             "(or SPECRUN_PROFILES) at a writable directory"
         )
-
-
-@dataclass
-class Measured:
-    """Everything the tuner's choice is made from."""
-
-    target: profiler.CurveMeasurement
-    draft: profiler.CurveMeasurement
-    plain: profiler.PlainTiming
-    calibration: profiler.Calibration
-    overhead_s: float  # per calibration step (a tree of the calibration budget)
-    overhead_per_pass_s: float  # the same, per forward pass: what the tuner's cost model uses
-
-    @property
-    def target_curve(self) -> tuner.CostCurve:
-        return self.target.curve()
-
-    @property
-    def draft_curve(self) -> tuner.CostCurve:
-        return self.draft.curve()
-
-
-def _measure(rt, settings: TuneSettings, shape, prompts: list[list[int]], progress) -> Measured:
-
-    depth = shape.depth
-    steps = offload.cost_steps(rt.plan.placement)
-    sizes = profiler.curve_sizes(shape.budget + 1, steps)
-    task = progress.add_task("target cost curve", total=len(sizes))
-    target = profiler.measure_curve(
-        rt.target_ctx, prompts[0], sizes, repeats=settings.curve_repeats, steps=steps,
-        deadline=time.monotonic() + settings.curve_seconds,
-        # A tree costing more than depth + 1 plain passes loses even if all of it is accepted.
-        stop_ratio=depth + 1.0,
-        on_size=lambda n, s: progress.advance(task),
-    )
-    progress.update(task, completed=len(sizes))
-    ui.dim("target pass: " + report.curve_text(target.decode))
-
-    widths = profiler.curve_sizes(max(tuner.DEFAULT_WIDTHS[-1], 2 * shape.width))
-    task = progress.add_task("draft cost curve", total=len(widths))
-    draft = profiler.measure_curve(
-        rt.draft_ctx, prompts[0], widths, repeats=settings.curve_repeats,
-        deadline=time.monotonic() + settings.curve_seconds / 2, top_k=shape.top_k,
-        on_size=lambda n, s: progress.advance(task),
-    )
-    progress.update(task, completed=len(widths))
-    ui.dim("draft pass:  " + report.curve_text({n: s + draft.topk.get(n, 0.0) for n, s in draft.decode.items()}))
-
-    plain = profiler.measure_plain(rt.target, rt.target_ctx, prompts[0], 16)
-
-    curve = target.curve()
-    budget = _calibration_budget(curve, shape.budget, depth)
-    n_prompts = settings.calibration_prompts
-    task = progress.add_task(f"calibrating (tree of {budget})", total=n_prompts * settings.calibration_tokens)
-    calibration = profiler.calibrate(
-        rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, prompts[:n_prompts],
-        TreeShape(budget, depth, min(shape.width, budget), min(shape.top_k, budget)),
-        settings.calibration_tokens, deadline=time.monotonic() + settings.calibration_seconds,
-        on_step=lambda n: progress.advance(task, n),
-    )
-    progress.update(task, completed=n_prompts * settings.calibration_tokens)
-    cal = calibration.summary()
-    ui.dim(
-        f"calibration: {cal['n_tokens']} tokens in {cal['n_steps']} passes of a {budget}-token tree, "
-        f"{cal['accepted_per_pass']:.2f} accepted per pass"
-    )
-    topk = draft.topk_curve()
-    return Measured(
-        target, draft, plain, calibration, calibration.overhead_s(topk), calibration.overhead_per_pass_s(topk)
-    )
-
-
-def _calibration_budget(curve: tuner.CostCurve, cap: int, depth: int) -> int:
-    """Return the largest budget worth calibrating: a tree of B + 1 tokens can only pay while
-    one pass over it costs less than depth + 1 plain passes (all accepted, at best)."""
-    limit = (depth + 1) * curve.t(1)
-    budget = 1
-    for n in range(1, cap + 1):
-        if curve.t(n + 1) <= limit:
-            budget = n
-    return budget
-
-
-def _budgets(largest: int) -> list[int]:
-    """Return budgets to evaluate: every size up to 64, then steps of about 6%."""
-    return tuner.size_grid(1, 64, largest, 1.06)
-
-
-def _tuner_inputs(measured: Measured) -> dict:
-    cal = measured.calibration
-    budgets = _budgets(cal.budget)
-    depths = [d for d in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32) if d < cal.depth] + [cal.depth]
-    return dict(
-        target_curve=measured.target_curve,
-        draft_curve=measured.draft_curve,
-        overhead=0.0,
-        overhead_per_pass=measured.overhead_per_pass_s,
-        tau_by_depth=cal.tau_by_depth(budgets, depths),
-        depth=cal.depth,
-        top_k=cal.top_k,
-        branching=cal.branching(),
-        plain_overhead=measured.plain.overhead_s,
-        max_tree_tokens=cal.budget + 1,
-    )
-
-
-def _choose(measured: Measured) -> tuple[tuner.Choice, tuner.Choice]:
-    """Return (the choice, the best tree even if it loses to plain decoding)."""
-    inputs = _tuner_inputs(measured)
-    cal = measured.calibration
-    best_specexec = tuner.choose_config(**inputs, min_speedup=0.0)
-    draft = measured.draft_curve
-    sequoia_inputs = {
-        **inputs,
-        "tau_by_depth": None,
-        "max_tree_tokens": min(cal.budget + 1, MAX_SEQUOIA_TOKENS),
-        # The tuner prices a static tree's first draft pass at one token; catching up is wider.
-        "overhead": inputs["overhead"] + max(0.0, draft.t(cal.catchup_tokens()) - draft.t(1)),
-    }
-    best_sequoia = tuner.choose_config(
-        **sequoia_inputs, accept_probs=cal.accept_probs(), sequoia_depths=tuple(range(1, cal.depth + 1)),
-        min_speedup=0.0,
-    )
-    candidates = [c for c in (best_specexec, best_sequoia) if c.kind != "plain"]
-    if not candidates:
-        plain = tuner.choose_config(**inputs)
-        return plain, plain
-    best = max(candidates, key=lambda c: c.predicted_tokens_per_s)
-    if best.predicted_speedup < tuner.MIN_SPEEDUP:
-        plain_rate = best.predicted_tokens_per_s / best.predicted_speedup
-        return tuner.Choice("plain", 0, 0, 0, 0, plain_rate, 1.0), best
-    return best, best
 
 
 @dataclass
@@ -419,7 +291,7 @@ def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree,
 
     cal = measured.calibration
     chosen_tree = choice.kind != "plain"
-    budgets = _budgets(cal.budget)
+    budgets = tau_budgets(cal.budget)
     return {
         "key": key,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -434,7 +306,7 @@ def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree,
         "best_tree": best_tree.to_dict(),
         "check": {
             "plain_tokens_per_s": round(check.plain_tokens_per_s, 3),
-            "plain_predicted_tokens_per_s": round(_plain_rate(measured), 3),
+            "plain_predicted_tokens_per_s": round(measured.plain_tokens_per_s, 3),
             "tree_tokens_per_s": round(check.tree_tokens_per_s, 3),
             "tree_predicted_tokens_per_s": round(best_tree.predicted_tokens_per_s, 3),
             "tree_predicted_speedup": round(best_tree.predicted_speedup, 4),
@@ -462,10 +334,6 @@ def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree,
         },
         "calibration": cal.to_dict(),
     }
-
-
-def _plain_rate(measured: Measured) -> float:
-    return 1.0 / (measured.target_curve.t(1) + measured.plain.overhead_s)
 
 
 def _predicted_accepted(measured: Measured, choice: tuner.Choice) -> float:
