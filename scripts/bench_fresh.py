@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specrun.commands.bench_prompts import workload_prompts
+from specrun.experiments.workloads import workload_prompts
 
 FLAGS = {"plain": ["--no-spec"], "default": [], "lookup": ["--draft", "lookup"], "tree": ["--no-lookup"]}
 

@@ -28,7 +28,7 @@ from pathlib import Path
 # scripts/ is this script's own directory, first on sys.path.
 from bench_fresh import _run
 
-from specrun.commands.bench_prompts import WORKLOADS
+from specrun.experiments.workloads import WORKLOADS
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
 
@@ -101,7 +101,7 @@ def main() -> None:
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     for name in names:
         texts = WORKLOADS[name]
-        texts = texts[: args.prompts or None]  # (one request of each kind a round: bench_prompts.KINDS)
+        texts = texts[: args.prompts or None]  # (one request of each kind a round: workloads.KINDS)
         rendered, paths = _rendered(texts, target)
         threads = args.threads or paths["threads"]
         totals = {m: [0, 0.0] for m in modes}

@@ -16,7 +16,7 @@ import argparse
 import time
 
 from specrun.commands import bench
-from specrun.commands.bench_prompts import workload_prompts
+from specrun.experiments.workloads import workload_prompts
 from specrun.runtime.plan import RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
 

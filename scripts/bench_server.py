@@ -37,21 +37,23 @@ WARMUP_REQUESTS = 8
 
 def main() -> None:
     args = _parse_args()
-    from specrun.commands.bench_prompts import CHAT as BENCH_PROMPTS
+    from specrun.experiments.workloads import WORKLOADS
+
+    prompts = WORKLOADS["chat"]
 
     server = ServerProcess(args)
     try:
         url = server.url
-        _load(url, BENCH_PROMPTS, WARMUP_REQUESTS, args.concurrency, args.max_tokens)
+        _load(url, prompts, WARMUP_REQUESTS, args.concurrency, args.max_tokens)
         rss_before = _rss_mb(server.proc.pid)
         t0 = time.perf_counter()
-        results = _load(url, BENCH_PROMPTS, args.requests, args.concurrency, args.max_tokens)
+        results = _load(url, prompts, args.requests, args.concurrency, args.max_tokens)
         wall = time.perf_counter() - t0
         rss_after = _rss_mb(server.proc.pid)
-        served = _one_by_one(url, BENCH_PROMPTS, args.max_tokens)
+        served = _one_by_one(url, prompts, args.max_tokens)
     finally:
         server.stop()
-    local = _in_process(args, BENCH_PROMPTS)
+    local = _in_process(args, prompts)
     report = _report(args, results, wall, rss_before, rss_after, served, local)
     print(json.dumps(report, indent=2) if args.json else _summary(report))
 

@@ -248,11 +248,11 @@ def _text(page: str) -> str:
 
 def _quoted_figures() -> list[tuple[str, str]]:
     """(page, a phrase built from the constant it quotes)."""
-    from specrun.commands.bench_prompts import KINDS, ROUNDS
     from specrun.commands.tune import CHECK_MIN_SPEEDUP, DEFAULT_MARGIN, FULL, QUICK
     from specrun.commands.tune_workloads import UNTUNED_MARGIN
     from specrun.core.sampling import SamplingParams
     from specrun.decoding.adaptive import MARGIN, STRONG_ORDER
+    from specrun.experiments.workloads import KINDS, ROUNDS
     from specrun.hardware.placement import AUTO_CTX_STEP, MIN_AUTO_CTX
     from specrun.runtime.options import DEFAULT_CTX
     from specrun.runtime.plan import PROFILE_DRIFT

@@ -10,7 +10,7 @@ from test_runtime_profile import PLAIN, store_measured
 from typer.testing import CliRunner
 
 from specrun.cli import app
-from specrun.commands.bench_prompts import KINDS, WORKLOADS, load_prompts, workload_prompts
+from specrun.experiments.workloads import KINDS, WORKLOADS, load_prompts, workload_prompts
 
 COPY = "Repeat this line exactly, twice: the quick brown fox jumps over the lazy dog near the river bank."
 

@@ -21,7 +21,6 @@ from test_speculative import (
     plain_reference,
 )
 
-from specrun.commands.bench_prompts import FUNCTION, LIGHTHOUSE
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.shapes import TreeShape
 from specrun.decoding.adaptive import SpeedGuard
@@ -32,14 +31,15 @@ from specrun.decoding.lookup_index import LookupIndex
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
+from specrun.experiments.workloads import PASTED
 
 N_CTX = 1024
 TREE_BATCH = 320  # the largest tree below (draft 16 + lookup 256 nodes) + root
 
 # Prompts whose answers copy (code edit, quote) and a free-form one with nothing to copy (few, for time).
 COPY_PROMPTS = [
-    f"Add type hints to this function and output the whole function:\n\n{FUNCTION}",
-    f"Quote the first sentence of this text verbatim:\n\n{LIGHTHOUSE}",
+    f"Add type hints to this function and output the whole function:\n\n{PASTED['function']}",
+    f"Quote the first sentence of this text verbatim:\n\n{PASTED['lighthouse']}",
 ]
 FREE_PROMPTS = [
     "Write a haiku about autumn leaves.",
@@ -149,7 +149,7 @@ def test_greedy_long_generation_with_adaptation(kind, target, draft, contexts, p
     """320+ tokens with the online adaptation on: matches span the prompt and generated text."""
     spec = lookup_decoder(target, contexts, 64, adapt=True) if kind == "lookup" else hybrid_decoder(target, draft, contexts, 32, adapt=True)
     # Raw text (no chat turn to end): the model writes on for all LONG_TOKENS tokens.
-    prompt = target.tokenize(f"{FUNCTION}\n\n{FUNCTION}\n\ndef", add_special=True, parse_special=False)
+    prompt = target.tokenize(f"{PASTED['function']}\n\n{PASTED['function']}\n\ndef", add_special=True, parse_special=False)
     ref = references(prompt, LONG_TOKENS)
     out = token_ids(spec, prompt, GREEDY, LONG_TOKENS)
     assert len(out) >= 300, f"the generation ended after {len(out)} tokens"

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 
-from specrun.commands.bench_prompts import REWRITE
 from specrun.core.sampling import SamplingParams
 from specrun.core.shapes import TreeTemplate
 from specrun.decoding.drafters.best_first import TreeGrower
@@ -18,6 +17,7 @@ from specrun.decoding.drafters.sequoia import StaticTreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
+from specrun.experiments.workloads import WORKLOADS
 from specrun.runtime import plan as plan_module
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
@@ -31,6 +31,7 @@ PLAIN = Choice("plain", 0, 0, 0, 0, 20.0, 1.0)
 TEMPLATE = TreeTemplate(parents=(-1, 0, 0, 1), ranks=(0, 1, 2, 1))
 SEQUOIA = Choice("sequoia", 3, 2, 2, 2, 30.0, 1.3, TEMPLATE)
 SPECEXEC = Choice("specexec", 12, 6, 2, 3, 30.0, 1.3)
+REWRITE = WORKLOADS["rewrite"][0]  # a copy task: drafts get accepted
 
 
 def _store(offline_models, choice: Choice) -> None:
@@ -62,7 +63,7 @@ def test_a_profile_whose_draft_tree_lost_still_runs_lookup_on_a_copy(offline_mod
         rt = Runtime(replace(OPTS, lookup=None))
     with rt:
         assert rt.draft is None and rt.plan.drafter == "lookup" and "lookup alone" in rt.plan.why
-        prompt = rt.tokenize_prompt(REWRITE[0], chat=True)
+        prompt = rt.tokenize_prompt(REWRITE, chat=True)
         token_ids(rt.decoder, prompt, SamplingParams(), 64)
         assert sum(step.lookup_tokens for step in rt.decoder.stats.steps) > 0
     assert any("older specrun" in r.getMessage() for r in caplog.records)  # an old profile: said once
@@ -111,14 +112,14 @@ def test_without_a_profile_a_long_copy_prompt_is_not_read_by_the_draft_before_lo
         assert rt.plan.drafter == "hybrid"
         assert 0 < rt.decoder.drafter.catch_up_s < 1  # probed at load, the draft's cache left empty
         assert rt.decoder.drafter.draft.cache.tokens == []
-        prompt = rt.tokenize_prompt(REWRITE[0], chat=True)
+        prompt = rt.tokenize_prompt(REWRITE, chat=True)
         assert len(prompt) > 100
         out = token_ids(rt.decoder, prompt, SamplingParams(), 48)
         steps = rt.decoder.stats.steps
         assert steps[1].draft_passes == 0 and steps[1].draft_s == 0.0
         assert sum(step.lookup_tokens for step in steps) > 0
     with Runtime(replace(OPTS, no_spec=True)) as plain:
-        assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE[0], chat=True), SamplingParams(), 48) == out
+        assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE, chat=True), SamplingParams(), 48) == out
 
 
 def store_measured(offline_models, choice: Choice, pass_s: float, threads: int | None = OPTS.threads) -> None:
@@ -146,13 +147,13 @@ def test_a_profile_from_another_state_of_the_machine_is_set_aside_at_load(offlin
         assert rt.plan.drafter == "hybrid" and rt.draft is not None and rt.draft_ctx is not None
         assert rt.plan.check is None and "when the tuning profile was made" in rt.plan.why
         assert rt.decoder.drafter.prior is None  # its first steps come from its own timing
-        prompt = rt.tokenize_prompt(REWRITE[0], chat=True)
+        prompt = rt.tokenize_prompt(REWRITE, chat=True)
         out = token_ids(rt.decoder, prompt, SamplingParams(), 48)
     err = capsys.readouterr().err
     assert "when this machine was tuned: this run decides as without the tuning profile" in err
     assert "tip:" not in err  # the pair is tuned: no suggestion to tune it
     with Runtime(replace(OPTS, no_spec=True)) as plain:
-        assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE[0], chat=True), SamplingParams(), 48) == out
+        assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE, chat=True), SamplingParams(), 48) == out
 
 
 def test_a_profile_whose_timing_holds_decides_the_run(offline_models, monkeypatch):
@@ -163,6 +164,6 @@ def test_a_profile_whose_timing_holds_decides_the_run(offline_models, monkeypatc
     with Runtime(replace(OPTS, lookup=None)) as rt:
         assert not rt.profile_set_aside and rt.target_pass_s > 0
         assert rt.plan.drafter == "lookup" and rt.draft is None and rt.plan.check is not None
-        prompt = rt.tokenize_prompt(REWRITE[0], chat=True)
+        prompt = rt.tokenize_prompt(REWRITE, chat=True)
         token_ids(rt.decoder, prompt, SamplingParams(), 48)
         assert sum(step.lookup_tokens for step in rt.decoder.stats.steps) > 0

@@ -18,7 +18,7 @@ import pytest
 from specrun import engine, sysinfo
 from specrun.commands import tune as tune_command
 from specrun.commands import tune_workloads
-from specrun.commands.bench_prompts import CODE, KINDS, ROUNDS, WORKLOADS
+from specrun.experiments.workloads import KINDS, ROUNDS, WORKLOADS
 from specrun.core.sampling import SamplingParams
 from specrun.core.shapes import TreeTemplate, template_shape
 from specrun.decoding.drafters.sequoia import StaticTreeGrower, truncate_template
@@ -369,7 +369,7 @@ def test_each_workload_asks_every_kind_of_request_eight_times():
         return prompt.split("```python\n")[1].split("```")[0]
 
     for i in range(KINDS):  # a code edit's siblings paste the same function
-        assert len({pasted(CODE[r * KINDS + i]) for r in range(ROUNDS)}) == 1
+        assert len({pasted(WORKLOADS["code"][r * KINDS + i]) for r in range(ROUNDS)}) == 1
 
 
 def test_tune_predicts_and_measures_on_the_same_kinds_of_request():
@@ -403,8 +403,8 @@ def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(monkeypa
     chain5 = tune_command._untuned_default(chain3, max_budget=512)
     with Runtime(RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", threads=1, ctx_size=512)) as rt:
         trees = {"tuned": tuned_default(chain3, None), "untuned": tuned_default(chain5, None)}
-        halves = ([rt.tokenize_prompt(t, chat=True) for t in CODE[:2]],
-                  [rt.tokenize_prompt(t, chat=True) for t in CODE[4:6]])
+        halves = ([rt.tokenize_prompt(t, chat=True) for t in WORKLOADS["code"][:2]],
+                  [rt.tokenize_prompt(t, chat=True) for t in WORKLOADS["code"][4:6]])
         predicting, held_out = tune_workloads._decode_halves(rt, trees, halves, 4, lambda: None)
     order = [halves[0][0], halves[1][0], halves[0][1], halves[1][1]]
     assert [prompt for prompt, _ in decoded[::3]] == [tuple(p) for p in order]  # the halves alternate

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from specrun import engine, ui
-from specrun.commands.bench_prompts import load_prompts, workload_prompts
+from specrun.experiments.workloads import load_prompts, workload_prompts
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.steps import GenerationStats

@@ -5,7 +5,7 @@ makes (the tuned tree with lookup branches, or lookup alone) and plain decoding 
 prompts, greedily, the order alternating prompt by prompt. Every prompt gets a fresh drafter, as
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
 first steps). The even rounds of a workload's requests (one request of each kind a round) predict
-its speedup; the odd rounds, held out, measure it (bench_prompts.KINDS, ROUNDS). The two halves
+its speedup; the odd rounds, held out, measure it (workloads.KINDS, ROUNDS). The two halves
 take turns prompt by prompt, so a machine whose speed moves during the minutes a tune takes moves
 both alike: run one after the other, a prediction taken while plain passes ran at 105 tok/s was
 checked against prompts decoded at 78, and missed by 30% for that alone.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specrun import ui
-from specrun.commands.bench_prompts import KINDS, ROUNDS, WORKLOADS
+from specrun.experiments.workloads import KINDS, ROUNDS, WORKLOADS
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import token_ids
