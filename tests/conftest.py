@@ -108,3 +108,31 @@ def load_model():
     for model in _loaded.values():
         model.close()
     _loaded.clear()
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One decode a test watched: which decoder, its kind, the prompt and the token limit."""
+
+    decoder: int  # id() of the decoder object
+    kind: str  # "PlainDecoder" or "SpeculativeDecoder"
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+@pytest.fixture
+def decodes(monkeypatch) -> list[Decode]:
+    """Return the list every plain and speculative decode appends itself to, in the order they start."""
+    from specrun.decoding.plain import PlainDecoder
+    from specrun.decoding.speculative import SpeculativeDecoder
+
+    seen: list[Decode] = []
+    for cls in (PlainDecoder, SpeculativeDecoder):
+        real = cls.steps
+
+        def steps(self, prompt, params, max_tokens, rng, real=real):
+            seen.append(Decode(id(self), type(self).__name__, tuple(prompt), max_tokens))
+            return real(self, prompt, params, max_tokens, rng)
+
+        monkeypatch.setattr(cls, "steps", steps)
+    return seen

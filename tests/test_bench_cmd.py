@@ -59,3 +59,22 @@ def test_bench_tree_kind_follows_width_and_children(tmp_path, offline_models):
     assert (chain_row["depth"], chain_row["width"], chain_row["top_k"]) == (3, 1, 1)
     assert (tree_row["depth"], tree_row["width"], tree_row["top_k"]) == (2, 2, 2)
     assert chain_row["identical_output"] and tree_row["identical_output"]
+
+
+def test_bench_measures_plain_decoding_and_every_tree_size_in_turn_prompt_by_prompt(tmp_path, offline_models, decodes):
+    """A machine that slows down while the budget table is measured meets every row alike: each
+    prompt is decoded plainly and by every tree before the next, the order rotating, as the
+    workload table does (measured one after the other, a later row ran on a slower machine)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Name three fruits.\nName three colours.\nName three rivers.\n", encoding="utf-8")
+
+    result = CliRunner().invoke(app, ["bench", "--json", "--budget", "1", "--budget", "2", "--max-tokens", "4",
+                                      "--prompts", str(prompts)])
+
+    assert result.exit_code == 0, result.output
+    timed = [d for d in decodes if d.max_tokens == 4]  # the warm-up decodes ask for more
+    blocks = [timed[i:i + 3] for i in range(0, len(timed), 3)]
+    assert len(blocks) == 3 and all(len({d.prompt for d in block}) == 1 for block in blocks)
+    assert len({d.prompt for d in timed}) == 3
+    assert all(len({d.decoder for d in block}) == 3 for block in blocks)  # plain and both trees, each once
+    assert len({block[0].decoder for block in blocks}) == 3  # each mode goes first once

@@ -18,7 +18,6 @@ import pytest
 from specrun import engine, sysinfo
 from specrun.commands import tune as tune_command
 from specrun.commands import tune_workloads
-from specrun.experiments.workloads import KINDS, ROUNDS, WORKLOADS
 from specrun.core.sampling import SamplingParams
 from specrun.core.shapes import TreeTemplate, template_shape
 from specrun.decoding.drafters.sequoia import StaticTreeGrower, truncate_template
@@ -26,6 +25,7 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
 from specrun.errors import SpecrunError, UsageError
+from specrun.experiments.workloads import KINDS, ROUNDS, WORKLOADS
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
 from specrun.runtime.trees import tuned_default
@@ -388,17 +388,9 @@ def test_tune_predicts_and_measures_on_the_same_kinds_of_request():
         assert all(sum(i % KINDS == kind for i in measured) == 4 for kind in range(KINDS))
 
 
-def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(monkeypatch):
+def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(decodes):
     """A machine whose speed moves during a tune moves both halves alike: a prompt of one half,
     then one of the other, each decoded plainly and by every candidate, the modes' order rotating."""
-    decoded = []  # (prompt, decoder kind) in the order they ran
-    real = tune_workloads.token_ids
-
-    def watched(decoder, prompt, params, max_tokens):
-        decoded.append((tuple(prompt), type(decoder).__name__))
-        return real(decoder, prompt, params, max_tokens)
-
-    monkeypatch.setattr(tune_workloads, "token_ids", watched)
     chain3 = tune_command.tuner.Choice("specexec", 3, 3, 1, 1, 0.0, 0.0)
     chain5 = tune_command._untuned_default(chain3, max_budget=512)
     with Runtime(RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", threads=1, ctx_size=512)) as rt:
@@ -407,12 +399,12 @@ def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(monkeypa
                   [rt.tokenize_prompt(t, chat=True) for t in WORKLOADS["code"][4:6]])
         predicting, held_out = tune_workloads._decode_halves(rt, trees, halves, 4, lambda: None)
     order = [halves[0][0], halves[1][0], halves[0][1], halves[1][1]]
-    assert [prompt for prompt, _ in decoded[::3]] == [tuple(p) for p in order]  # the halves alternate
+    assert [d.prompt for d in decodes[::3]] == [tuple(p) for p in order]  # the halves alternate
     for turn in range(4):
-        runs = decoded[3 * turn: 3 * turn + 3]
-        assert len({prompt for prompt, _ in runs}) == 1  # every mode on one prompt, then the next
-        assert sorted(kind for _, kind in runs) == ["PlainDecoder", "SpeculativeDecoder", "SpeculativeDecoder"]
-    assert [kind for _, kind in decoded[::3]][:3] != ["PlainDecoder"] * 3  # plain does not always go first
+        runs = decodes[3 * turn: 3 * turn + 3]
+        assert len({d.prompt for d in runs}) == 1  # every mode on one prompt, then the next
+        assert sorted(d.kind for d in runs) == ["PlainDecoder", "SpeculativeDecoder", "SpeculativeDecoder"]
+    assert [d.kind for d in decodes[::3]][:3] != ["PlainDecoder"] * 3  # plain does not always go first
     for half in (predicting, held_out):
         assert set(half) == {"tuned", "untuned"} and half["tuned"].plain is half["untuned"].plain
         assert all(len(h.plain) == len(h.default) == 2 and h.speedup > 0 for h in half.values())

@@ -16,8 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from specrun import engine, ui
-from specrun.commands import bench
 from specrun.core.shapes import MAX_BUDGET, TreeShape
+from specrun.experiments import speedups
 from specrun.files import human_size
 from specrun.hardware.machine import probe_hardware
 from specrun.runtime.plan import Plan, RunOptions, build_plan
@@ -65,7 +65,8 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
             measured = measure_pair(rt, settings, shape, progress, whole_curve=True)
         choice, best_tree = choose(measured)
     ui.dim("report: measuring the drafters per workload")
-    rows = bench.bench_workloads(opts, workload, prompts_file, max_tokens, as_json=False, quiet=True)
+    tuning_report.warn_if_busy(engine.default_threads(), "speedups measured now may not hold on a quiet machine")
+    rows = speedups.by_workload(opts, workload, prompts_file, max_tokens)
     default = build_plan(opts)  # what a run with these options uses
     return {
         "format": REPORT_FORMAT,

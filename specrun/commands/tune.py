@@ -20,13 +20,12 @@ from pathlib import Path
 
 from specrun import __version__, files, paths, ui
 from specrun.commands import tune_workloads as workloads
-from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.shapes import MAX_BUDGET, TreeShape
-from specrun.decoding.plain import PlainDecoder
 from specrun.errors import SpecrunError, UsageError
+from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn
 from specrun.hardware.machine import probe_hardware
 from specrun.runtime.plan import RunOptions, resolve_models
-from specrun.runtime.runtime import Runtime, make_decoder
+from specrun.runtime.runtime import Runtime
 from specrun.runtime.trees import DEFAULT_SHAPE, tree_of_choice
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import measure as profiler
@@ -220,71 +219,53 @@ def _untuned_default(best_tree: tuner.Choice, max_budget: int) -> tuner.Choice |
 def _check(rt, tree: tuner.Choice, prompts: list[list[int]], settings: TuneSettings, progress,
            default: tuner.Choice | None = None) -> CheckResult:
     """Decode held-out prompts plainly, with the best tree and (when given) with the untuned
-    default's tree; return the speeds."""
+    default's tree, each as given (no speed guard) and fresh for every prompt; return the speeds."""
 
-    greedy = SamplingParams()
     n_prompts = settings.check_prompts
-    trees = {"tree": tree, **({"default": default} if default is not None else {})}
-    kinds = ["plain", *trees]
-    task = progress.add_task("checking the prediction", total=len(kinds) * n_prompts * settings.check_tokens)
-    deadline = time.monotonic() + settings.check_seconds * len(kinds) / 2
-    # Each generation may overrun its share a little; a machine slowed down by other work must
-    # not stretch the check without bound.
-    seconds_each = 1.5 * settings.check_seconds / (2 * n_prompts)
-    totals = {kind: [0, 0.0, 0] for kind in kinds}  # tokens, seconds, passes
-    identical = True
-    done = 0
-    for i, prompt in enumerate(prompts[:n_prompts]):
-        if done and time.monotonic() > deadline:
-            break
-        # Rotate the order prompt by prompt (plain, tree, default), (tree, default, plain), ...
-        # so a slow drift of the machine's speed hits all alike.
-        outputs: dict[str, list[int]] = {}
-        for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
-            # Fresh decoders: each one's record of the cached tokens must match the contexts.
-            rt.clear_contexts()
-            decoder = PlainDecoder(rt.target, rt.target_ctx) if kind == "plain" else choice_decoder(rt, trees[kind])
-            outputs[kind] = _generate(decoder, prompt, greedy, settings.check_tokens, seconds_each)
-            progress.advance(task, settings.check_tokens)
-            # Steady state, as predicted: the first pass also prefills the draft with the prompt.
-            steps = decoder.stats.steps[1:] or decoder.stats.steps
-            totals[kind][0] += sum(len(step.tokens) for step in steps)
-            totals[kind][1] += sum(step.total_s for step in steps)
-            totals[kind][2] += len(steps)
-        for kind in trees:
-            common = min(len(outputs["plain"]), len(outputs[kind]))
-            identical &= outputs["plain"][:common] == outputs[kind][:common]
-        done += 1
+    trees = {"plain": None, "tree": tree_of_choice(tree)}
+    if default is not None:
+        trees["default"] = tree_of_choice(default)
+    task = progress.add_task("checking the prediction", total=len(trees) * n_prompts * settings.check_tokens)
+    runs = decode_in_turn(
+        Modes(rt, trees, fresh=True, guard=False), prompts[:n_prompts], settings.check_tokens,
+        deadline=time.monotonic() + settings.check_seconds * len(trees) / 2,
+        # Each generation may overrun its share a little; a machine slowed down by other work must
+        # not stretch the check without bound.
+        seconds_each=1.5 * settings.check_seconds / (2 * n_prompts),
+        after_each=lambda run: progress.advance(task, settings.check_tokens),
+    )
     rt.clear_contexts()
-    rate = {kind: (t[0] / t[1] if t[1] else 0.0) for kind, t in totals.items()}
-    per_pass = {kind: (t[0] / t[2] if t[2] else 0.0) for kind, t in totals.items()}
+    steady = {mode: _steady_state(mine) for mode, mine in by_mode(runs).items()}
+    plain_runs = by_mode(runs)["plain"]
     return CheckResult(
-        plain_tokens_per_s=rate["plain"],
-        tree_tokens_per_s=rate["tree"],
-        accepted_per_pass=per_pass["tree"],
-        identical_output=identical,
-        n_prompts=done,
-        n_tokens=totals["plain"][0],
-        default_tokens_per_s=rate.get("default", 0.0),
-        default_accepted_per_pass=per_pass.get("default", 0.0),
+        plain_tokens_per_s=steady["plain"][0],
+        tree_tokens_per_s=steady["tree"][0],
+        accepted_per_pass=steady["tree"][1],
+        identical_output=all(_same_start(run.tokens, plain_runs[run.prompt].tokens) for run in runs),
+        n_prompts=len(plain_runs),
+        n_tokens=sum(len(step.tokens) for run in plain_runs for step in _steady_steps(run)),
+        default_tokens_per_s=steady.get("default", (0.0, 0.0))[0],
+        default_accepted_per_pass=steady.get("default", (0.0, 0.0))[1],
     )
 
 
-def _generate(decoder, prompt: list[int], params, max_tokens: int, seconds: float) -> list[int]:
-    """Return the generated ids, stopping after max_tokens or once `seconds` have passed."""
-
-    stop_at = time.monotonic() + seconds
-    out: list[int] = []
-    for step in decoder.steps(prompt, params, max_tokens, make_rng(params.seed)):
-        out.extend(step.tokens)
-        if time.monotonic() > stop_at:
-            break
-    return out
+def _steady_steps(run: Run) -> list:
+    """A run's steps in the steady state the tuner predicts: the first pass also prefills the
+    draft with the prompt."""
+    return run.stats.steps[1:] or run.stats.steps
 
 
-def choice_decoder(rt, choice: tuner.Choice):
-    """Return a decoder on the runtime's contexts for a tuner choice (plain, SpecExec or Sequoia)."""
-    return make_decoder(tree_of_choice(choice), rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, guard=False)
+def _steady_state(runs: list[Run]) -> tuple[float, float]:
+    """Return (tokens per second, tokens per pass) over the runs' steady-state steps (0: none)."""
+    steps = [step for run in runs for step in _steady_steps(run)]
+    tokens, seconds = sum(len(step.tokens) for step in steps), sum(step.total_s for step in steps)
+    return (tokens / seconds if seconds else 0.0), (tokens / len(steps) if steps else 0.0)
+
+
+def _same_start(tokens: list[int], plain: list[int]) -> bool:
+    """Whether two answers agree as far as both went (a time limit may stop either early)."""
+    common = min(len(tokens), len(plain))
+    return tokens[:common] == plain[:common]
 
 
 def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree, check: CheckResult) -> dict:

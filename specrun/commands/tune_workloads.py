@@ -6,9 +6,8 @@ prompts, greedily, the order alternating prompt by prompt. Every prompt gets a f
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
 first steps). The even rounds of a workload's requests (one request of each kind a round) predict
 its speedup; the odd rounds, held out, measure it (workloads.KINDS, ROUNDS). The two halves
-take turns prompt by prompt, so a machine whose speed moves during the minutes a tune takes moves
-both alike: run one after the other, a prediction taken while plain passes ran at 105 tok/s was
-checked against prompts decoded at 78, and missed by 30% for that alone.
+take turns prompt by prompt (experiments.runner.decode_halves), so a machine whose speed moves
+during the minutes a tune takes moves both alike.
 
 On the predicting half the untuned default (what runs without a profile: a chain of DEFAULT_SHAPE
 with lookup branches) decodes too, in turn with the others: where the tuned tree's default runs a
@@ -30,11 +29,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specrun import ui
+from specrun.experiments.runner import Modes, Run, by_mode, decode_halves
 from specrun.experiments.workloads import KINDS, ROUNDS, WORKLOADS
-from specrun.core.sampling import SamplingParams
-from specrun.decoding.plain import PlainDecoder
-from specrun.decoding.stream import token_ids
-from specrun.runtime.runtime import make_decoder
 from specrun.runtime.trees import tuned_default
 from specrun.tuning.cost_model import Choice
 
@@ -179,26 +175,17 @@ def _speedup(plain: tuple[int, float], default: tuple[int, float]) -> float:
 
 def _decode_halves(rt, trees: dict, halves: tuple[list, list], max_tokens: int, advance
                    ) -> tuple[dict[str, _Half], dict[str, _Half]]:
-    """Decode both halves' prompts plainly and with a fresh decoder of each tree, a prompt of one
-    half then one of the other, the modes' order rotating prompt by prompt (a drifting machine hits
-    all alike); return each half's {tree: _Half}, whose plain runs are its prompts' plain decoding."""
-    plains: tuple[list, list] = ([], [])  # each half's plain runs, shared by its trees' halves
-    out = tuple({name: _Half(plain=plain) for name in trees} for plain in plains)
-    modes = ["plain", *trees]
-    turn = 0
-    for pair in zip(*halves):
-        for half, plain, prompt in zip(out, plains, pair):
-            for mode in modes[turn % len(modes):] + modes[: turn % len(modes)]:
-                rt.clear_contexts()
-                decoder = (PlainDecoder(rt.target, rt.target_ctx) if mode == "plain"
-                           else make_decoder(trees[mode], rt.target, rt.target_ctx, rt.draft, rt.draft_ctx))
-                token_ids(decoder, prompt, SamplingParams(), max_tokens)
-                run = (decoder.stats.n_generated, decoder.stats.decode_s)
-                if mode == "plain":
-                    plain.append(run)
-                else:
-                    half[mode].default.append(run)
-                    half[mode].lookup_tokens += sum(step.lookup_tokens for step in decoder.stats.steps)
-                advance()
-            turn += 1
-    return out
+    """Decode both halves' prompts plainly and with a fresh decoder of each tree, in turn
+    (runner.decode_halves); return each half's {tree: _Half}, whose plain runs are its prompts'
+    plain decoding."""
+    modes = Modes(rt, {"plain": None, **trees}, fresh=True)
+    halves_runs = decode_halves(modes, halves, max_tokens, after_each=lambda run: advance())
+    return tuple(_halves_of(by_mode(runs), trees) for runs in halves_runs)
+
+
+def _halves_of(runs: dict[str, list[Run]], trees: dict) -> dict[str, _Half]:
+    """{tree: _Half} of one half's runs by mode, every tree's half sharing the plain runs."""
+    plain = [(run.stats.n_generated, run.stats.decode_s) for run in runs["plain"]]
+    return {name: _Half(plain=plain, default=[(run.stats.n_generated, run.stats.decode_s) for run in runs[name]],
+                        lookup_tokens=sum(int(run.stats.total("lookup_tokens")) for run in runs[name]))
+            for name in trees}
