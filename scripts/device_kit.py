@@ -50,7 +50,7 @@ TRIM_SDIST = ("docs", "docker", "examples", "tests", "scripts", ".git", ".github
 DEVICE_WHEELS = ("diskcache", "gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
                  "typing-inspection", "uvicorn", "httptools")
 BUILD_LOG = "build.log"
-# The kit's targets (--targets) and draft, by the shapes they take (specrun/models/shapes.py).
+# The kit's targets (--targets) and draft, by the shapes they take (specrun/models/synthetic/real_shapes.py).
 SHAPE_OF = {"dense-27b": "dense-27b", "moe-30b-a3b": "qwen3-30b-a3b", "draft-0.5b": "qwen2.5-0.5b"}
 
 
@@ -199,26 +199,26 @@ def install(args) -> dict:
 
 def models(args) -> dict:
     """Write the shaped target and draft and a tiny random pair, all with the vocab's tokenizer."""
-    from specrun.models import shapes, tinymodel
+    from specrun.models import synthetic
 
     out = Path(args.models)
     out.mkdir(parents=True, exist_ok=True)
     vocab = Path(args.vocab) if args.vocab else Path(args.kit) / VOCAB
     made = {}
-    targets = {name: shapes.SHAPES[SHAPE_OF[name]] for name in (*args.targets, "draft-0.5b")}
+    targets = {name: synthetic.SHAPES[SHAPE_OF[name]] for name in (*args.targets, "draft-0.5b")}
     if args.fast:  # seconds to write: the architecture and the vocabulary, few and narrow layers
         targets = {name: shape.scaled(n_layer=2, n_embd=256, n_ff=512) for name, shape in targets.items()}
     for name, shape in targets.items():
         path = out / f"{name}-shape.gguf"
         if not path.exists():
             t0 = time.monotonic()
-            shapes.write_shape_model(shape, vocab, path)
+            synthetic.write_shape_model(shape, vocab, path)
             log(f"wrote {path.name} ({path.stat().st_size / 2**30:.2f} GiB) in {time.monotonic() - t0:.0f} s")
         made[name] = str(path)
     for name, seed, layers in (("tiny-target", 1, 4), ("tiny-draft", 2, 2)):
         path = out / f"{name}.gguf"
         if not path.exists():
-            tinymodel.write_random_model(vocab, path, seed=seed, n_layer=layers, n_embd=128, n_head=4, n_head_kv=2, n_ff=256)
+            synthetic.write_random_model(vocab, path, seed=seed, n_layer=layers, n_embd=128, n_head=4, n_head_kv=2, n_ff=256)
         made[name] = str(path)
     return made
 

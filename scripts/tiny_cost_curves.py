@@ -11,7 +11,7 @@ sys.path.insert(0, "tests")
 from specrun import engine
 from specrun.engine import Batch
 from pinned_sources import vocab_gguf
-from specrun.models.tinymodel import write_random_model
+from specrun.models.synthetic import write_random_model
 dense = Path(tempfile.gettempdir()) / "specrun-tiny-llama-qwen35-vocab.gguf"
 if not dense.exists():
     write_random_model(vocab_gguf("qwen35"), dense, seed=1, n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128)

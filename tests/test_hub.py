@@ -461,7 +461,7 @@ def test_pypi_package_that_does_not_exist_is_reported(env, local_pypi):
 
 
 # ---------------------------------------------------------------------------------------------
-# Derived models (the engine and tinymodel are replaced by stand-ins that record their calls)
+# Derived models (the quantizer and the random-model writer are replaced by stand-ins that record their calls)
 
 
 @pytest.fixture
@@ -477,11 +477,7 @@ def fake_builders(monkeypatch):
         calls.append(("random", Path(base).name, seed))
         Path(dst).write_bytes(b"random" + bytes([seed]))
 
-    modules = {
-        "specrun.engine": SimpleNamespace(quantize=quantize),
-        "specrun.models.tinymodel": SimpleNamespace(write_random_model=write_random_model),
-    }
-    monkeypatch.setattr(builders, "_module", modules.__getitem__)
+    monkeypatch.setattr(builders.synthetic, "write_random_model", write_random_model)
     # Conversions run in a child process (Ctrl-C stops them there); these fakes run in this one.
     monkeypatch.setattr(builders, "_quantize_in_child", lambda parent, out, ftype, alias, folder: quantize(parent, out, ftype))
     return calls

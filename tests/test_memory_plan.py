@@ -5,7 +5,7 @@ llama.cpp says it allocated (its log lines) is held against the plan made before
 cache with the real head sizes and windows, recurrent state with every copy, the MTP context,
 the draft's context and its sequences, compute and output buffers. Real small models where they
 exist (SmolLM2 for llama, Gemma-3-270M for gemma3), tiny random models of the real layouts
-otherwise (tests/tiny_archs.py, models/shapes.py scaled with the real head sizes).
+otherwise (tests/tiny_archs.py, models/synthetic/real_shapes.py scaled with the real head sizes).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tiny_archs import tiny_arch_model
 from specrun import engine
 from specrun.engine.memory import Allocation
 from specrun.hardware import placement
-from specrun.models import shapes
+from specrun.models.synthetic import real_shapes as shapes
 from specrun.runtime.plan import RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
 

@@ -9,24 +9,24 @@ import json
 import pytest
 
 from specrun.hardware import placement
-from specrun.models import registry, shapes
+from specrun.models import registry, synthetic
 
 
 def test_full_size_shapes_match_the_real_q4_k_m_files():
     for name in ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"):
         real = registry.resolve(name).size
-        assert shapes.file_bytes(shapes.SHAPES[name]) == pytest.approx(real, rel=0.002), name  # metadata aside
+        assert synthetic.file_bytes(synthetic.SHAPES[name]) == pytest.approx(real, rel=0.002), name  # metadata aside
     # Qwen3-30B-A3B at Q4_K_M: 18.6 GB as published
-    assert shapes.file_bytes(shapes.SHAPES["qwen3-30b-a3b"]) == pytest.approx(18.6e9, rel=0.01)
+    assert synthetic.file_bytes(synthetic.SHAPES["qwen3-30b-a3b"]) == pytest.approx(18.6e9, rel=0.01)
     assert registry.resolve("qwen2.5-14b-shape").sources[0].shape == "qwen2.5-14b"
 
 
 def test_q4_k_m_keeps_more_bits_where_llama_cpp_does():
-    plan = {name: kind for name, _, kind in shapes.tensor_plan(shapes.SHAPES["qwen2.5-14b"])}
+    plan = {name: kind for name, _, kind in synthetic.tensor_plan(synthetic.SHAPES["qwen2.5-14b"])}
     six = [i for i in range(48) if plan[f"blk.{i}.ffn_down.weight"] == "Q6_K"]
     assert six[:6] == [0, 1, 2, 3, 4, 5] and six[-6:] == list(range(42, 48)) and len(six) == 24
     assert plan["output.weight"] == "Q6_K" and plan["blk.7.ffn_up.weight"] == "Q4_K"
-    narrow = {name: kind for name, _, kind in shapes.tensor_plan(shapes.SHAPES["qwen2.5-0.5b"])}
+    narrow = {name: kind for name, _, kind in synthetic.tensor_plan(synthetic.SHAPES["qwen2.5-0.5b"])}
     assert narrow["blk.7.attn_q.weight"] == "Q5_0"  # 896 wide: no room for 256-weight k-quant blocks
     assert "output.weight" not in narrow and narrow["token_embd.weight"] == "Q8_0"  # tied, output's type
 

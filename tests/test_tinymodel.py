@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from specrun.models import tinymodel
-from specrun.models.tinymodel import write_random_model
+from specrun.models.synthetic import tiny_llama, write_random_model
 
 PROMPT = "The capital of France is"
 N_GENERATED = 20
@@ -112,7 +111,7 @@ def test_failed_write_keeps_the_previous_file_and_leaves_no_temp(smollm2_q4_path
         yield "token_embd.weight", np.zeros((4, 4), dtype=np.float32)
         raise MemoryError("simulated failure while writing")
 
-    monkeypatch.setattr(tinymodel, "_random_tensors", failing_tensors)
+    monkeypatch.setattr(tiny_llama, "_random_tensors", failing_tensors)
     with pytest.raises(MemoryError):
         write_random_model(smollm2_q4_path, dst)
     assert dst.read_bytes() == b"previous model"

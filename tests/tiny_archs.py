@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pinned_sources import vocab_gguf
 
-from specrun.models.tinyarch import write_arch_model
+from specrun.models.synthetic import write_arch_model
 
 LAYOUT_VERSION = 1
 

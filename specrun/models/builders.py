@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import importlib
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from specrun import paths
 from specrun.errors import DownloadError
+from specrun.models import synthetic
 from specrun.models.download import (
     CHUNK,
     DiskFull,
@@ -127,9 +127,9 @@ def build_derived(
                 if src.op == "quantize":
                     _quantize_in_child(parent, tmp, src.ftype, spec.name, final.parent)
                 elif src.op == "shape":
-                    _module("specrun.models.shapes").write_derived(src, parent, tmp)
+                    synthetic.write_derived(src, parent, tmp)
                 else:
-                    _module("specrun.models.tinymodel").write_random_model(parent, tmp, seed=src.seed)
+                    synthetic.write_random_model(parent, tmp, seed=src.seed)
             os.replace(tmp, final)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -164,7 +164,7 @@ _WRITE_FAILED = ("written", "iostream error", "No space left", "File too large",
 
 def _quantize_in_child(parent: Path, out: Path, ftype: str, alias: str, folder: Path) -> None:
     """Convert `parent` into `out` (llama_model_quantize) in a child process; Ctrl-C stops it."""
-    package_root = str(Path(_module("specrun").__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds specrun/
     child = subprocess.Popen(
         [sys.executable, "-c", _QUANTIZE_CHILD, package_root, str(parent), str(out), ftype],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
@@ -183,9 +183,3 @@ def _quantize_in_child(parent: Path, out: Path, ftype: str, alias: str, folder: 
         raise DiskFull(f"disk full (or a file size limit reached) while making {alias} in {folder}: "
                        "free some space and retry")
     raise DownloadError(f"making {alias} failed: {reason}")
-
-
-def _module(name: str):
-    """Import a heavy module only when a model is actually built (keeps `specrun --help` fast)."""
-    return importlib.import_module(name)
-

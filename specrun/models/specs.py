@@ -101,7 +101,7 @@ class DerivedSource:
     ftype: str = "F32"
     seed: int = 0
     verified: bool = True
-    shape: str = ""  # op "shape": a key of models.shapes.SHAPES
+    shape: str = ""  # op "shape": a key of models.synthetic.SHAPES
     scaled: tuple[int, ...] = ()  # op "shape": (n_layer, n_embd, n_ff) to shrink it to
 
     def describe(self) -> str:

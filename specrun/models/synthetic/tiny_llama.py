@@ -10,14 +10,15 @@ Needs the `gguf` package (the `dev` extra).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-TOKENIZER_PREFIX = "tokenizer."
+from specrun.models.synthetic.gguf_writer import (
+    add_tokenizer,
+    read_tokenizer,
+    write_gguf,
+)
 
 # Must cover every n_ctx the tests ask for; llama.cpp warns (but works) beyond the trained length.
 CONTEXT_LENGTH = 8192
@@ -44,12 +45,12 @@ def write_random_model(
     All weights are F32 drawn from `np.random.default_rng(seed)`, so the same arguments give a
     byte-identical file. The file appears atomically: it is written beside `dst` and renamed.
     """
-    import gguf  # dev-only dependency; keep `import specrun.tinymodel` cheap
+    import gguf  # dev-only dependency: imported when a model is written
 
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError(f"n_embd={n_embd}, n_head={n_head}, n_head_kv={n_head_kv} don't divide")
     base_gguf, dst = Path(base_gguf), Path(dst)
-    tokenizer = _tokenizer_fields(gguf.GGUFReader(base_gguf))
+    tokenizer = read_tokenizer(base_gguf.resolve())
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])
     head_dim = n_embd // n_head
 
@@ -71,64 +72,6 @@ def write_random_model(
             writer.add_tensor(name, tensor)
 
     write_gguf(dst, "llama", fill)
-
-
-def write_gguf(dst: Path, arch: str, fill) -> None:
-    """Write a GGUF of `arch` to `dst` atomically: `fill(writer)` adds its keys and tensors, the
-    file is written beside `dst` and renamed (a failure leaves nothing behind)."""
-    import gguf
-
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp_name, arch=arch)
-        fill(writer)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only
-        os.replace(tmp_name, dst)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-
-
-def add_tokenizer(writer, tokenizer: dict) -> None:
-    """Copy `tokenizer.*` fields (as _tokenizer_fields reads them) into a GGUF writer."""
-    import gguf
-
-    for key, (types, value) in tokenizer.items():
-        sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, types[0], sub_type=sub_type)
-
-
-def _tokenizer_fields(reader: Any) -> dict[str, tuple[list, Any]]:
-    """Return every `tokenizer.*` field of a GGUF as {key: (value types, writable value)}."""
-    from gguf import GGUFValueType
-
-    fields = {}
-    for key, field in reader.fields.items():
-        if not key.startswith(TOKENIZER_PREFIX):
-            continue
-        types = list(field.types)
-        if types[0] == GGUFValueType.ARRAY:
-            if len(types) != 2:
-                raise ValueError(f"{key}: nested GGUF arrays are not supported")
-            # Each element is its own part; `field.data` lists the indices of those parts.
-            if types[1] == GGUFValueType.STRING:
-                # Keep raw bytes: the writer stores them as they are, so tokens round-trip exactly.
-                value = [bytes(field.parts[i]) for i in field.data]
-            else:
-                value = np.concatenate([field.parts[i] for i in field.data]).tolist()
-        elif types[0] == GGUFValueType.STRING:
-            value = bytes(field.parts[field.data[0]])
-        else:
-            value = field.parts[field.data[0]].tolist()[0]
-        fields[key] = (types, value)
-    if "tokenizer.ggml.tokens" not in fields:
-        raise ValueError("base model has no tokenizer.ggml.tokens")
-    return fields
 
 
 def _random_tensors(seed: int, n_vocab: int, n_layer: int, n_embd: int, n_embd_kv: int, n_ff: int):

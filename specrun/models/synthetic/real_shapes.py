@@ -15,16 +15,17 @@ Needs the `gguf` package.
 
 from __future__ import annotations
 
-import functools
-import os
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from specrun.errors import UsageError
-from specrun.models.tinymodel import _tokenizer_fields
+from specrun.models.synthetic.gguf_writer import (
+    add_tokenizer,
+    atomic_path,
+    read_tokenizer,
+)
 
 # Per type: weights per block, bytes per block and where its f16 scales sit (ggml-common.h
 # block_q4_K, block_q6_K, block_q5_0, block_q8_0). Every other byte (packed quants, sub-block
@@ -152,11 +153,8 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
 
     if shape.n_embd % 32 or shape.n_ff % 32:
         raise ValueError("n_embd and n_ff must be multiples of 32 (the smallest quant block)")
-    tokenizer = _padded_tokenizer(_tokenizer_of(str(Path(tokenizer_gguf).resolve())), shape.n_vocab)
-    dst = Path(dst)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
+    tokenizer = _padded_tokenizer(read_tokenizer(Path(tokenizer_gguf).resolve()), shape.n_vocab)
+    with atomic_path(Path(dst)) as tmp:
         writer = gguf.GGUFWriter(tmp, arch=shape.arch)
         _write_metadata(writer, shape, tokenizer, seed)
         plan = tensor_plan(shape)
@@ -171,19 +169,12 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
         if header_only:
             writer.close()
             _leave_data_hole(Path(tmp), plan, writer.data_alignment)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, dst)
             return
         rng = np.random.default_rng(seed)
         pool = rng.integers(0, 256, POOL_BYTES, dtype=np.uint8)
         for name, dims, kind in plan:
             writer.write_tensor_data(_tensor_data(name, dims, kind, pool, rng))
         writer.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _leave_data_hole(path: Path, plan, alignment: int) -> None:
@@ -219,17 +210,7 @@ def _write_metadata(writer, shape: Shape, tokenizer: dict, seed: int) -> None:
     if shape.arch == "llama":
         writer.add_rope_dimension_count(shape.n_embd_head)
         writer.add_vocab_size(shape.n_vocab)
-    for key, (types, value) in tokenizer.items():
-        sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, types[0], sub_type=sub_type)
-
-
-@functools.lru_cache(maxsize=2)
-def _tokenizer_of(path: str) -> dict:
-    """Return a GGUF's tokenizer fields (read once per process: a 150k-token vocabulary takes a while)."""
-    import gguf
-
-    return _tokenizer_fields(gguf.GGUFReader(path))
+    add_tokenizer(writer, tokenizer)
 
 
 def _padded_tokenizer(fields: dict, n_vocab: int) -> dict:

@@ -16,14 +16,18 @@ Needs the `gguf` package (the `dev` extra).
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from specrun.models.tinymodel import LOGIT_STD, _tokenizer_fields, add_tokenizer, write_gguf
+from specrun.models.synthetic.gguf_writer import (
+    add_tokenizer,
+    read_tokenizer,
+    write_gguf,
+)
+from specrun.models.synthetic.tiny_llama import LOGIT_STD
 
 ARCHITECTURES = ("qwen35", "qwen35moe", "lfm2", "gpt-oss", "jamba", "mamba")
 
@@ -58,7 +62,7 @@ def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0, mtp: 
     if arch not in _LAYOUTS:
         raise ValueError(f"no tiny layout for architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     base_gguf, dst = Path(base_gguf), Path(dst)
-    tokenizer = _tokenizer(base_gguf.resolve())
+    tokenizer = read_tokenizer(base_gguf.resolve())
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])
     if mtp and arch != "qwen35":
         raise ValueError(f"no tiny MTP layout for architecture {arch!r} (qwen35 only)")
@@ -80,14 +84,6 @@ def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0, mtp: 
                 writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
 
     write_gguf(dst, arch, fill)
-
-
-@functools.lru_cache(maxsize=2)
-def _tokenizer(base_gguf: Path) -> dict:
-    """Return a vocab GGUF's tokenizer fields (read once: large vocabularies take seconds)."""
-    import gguf
-
-    return _tokenizer_fields(gguf.GGUFReader(base_gguf))
 
 
 def _add_key(writer, key: str, value: object) -> None:

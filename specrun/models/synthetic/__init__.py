@@ -1,0 +1,25 @@
+"""Synthetic GGUF models, made without a download: random weights, a real model's tokenizer.
+
+- `write_random_model`: a tiny llama that mostly disagrees with its target (tiny_llama).
+- `write_arch_model`: tiny hybrid, MoE and recurrent models of the real layouts (tiny_archs).
+- `write_shape_model`: a real model's architecture and tensor shapes at Q4_K_M, full size or
+  scaled down (real_shapes; `write_derived` builds the registry's "shape" models).
+
+Writing needs the `gguf` package (the `dev` extra); importing this package does not.
+"""
+
+from specrun.models.synthetic.real_shapes import (
+    SHAPES,
+    Shape,
+    file_bytes,
+    tensor_plan,
+    write_derived,
+    write_shape_model,
+)
+from specrun.models.synthetic.tiny_archs import ARCHITECTURES, write_arch_model
+from specrun.models.synthetic.tiny_llama import write_random_model
+
+__all__ = [
+    "ARCHITECTURES", "SHAPES", "Shape", "file_bytes", "tensor_plan", "write_arch_model", "write_derived",
+    "write_random_model", "write_shape_model",
+]
