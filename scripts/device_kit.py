@@ -233,7 +233,7 @@ def exactness(args, made: dict) -> dict:
     import numpy as np
 
     from specrun.core.sampling import SamplingParams
-    from specrun.core.shapes import TreeShape
+    from specrun.core.tree_shapes import TreeShape
     from specrun.decoding.stream import token_ids
     from specrun.engine import Batch
     from specrun.runtime.plan import RunOptions

@@ -17,7 +17,7 @@ from test_lookup_decoding import contexts, draft, hybrid_decoder, lookup_decoder
 from test_speculative import SHAPES, binned, chat_prompt, first_tokens
 
 from specrun.core.sampling import SamplingParams, make_rng
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder

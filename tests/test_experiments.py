@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.experiments.runner import Modes, by_mode, decode_in_turn, merged
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime

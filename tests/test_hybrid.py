@@ -19,7 +19,7 @@ from tiny_archs import tiny_arch_model
 from conftest import MODEL_CACHE
 from specrun import architectures, engine
 from specrun.core.sampling import SamplingParams, make_rng
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter

@@ -22,7 +22,7 @@ from test_speculative import (
 )
 
 from specrun.core.sampling import SamplingParams, make_rng
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter

@@ -19,7 +19,7 @@ from tiny_archs import tiny_arch_model
 
 from specrun import engine
 from specrun.core.sampling import SamplingParams, make_rng, target_probs
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.mtp import MtpDrafter
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
 
-from specrun.core.shapes import TreeShape, TreeTemplate
+from specrun.core.tree_shapes import TreeShape, TreeTemplate
 from specrun.engine import DeviceInfo
 from specrun.hardware import placement
 from specrun.runtime.plan import PREFILL_BATCH, ContextMemory, RunOptions, build_plan

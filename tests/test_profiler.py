@@ -12,7 +12,7 @@ import pytest
 
 from specrun import engine
 from specrun.core.sampling import SamplingParams
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder

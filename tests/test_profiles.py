@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from specrun import engine, paths
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.runtime.trees import tree_of_choice
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice, sequoia_tree

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from specrun.core.sampling import SamplingParams
-from specrun.core.shapes import TreeTemplate
+from specrun.core.tree_shapes import TreeTemplate
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.sequoia import StaticTreeGrower
 from specrun.decoding.plain import PlainDecoder

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrun.core.shapes import TreeTemplate
+from specrun.core.tree_shapes import TreeTemplate
 from specrun.tuning.cost_model import (
     MAX_TREE_LEAVES,
     CalibrationStep,

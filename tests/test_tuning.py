@@ -19,7 +19,7 @@ from specrun import engine, sysinfo
 from specrun.commands import tune as tune_command
 from specrun.commands import tune_workloads
 from specrun.core.sampling import SamplingParams
-from specrun.core.shapes import TreeTemplate, template_shape
+from specrun.core.tree_shapes import TreeTemplate, template_shape
 from specrun.decoding.drafters.sequoia import StaticTreeGrower, truncate_template
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder

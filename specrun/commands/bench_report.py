@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specrun import engine, ui
-from specrun.core.shapes import MAX_BUDGET, TreeShape
+from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
 from specrun.experiments import speedups
 from specrun.files import human_size
 from specrun.hardware.machine import probe_hardware

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specrun import __version__, files, paths, ui
 from specrun.commands import tune_workloads as workloads
-from specrun.core.shapes import MAX_BUDGET, TreeShape
+from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
 from specrun.errors import SpecrunError, UsageError
 from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn
 from specrun.hardware.machine import probe_hardware

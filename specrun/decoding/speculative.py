@@ -21,8 +21,8 @@ import numpy as np
 
 from specrun.core.rules import PathRules
 from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
-from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.core.tree import DraftTree
+from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
 from specrun.core.verify import accept_path
 from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.base import Drafter, Proposal

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn, merged
 from specrun.experiments.workloads import load_prompts, workload_prompts
 from specrun.runtime.plan import Plan, RunOptions, build_plan

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specrun import architectures, engine, ui
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.errors import EngineError, UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 
 from specrun import architectures
-from specrun.core.shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
+from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
 from specrun.decoding.adaptive import DraftPrior
 from specrun.runtime.options import ModelFiles, RunOptions
 from specrun.tuning import profiles

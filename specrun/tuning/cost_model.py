@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specrun.core.shapes import TreeTemplate
+from specrun.core.tree_shapes import TreeTemplate
 from specrun.limits import MAX_SEQ as MAX_TREE_LEAVES  # one sequence id per leaf
 
 # Below this predicted speedup over plain decoding, the gain is within measurement noise and a

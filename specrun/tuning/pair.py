@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specrun.core.shapes import TreeShape
+from specrun.core.tree_shapes import TreeShape
 from specrun.hardware import offload
 from specrun.limits import MAX_SEQ
 from specrun.tuning import cost_model as tuner

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrun import engine, files, paths
-from specrun.core.shapes import TreeShape, template_shape
+from specrun.core.tree_shapes import TreeShape, template_shape
 from specrun.decoding.adaptive import DraftPrior
 from specrun.errors import SpecrunError
 from specrun.hardware.machine import probe_hardware

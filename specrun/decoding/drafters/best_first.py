@@ -16,8 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from specrun.core.sampling import log_softmax_topk
-from specrun.core.shapes import MAX_BUDGET, TreeShape
 from specrun.core.tree import MAX_LEAVES, DraftTree
+from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
 from specrun.decoding.drafters.base import ModelDrafter, Proposal
 from specrun.decoding.kv import CachedSequence, probe_passes
 from specrun.engine import Batch, Context

@@ -18,8 +18,8 @@ from typing import Sequence
 import numpy as np
 
 from specrun.core.sampling import log_softmax_topk
-from specrun.core.shapes import TreeTemplate, template_shape
 from specrun.core.tree import DraftTree
+from specrun.core.tree_shapes import TreeTemplate, template_shape
 from specrun.decoding.drafters.best_first import GrownTree, TreeGrower
 from specrun.engine import Context
 from specrun.limits import MAX_SEQ
