@@ -30,10 +30,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from specrun.core.tree import DraftTree
-from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
+from specrun.decoding.speed_guard import SpeedGuard
 from specrun.experiments.workloads import WORKLOADS
 from specrun.runtime.trees import LOOKUP_SHAPE
 

@@ -23,13 +23,13 @@ from test_speculative import (
 
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.tree_shapes import TreeShape
-from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
 from specrun.decoding.lookup_index import LookupIndex
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.speed_guard import SpeedGuard
 from specrun.decoding.stream import token_ids
 from specrun.experiments.workloads import PASTED
 

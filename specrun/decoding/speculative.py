@@ -24,9 +24,9 @@ from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
 from specrun.core.verify import accept_path
-from specrun.decoding.adaptive import SpeedGuard
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import CachedSequence
+from specrun.decoding.speed_guard import SpeedGuard
 from specrun.decoding.steps import GenerationStats, Step
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from specrun import engine, ui
 from specrun.chat.session import ChatFormat
-from specrun.decoding.adaptive import DraftPrior, SpeedGuard
+from specrun.decoding.adaptive import DraftPrior
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
@@ -21,6 +21,7 @@ from specrun.decoding.drafters.sequoia import StaticTreeGrower
 from specrun.decoding.kv import CachedSequence, probe_passes
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.speed_guard import SpeedGuard
 from specrun.errors import EngineError
 from specrun.files import human_size
 from specrun.models import pairing
