@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -289,11 +290,12 @@ def test_models_fit_says_how_each_would_run_here_downloaded_or_not(offline_model
     monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
     config = Path(os.environ["SPECRUN_CONFIG"])
     config.mkdir(parents=True, exist_ok=True)
+    repo = f"fake/smol-{uuid.uuid4().hex[:12]}"  # a repo of its own: no header of it is cached yet
     (config / "models.toml").write_text(
         f'[models."remote-smol"]\nfamily = "smollm2"\ndraft = false\n'
-        f'[[models."remote-smol".source]]\nhf = "fake/SmolLM2-GGUF"\nfile = "{real.name}"\n')
+        f'[[models."remote-smol".source]]\nhf = "{repo}"\nfile = "{real.name}"\n')
     with FakeHub() as hub:
-        hub.add_file("fake/SmolLM2-GGUF", real.name, real.read_bytes())
+        hub.add_file(repo, real.name, real.read_bytes())
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
         monkeypatch.setenv("SPECRUN_HOME", str(MODEL_CACHE))  # the demo pair is there
