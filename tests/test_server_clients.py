@@ -110,9 +110,11 @@ def test_ollama_errors_are_ollamas_shape(server, olm):
     with pytest.raises(ollama.ResponseError) as bad_option:
         olm.generate(model=TARGET, prompt=PROMPT, options={"top_p": 7})
     assert bad_option.value.status_code == 400 and "top_p" in bad_option.value.error
-    with pytest.raises(ollama.ResponseError) as structured:
-        olm.chat(model=TARGET, messages=[{"role": "user", "content": "hi"}], format="json")
-    assert structured.value.status_code == 400 and "format" in structured.value.error
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(ollama.ResponseError) as no_tools:  # SmolLM2's own template takes no tools
+        olm.chat(model=TARGET, messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    assert no_tools.value.status_code == 400 and "no tool support" in no_tools.value.error
+    assert "tools" not in olm.show(TARGET).capabilities
     with pytest.raises(ollama.ResponseError) as images:
         olm.chat(model=TARGET, messages=[{"role": "user", "content": "what is this?", "images": ["aGVsbG8="]}])
     assert images.value.status_code == 400 and "images are not supported" in images.value.error
