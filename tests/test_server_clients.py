@@ -133,6 +133,7 @@ def test_every_response_carries_a_request_id_and_refusals_are_logged(server):
         ok = http.get("/v1/models")
         refused = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": SECRET}], "n": 3})
     assert ok.headers["x-request-id"] == "client-id-42" and refused.status_code == 400
+    assert "send the request several times" in refused.json()["error"]["message"]  # n > 1: what to do instead
     with httpx.Client(base_url=server.url, timeout=30) as http:
         fresh = http.get("/health").headers["x-request-id"]
         insane = http.get("/health", headers={"X-Request-Id": "bad id\twith spaces" + "x" * 200}).headers["x-request-id"]
