@@ -2,7 +2,8 @@
 client and by plain HTTP (httpx).
 
 Most tests share one server (module scope; it requires an API key, so every test also exercises
-the key check). The shutdown test starts its own small-queue server because it stops it.
+the key check). The shutdown test starts its own small-queue server because it stops it; clients
+that give up on a whole answer meet a server whose answers come fast and long (`fast_server`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import ollama
 import openai
 import pytest
 from conftest import MODEL_CACHE
@@ -366,6 +368,77 @@ def test_client_that_disconnects_frees_the_server(server, client):
     generated = int(re.search(r"· (\d+) tokens", logged).group(1))
     assert generated < 600
     assert time.monotonic() - t0 < 60
+
+
+@pytest.fixture(scope="module")
+def fast_server(offline_models, tmp_path_factory):
+    """A server whose answers come token after token without pause and run to their limit: the tiny
+    random-weight model (no end-of-turn in its first thousands of greedy tokens), plain decoding, one
+    thread (hundreds of tokens a second even on a busy machine, where threads wait for each other)."""
+    with running_server(tmp_path_factory.mktemp("serve-fast"), "--target", "smollm2-tiny-random", "--no-spec",
+                        "--threads", "1", ctx=4096) as srv:
+        yield srv
+
+
+LONG = 1500  # tokens of an answer whose client leaves after a second
+
+
+def _leave_after_a_second(url: str, route: str) -> None:
+    """Ask for a LONG-token answer, not streamed, with the official client of the route's API,
+    which gives up after 1 s."""
+    messages = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    if route.startswith("/v1/"):
+        impatient = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):
+            if route == "/v1/chat/completions":
+                impatient.chat.completions.create(model=TARGET, messages=messages, max_tokens=LONG, temperature=0)
+            else:
+                impatient.completions.create(model=TARGET, prompt="Once upon a time", max_tokens=LONG, temperature=0)
+        return
+    impatient = ollama.Client(host=url, timeout=1.0)
+    options = {"temperature": 0, "num_predict": LONG}
+    with pytest.raises(httpx.TimeoutException):
+        if route == "/api/chat":
+            impatient.chat(model=TARGET, messages=messages, options=options)
+        else:
+            impatient.generate(model=TARGET, prompt="Once upon a time", options=options)
+
+
+def _log_mark(srv: ServerProcess) -> int:
+    """Return how many lines the server has logged once everything before now is among them (a
+    refused request with an id of its own marks the place)."""
+    mark = f"mark-{time.monotonic_ns()}"
+    httpx.post(srv.url + "/v1/completions", content=b"", headers={"X-Request-Id": mark}, timeout=30)
+    return _logged(srv, mark) + 1
+
+
+def _logged(srv: ServerProcess, text: str, start: int = 0) -> int:
+    """Return the index of the first line from `start` on that holds `text` (waiting for it)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = next((i for i, line in enumerate(srv.stderr_lines[start:], start) if text in line), None)
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    pytest.fail(f"the server never logged {text!r}:\n{srv.stderr}", pytrace=False)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate"])
+def test_a_whole_answer_stops_when_its_client_gives_up(fast_server, route):
+    """Issue 37, item 2: a non-streamed answer whose client timed out is cancelled at the next step,
+    so the next request does not wait for it."""
+    start = _log_mark(fast_server)
+    _leave_after_a_second(fast_server.url, route)
+    client = openai.OpenAI(base_url=fast_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    queue_s = reply.model_extra["timings"]["queue_ms"] / 1000
+    lines = fast_server.stderr_lines[start:_logged(fast_server, reply.id, start)]
+    left = next(line for line in lines if re.match(r"(chatcmpl|cmpl|ollama)-\w+: prompt", line))
+    assert left.endswith("cancelled"), left
+    generated, rate = re.search(r"· (\d+) tokens · ([\d.]+) tok/s", left).groups()
+    assert int(generated) < LONG
+    # The whole answer would have taken LONG / rate seconds; the second request waited for a small part of it.
+    assert queue_s < LONG / float(rate) / 4, (queue_s, left)
 
 
 def test_second_turn_prefills_only_the_new_message(client):

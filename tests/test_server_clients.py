@@ -110,9 +110,11 @@ def test_ollama_errors_are_ollamas_shape(server, olm):
     with pytest.raises(ollama.ResponseError) as bad_option:
         olm.generate(model=TARGET, prompt=PROMPT, options={"top_p": 7})
     assert bad_option.value.status_code == 400 and "top_p" in bad_option.value.error
-    with pytest.raises(ollama.ResponseError) as structured:
-        olm.chat(model=TARGET, messages=[{"role": "user", "content": "hi"}], format="json")
-    assert structured.value.status_code == 400 and "format" in structured.value.error
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(ollama.ResponseError) as no_tools:  # SmolLM2's own template takes no tools
+        olm.chat(model=TARGET, messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    assert no_tools.value.status_code == 400 and "no tool support" in no_tools.value.error
+    assert "tools" not in olm.show(TARGET).capabilities
     with pytest.raises(ollama.ResponseError) as images:
         olm.chat(model=TARGET, messages=[{"role": "user", "content": "what is this?", "images": ["aGVsbG8="]}])
     assert images.value.status_code == 400 and "images are not supported" in images.value.error
@@ -131,6 +133,7 @@ def test_every_response_carries_a_request_id_and_refusals_are_logged(server):
         ok = http.get("/v1/models")
         refused = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": SECRET}], "n": 3})
     assert ok.headers["x-request-id"] == "client-id-42" and refused.status_code == 400
+    assert "send the request several times" in refused.json()["error"]["message"]  # n > 1: what to do instead
     with httpx.Client(base_url=server.url, timeout=30) as http:
         fresh = http.get("/health").headers["x-request-id"]
         insane = http.get("/health", headers={"X-Request-Id": "bad id\twith spaces" + "x" * 200}).headers["x-request-id"]

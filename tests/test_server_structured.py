@@ -1,5 +1,6 @@
 """`specrun serve` with tools, response_format, log-probs and penalties, driven by the official
-openai client against a real server process (SmolLM2 target and draft, speculative).
+openai client against a real server process (SmolLM2 target and draft, speculative); Ollama's
+`format` and `tools` on the same server, driven by the official ollama client.
 
 SmolLM2's own template takes no tools (test_server.py checks the 400), so this server runs with
 Qwen 2.5's real template (--chat-template): the same ChatML turns, plus tools. The demo model does
@@ -12,9 +13,11 @@ import json
 
 import httpx
 import jsonschema
+import ollama
 import openai
 import pytest
 from pinned_sources import template
+from pydantic import BaseModel, ConfigDict, Field
 from test_server import API_KEY, TARGET, ServerProcess
 
 WEATHER = {"type": "function", "function": {
@@ -45,6 +48,11 @@ def server(offline_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def olm(server) -> ollama.Client:
+    return ollama.Client(host=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=900)
 
 
 def ask(client, content, **kwargs):
@@ -149,3 +157,96 @@ def test_bad_values_are_400s(server, case):
                           headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------------------------------------
+# Ollama's format and tools (issue 37, item 7)
+
+
+class Person(BaseModel):
+    """What an ollama user passes as format= (its JSON schema), and reads the answer back into."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=16)
+    age: int = Field(ge=0, le=120)
+
+
+GREEDY = {"temperature": 0, "num_predict": 48}
+
+
+def test_ollama_format_is_a_schema_enforced_as_response_format(client, olm):
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    whole = olm.chat(model=TARGET, messages=messages, format=Person.model_json_schema(), options=GREEDY)
+    assert whole.done_reason == "stop"
+    Person.model_validate_json(whole.message.content)
+    parts = list(olm.chat(model=TARGET, messages=messages, format=Person.model_json_schema(), options=GREEDY,
+                          stream=True))
+    assert parts[-1].done and "".join(p.message.content for p in parts) == whole.message.content
+    # The same request on the OpenAI API: the same grammar over the same tree decoding, the same answer.
+    openai_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema()}}
+    same = ask(client, messages[0]["content"], max_tokens=48, response_format=openai_format)
+    assert same.choices[0].message.content == whole.message.content
+    generated = olm.generate(model=TARGET, prompt="Give me a JSON object.", format="json", options=GREEDY)
+    if generated.done_reason == "stop":
+        assert isinstance(json.loads(generated.response), dict)
+    else:  # the token limit cut it: still a prefix of an object
+        assert generated.response.startswith("{")
+
+
+def get_weather(city: str) -> str:
+    """Get the current weather in a city.
+
+    Args:
+      city: The city's name
+    """
+    return "Rainy, 12 C"
+
+
+def _called(city: str) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                               "arguments": {"city": city}}}]}
+
+
+# Two earlier turns show the demo model what a call looks like: it then calls the tool by itself
+# (Ollama has no tool_choice to force one).
+ASKED = [{"role": "user", "content": "Weather in Paris?"}, _called("Paris"), {"role": "user", "content": "Weather in Rome?"}]
+
+
+def test_ollama_tools_come_back_as_ollamas_tool_calls(client, olm):
+    whole = olm.chat(model=TARGET, messages=ASKED, tools=[get_weather], options=GREEDY)
+    calls = whole.message.tool_calls
+    assert whole.done and not whole.message.content
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
+    # A tool as a dict, streamed: the call arrives in a line of its own before the last one.
+    parts = list(olm.chat(model=TARGET, messages=ASKED, tools=[WEATHER], options=GREEDY, stream=True))
+    streamed = [c for p in parts for c in p.message.tool_calls or ()]
+    assert parts[-1].done and [(c.function.name, dict(c.function.arguments)) for c in streamed] == [
+        ("get_weather", {"city": "Rome"})]
+    # The OpenAI API finds the same call in the same answer.
+    same = client.chat.completions.create(model=TARGET, messages=[*ASKED[:1], _openai_call("Paris"), ASKED[2]],
+                                          tools=[WEATHER], max_tokens=48, temperature=0)
+    call = same.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+    # The tool's result goes back with tool_name, as the ollama client sends it; the model answers.
+    result = {"role": "tool", "content": get_weather("Rome"), "tool_name": "get_weather"}
+    final = olm.chat(model=TARGET, messages=[*ASKED, whole.message, result], tools=[get_weather], options=GREEDY)
+    assert final.done and (final.message.content or final.message.tool_calls)
+
+
+def _openai_call(city: str) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+def test_ollama_show_lists_tools_and_bad_formats_are_ollama_400s(server, olm):
+    assert "tools" in olm.show(TARGET).capabilities
+    with pytest.raises(ollama.ResponseError) as refused:
+        olm.chat(model=TARGET, messages=[{"role": "user", "content": "Hi"}], options=GREEDY,
+                 format={"type": "object", "dependentRequired": {"a": ["b"]}})
+    assert refused.value.status_code == 400 and "dependentRequired" in refused.value.error, refused.value.error
+    # What the ollama client would not send: plain HTTP.
+    for fields, said in (({"format": "yaml"}, 'format must be "json" or a JSON schema'),
+                         ({"tools": [{"type": "retrieval"}]}, "only function tools")):
+        bad = httpx.post(server.url + "/api/chat", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
+                         json={"model": TARGET, "messages": [{"role": "user", "content": "Hi"}], **fields})
+        assert bad.status_code == 400 and list(bad.json()) == ["error"] and said in bad.json()["error"], bad.text

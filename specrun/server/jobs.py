@@ -126,6 +126,7 @@ class EventReader:
         self.request = request
         self.job = job
         self._getter: asyncio.Task | None = None
+        self._asked_at = time.monotonic()  # when the connection was last asked whether the client is there
 
     async def next(self) -> Started | Piece | Finished:
         """Return the next event; raise a Failed event's error, or ClientGone."""
@@ -135,11 +136,13 @@ class EventReader:
         try:
             while True:
                 done, _ = await asyncio.wait({self._getter}, timeout=POLL_S)
-                if done:
-                    break
-                if await self.request.is_disconnected():
+                # Asked also while events keep coming: a whole answer read without a pause would
+                # otherwise run to its end for a client that left at its start.
+                if await self._client_gone():
                     self.job.cancel.set()
                     raise ClientGone()
+                if done:
+                    break
         except BaseException:
             self._getter.cancel()
             self._getter = None
@@ -148,6 +151,14 @@ class EventReader:
         if isinstance(event, Failed):
             raise event.error
         return event
+
+    async def _client_gone(self) -> bool:
+        """Return whether the client has disconnected, asking the connection at most every POLL_S."""
+        now = time.monotonic()
+        if now - self._asked_at < POLL_S:
+            return False
+        self._asked_at = now
+        return await self.request.is_disconnected()
 
     async def rest(self, logprobs: bool = False) -> "Answer":
         """Return the rest of the answer (raise as next()); with `logprobs`, its tokens' log-probs."""

@@ -4,6 +4,10 @@ Routes: POST /api/chat and /api/generate (newline-delimited JSON streamed by def
 with `stream: false`), GET /api/tags, POST /api/show, GET /api/version, GET /api/ps. Any model name
 is answered by the loaded pair, as on /v1. Errors are Ollama's `{"error": "..."}` with the status.
 
+`format` ("json" or a JSON schema) and `tools` go through the same machinery as the OpenAI API's
+response_format and tools (a grammar enforced at every tree node; the template's own tool-call
+format, parsed at the end); calls come back in Ollama's shape, arguments as an object.
+
 `options` take effect for temperature, top_p, top_k, min_p, seed, num_predict and stop; the
 context is the server's (`num_ctx` is read and ignored, as the model is not reloaded), and the
 other options (penalties, mirostat, threads...) are accepted and ignored. Without options the
@@ -24,11 +28,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specrun.chat import reasoning
+from specrun.chat.tools import tool_format
 from specrun.core.sampling import SamplingParams
 from specrun.errors import UsageError
 from specrun.server.jobs import ChatPrompt, ClientGone, EventReader, Finished, Job, Piece, Started, TextPrompt
 from specrun.server.responses import new_id
-from specrun.server.schemas import APIError, Message, parse_body
+from specrun.server.schemas import APIError, Message, ResponseFormat, Tool, parse_body
 from specrun.server.worker import GenerationWorker, ModelInfo
 
 # The Ollama API release whose shapes these routes follow; clients compare it to enable features.
@@ -84,15 +89,24 @@ class _Request(BaseModel):
 
     @field_validator("format")
     @classmethod
-    def _no_format(cls, value: Any) -> Any:
-        if value not in (None, ""):
-            raise ValueError("structured output (format) is not supported by specrun")
-        return value
+    def _json_or_schema(cls, value: Any) -> Any:
+        if value in (None, "", "json") or isinstance(value, dict):
+            return value
+        raise ValueError('format must be "json" or a JSON schema (an object)')
 
     @field_validator("options", mode="before")
     @classmethod
     def _options(cls, value: Any) -> Any:
         return {} if value is None else value
+
+    def json_schema(self) -> dict | None:
+        """Return the schema the answer must satisfy: "json" asks for any object, as the OpenAI
+        API's json_object does (None: free text)."""
+        if self.format in (None, ""):
+            return None
+        if self.format == "json":
+            return ResponseFormat(type="json_object").answer_schema()
+        return self.format
 
     def template_kwargs(self) -> dict:
         """Return the chat template variables `think` stands for: Qwen3-style enable_thinking, and
@@ -106,13 +120,13 @@ class _Request(BaseModel):
 
 class ChatBody(_Request):
     messages: list[Message] = Field(default_factory=list)
-    tools: Any = None
+    tools: list[Tool] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
     def _ollama_messages(cls, messages: Any) -> Any:
         """Refuse images; Ollama sends an assistant's thinking back as `thinking`, which becomes
-        reasoning_content (what the templates read)."""
+        reasoning_content (what the templates read), and names a tool result's tool in `tool_name`."""
         if not isinstance(messages, list):
             return messages
         out = []
@@ -122,15 +136,14 @@ class ChatBody(_Request):
                     raise ValueError("images are not supported by specrun")
                 if isinstance(m.get("thinking"), str) and "reasoning_content" not in m:
                     m = dict(m, reasoning_content=m["thinking"])
+                if isinstance(m.get("tool_name"), str) and "name" not in m:
+                    m = dict(m, name=m["tool_name"])
             out.append(m)
         return out
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: Any) -> Any:
-        if value not in (None, []):
-            raise ValueError("tools are not supported by specrun")
-        return value
+    def tool_dicts(self) -> list[dict] | None:
+        """Return the tools as the template's `tools` variable holds them (None: no tools)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
 
 class GenerateBody(_Request):
@@ -183,7 +196,7 @@ def add_ollama_routes(app: FastAPI, worker: GenerationWorker) -> None:
         if not body.messages:  # Ollama loads the model and answers at once
             return JSONResponse(_head(info, done=True, done_reason="load", message={"role": "assistant", "content": ""}))
         messages = [m.as_template_message() for m in body.messages]
-        prompt = ChatPrompt(messages, body.template_kwargs())
+        prompt = ChatPrompt(messages, body.template_kwargs(), tools=body.tool_dicts())  # Ollama has no tool_choice: auto
         return await _answer(request, worker, body, prompt, info, chat=True)
 
     @app.post("/api/generate")
@@ -212,16 +225,41 @@ def _head(info: ModelInfo, **fields) -> dict:
     return {"model": info.target, "created_at": _now(), **fields}
 
 
-def _piece(info: ModelInfo, chat: bool, text: str, thinking: str = "", done: bool = False, **fields) -> dict:
+def _piece(info: ModelInfo, chat: bool, text: str, thinking: str = "", done: bool = False,
+           tool_calls: list[dict] | None = None, **fields) -> dict:
     if chat:
         message = {"role": "assistant", "content": text}
         if thinking:
             message["thinking"] = thinking
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         return _head(info, message=message, done=done, **fields)
     body = _head(info, response=text, done=done, **fields)
     if thinking:
         body["thinking"] = thinking
     return body
+
+
+def _calls_apart(text: str, calls: list | None) -> tuple[str, list[dict]]:
+    """Return the answer's text and its tool calls as Ollama writes them, arguments as an object. A
+    call whose arguments are not a JSON object stays in the text, as Ollama leaves a call it cannot
+    read."""
+    ollama_calls = []
+    for call in calls or ():
+        arguments = _json_object(call.arguments)
+        if arguments is None:
+            text += json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+        else:
+            ollama_calls.append({"function": {"name": call.name, "arguments": arguments}})
+    return text, ollama_calls
+
+
+def _json_object(text: str) -> dict | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _final_fields(started: Started, event: Finished, t0: float) -> dict:
@@ -243,7 +281,7 @@ async def _answer(request: Request, worker: GenerationWorker, body: _Request, pr
     t0 = time.perf_counter()
     options = body.options
     job = Job(new_id("ollama"), prompt, options.sampling(), options.token_limit(), tuple(options.stop or ()),
-              asyncio.get_running_loop())
+              asyncio.get_running_loop(), json_schema=body.json_schema())
     worker.submit(job)
     events = EventReader(request, job)
     try:
@@ -258,7 +296,8 @@ async def _answer(request: Request, worker: GenerationWorker, body: _Request, pr
         answer = await events.rest()
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(_piece(info, chat, answer.text, answer.reasoning.strip(), done=True,
+    text, calls = _calls_apart(answer.text, answer.finished.tool_calls)
+    return JSONResponse(_piece(info, chat, text, answer.reasoning.strip(), done=True, tool_calls=calls,
                                **_final_fields(started, answer.finished, t0)),
                         headers=headers)
 
@@ -271,6 +310,9 @@ async def _lines(events: EventReader, started: Started, info: ModelInfo, chat: b
             if isinstance(event, Piece):
                 yield _line(_piece(info, chat, event.text, event.reasoning))
             elif isinstance(event, Finished):
+                if event.content or event.tool_calls:  # held back while it could have been a tool call
+                    text, calls = _calls_apart(event.content or "", event.tool_calls)
+                    yield _line(_piece(info, chat, text, tool_calls=calls))
                 yield _line(_piece(info, chat, "", done=True, **_final_fields(started, event, t0)))
                 return
     except APIError as e:  # after the 200 went out, an error is a line of its own
@@ -302,6 +344,8 @@ def _listing(info: ModelInfo) -> dict:
 
 def _show(info: ModelInfo) -> dict:
     capabilities = ["completion"]
+    if tool_format(info.chat_template) is not None:
+        capabilities.append("tools")
     if reasoning.template_syntax(info.chat_template):
         capabilities.append("thinking")
     model_info = {"general.architecture": info.architecture}

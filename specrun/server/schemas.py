@@ -283,7 +283,8 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _one_choice(cls, n: int | None) -> int | None:
         if n not in (None, 1):
-            raise ValueError("only n=1 is supported: specrun writes one choice per request")
+            raise ValueError("only n=1 is supported: specrun writes one choice per request; for several "
+                             "candidates send the request several times (with different seeds)")
         return n
 
     @field_validator("seed")
