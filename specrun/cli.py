@@ -7,7 +7,6 @@ starts instantly.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import sys
 import traceback
@@ -19,6 +18,7 @@ import typer
 
 from specrun import __version__
 from specrun.errors import SpecrunError, UsageError
+from specrun.limits import RPC_DEFAULT_PORT
 
 
 def _examples(*lines: str, note: tuple[str, ...] = ()) -> str:
@@ -64,6 +64,7 @@ DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no draft model.")]
 LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="Add lookup branches (continuations of earlier occurrences in the session's text) to the draft model's trees  [default: on with a draft model; --lookup also drafts from the text where no draft model runs].", show_default=False)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
+RpcOpt = Annotated[Optional[list[str]], typer.Option("--rpc", metavar="HOST:PORT[,...]", envvar="SPECRUN_RPC", show_envvar=True, help="Spread the target's layers over these RPC workers too (`specrun worker` on each machine); the draft stays here.")]
 
 # ---- sampling options shared by chat and generate ----
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="Sampling temperature; 0 = greedy.")]
@@ -89,14 +90,13 @@ _verbose = False
 def _setup_logging(verbose: bool) -> None:
     global _verbose
     _verbose = verbose
-    level = logging.DEBUG if verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(name)s: %(message)s", stream=sys.stderr, force=True)
-    # llama.cpp's own chatter stays silent unless asked for.
-    logging.getLogger("specrun.llama").setLevel(logging.INFO if verbose else logging.CRITICAL)
+    from specrun import ui
+
+    ui.setup_logging(verbose)
 
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
-                 gpu_memory=None):
+                 gpu_memory=None, rpc=None):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -106,9 +106,14 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
         limit = parse_bytes(gpu_memory, "--gpu-memory")
         if limit <= 0:
             raise UsageError(f"--gpu-memory {gpu_memory!r}: the limit must be more than 0")
+    endpoints = ()
+    if rpc:
+        from specrun.engine.rpc import parse_endpoints
+
+        endpoints = parse_endpoints(rpc)
     return RunOptions(
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
-        budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit,
+        budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
     )
 
 
@@ -127,20 +132,6 @@ def _main(
 
 # ---------------------------------------------------------------------------------------------
 # generate
-
-
-def _read_prompt(prompt: str | None, file: Path | None) -> str:
-    from specrun.inputs import check_utf8, read_stdin, read_text_file
-
-    if prompt is not None and file is not None:
-        raise UsageError("give the prompt either as an argument or with --file, not both")
-    if file is not None:
-        return read_text_file(file, "prompt file")
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return read_stdin()
-    if prompt is not None:
-        return check_utf8(prompt, "the prompt argument")
-    raise UsageError("no prompt: pass it as an argument, with --file, or on stdin")
 
 
 @app.command(
@@ -192,6 +183,7 @@ def generate(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -208,7 +200,7 @@ def generate(
     _setup_logging(verbose)
     with _user_errors():
         from specrun.commands import generate as generate_command
-        from specrun.inputs import json_schema_file, option_file
+        from specrun.inputs import json_schema_file, option_file, read_prompt
         from specrun.runtime.request import Request
 
         if jsonl and as_json:
@@ -217,7 +209,7 @@ def generate(
             raise UsageError("--lines and --jsonl do not go together (--jsonl already reads one request per line)")
         if system is not None and chat is False:
             raise UsageError("--system needs chat mode (drop --raw)")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
@@ -237,7 +229,7 @@ def generate(
             if generate_command.generate_lines(opts, request, file, show_stats=stats, as_json=as_json):
                 raise typer.Exit(2)  # some lines were refused (each one said why)
             return
-        text = _read_prompt(prompt, file)
+        text = read_prompt(prompt, file)
         generate_command.generate_one(opts, request, text, show_stats=stats, as_json=as_json)
 
 
@@ -270,6 +262,7 @@ def chat(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -284,7 +277,7 @@ def chat(
         from specrun.commands import chat as chat_command
         from specrun.runtime.request import Request
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
         chat_command.chat(opts, request, max_tokens, _chat_settings(reasoning_format, chat_template))
 
@@ -319,6 +312,7 @@ def serve(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -337,7 +331,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose,
@@ -388,6 +382,7 @@ def bench(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     lookup: LookupOpt = None,
@@ -398,7 +393,7 @@ def bench(
     with _user_errors():
         from specrun.commands import bench as bench_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory, rpc=rpc)
         if report:
             from specrun.commands import bench_report
 
@@ -429,6 +424,7 @@ def tune(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -444,7 +440,7 @@ def tune(
             if e.name not in ("specrun.tuning", "specrun.commands.tune"):
                 raise
             raise SpecrunError(f"`specrun tune` is not available in this build (the {e.name} module is missing)") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory, rpc=rpc)
         tune_command.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
 
 
@@ -467,6 +463,7 @@ def plan(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -480,8 +477,29 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc)
         plan_command.plan(opts, as_json, gpu, ram_free)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker
+
+
+@app.command(epilog=_examples("specrun worker --host 0.0.0.0 --port 50052 --threads 8",
+                              "specrun serve --target qwen2.5-72b --rpc 192.168.1.20:50052   # on the machine that runs the model"))
+def worker(
+    host: Annotated[str, typer.Option("--host", help="IPv4 address to listen on (another than 127.0.0.1 lets other machines use this one's devices: a trusted network only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", min=1, max=65535, help="Port to listen on.")] = RPC_DEFAULT_PORT,
+    threads: ThreadsOpt = None,
+    device: Annotated[Optional[list[str]], typer.Option("--device", metavar="NAME", help="Serve this device, e.g. CUDA0 or CPU (repeatable; default: this machine's GPUs, else its CPU).")] = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Serve this machine's devices to another machine's specrun (--rpc HOST:PORT) over llama.cpp's RPC backend."""
+    _setup_logging(verbose)
+    with _user_errors():
+        from specrun.commands import worker as worker_command
+
+        worker_command.worker(host, port, threads, device or [])
 
 
 # ---------------------------------------------------------------------------------------------

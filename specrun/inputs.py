@@ -80,3 +80,16 @@ def json_schema_file(path: Path | None) -> str | None:
     if not isinstance(schema, dict):
         raise UsageError(f"--json-schema file {path} must hold a JSON object")
     return json.dumps(schema)
+
+
+def read_prompt(prompt: str | None, file: Path | None) -> str:
+    """Return the one prompt of `specrun generate`: the argument, --file, or stdin ("-" or piped)."""
+    if prompt is not None and file is not None:
+        raise UsageError("give the prompt either as an argument or with --file, not both")
+    if file is not None:
+        return read_text_file(file, "prompt file")
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return read_stdin()
+    if prompt is not None:
+        return check_utf8(prompt, "the prompt argument")
+    raise UsageError("no prompt: pass it as an argument, with --file, or on stdin")

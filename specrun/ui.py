@@ -7,6 +7,7 @@ falls back to plain text when stderr is not a terminal or NO_COLOR is set.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -76,6 +77,14 @@ def out_console() -> Console:
     # A pipe has no width: don't squeeze or wrap table rows to 80 columns.
     width = None if sys.stdout.isatty() else 10_000
     return Console(file=sys.stdout, color_system=None if _no_color() else "auto", highlight=False, soft_wrap=True, width=width)
+
+
+def setup_logging(verbose: bool) -> None:
+    """Send log records to stderr: everything with `verbose`, else warnings and worse."""
+    level = logging.DEBUG if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(name)s: %(message)s", stream=sys.stderr, force=True)
+    # llama.cpp's own chatter stays silent unless asked for.
+    logging.getLogger("specrun.llama").setLevel(logging.INFO if verbose else logging.CRITICAL)
 
 
 def info(message: str) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from specrun import ui
+from specrun.engine import rpc
 from specrun.errors import SpecrunError, UsageError
 from specrun.inputs import decode_utf8
 from specrun.runtime import request_json
@@ -62,6 +63,8 @@ def _answer(rt: Runtime, request: Request, text: str, show_stats: bool, as_json:
                 f"{stats['n_tokens']} tokens; a larger --ctx-size gives it room")
     if show_stats:
         ui.dim(ui.stats_line(stats) + f" · finished: {stats['finish_reason']}")
+    if log.isEnabledFor(logging.INFO) and (network := rpc.round_trips_now()):
+        log.info("%s", network)  # a slow worker's link shows here
 
 
 def _result_json(result, rt: Runtime) -> dict:

@@ -61,15 +61,20 @@ def plan_lines(plan: Plan) -> list[str]:
                  + ("" if placed.ram_fits else "  (does not fit)") + parts.get("RAM", ""))
     for device in data["memory"]["devices"]:
         fits = device["planned_bytes"] <= device["limit_bytes"]
+        where = f" on {device['host']}" if device["host"] else ""
         lines.append(
-            f"         {device['name']}: {human_size(device['planned_bytes'])} planned of "
-            f"{human_size(device['free_bytes'])} free ({human_size(device['limit_bytes'])} usable)"
+            f"         {device['name']}{where}: {device['layers']} layer slots, {human_size(device['planned_bytes'])} "
+            f"planned of {human_size(device['free_bytes'])} free ({human_size(device['limit_bytes'])} usable)"
             + ("" if fits else "  (does not fit)") + parts.get(device["name"], "")
         )
     lines.append("         " + ("context and compute figures from llama.cpp's own simulation of this load"
                               if placed.measured else "context and compute figures estimated from the models' shapes"))
     if not plan.devices:
         lines.append("         no GPU: everything runs on the CPU")
+    if plan.round_trips:
+        trips = ", ".join(f"{host} {seconds * 1e3:.2f} ms" for host, seconds in plan.round_trips)
+        lines.append(f"network  {plan.network_s * 1e3:.2f} ms a target pass on the network: a round trip to each "
+                     f"worker holding layers (measured round trips: {trips})")
     for warning in data["warnings"]:
         lines.append(f"warning  {warning}")
     return lines
@@ -87,14 +92,16 @@ def _where(path: str | None) -> str:
 
 
 def _layers_text(gpu_layers: int, slots: int, plan: Plan) -> str:
+    where = "the GPU" if not plan.round_trips else "the RPC workers" if all(d.host for d in plan.devices) else \
+        "the RPC workers and GPUs"
     if not plan.devices or gpu_layers == 0:
         return f"all {slots} layer slots in RAM"
     if experts := plan.placement.cpu_expert_layers:
         return (f"all {slots} layer slots on the GPU but the routed experts of the first {experts} "
                 f"of {slots - 1} layers, kept in RAM")
     if gpu_layers >= slots:
-        return f"all {slots} layer slots on the GPU"
-    return f"{gpu_layers} of {slots} layer slots on the GPU, {slots - gpu_layers} in RAM"
+        return f"all {slots} layer slots on {where}"
+    return f"{gpu_layers} of {slots} layer slots on {where}, {slots - gpu_layers} in RAM"
 
 
 def parse_gpu(spec: str) -> DeviceInfo:

@@ -21,7 +21,13 @@ from specrun.engine.backend import (
     llama_version_info,
 )
 from specrun.engine.context import Batch, Context, Detokenizer, default_threads
-from specrun.engine.devices import DeviceInfo, backend_names, list_devices, system_info
+from specrun.engine.devices import (
+    DeviceInfo,
+    backend_names,
+    list_devices,
+    remote_devices,
+    system_info,
+)
 from specrun.engine.gguf import architecture as gguf_architecture
 from specrun.engine.gguf import data_bytes as gguf_data_bytes
 from specrun.engine.gguf import has_mtp_layers as gguf_has_mtp_layers
@@ -40,5 +46,5 @@ from specrun.limits import MAX_SEQ
 __all__ = [
     "GGUF_MAGIC", "MAX_SEQ", "Allocation", "Batch", "captured_log", "ContextSpec", "Simulation", "Context", "Detokenizer", "DeviceInfo", "Model", "MtpContext", "backend_names", "check_mtp_support",
     "embeddings_nextn_row", "enable_target_rows", "n_layer_nextn",
-    "check_gguf_file", "default_threads", "gguf_architecture", "gguf_data_bytes", "gguf_has_mtp_layers", "gguf_header_facts", "list_devices", "llama_version_info", "quantize", "system_info",
+    "check_gguf_file", "default_threads", "gguf_architecture", "gguf_data_bytes", "gguf_has_mtp_layers", "gguf_header_facts", "list_devices", "llama_version_info", "remote_devices", "quantize", "system_info",
 ]

@@ -1,4 +1,5 @@
-"""The devices and backends llama.cpp's ggml sees (GPU names, free and total memory).
+"""The devices and backends llama.cpp's ggml sees (GPU names, free and total memory), and the
+devices of RPC workers added beside them (engine.rpc), each with the worker's address as its host.
 
 llama-cpp-python does not bind ggml's device API; a few ctypes declarations on the libggml
 shipped beside libllama do.
@@ -18,13 +19,16 @@ _DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
 
 class DeviceInfo:
-    """One compute device as libggml reports it: name, kind ('cpu', 'gpu', ...), memory in bytes."""
+    """One compute device as libggml reports it: name, kind ('cpu', 'gpu', ...), memory in bytes,
+    and the RPC worker it is on ("HOST:PORT"; "" on this machine)."""
 
-    __slots__ = ("name", "description", "kind", "backend", "free_bytes", "total_bytes")
+    __slots__ = ("name", "description", "kind", "backend", "free_bytes", "total_bytes", "host")
 
-    def __init__(self, name: str, description: str, kind: str, backend: str, free_bytes: int, total_bytes: int):
+    def __init__(self, name: str, description: str, kind: str, backend: str, free_bytes: int, total_bytes: int,
+                 host: str = ""):
         self.name, self.description, self.kind, self.backend = name, description, kind, backend
         self.free_bytes, self.total_bytes = int(free_bytes), int(total_bytes)
+        self.host = host
 
     def to_dict(self) -> dict:
         return {slot: getattr(self, slot) for slot in self.__slots__}
@@ -63,6 +67,12 @@ def ggml_lib():
         "ggml_backend_reg_name": ([ptr], char_p),
         "ggml_backend_dev_by_type": ([ctypes.c_int], ptr),
         "ggml_backend_dev_buffer_type": ([ptr], ptr),
+        "ggml_backend_reg_by_name": ([char_p], ptr),
+        "ggml_backend_reg_get_proc_address": ([ptr, char_p], ptr),
+        "ggml_backend_reg_dev_count": ([ptr], size_t),
+        "ggml_backend_reg_dev_get": ([ptr, size_t], ptr),
+        "ggml_backend_dev_by_name": ([char_p], ptr),
+        "ggml_backend_dev_init": ([ptr, char_p], ptr),
     }
     for fn_name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, fn_name)
@@ -75,26 +85,65 @@ def _text(raw: bytes | None) -> str:
     return raw.decode("utf-8", errors="replace") if raw else ""
 
 
-def list_devices() -> list[DeviceInfo]:
-    """Return every device llama.cpp can compute on (the CPU included), with its free/total memory."""
+# The RPC workers' devices added in this process (engine.rpc.connect): (host, device pointer).
+_remote: list[tuple[str, int]] = []
+GPU_KINDS = ("gpu", "igpu")
+
+
+def _describe(dev, host: str = "") -> DeviceInfo:
     lib = ggml_lib()
-    devices = []
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        reg = lib.ggml_backend_dev_backend_reg(dev)
-        devices.append(
-            DeviceInfo(
-                name=_text(lib.ggml_backend_dev_name(dev)),
-                description=_text(lib.ggml_backend_dev_description(dev)).strip(),
-                kind=_DEVICE_KINDS.get(lib.ggml_backend_dev_type(dev), "unknown"),
-                backend=_text(lib.ggml_backend_reg_name(reg)) if reg else "",
-                free_bytes=free.value,
-                total_bytes=total.value,
-            )
-        )
-    return devices
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))  # asks the worker, for a remote one
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    return DeviceInfo(
+        name=_text(lib.ggml_backend_dev_name(dev)),
+        description=_text(lib.ggml_backend_dev_description(dev)).strip(),
+        kind=_DEVICE_KINDS.get(lib.ggml_backend_dev_type(dev), "unknown"),
+        backend=_text(lib.ggml_backend_reg_name(reg)) if reg else "",
+        free_bytes=free.value,
+        total_bytes=total.value,
+        host=host,
+    )
+
+
+def local_devices() -> list[tuple[DeviceInfo, int]]:
+    """Return this machine's devices (the CPU included), each with its ggml device pointer."""
+    lib = ggml_lib()
+    pointers = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    return [(_describe(dev), dev) for dev in pointers]
+
+
+def list_devices() -> list[DeviceInfo]:
+    """Return every device llama.cpp can compute on (the CPU included), with its free/total memory:
+    this machine's, then the RPC workers'."""
+    return [info for info, _ in local_devices()] + remote_devices()
+
+
+def remote_devices() -> list[DeviceInfo]:
+    """Return the RPC workers' devices added in this process (their memory asked over the network)."""
+    return [_describe(dev, host) for host, dev in _remote]
+
+
+def add_remote_devices(host: str, devices: list[int]) -> None:
+    """Add an RPC worker's devices (engine.rpc.connect) to the ones listed and offloaded to."""
+    _remote.extend((host, dev) for dev in devices)
+
+
+def remote_hosts() -> list[str]:
+    """Return the RPC workers whose devices were added, in order."""
+    return list(dict.fromkeys(host for host, _ in _remote))
+
+
+def device_by_name(name: str) -> int | None:
+    """Return this machine's device called `name` (e.g. "CPU", "CUDA0"), or None."""
+    return ggml_lib().ggml_backend_dev_by_name(name.encode()) or None
+
+
+def offload_devices() -> list[int]:
+    """Return the devices a model spread over hosts offloads to, in the order the planner counts
+    them (hardware.placement.gpus_of): the RPC workers' first (as llama.cpp orders them), then
+    this machine's GPUs."""
+    return [dev for _, dev in _remote] + [dev for info, dev in local_devices() if info.kind in GPU_KINDS]
 
 
 def cpu_buffer_type() -> int:

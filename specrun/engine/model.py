@@ -17,7 +17,7 @@ from specrun.engine.backend import (
     raise_if_interrupted,
     recent_errors,
 )
-from specrun.engine.devices import cpu_buffer_type
+from specrun.engine.devices import cpu_buffer_type, offload_devices, remote_hosts
 from specrun.engine.gguf import check_complete_gguf
 from specrun.errors import EngineError, ModelFileError
 
@@ -52,13 +52,16 @@ class Model(Owner):
         load_mtp: bool = False,
         simulate: bool = False,
         experts_in_ram: int = 0,
+        across_hosts: bool = False,
     ):
         """Load a model. `tensor_split` (per GPU) spreads offloaded layers as planned; `main_gpu`
         puts the whole model on one GPU (llama.cpp's split mode "none"); `load_mtp` also loads its
         MTP layers, for drafting with them (engine.mtp); `simulate` reads only the metadata and
         makes llama.cpp size every buffer without allocating it (engine.memory), contexts too;
         `experts_in_ram` keeps the routed experts of the first that many layers in RAM wherever
-        their layers go (llama.cpp's tensor buffer overrides, as its --n-cpu-moe)."""
+        their layers go (llama.cpp's tensor buffer overrides, as its --n-cpu-moe);
+        `across_hosts` offloads to the RPC workers' devices too (engine.rpc), first, and then to
+        this machine's GPUs: `tensor_split` counts them in that order."""
         ensure_backend()
         self.path = check_complete_gguf(Path(path))
         params = C.llama_model_default_params()
@@ -77,6 +80,12 @@ class Model(Owner):
         if experts_in_ram > 0:
             self._overrides = _experts_in_ram(experts_in_ram)
             params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
+        if across_hosts and remote_hosts():
+            # llama.cpp reads a NULL-terminated array; without one it offloads to this machine's
+            # devices only (the workers' are not in ggml's registry).
+            devices = offload_devices()
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         if main_gpu is not None:
             params.split_mode = C.LLAMA_SPLIT_MODE_NONE
             params.main_gpu = main_gpu

@@ -120,11 +120,13 @@ class ModelSize:
 
 @dataclass(frozen=True)
 class Device:
-    """A GPU (or other accelerator) as libggml reports it."""
+    """A GPU (or other accelerator) as libggml reports it; `host` is the RPC worker it is on
+    ("HOST:PORT"; "" on this machine)."""
 
     name: str
     free_bytes: int
     total_bytes: int
+    host: str = ""
 
 
 def capped_devices(devices: Sequence[Device], limit_bytes: int) -> tuple[Device, ...]:
@@ -138,7 +140,7 @@ def capped_devices(devices: Sequence[Device], limit_bytes: int) -> tuple[Device,
         raise ValueError("a GPU memory limit must be positive")
     return tuple(
         Device(f"{d.name} (at most {_gib(limit_bytes)})" if limit_bytes < d.total_bytes else d.name,
-               min(d.free_bytes, limit_bytes), min(d.total_bytes, limit_bytes))
+               min(d.free_bytes, limit_bytes), min(d.total_bytes, limit_bytes), d.host)
         for d in devices
     )
 
@@ -485,7 +487,7 @@ def plan_offload(
     if draft is not None:
         draft_buffers = _Buffers.of(draft, n_ctx, n_tokens, flash_attn, measured[1])
         draft_gpu = _whole_model_gpu_bytes(draft, draft_buffers)
-        roomiest = max(range(len(devices)), key=lambda k: limits[k], default=None)
+        roomiest = max(_local(devices), key=lambda k: limits[k], default=None)
         draft_context = draft.n_layer * draft_buffers.kv_layer
         if roomiest is not None and draft_gpu <= limits[roomiest]:
             draft_device, draft_gpu_layers = roomiest, draft.n_layer + 1
@@ -509,7 +511,7 @@ def plan_offload(
         if overridden:
             wanted = slots if gpu_layers_override < 0 else min(gpu_layers_override, slots)
         gpu_layers, op_offload, placement = _best_placement(
-            target, buffers, base, limits, n_tokens >= OP_OFFLOAD_MIN_BATCH, wanted
+            target, buffers, base, limits, n_tokens >= OP_OFFLOAD_MIN_BATCH and not devices[0].host, wanted
         )
         if target.expert_bytes and gpu_layers < slots and not overridden:
             moe = _moe_placement(target, buffers, base, limits)
@@ -556,6 +558,12 @@ def plan_offload(
         measured=measured[0] is not None,
         cpu_expert_layers=cpu_expert_layers,
     )
+
+
+def _local(devices: Sequence[Device]) -> list[int]:
+    """Return the indices of the devices on this machine: the draft runs many small passes, which
+    a network round trip each would make slow (and an RPC worker runs no op offload)."""
+    return [k for k, d in enumerate(devices) if not d.host]
 
 
 def _target_on_devices(target: ModelSize, buffers: _Buffers, gpu_layers: int, op_offload: bool,

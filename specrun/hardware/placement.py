@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specrun import engine, sysinfo
+from specrun.engine.devices import GPU_KINDS
 from specrun.errors import ModelFileError
 from specrun.hardware import offload
 
@@ -22,7 +23,6 @@ log = logging.getLogger("specrun")
 Measured = Callable[[int], "tuple[offload.ContextBytes | None, offload.ContextBytes | None]"]
 
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
-GPU_KINDS = ("gpu", "igpu")
 
 
 def weight_bytes(path: Path) -> int:
@@ -140,8 +140,11 @@ def _measured(measured: Measured | None, n_ctx: int) -> tuple[offload.ContextByt
 
 
 def gpus_of(devices) -> tuple[offload.Device, ...]:
-    """Return the planner's view of the GPUs among llama.cpp's devices (engine.DeviceInfo-like)."""
-    return tuple(offload.Device(d.name, d.free_bytes, d.total_bytes) for d in devices if d.kind in GPU_KINDS)
+    """Return the planner's view of the GPUs among llama.cpp's devices (engine.DeviceInfo-like):
+    RPC workers' devices first, as a target spread over hosts offloads to them (engine.Model)."""
+    gpus = [offload.Device(d.name, d.free_bytes, d.total_bytes, getattr(d, "host", ""))
+            for d in devices if d.kind in GPU_KINDS]
+    return tuple(sorted(gpus, key=lambda d: not d.host))
 
 
 def plan(

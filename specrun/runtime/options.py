@@ -31,6 +31,8 @@ class RunOptions:
     quiet: bool = False  # no download progress bars
     # --gpu-memory: use at most this many bytes of each GPU (a big card stands in for a smaller one)
     gpu_memory: int | None = None
+    # --rpc: the RPC workers ("HOST:PORT") whose devices take target layers beside this machine's
+    rpc: tuple[str, ...] = ()
 
     @property
     def lookup_only(self) -> bool:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from specrun import architectures, engine, ui
 from specrun.core.tree_shapes import TreeShape
+from specrun.engine import rpc
 from specrun.errors import EngineError, UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
@@ -90,6 +91,7 @@ class Plan:
     ctx_why: str = "--ctx-size"  # why this context size
     n_ctx_train: int = 0  # the target's trained context, when read (0: not read)
     check: ProfileCheck | None = None  # a tuning profile decided: what the load re-times
+    round_trips: tuple[tuple[str, float], ...] = ()  # (RPC worker, seconds of a round trip to it)
 
     def checked(self, target_pass_s: float | None) -> Plan:
         """Return the plan to load once the target's one-token pass is timed (None: could not
@@ -103,6 +105,18 @@ class Plan:
     @property
     def speculative(self) -> bool:
         return self.tree is not None
+
+    def device_layers(self) -> list[int]:
+        """Return the target's layer slots on each of `devices`, in order."""
+        split = self.placement.target_tensor_split
+        return [int(n) for n in split] if split else [0] * len(self.devices)
+
+    @property
+    def network_s(self) -> float:
+        """Seconds each target pass spends on the network: a round trip to every RPC worker
+        holding layers (its stretch of layers returns its result once per pass)."""
+        holding = {d.host for d, n in zip(self.devices, self.device_layers()) if d.host and n}
+        return sum(seconds for host, seconds in self.round_trips if host in holding)
 
     @property
     def drafter(self) -> str:
@@ -150,11 +164,14 @@ class Plan:
             },
             "context": {"n_ctx": self.target_ctx.n_ctx, "why": self.ctx_why, "n_ctx_train": self.n_ctx_train or None},
             "threads": self.threads,
+            "network": None if not self.round_trips else {
+                "round_trip_s": dict(self.round_trips), "per_pass_s": self.network_s},
             "memory": {
                 "devices": [
-                    {"name": d.name, "planned_bytes": used, "free_bytes": d.free_bytes, "limit_bytes": limit}
-                    for d, used, limit in zip(self.devices, self.placement.device_bytes,
-                                              self.placement.device_limit_bytes)
+                    {"name": d.name, "host": d.host or None, "layers": layers, "planned_bytes": used,
+                     "free_bytes": d.free_bytes, "limit_bytes": limit}
+                    for d, layers, used, limit in zip(self.devices, self.device_layers(), self.placement.device_bytes,
+                                                      self.placement.device_limit_bytes)
                 ],
                 "ram": {"planned_bytes": self.placement.ram_bytes, "limit_bytes": self.placement.ram_limit_bytes},
                 "fits": self.placement.fits,
@@ -224,8 +241,12 @@ def build_plan(
     files = resolve_models(opts, fetch=fetch)
     if shape is not None and files.draft_name is None:
         raise UsageError(f"no draft model for {files.target_name}: pass --draft")
+    if opts.rpc:
+        rpc.connect(opts.rpc)
     if devices is None:
         devices = engine.list_devices()
+    elif opts.rpc:  # GPUs given for another machine, beside the workers
+        devices = [*devices, *engine.remote_devices()]
     return _build(opts, files, shape, devices, ram_free_bytes, sizes, detailed, use_profile=True)
 
 
@@ -300,6 +321,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
             threads=threads, placement=placed, devices=gpus, untuned=untuned,
             notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
+            round_trips=tuple((host, rpc.round_trip_s(host) or 0.0) for host in dict.fromkeys(d.host for d in gpus if d.host)),
         )
         if pass_s is not None:
             fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False)

@@ -204,6 +204,7 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     Several GPUs: the target's offloaded layers split by the planned per-device counts, the draft
     whole on its planned GPU. Op offload (GPU matmuls over RAM-resident weights for big batches)
     only where the plan made room for it; never for a draft left in RAM (its passes are narrow).
+    RPC workers' devices (--rpc) take target layers only, counted before this machine's GPUs.
     Without a GPU every value is llama.cpp's default.
     """
     placed = plan.placement
@@ -218,10 +219,13 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
         target["experts_in_ram"] = placed.cpu_expert_layers
     if len(plan.devices) > 1 and placed.target_tensor_split:
         target["tensor_split"] = placed.target_tensor_split
+    remote = sum(1 for d in plan.devices if d.host)
+    if remote:
+        target["across_hosts"] = True  # the draft stays on this machine (its devices only)
     if placed.draft_device is None:
         draft["op_offload"] = False
-    elif len(plan.devices) > 1:
-        draft["main_gpu"] = placed.draft_device
+    elif len(plan.devices) - remote > 1:
+        draft["main_gpu"] = placed.draft_device - remote  # among this machine's GPUs, after the workers'
     return target, draft
 
 

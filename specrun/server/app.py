@@ -46,7 +46,7 @@ from specrun.server.schemas import (
     refuse_unsupported,
 )
 from specrun.server.sites import SiteGuard
-from specrun.server.worker import GenerationWorker
+from specrun.server.worker import QueueWorker
 
 log = logging.getLogger("specrun.server")
 
@@ -73,7 +73,7 @@ class ServerSettings:
     read_timeout_s: float = 30.0
 
 
-def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
+def create_app(worker: QueueWorker, settings: ServerSettings) -> FastAPI:
     """Return the ASGI app serving `worker`'s model."""
     app = FastAPI(title="specrun", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
@@ -183,7 +183,7 @@ class RequestGuard:
 # Routes
 
 
-def _add_routes(app: FastAPI, worker: GenerationWorker) -> None:
+def _add_routes(app: FastAPI, worker: QueueWorker) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         if worker.state == "ready" and not worker.alive:
@@ -294,7 +294,7 @@ async def _parse(request: Request, model: type[GenerationRequest]) -> Generation
     return body
 
 
-async def _answer(request: Request, worker: GenerationWorker, body: GenerationRequest, prompt, envelope: Envelope,
+async def _answer(request: Request, worker: QueueWorker, body: GenerationRequest, prompt, envelope: Envelope,
                   constraint: Constraint | None) -> Response:
     shape = {} if constraint is None else {"json_schema": constraint.schema, "grammar": constraint.grammar,
                                            "constraint_field": constraint.field}

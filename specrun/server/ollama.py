@@ -34,7 +34,7 @@ from specrun.errors import UsageError
 from specrun.server.jobs import ChatPrompt, ClientGone, EventReader, Finished, Job, Piece, Started, TextPrompt
 from specrun.server.responses import new_id
 from specrun.server.schemas import APIError, Message, ResponseFormat, Tool, parse_body
-from specrun.server.worker import GenerationWorker, ModelInfo
+from specrun.server.worker import ModelInfo, QueueWorker
 
 # The Ollama API release whose shapes these routes follow; clients compare it to enable features.
 OLLAMA_API_VERSION = "0.12.0"
@@ -163,7 +163,7 @@ class GenerateBody(_Request):
         return value
 
 
-def add_ollama_routes(app: FastAPI, worker: GenerationWorker) -> None:
+def add_ollama_routes(app: FastAPI, worker: QueueWorker) -> None:
     """Register Ollama's routes on the app."""
 
     @app.get("/api/version")
@@ -276,7 +276,7 @@ def _final_fields(started: Started, event: Finished, t0: float) -> dict:
     }
 
 
-async def _answer(request: Request, worker: GenerationWorker, body: _Request, prompt, info: ModelInfo,
+async def _answer(request: Request, worker: QueueWorker, body: _Request, prompt, info: ModelInfo,
                   chat: bool) -> Response:
     t0 = time.perf_counter()
     options = body.options

@@ -49,6 +49,14 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def __reduce__(self):
+        # Pickled whole (server.isolated sends errors between processes), keyword fields included.
+        return _api_error, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
+def _api_error(status, message, type, param, code, headers) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers)
+
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     """Return the JSON body every error has, as the OpenAI API writes it."""

@@ -23,10 +23,10 @@ from specrun import ui
 from specrun.chat.reasoning import ChatSettings
 from specrun.errors import UsageError
 from specrun.runtime.plan import RunOptions, resolve_models
-from specrun.runtime.runtime import Runtime
 from specrun.server.app import ServerSettings, create_app
 from specrun.server.connections import connection_limit, guarded_protocol
-from specrun.server.worker import GenerationWorker
+from specrun.server.isolated import IsolatedWorker
+from specrun.server.worker import GenerationWorker, QueueWorker
 
 # How long a stopping server waits for answers to wind up before it closes their connections.
 GRACEFUL_STOP_S = 10
@@ -46,15 +46,18 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
     url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
     server: StoppingServer | None = None
 
-    def on_ready(worker: GenerationWorker, rt: Runtime) -> None:
-        ui.dim(_describe(rt))
+    def on_ready(worker: QueueWorker, description: str) -> None:
+        ui.dim(description)
         ui.info(f"listening on {url}")
 
     def on_load_error(error: BaseException) -> None:
         if server is not None:
             server.should_exit = True
 
-    worker = GenerationWorker(opts, queue_size, on_ready, on_load_error, chat)
+    if opts.rpc:  # a lost RPC worker ends the process that loaded the target: not this one
+        worker = IsolatedWorker(opts, queue_size, on_ready, on_load_error, chat, settings.verbose)
+    else:
+        worker = GenerationWorker(opts, queue_size, on_ready, on_load_error, chat)
     config = uvicorn.Config(
         create_app(worker, settings), lifespan="off", log_config=None, access_log=False, log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_STOP_S, server_header=False,
@@ -79,7 +82,7 @@ class StoppingServer(uvicorn.Server):
     """uvicorn's server, which also tells the worker to end the answer in progress on Ctrl-C or
     SIGTERM (uvicorn alone would wait for a streamed answer to run to its end)."""
 
-    def __init__(self, config: uvicorn.Config, worker: GenerationWorker):
+    def __init__(self, config: uvicorn.Config, worker: QueueWorker):
         super().__init__(config)
         self.worker = worker
 
@@ -126,12 +129,3 @@ def _is_loopback(host: str) -> bool:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _describe(rt: Runtime) -> str:
-    """Return the line that says what is being served, as `specrun chat` says it."""
-    if rt.speculative:
-        how = f"with draft {rt.models.draft_name} (tree budget {rt.shape.budget})"
-    else:
-        how = "without a draft (plain decoding)"
-    return f"specrun serve: {rt.models.target_name} {how}, {rt.target_ctx.n_ctx}-token context ({rt.plan.ctx_why})"

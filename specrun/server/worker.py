@@ -35,6 +35,7 @@ from specrun.chat.tools import ToolFormat, tool_format
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import stream
+from specrun.engine import rpc
 from specrun.engine.grammar import Grammar
 from specrun.errors import GrammarError, SpecrunError, UsageError
 from specrun.runtime.plan import RunOptions
@@ -87,13 +88,16 @@ class ModelInfo:
     chat_template: str | None = None  # the template chats are rendered with (None: ChatML fallback)
 
 
-class GenerationWorker:
-    """Loads the Runtime in its own thread, then answers queued jobs one at a time until stopped."""
+class QueueWorker:
+    """Loads the models in its own thread, then answers queued jobs one at a time until stopped.
 
-    def __init__(self, opts: RunOptions, queue_size: int, on_ready: Callable[["GenerationWorker", Runtime], None],
-                 on_load_error: Callable[[BaseException], None], chat: ChatSettings = ChatSettings()):
-        self.opts = opts
-        self.chat = chat
+    The queue, the 503s that say when to retry and the stop are here; a subclass says how the
+    models load (`_load`, returning the line that says what is served), how one job is answered
+    (`_serve`) and how the models are let go (`_unload`).
+    """
+
+    def __init__(self, queue_size: int, on_ready: Callable[["QueueWorker", str], None],
+                 on_load_error: Callable[[BaseException], None]):
         self.state = "loading"  # loading, ready, failed, stopping
         self.model: ModelInfo | None = None
         self.load_error: BaseException | None = None
@@ -101,7 +105,6 @@ class GenerationWorker:
         self._current: Job | None = None
         self._stopping = threading.Event()
         self._on_ready, self._on_load_error = on_ready, on_load_error
-        self._memory = ConversationMemory()
         self._mean_job_s = 5.0  # for Retry-After; follows the recent jobs
         self._started_at = 0.0  # when the job in progress got its turn
         self._thread = threading.Thread(target=self._run, name="specrun-worker", daemon=True)
@@ -161,23 +164,28 @@ class GenerationWorker:
     # -- the worker thread --
     def _run(self) -> None:
         try:
-            rt = Runtime(self.opts)
+            description = self._load()
         except BaseException as e:  # reported by the main thread, which then exits
             self.state, self.load_error = "failed", e
             self._on_load_error(e)
             return
         try:
-            if self.chat.template is not None:
-                rt.chat_format.template = self.chat.template
-            self.model = _model_info(rt)
-            self.runtime = rt
             if not self._stopping.is_set():
                 self.state = "ready"
-                self._on_ready(self, rt)
+                self._on_ready(self, description)
             self._serve_until_stopped()
         finally:
             self._refuse_queued()
-            rt.close()
+            self._unload()
+
+    def _load(self) -> str:
+        raise NotImplementedError
+
+    def _serve(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def _unload(self) -> None:
+        raise NotImplementedError
 
     def _serve_until_stopped(self) -> None:
         while not self._stopping.is_set():
@@ -201,6 +209,32 @@ class GenerationWorker:
                 self._jobs.get_nowait().emit(Failed(shutting_down()))
             except queue.Empty:
                 return
+
+
+class GenerationWorker(QueueWorker):
+    """The worker that owns the Runtime in this process."""
+
+    def __init__(self, opts: RunOptions, queue_size: int, on_ready: Callable[[QueueWorker, str], None],
+                 on_load_error: Callable[[BaseException], None], chat: ChatSettings = ChatSettings()):
+        super().__init__(queue_size, on_ready, on_load_error)
+        self.opts = opts
+        self.chat = chat
+        self._memory = ConversationMemory()
+
+    def _load(self) -> str:
+        rt = Runtime(self.opts)
+        try:
+            if self.chat.template is not None:
+                rt.chat_format.template = self.chat.template
+            self.model = _model_info(rt)
+        except BaseException:
+            rt.close()
+            raise
+        self.runtime = rt
+        return describe(rt)
+
+    def _unload(self) -> None:
+        self.runtime.close()
 
     def _serve(self, job: Job) -> None:
         """Answer one job; whatever goes wrong becomes a Failed event, and the worker goes on."""
@@ -374,6 +408,16 @@ class GenerationWorker:
         self._memory.remember(rendered + answer, prompt + generated)
 
 
+def describe(rt: Runtime) -> str:
+    """Return the line that says what is being served, as `specrun chat` says it."""
+    if rt.speculative:
+        drafter = f"draft {rt.models.draft_name}" if rt.plan.draft_loaded else f"{rt.plan.drafter} drafting"
+        how = f"with {drafter} (tree budget {rt.shape.budget})"
+    else:
+        how = "without a draft (plain decoding)"
+    return f"specrun serve: {rt.models.target_name} {how}, {rt.target_ctx.n_ctx}-token context ({rt.plan.ctx_why})"
+
+
 def loading() -> APIError:
     return APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
 
@@ -413,3 +457,5 @@ def _log_job(job: Job, started: Started, stats: GenerationStats, finish: str) ->
     if stats.n_passes:
         line += f" · {stats.accepted_per_pass:.2f} accepted/pass"
     ui.dim(f"{line} · {finish}")
+    if log.isEnabledFor(logging.INFO) and (network := rpc.round_trips_now()):
+        log.info("%s: %s", job.id, network)  # a slow worker's link shows here

@@ -1,0 +1,251 @@
+"""The generation worker in a child process, for a target spread over RPC workers (--rpc).
+
+llama.cpp's RPC client ends the whole process when a worker's connection breaks mid-pass
+(engine.rpc). Served in a child, that ends only the child: the answer in progress gets an error
+naming the worker that went away (the child says which before it ends), the HTTP server stays up,
+and the next request waits while a new child loads the models again, reconnecting to the workers.
+
+The parent keeps GenerationWorker's queue (QueueWorker) and relays one job at a time to the
+child's GenerationWorker over a pipe: the job's fields there, its events back, a cancel when the
+client leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+from dataclasses import dataclass, fields
+from multiprocessing.connection import Connection
+
+from specrun import ui
+from specrun.chat.reasoning import ChatSettings
+from specrun.engine import rpc
+from specrun.errors import SpecrunError
+from specrun.runtime.options import RunOptions
+from specrun.server.jobs import POLL_S, Failed, Finished, Job, shutting_down
+from specrun.server.schemas import APIError
+from specrun.server.worker import GenerationWorker, QueueWorker
+
+log = logging.getLogger("specrun.server")
+
+# How long a child has to end after it was told to stop, before it is killed.
+CHILD_STOP_S = 30.0
+# A job's fields that stay with the parent's event loop; the others travel to the child.
+_LOOP_FIELDS = ("loop", "events", "cancel")
+
+
+class IsolatedWorker(QueueWorker):
+    """QueueWorker whose models live in a child process, loaded again after the child is lost."""
+
+    def __init__(self, opts: RunOptions, queue_size: int, on_ready, on_load_error, chat: ChatSettings,
+                 verbose: bool = False):
+        super().__init__(queue_size, on_ready, on_load_error)
+        self.opts, self.chat, self.verbose = opts, chat, verbose
+        self._child: _Child | None = None
+
+    def _load(self) -> str:
+        self._child = _Child.start(self.opts, self.chat, self.verbose, self._stopping)
+        if self._child is None:  # stopped while loading
+            return ""
+        self.model = self._child.model
+        return self._child.description
+
+    def _unload(self) -> None:
+        if self._child is not None:
+            self._child.stop()
+
+    def _serve(self, job: Job) -> None:
+        if self._child is None and not self._reload(job):
+            return
+        try:
+            lost = self._child.answer(job, self._stopping)
+        except Exception:  # nothing one request does may end the relay (a job that cannot travel, ...)
+            log.exception("request %s failed", job.id)
+            job.emit(Failed(APIError(500, "internal error; the server logged it")))
+            return
+        if lost is None:
+            return
+        job.emit(Failed(APIError(502, lost, code="rpc_worker_lost")))
+        ui.warn(f"{job.id}: {lost}; loading the model again for the next request")
+        self._child.stop()
+        self._child = None
+        self._reload(None)  # now, so that the next request need not wait for it
+
+    def _reload(self, job: Job | None) -> bool:
+        """Load the models in a new child; where that fails, say why to the job waiting for it
+        (or on stderr) and return False: the next request tries again."""
+        try:
+            self._child = _Child.start(self.opts, self.chat, self.verbose, self._stopping)
+        except SpecrunError as e:
+            if job is None:
+                ui.warn(f"the model could not be loaded again ({e}): the next request tries again")
+            else:
+                job.emit(Failed(APIError(503, f"the model could not be loaded again: {e}", code="rpc_worker_lost",
+                                         headers={"Retry-After": "10"})))
+            return False
+        if self._child is None and job is not None:
+            job.emit(Failed(shutting_down()))
+        return self._child is not None
+
+
+@dataclass
+class _Child:
+    """One child process with its loaded models."""
+
+    process: multiprocessing.Process
+    conn: Connection
+    model: object  # worker.ModelInfo
+    description: str
+
+    @classmethod
+    def start(cls, opts: RunOptions, chat: ChatSettings, verbose: bool, stopping: threading.Event) -> _Child | None:
+        """Start a child and return it once its models are loaded (None: the server stopped
+        meanwhile); raise its load error."""
+        context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads' locks
+        parent_end, child_end = context.Pipe()
+        process = context.Process(target=_child_main, args=(child_end, opts, chat, verbose),
+                                  name="specrun-generation", daemon=True)
+        process.start()
+        child_end.close()
+        child = cls(process, parent_end, None, "")
+        while True:
+            message = child._receive(stopping)
+            if message is None:
+                child.stop()
+                if stopping.is_set():
+                    return None
+                raise SpecrunError(f"the generation process ended while loading (exit {process.exitcode})")
+            kind, reason, *rest = message
+            if kind == "ready":
+                child.model, child.description = reason, rest[0]
+                return child
+            child.stop()
+            raise reason if kind == "load_error" else SpecrunError(reason)  # "lost": a worker went away
+
+    def answer(self, job: Job, stopping: threading.Event) -> str | None:
+        """Relay one job to the child and its events back; return why the child was lost, or None."""
+        try:
+            self.conn.send(("job", {f.name: getattr(job, f.name) for f in fields(Job) if f.name not in _LOOP_FIELDS}))
+        except OSError:
+            return self._ended()
+        cancel_sent = False
+        while True:
+            if job.cancel.is_set() and not cancel_sent:
+                try:
+                    self.conn.send(("cancel", job.id))
+                except OSError:
+                    pass  # gone: the next receive says so
+                cancel_sent = True
+            message = self._receive(None, timeout=POLL_S)
+            if message is None:
+                return self._ended()
+            if message == "waiting":
+                continue
+            kind, *payload = message
+            if kind == "lost":
+                return payload[0]
+            job_id, event = payload
+            if job_id != job.id:
+                continue  # the rest of an earlier job's answer, which nobody reads any more
+            if stopping.is_set() and isinstance(event, Finished) and event.finish_reason == "cancelled":
+                event = Failed(shutting_down())
+            job.emit(event)
+            if isinstance(event, (Finished, Failed)):
+                return None
+
+    def _ended(self) -> str:
+        """Return why a job got no answer from a child that is gone (without a word)."""
+        self.process.join(CHILD_STOP_S)
+        return f"the generation process ended (exit {self.process.exitcode}) in the middle of the answer"
+
+    def _receive(self, stopping: threading.Event | None, timeout: float | None = None):
+        """Return the child's next message; "waiting" after `timeout` seconds without one; None
+        once the child is gone (or, while loading, once the server stops)."""
+        while True:
+            try:
+                if self.conn.poll(POLL_S if timeout is None else timeout):
+                    return self.conn.recv()
+            except (EOFError, OSError):
+                return None
+            if not self.process.is_alive() and not self.conn.poll(0):
+                return None
+            if stopping is not None and stopping.is_set():
+                return None
+            if timeout is not None:
+                return "waiting"
+
+    def stop(self) -> None:
+        """Tell the child to let its models go and end; kill it if it does not."""
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.process.join(CHILD_STOP_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The child
+
+
+class _PipedJob(Job):
+    """A job in the child: its events go back through the pipe."""
+
+    def __init__(self, conn: Connection, lock: threading.Lock, jobs: dict, **job_fields):
+        super().__init__(loop=None, **job_fields)
+        self._conn, self._lock, self._jobs = conn, lock, jobs
+
+    def emit(self, event) -> None:
+        with self._lock:
+            self._conn.send(("event", self.id, event))
+        if isinstance(event, (Finished, Failed)):
+            self._jobs.pop(self.id, None)
+
+
+def _child_main(conn: Connection, opts: RunOptions, chat: ChatSettings, verbose: bool) -> None:
+    """Load the models, answer the jobs the parent sends, end when it says stop (or is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    ui.setup_logging(verbose)
+    lock = threading.Lock()
+
+    def send(message) -> None:
+        with lock:
+            conn.send(message)
+
+    rpc.on_lost_worker(lambda message: send(("lost", message)))
+    worker = GenerationWorker(opts, 1, lambda w, description: send(("ready", w.model, description)),
+                              lambda error: send(("load_error", _portable(error))), chat)
+    worker.start()
+    jobs: dict[str, _PipedJob] = {}
+    try:
+        while True:
+            kind, *rest = conn.recv()
+            if kind == "stop":
+                break
+            if kind == "job":
+                job = _PipedJob(conn, lock, jobs, **rest[0])
+                jobs[job.id] = job
+                try:
+                    worker.submit(job)
+                except APIError as e:
+                    job.emit(Failed(e))
+            elif kind == "cancel" and rest[0] in jobs:
+                jobs[rest[0]].cancel.set()
+    except (EOFError, OSError):
+        pass  # the parent is gone
+    finally:
+        worker.stop()
+        worker.join()
+
+
+def _portable(error: BaseException) -> SpecrunError:
+    """Return a load error that survives the pipe (a SpecrunError as it is; anything else as one line)."""
+    if isinstance(error, SpecrunError):
+        return error
+    return SpecrunError(f"unexpected {type(error).__name__} while loading: {error}")
+

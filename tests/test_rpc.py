@@ -1,0 +1,286 @@
+"""The target over llama.cpp's RPC backend: real `specrun worker` processes on 127.0.0.1.
+
+Every run that connects to a worker is a process of its own (`python -m specrun ...`): a process
+that connected keeps the workers' devices, and ggml's abort hook, for the rest of its life. What
+fails before any connection (bad options, a worker not there) runs in this process.
+
+Needs llama-cpp-python built with the RPC backend (the README's install line); without it these
+tests fail saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import MODEL_CACHE
+from test_offload import LLAMA31_70B_Q4KM, QWEN25_05B_Q4KM
+from test_server import ServerProcess
+from tiny_archs import tiny_arch_model
+
+from specrun.engine import DeviceInfo, rpc
+from specrun.errors import SpecrunError
+from specrun.hardware import placement
+from specrun.hardware.offload import plan_offload
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER_START_S = 120.0
+RUN_TIMEOUT_S = 600
+PROMPT = "Write two sentences about the sea."
+# A raw prompt the demo target continues for a long time (counting), for answers cut mid-way.
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rpc_build():
+    try:
+        rpc.check_rpc_build()
+    except SpecrunError as e:
+        pytest.fail(f"these tests need llama-cpp-python with the RPC backend: {e}", pytrace=False)
+
+
+def _env(home: Path) -> dict:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+               SPECRUN_HOME=str(MODEL_CACHE), SPECRUN_CONFIG=str(home / "config"),
+               SPECRUN_PROFILES=str(home / "profiles"), HF_HOME=str(home / "hf"), NO_COLOR="1")
+    env.pop("SPECRUN_RPC", None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Worker:
+    """`specrun worker` on a port of 127.0.0.1, in a subprocess."""
+
+    def __init__(self, home: Path, port: int | None = None):
+        self.home, self.port = home, port or _free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "specrun", "worker", "--port", str(self.port), "--threads", "1"]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=_env(self.home))
+        self.stderr_lines: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stderr:
+                self.stderr_lines.append(line)
+                if "specrun worker: serving" in line:
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(WORKER_START_S):
+            self.proc.kill()
+            pytest.fail(f"the worker did not start:\n{''.join(self.stderr_lines)}", pytrace=False)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> tuple[int, str]:
+        """Ctrl-C it; return (exit status, what it wrote on stdout)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        stdout, _ = self.proc.communicate(timeout=60)
+        return self.proc.returncode, stdout
+
+
+@pytest.fixture(scope="module")
+def worker(offline_models, tmp_path_factory):
+    w = Worker(tmp_path_factory.mktemp("worker-home"))
+    yield w
+    rc, stdout = w.stop()
+    assert rc == 0, "".join(w.stderr_lines)
+    assert stdout == "", "the worker wrote to stdout"
+
+
+def _specrun(home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specrun", *args], capture_output=True, text=True,
+                          env=_env(home), timeout=RUN_TIMEOUT_S, check=False)
+
+
+def _generate_json(home: Path, *args: str) -> tuple[dict, str]:
+    """Return (specrun generate --json's result, its stderr)."""
+    done = _specrun(home, "generate", "--json", "--ctx-size", "1024", *args)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout), done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors before anything connects
+
+
+def test_rpc_endpoints_are_checked_before_anything_loads(cli):
+    result = cli("generate", "--rpc", "127.0.0.1", "hello")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --rpc '127.0.0.1': expected HOST:PORT (e.g. 192.168.1.20:50052); several are separated by commas"]
+
+
+def test_a_worker_that_is_not_there_is_one_line_naming_it(cli):
+    port = _free_port()
+    result = cli("generate", "--rpc", f"127.0.0.1:{port}", "--max-tokens", "4", "hello")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"error: cannot reach the RPC worker at 127.0.0.1:{port}: connection refused (is `specrun worker` running there?)"]
+
+
+def test_a_build_without_rpc_names_the_install_line(cli, monkeypatch):
+    class NoRpc:
+        def __getattr__(self, name):
+            return lambda *args: None  # no "RPC" backend in the registry
+
+    monkeypatch.setattr(rpc, "ggml_lib", lambda: NoRpc())
+    for args in (["worker", "--port", str(_free_port())], ["plan", "--rpc", f"127.0.0.1:{_free_port()}"]):
+        result = cli(*args)
+        assert result.exit_code == 1, result.output
+        assert result.output.strip().splitlines() == [
+            f"error: this llama-cpp-python was built without the RPC backend: reinstall it with {rpc.RPC_INSTALL}"]
+
+
+def test_a_worker_needs_an_ipv4_address_and_a_free_port(cli):
+    result = cli("worker", "--host", "localhost")
+    assert result.exit_code == 2
+    assert "the worker listens on an IPv4 address" in result.output
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = cli("worker", "--port", str(port))
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the layers go
+
+
+def test_a_70b_target_spans_two_workers_and_the_draft_stays_on_this_machine():
+    gib = 2**30
+    devices = [DeviceInfo("CUDA0", "RTX 4060", "gpu", "CUDA", 7 * gib, 8 * gib),  # this machine's, listed first
+               DeviceInfo("CPU", "this CPU", "cpu", "CPU", 20 * gib, 32 * gib),
+               DeviceInfo("RPC0", "192.168.1.20:50052", "gpu", "RPC", 30 * gib, 32 * gib, host="192.168.1.20:50052"),
+               DeviceInfo("RPC1", "192.168.1.21:50052", "gpu", "RPC", 30 * gib, 32 * gib, host="192.168.1.21:50052")]
+    gpus = placement.gpus_of(devices)
+    assert [d.name for d in gpus] == ["RPC0", "RPC1", "CUDA0"]  # as llama.cpp orders a model's devices
+    plan = plan_offload(LLAMA31_70B_Q4KM, QWEN25_05B_Q4KM, gpus, 24 * gib, 4096, 65)
+    assert plan.draft_device == 2, "the draft runs many small passes: never across the network"
+    slots = [int(n) for n in plan.target_tensor_split]
+    assert slots[0] > 0 and slots[1] > 0 and sum(slots) == plan.target_gpu_layers
+    assert not plan.op_offload  # llama.cpp would send big-batch matmuls to the first device: a worker
+    assert plan.gpu_fits
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact output with the target on a worker
+
+
+def _model_buffers(stderr: str, kind: str = "model") -> dict[str, float]:
+    """{buffer: bytes} from llama.cpp's "... model buffer size = X MiB" lines (or KV; --verbose)."""
+    pattern = rf"(\S+) {kind} buffer size = +([\d.]+) MiB"
+    return {m.group(1): float(m.group(2)) * 2**20 for m in re.finditer(pattern, stderr)}
+
+
+@pytest.mark.parametrize("how", ["draft trees with lookup", "lookup", "hybrid target"])
+def test_greedy_output_over_a_worker_is_local_greedy_output(worker, cli, tmp_path, how):
+    hybrid = str(tiny_arch_model(MODEL_CACHE, "qwen35"))
+    args = {"draft trees with lookup": ["--target", "smollm2-135m-f32", "--draft", "smollm2-135m-q4",
+                                        "--budget", "12", "--depth", "4", PROMPT],
+            "lookup": ["--target", "smollm2-135m-q4", "--draft", "lookup", "--raw", COUNTING],
+            # its own draft: every chain is accepted, and rolled back over the network where cut
+            "hybrid target": ["--target", hybrid, "--draft", hybrid, "--depth", "4", "--raw", PROMPT]}[how]
+    local = cli("generate", "--json", "--ctx-size", "1024", "--max-tokens", "40", *args)
+    assert local.exit_code == 0, local.output
+    remote, stderr = _generate_json(tmp_path, "--max-tokens", "40", "--rpc", worker.endpoint, "--verbose", *args)
+    assert remote["token_ids"] == json.loads(local.stdout)["token_ids"]
+    assert remote["accepted_per_pass"] > 1.0  # the drafts were verified over the network
+    assert any(name.startswith("RPC0[") for name in _model_buffers(stderr)), "no target layer went to the worker"
+
+
+# ---------------------------------------------------------------------------------------------
+# A worker lost mid-answer
+
+
+def test_a_worker_killed_mid_answer_ends_that_answer_and_the_server_stays_up(offline_models, tmp_path):
+    w = Worker(tmp_path)
+    server = ServerProcess(tmp_path, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", w.endpoint)
+    try:
+        url = server.wait_ready()
+        body = {"model": "x", "prompt": COUNTING, "max_tokens": 900, "stream": True, "temperature": 0,
+                "logit_bias": {str(t): -100 for t in (0, 1, 2)}}  # no end-of-text: it counts on
+        events, error = [], None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]
+                    break
+                events.append(event["choices"][0]["text"])
+                if len(events) == 5:
+                    w.kill()
+        assert error is not None, "the answer ran to its end although its worker was killed"
+        assert w.endpoint in error["message"] and error["code"] == "rpc_worker_lost"
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+
+        w.start()  # the worker is back on its port: the next request reconnects
+        again = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 30}, timeout=300)
+        assert again.status_code == 200, again.text
+        text = again.json()["choices"][0]["text"]
+        cut = "".join(events)
+        assert text.startswith(cut[:len(text)]) or cut.startswith(text), (cut, text)  # the same greedy answer
+        assert "lost the RPC worker at " + w.endpoint in server.stderr
+    finally:
+        rc = server.terminate()
+        w.kill()
+    assert rc == 0, server.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan over two workers
+
+
+def test_the_plan_over_two_workers_is_what_they_are_given(offline_models, tmp_path):
+    first, second = Worker(tmp_path), Worker(tmp_path)
+    try:
+        args = ["--target", "smollm2-135m-f32", "--no-spec", "--ctx-size", "1024",
+                "--rpc", f"{first.endpoint},{second.endpoint}", "--gpu-memory", "800MiB"]
+        planned = _specrun(tmp_path, "plan", "--json", *args)
+        assert planned.returncode == 0, planned.stderr
+        plan = json.loads(planned.stdout)
+        places = {place["name"]: place for place in plan["memory"]["breakdown"]}
+        hosts = {d["name"]: d["host"] for d in plan["memory"]["devices"]}
+        assert sorted(hosts.values()) == sorted([first.endpoint, second.endpoint])
+        assert all(places[name]["model"] > 0 for name in hosts), "both workers hold layers"
+        text = _specrun(tmp_path, "plan", *args)
+        for endpoint in (first.endpoint, second.endpoint):
+            assert endpoint in text.stdout
+
+        loaded = _specrun(tmp_path, "generate", "--verbose", "--max-tokens", "2", *args, "hello")
+        assert loaded.returncode == 0, loaded.stderr
+        for planned, kind in (("model", "model"), ("context", "KV")):
+            given = _model_buffers(loaded.stderr, kind)
+            for name, host in hosts.items():
+                size = next(size for buffer, size in given.items() if buffer.endswith(f"[{host}]"))
+                assert places[name][planned] == pytest.approx(size, rel=0.03), (name, kind, given)
+    finally:
+        first.kill()
+        second.kill()
