@@ -138,7 +138,7 @@ def _worker(threads: int):
     """Yield the port of a `specrun worker` on 127.0.0.1, stopped afterwards."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specrun", "worker", "--port", str(port), "--threads", str(threads)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
     deadline = time.monotonic() + WORKER_START_S
     try:
         for line in proc.stderr:
@@ -163,7 +163,7 @@ def _env(**extra: str) -> dict:
 
 def _specrun(args: list[str], env: dict) -> str:
     result = subprocess.run([sys.executable, "-m", "specrun", *args], capture_output=True, text=True, env=env,
-                            check=False)
+                            cwd=REPO, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"specrun {' '.join(args)} failed:\n{result.stderr[-2000:]}")
     return result.stdout
@@ -192,16 +192,19 @@ def _tuned(pair: tuple[str, str], rpc: str, args, env: dict) -> tuple[dict, dict
     """Tune for this setting; return (bench summary with the profile, tune's stored choice)."""
     tune = ["tune", "--json", "--target", pair[0], "--draft", pair[1], "--rpc", rpc, "--threads", str(args.threads)]
     _specrun(tune + (["--quick"] if args.quick else []), env)
-    shown = json.loads(_specrun(["tune", "--show", "--json", "--target", pair[0], "--draft", pair[1]], env))
+    shown = json.loads(_specrun(["tune", "--show", "--json", "--target", pair[0], "--draft", pair[1], "--rpc", rpc,
+                                 "--threads", str(args.threads)], env))
     return _summary(_bench(pair, rpc, args, env)), shown
 
 
 def _tree_choice(profile: dict) -> str:
-    """The tree a stored profile picks, as short text."""
-    for key in ("tree", "choice", "best"):
-        if key in profile:
-            return json.dumps(profile[key])[:200]
-    return json.dumps(profile)[:200]
+    """The tree a stored profile picks (and the best tree it measured), as short text."""
+    from specrun.tuning.report import config_text
+
+    config, best = profile["config"], profile.get("best_tree") or {}
+    stored = "no draft-model tree" if config["kind"] == "plain" else config_text(config)
+    measured = f"; best tree measured: {config_text(best)}" if best and best.get("kind") not in (None, "plain") else ""
+    return stored + measured
 
 
 # ---------------------------------------------------------------------------------------------

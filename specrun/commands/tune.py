@@ -24,7 +24,7 @@ from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
 from specrun.errors import SpecrunError, UsageError
 from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn
 from specrun.hardware.machine import probe_hardware
-from specrun.runtime.plan import RunOptions, resolve_models
+from specrun.runtime.plan import RunOptions, connect_workers, resolve_models
 from specrun.runtime.runtime import Runtime
 from specrun.runtime.trees import DEFAULT_SHAPE, tree_of_choice
 from specrun.tuning import cost_model as tuner
@@ -81,6 +81,7 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
 
     t_start = time.monotonic()
     _check_profiles_writable()
+    connect_workers(opts)  # their devices are part of the machine the profile is made for
     hardware = probe_hardware()
     report.warn_if_busy(hardware.cores)
     max_budget = min(opts.budget or settings.max_budget, MAX_BUDGET)
@@ -362,6 +363,7 @@ def stored_profile(opts: RunOptions) -> dict:
     models = resolve_models(opts)
     if models.draft_path is None:
         raise UsageError(f"no draft model for {models.target_name}: pass --draft")
+    connect_workers(opts)
     profile = profiles.load(models.target_path, models.draft_path, opts.threads, opts.gpu_memory)
     if profile is None:
         raise SpecrunError(

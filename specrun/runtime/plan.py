@@ -241,13 +241,19 @@ def build_plan(
     files = resolve_models(opts, fetch=fetch)
     if shape is not None and files.draft_name is None:
         raise UsageError(f"no draft model for {files.target_name}: pass --draft")
-    if opts.rpc:
-        rpc.connect(opts.rpc)
+    connect_workers(opts)
     if devices is None:
         devices = engine.list_devices()
     elif opts.rpc:  # GPUs given for another machine, beside the workers
         devices = [*devices, *engine.remote_devices()]
     return _build(opts, files, shape, devices, ram_free_bytes, sizes, detailed, use_profile=True)
+
+
+def connect_workers(opts: RunOptions) -> None:
+    """Add the --rpc workers' devices to this machine's (once per process): before anything is
+    planned, and before a tuning profile is looked up (they are part of the machine it was made on)."""
+    if opts.rpc:
+        rpc.connect(opts.rpc)
 
 
 def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices: list,
