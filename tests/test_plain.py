@@ -87,9 +87,47 @@ def test_end_of_generation_stops(target, plain):
     assert "<|im_end|>" not in result.text
 
 
+SAMPLED = SamplingParams(temperature=0.8)  # unseeded: reuses all of the cache it can
+
+
 def test_prefix_reuse_prefills_only_new_tokens(target, plain):
     first = target.tokenize(PROMPTS[0])
-    token_ids(plain, first, SamplingParams(), 5)
+    token_ids(plain, first, SAMPLED, 5)
     extended = first + target.tokenize(" And another line", add_special=False)
-    token_ids(plain, extended, SamplingParams(), 5)
+    token_ids(plain, extended, SAMPLED, 5)
     assert plain.stats.n_prefilled == len(extended) - len(first)
+    # A conversation's next turn (the prompt runs on into the answer) reuses everything, greedy too.
+    answer = token_ids(plain, first, SamplingParams(), 6)
+    turn = first + answer[:5] + target.tokenize("\nMore.", add_special=False)
+    token_ids(plain, turn, SamplingParams(), 2)
+    assert plain.stats.n_prefilled == len(turn) - len(first) - 5
+
+
+# About 700 tokens: a prefill of two batches (512 + the rest).
+LONG_PROMPT = "<|im_start|>user\n" + " ".join(f"Item {i} is a {'red' if i % 3 else 'blue'} box." for i in range(110))
+
+
+def _greedy(decoder, target, prompt) -> tuple[list[int], list[float]]:
+    result = generate(decoder, target, prompt, SamplingParams(logprobs=1), 16)
+    return result.tokens, [lp.logprob for lp in result.logprobs]
+
+
+@pytest.mark.parametrize("text", [PROMPTS[0], LONG_PROMPT], ids=["short", "two batches"])
+def test_a_greedy_prompt_is_evaluated_as_in_an_empty_cache(target, plain, text):
+    """Issue 37, item 8: whatever the cache held before (another prompt sharing a beginning, the
+    same prompt, a sampled answer), a greedy request gets the logits of a fresh prefill to the last
+    bit, so the same answer even where its two best tokens are nearly tied."""
+    prompt = target.tokenize(text)
+    fresh_ctx = engine.Context(target, n_ctx=1024, n_batch=512)
+    try:
+        want = _greedy(PlainDecoder(target, fresh_ctx), target, prompt)
+    finally:
+        fresh_ctx.close()
+    sharing = prompt[: len(prompt) * 5 // 6] + target.tokenize(" Something else entirely.", add_special=False)
+    for before, params in ((sharing, SamplingParams()), (prompt, SAMPLED), (None, None)):
+        if before is not None:
+            token_ids(plain, before, params, 8)
+        reused = plain.cache.reusable(prompt, exact=True)
+        assert _greedy(plain, target, prompt) == want
+        # What it cost: the tokens decoded again, fewer than a batch.
+        assert plain.stats.n_prefilled == len(prompt) - reused and reused % 512 == 0 and len(prompt) - reused <= 512

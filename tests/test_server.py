@@ -441,6 +441,49 @@ def test_a_whole_answer_stops_when_its_client_gives_up(fast_server, route):
     assert queue_s < LONG / float(rate) / 4, (queue_s, left)
 
 
+ADA = [{"role": "user", "content": "Describe a person named Ada in a few sentences."}]
+# Shares the chat template's opening with ADA, then parts from it.
+SHARING = [{"role": "user", "content": "Describe a city in two sentences."}]
+
+
+def _ada(client: openai.OpenAI, max_tokens: int = 64):
+    return client.chat.completions.create(model=TARGET, messages=ADA, max_tokens=max_tokens, temperature=0,
+                                          logprobs=True)
+
+
+def _logprobs(reply) -> list[float]:
+    return [entry.logprob for entry in reply.choices[0].logprobs.content]
+
+
+def test_a_greedy_answer_is_the_same_whatever_ran_before(fast_server):
+    """Issue 37, item 8, where decoding is plain: the same greedy request gets the same answer, to
+    the last digit of its log-probs, after a request sharing its beginning, after itself and after
+    a sampled one (each left other KV in the cache)."""
+    client = openai.OpenAI(base_url=fast_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    first = _ada(client)
+    answers, cached = [], []
+    for before in ({"messages": SHARING, "temperature": 0}, {"messages": ADA, "temperature": 0},
+                   {"messages": ADA, "temperature": 1.0}):
+        client.chat.completions.create(model=TARGET, max_tokens=8, **before)
+        again = _ada(client)
+        answers.append((again.choices[0].message.content, _logprobs(again)))
+        cached.append(again.usage.prompt_tokens_details.cached_tokens)
+    assert answers == [(first.choices[0].message.content, _logprobs(first))] * 3
+    # The prompt (under 512 tokens) was evaluated whole each time: the cache held parts of it that a
+    # fresh prefill would have computed in another batch.
+    assert cached == [0, 0, 0]
+
+
+def test_a_greedy_prompt_gets_the_same_first_token_under_speculation(client):
+    """Issue 37, item 8, with trees: the prompt's evaluation (which gives the first token) no longer
+    depends on what ran before; later tokens come from tree passes, whose shape does (see README)."""
+    first = _logprobs(_ada(client, max_tokens=1))
+    client.chat.completions.create(model=TARGET, messages=SHARING, max_tokens=8, temperature=0)
+    after_other = _logprobs(_ada(client, max_tokens=1))
+    repeated = _logprobs(_ada(client, max_tokens=1))
+    assert first == after_other == repeated
+
+
 def test_second_turn_prefills_only_the_new_message(client):
     messages = [{"role": "system", "content": "You are a terse assistant."},
                 {"role": "user", "content": "Write two sentences about the moon and its phases."}]

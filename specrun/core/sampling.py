@@ -93,6 +93,14 @@ class SamplingParams:
                     or self.logit_bias or self.grammar is not None)
 
     @property
+    def exact_prefill(self) -> bool:
+        """True for a greedy request: its prompt is evaluated as a prefill into an empty cache would
+        evaluate it, whatever the cache held (where that costs less than a batch: see
+        decoding.kv.CachedSequence.reusable), because a greedy answer follows any near-tie that
+        a last digit flips. A seeded sample goes further: see reproducible."""
+        return self.greedy
+
+    @property
     def reproducible(self) -> bool:
         """True for a seeded sample, which must come out the same whatever ran before it.
 

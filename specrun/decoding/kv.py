@@ -18,6 +18,13 @@ class CachedSequence:
     token: a cached text is reused only when it is a prefix of the new one, otherwise the cache
     starts over; and rejected drafts are rolled back only as llama.cpp does it exactly (see
     `roll_back`).
+
+    Prompts are decoded in batches that end at multiples of the batch size, counted from the start
+    of the text, whatever the cache already held. llama.cpp's kernels round differently for
+    batches of different sizes, so a token's KV and logits depend in their last digits on the batch
+    it was decoded in: with the batches fixed by position, a whole batch's worth of prompt decoded
+    once holds exactly what any later prefill of a prompt starting the same way would compute
+    (`n_exact` tokens), and an exact `sync` reuses only that (see `reusable`).
     """
 
     def __init__(self, ctx, batch):
@@ -27,16 +34,23 @@ class CachedSequence:
         # The sequence holding the text: 0, except after a hybrid target accepted a chain that
         # was scored in another sequence (its state rolls back exactly only where it was made).
         self.seq = 0
+        # Leading tokens whose KV a fresh prefill would compute the same: decoded in whole batches
+        # that start at multiples of the batch size, from exact KV.
+        self.n_exact = 0
+        # Where the last prefill ended: the tokens after it were written by decoding steps.
+        self.prompt_end = 0
 
     @property
     def n_cached(self) -> int:
         return len(self.tokens)
 
-    def sync(self, prompt: Sequence[int], include_last: bool = False) -> tuple[int, int, float]:
+    def sync(self, prompt: Sequence[int], include_last: bool = False, exact: bool = False) -> tuple[int, int, float]:
         """Make the cache hold prompt[:-1]; return (pending token, tokens prefilled, seconds).
 
         With include_last the last token is decoded too (in the same batch as the rest of the new
-        tokens), and its logits are left in the context.
+        tokens), and its logits are left in the context. With `exact` the prompt's KV and logits are
+        what a prefill into an empty cache computes, where that costs less than a batch (see
+        `reusable`).
         """
         if not prompt:
             raise UsageError("the prompt is empty (no tokens to start from)")
@@ -45,25 +59,37 @@ class CachedSequence:
                 f"the prompt has {len(prompt)} tokens but the context holds {self.ctx.n_ctx}; "
                 "use a larger --ctx-size or a shorter prompt"
             )
-        keep = self.reusable(prompt)
+        keep = self.reusable(prompt, exact)
         t0 = time.perf_counter()
         self.truncate(keep)
         todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
         self.extend(todo, want_last_logits=include_last)
+        self.prompt_end = self.n_cached
         return prompt[-1], len(todo), time.perf_counter() - t0
 
-    def reusable(self, prompt: Sequence[int]) -> int:
+    def reusable(self, prompt: Sequence[int], exact: bool = False) -> int:
         """Return how many leading tokens of prompt the cache already holds and keeps (the last
-        prompt token is always decoded again: its logits start the generation)."""
+        prompt token is always decoded again: its logits start the generation).
+
+        `exact` keeps only what a fresh prefill would compute the same, where the prompt parts
+        from the cached text inside an earlier prompt: the shared part is cut back to the last
+        multiple of the batch size, fewer than a batch of tokens to decode again. Where it runs on
+        into a previous answer (the next turn of a conversation), that answer's KV came from
+        decoding steps, which no prefill computes the same: it is kept (as it is on a recurrent
+        state, which cannot be cut back)."""
         keep, limit = 0, min(len(self.tokens), len(prompt) - 1)
         while keep < limit and self.tokens[keep] == prompt[keep]:
             keep += 1
-        if self.ctx.has_state and keep < len(self.tokens):
-            return 0  # a recurrent state cannot go back to an earlier prefix: evaluate it again
+        if self.ctx.has_state:
+            return keep if keep == len(self.tokens) else 0  # a recurrent state cannot go back to an earlier prefix
+        aligned = keep - keep % self.batch.capacity
+        if exact and keep <= self.prompt_end and aligned <= self.n_exact:
+            return aligned
         return keep
 
     def truncate(self, n: int) -> None:
         """Drop everything from position n on, in every sequence."""
+        self._forget_from(n)
         if self.ctx.has_state:
             if n == 0:  # llama.cpp's recurrent memory refuses seq_rm over all sequences
                 self.ctx.clear()
@@ -91,16 +117,34 @@ class CachedSequence:
             raise EngineError(f"cannot roll a recurrent state back by {drop} tokens after a decode of {last_decode}")
         self.ctx.seq_rm(self.seq, n_keep, -1)
         del self.tokens[n_keep:]
+        self._forget_from(n_keep)
+
+    def clear(self) -> None:
+        """Empty the context (every sequence) and forget its text."""
+        self.ctx.clear()
+        self.tokens.clear()
+        self.seq = 0
+        self._forget_from(0)
+
+    def _forget_from(self, n: int) -> None:
+        self.n_exact = min(self.n_exact, n)
+        self.prompt_end = min(self.prompt_end, n)
 
     def extend(self, tokens: Sequence[int], want_last_logits: bool = False) -> None:
-        """Decode tokens into sequence 0 in chunks of n_batch."""
+        """Decode tokens into the sequence in batches that end at multiples of n_batch (counted from
+        the text's start, as a prefill into an empty cache does)."""
         step = self.batch.capacity
-        for start in range(0, len(tokens), step):
-            chunk = tokens[start : start + step]
-            last = start + step >= len(tokens)
-            self.batch.set_sequence(chunk, self.n_cached, self.seq, "last" if (want_last_logits and last) else "none")
+        done = 0
+        while done < len(tokens):
+            start = self.n_cached
+            chunk = tokens[done : done + step - start % step]
+            done += len(chunk)
+            last = done == len(tokens)
+            self.batch.set_sequence(chunk, start, self.seq, "last" if (want_last_logits and last) else "none")
             self.ctx.decode(self.batch)
             self.tokens.extend(chunk)
+            if start == self.n_exact and len(chunk) == step:  # a whole batch, from exact KV and at a batch boundary
+                self.n_exact = self.n_cached
 
     def room(self) -> int:
         """Return how many more tokens fit in the context."""

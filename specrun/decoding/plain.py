@@ -28,16 +28,16 @@ class PlainDecoder:
 
     def reset(self) -> None:
         """Forget the KV cache (after an interrupted step left it in an unknown state)."""
-        self.ctx.clear()
-        self.cache.tokens.clear()
+        self.cache.clear()
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         self.stats = stats = GenerationStats(n_prompt=len(prompt))
         if params.reproducible:
             self.cache.truncate(0)
-        # The whole new part of the prompt goes in one batch, as llama.cpp's own tools do, and its
-        # last row gives the first token.
-        pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
+        # The new part of the prompt goes in as few batches as the batch grid allows (kv.py), and
+        # the last row gives the first token.
+        pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True,
+                                                                       exact=params.exact_prefill)
         one, ctx, cache = self._one, self.ctx, self.cache
         rules = PathRules.of(params)
         logits = ctx.logits_row(-1)

@@ -67,9 +67,7 @@ class SpeculativeDecoder:
 
     def reset(self) -> None:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
-        self.ctx.clear()
-        self.cache.tokens.clear()
-        self.cache.seq = 0
+        self.cache.clear()
         self.drafter.reset()
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
@@ -90,9 +88,10 @@ class SpeculativeDecoder:
             return
         if params.reproducible:
             self.cache.truncate(0)  # and plain steps below: see SamplingParams.reproducible
-        # The whole new part of the prompt goes in one batch and its last row gives the first
-        # token, as in plain decoding: no pass of its own for the first token.
-        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True)
+        # The new part of the prompt goes in as few batches as the batch grid allows (kv.py) and
+        # the last row gives the first token, as in plain decoding: no pass of its own for it.
+        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True,
+                                                                exact=params.exact_prefill)
         t_start = time.perf_counter()
         rules = PathRules.of(params)
         step = _first_step(self.ctx.logits_row(-1), params, rng, rules)

@@ -7,8 +7,10 @@ asyncio.Queue that the worker fills through `loop.call_soon_threadsafe`.
 
 A job's cancel flag is checked after every decoder step. Closing the text stream between steps
 leaves the KV cache consistent, so the cache is kept and the next request prefills only what it
-does not share with it (the next turn of a conversation: just the new message). Only an error
-inside a step, which may leave half a step behind, empties the caches.
+does not share with it (the next turn of a conversation: just the new message; a greedy request
+that parts from an earlier prompt: also the rest of that prompt's last batch, so that it is
+evaluated as in an empty cache, see decoding.kv). Only an error inside a step, which may leave
+half a step behind, empties the caches.
 
 Fairness today: /health and /v1/models never touch the worker, a job records when it was queued
 and how many were ahead (X-Queue-Position, timings.queue_ms). Several answers decoding together
@@ -268,7 +270,7 @@ class GenerationWorker(QueueWorker):
         param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
         limit = token_budget(len(prompt), rt.target_ctx.n_ctx, job.max_tokens, param)
         params, shaped_by = self._params(job, tools)
-        started = Started(len(prompt), rt.decoder.cache.reusable(prompt), limit, job.max_tokens,
+        started = Started(len(prompt), rt.decoder.cache.reusable(prompt, params.exact_prefill), limit, job.max_tokens,
                           queue_s=self._started_at - job.queued_at)
         if started.capped:
             ui.dim(f"{job.id}: max_tokens {job.max_tokens} lowered to {limit} to fit the {rt.target_ctx.n_ctx}-token context")

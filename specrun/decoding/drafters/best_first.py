@@ -190,5 +190,4 @@ class TreeGrower(ModelDrafter):
 
     def reset(self) -> None:
         """Forget the draft cache (e.g. after an error left it in an unknown state)."""
-        self.ctx.clear()
-        self.cache.tokens.clear()
+        self.cache.clear()
