@@ -64,6 +64,7 @@ DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no draft model.")]
 LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="Add lookup branches (continuations of earlier occurrences in the session's text) to the draft model's trees  [default: on with a draft model; --lookup also drafts from the text where no draft model runs].", show_default=False)]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
+ParallelOpt = Annotated[Optional[int], typer.Option("--parallel", min=1, max=64, help="Requests decoded together, their target passes shared (default: as many as fit at the context one request gets, 4 at most).")]
 RpcOpt = Annotated[Optional[list[str]], typer.Option("--rpc", metavar="HOST:PORT[,...]", envvar="SPECRUN_RPC", show_envvar=True, help="Spread the target's layers over these RPC workers too (`specrun worker` on each machine); the draft stays here.")]
 
 # ---- sampling options shared by chat and generate ----
@@ -96,7 +97,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
-                 gpu_memory=None, rpc=None):
+                 gpu_memory=None, rpc=None, parallel: int | None = 1):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -114,6 +115,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
     return RunOptions(
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
+        parallel=parallel,
     )
 
 
@@ -305,7 +307,8 @@ def serve(
     cors: Annotated[Optional[list[str]], typer.Option("--cors", metavar="ORIGIN", help="Allow browser pages from this origin (repeatable; * for any). Off by default: requests carrying another Origin get 403.")] = None,
     allow_host: Annotated[Optional[list[str]], typer.Option("--allow-host", metavar="NAME", help="Also answer requests sent to this host name (repeatable; * for any). Without an API key only localhost, this machine's name, the --host name and addresses are answered (DNS rebinding).")] = None,
     read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.1, help="Seconds a client has to send a whole request (and an idle connection stays open); slower ones are closed.")] = 30.0,
-    queue_size: Annotated[int, typer.Option("--queue-size", min=1, help="Requests that may wait while one is answered; more get 503 with Retry-After.")] = 32,
+    queue_size: Annotated[int, typer.Option("--queue-size", min=1, help="Requests that may wait while the server is busy; more get 503 with Retry-After.")] = 32,
+    parallel: ParallelOpt = None,
     reasoning_format: ReasoningFormatOpt = "auto",
     chat_template: ChatTemplateOpt = None,
     target: TargetOpt = None,
@@ -331,7 +334,8 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc,
+                            parallel=parallel)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose,
@@ -459,6 +463,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     gpu: Annotated[Optional[list[str]], typer.Option("--gpu", metavar="NAME=FREE[/TOTAL]", help="Plan for this GPU instead of the ones found (repeatable), e.g. 'RTX 4060=8GiB'.")] = None,
     ram_free: Annotated[Optional[str], typer.Option("--ram-free", metavar="SIZE", help="Plan for this much free RAM, e.g. 24GiB.")] = None,
+    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="Plan for this many requests decoding together (as `specrun serve --parallel`).")] = 1,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
@@ -477,7 +482,8 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc,
+                            parallel=parallel)
         plan_command.plan(opts, as_json, gpu, ram_free)
 
 

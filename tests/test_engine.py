@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from specrun import engine
 from specrun.core.tree import MAX_LEAVES, DraftTree
+from specrun.decoding.batching import Lane
 from specrun.decoding.speculative import keep_tree_path
 from specrun.errors import ContextFullError, EngineError, ModelFileError
 
@@ -210,7 +211,7 @@ def test_repeated_tree_cycles_match_fresh_context(which_model, tree_model, tree_
         _, layout = _tree_logits(tree_ctx, tree, p0)
         target = int(rng.integers(0, n))
         path = tree.path(target)
-        keep_tree_path(tree_ctx, layout, path, p0)
+        keep_tree_path(Lane(tree_ctx), layout, path, p0)
         kept_batches.append(([int(tree.tokens[i]) for i in path], len(tree)))
         committed += [int(tree.tokens[i]) for i in path]
         root = int(rng.integers(0, tree_model.n_vocab))

@@ -536,7 +536,7 @@ def _wait_until_queued(url: str, n: int) -> None:
 
 def test_queue_full_then_sigterm_ends_answer_and_exits_0(offline_models, tmp_path):
     port = _free_port()
-    srv = ServerProcess(tmp_path, "--queue-size", "1", port=port)
+    srv = ServerProcess(tmp_path, "--queue-size", "1", "--parallel", "1", port=port)
     try:
         answers = _health_until_ready(f"http://127.0.0.1:{port}", srv.proc)
         assert answers <= {(503, "loading"), (200, "ok")}

@@ -53,6 +53,10 @@ def plan_lines(plan: Plan) -> list[str]:
         f"context  {tctx.n_ctx} tokens ({plan.ctx_why}); target batch = ubatch {tctx.n_ubatch}"
         + (f" (largest tree {plan.tree.shape.budget} + root), {tctx.n_seq_max} sequences" if plan.tree else "")
     )
+    if tctx.parallel > 1:
+        lines.append(f"         {tctx.parallel} requests at once: {tctx.cells} KV cells ({tctx.n_ctx} each), "
+                     f"{tctx.n_seq_max // tctx.parallel} sequences each, one target pass for all"
+                     + (", a draft context each" if plan.draft_ctx is not None else ""))
     if plan.draft_ctx is not None:
         lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
     lines.append(f"threads  {plan.threads}")

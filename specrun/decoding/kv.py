@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+from specrun.decoding.batching import Lane
 from specrun.errors import ContextFullError, EngineError, UsageError
 
 
@@ -27,13 +28,19 @@ class CachedSequence:
     (`n_exact` tokens), and an exact `sync` reuses only that (see `reusable`).
     """
 
-    def __init__(self, ctx, batch):
+    def __init__(self, ctx, batch, lane: Lane | None = None):
         self.ctx = ctx
         self.batch = batch
+        # The request's share of the context (decoding.batching): all of it, unless several
+        # requests decode together.
+        self.lane = lane if lane is not None else Lane(ctx)
         self.tokens: list[int] = []
-        # The sequence holding the text: 0, except after a hybrid target accepted a chain that
-        # was scored in another sequence (its state rolls back exactly only where it was made).
-        self.seq = 0
+        # The sequence holding the text: the lane's first, except after a hybrid target accepted a
+        # chain scored in another of its sequences (its state rolls back exactly only where it was made).
+        self.seq = self.lane.base
+        # The logits row of the prompt's last token, after a sync that decoded it (a view, valid
+        # until the next pass).
+        self.logits = None
         # Leading tokens whose KV a fresh prefill would compute the same: decoded in whole batches
         # that start at multiples of the batch size, from exact KV.
         self.n_exact = 0
@@ -54,9 +61,9 @@ class CachedSequence:
         """
         if not prompt:
             raise UsageError("the prompt is empty (no tokens to start from)")
-        if len(prompt) >= self.ctx.n_ctx:
+        if len(prompt) >= self.lane.n_ctx:
             raise ContextFullError(
-                f"the prompt has {len(prompt)} tokens but the context holds {self.ctx.n_ctx}; "
+                f"the prompt has {len(prompt)} tokens but the context holds {self.lane.n_ctx}; "
                 "use a larger --ctx-size or a shorter prompt"
             )
         keep = self.reusable(prompt, exact)
@@ -92,15 +99,19 @@ class CachedSequence:
         self._forget_from(n)
         if self.ctx.has_state:
             if n == 0:  # llama.cpp's recurrent memory refuses seq_rm over all sequences
-                self.ctx.clear()
+                self.lane.clear()
                 self.tokens.clear()
-                self.seq = 0
+                self.seq = self.lane.base
                 return
             if n < len(self.tokens):
                 raise EngineError(f"a recurrent state cannot be cut back from {len(self.tokens)} to {n} tokens")
-            self.ctx.seq_keep(self.seq)  # nothing to drop from the text; stale draft sequences go
+            self.lane.keep(self.seq)  # nothing to drop from the text; stale draft sequences go
             return
-        self.ctx.seq_rm(-1, n, -1)
+        if self.lane.whole:
+            self.ctx.seq_rm(-1, n, -1)
+        else:
+            for seq in self.lane.seqs:
+                self.ctx.seq_rm(seq, n, -1)
         del self.tokens[n:]
 
     def roll_back(self, n_keep: int, last_decode: int) -> None:
@@ -120,10 +131,10 @@ class CachedSequence:
         self._forget_from(n_keep)
 
     def clear(self) -> None:
-        """Empty the context (every sequence) and forget its text."""
-        self.ctx.clear()
+        """Empty the lane (every sequence of it) and forget its text."""
+        self.lane.clear()
         self.tokens.clear()
-        self.seq = 0
+        self.seq = self.lane.base
         self._forget_from(0)
 
     def _forget_from(self, n: int) -> None:
@@ -141,14 +152,16 @@ class CachedSequence:
             done += len(chunk)
             last = done == len(tokens)
             self.batch.set_sequence(chunk, start, self.seq, "last" if (want_last_logits and last) else "none")
-            self.ctx.decode(self.batch)
+            rows = self.lane.run(self.batch, prefill=True)
+            if rows is not None:
+                self.logits = rows[-1]
             self.tokens.extend(chunk)
             if start == self.n_exact and len(chunk) == step:  # a whole batch, from exact KV and at a batch boundary
                 self.n_exact = self.n_cached
 
     def room(self) -> int:
         """Return how many more tokens fit in the context."""
-        return self.ctx.n_ctx - self.n_cached
+        return self.lane.n_ctx - self.n_cached
 
 
 def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 1, logits: str = "last") -> dict[int, float] | None:

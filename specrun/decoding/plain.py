@@ -10,6 +10,7 @@ import numpy as np
 
 from specrun.core.rules import PathRules
 from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
+from specrun.decoding.batching import Lane
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.steps import GenerationStats, Step
 from specrun.engine import Batch
@@ -18,10 +19,13 @@ from specrun.engine import Batch
 class PlainDecoder:
     """Autoregressive decoding: one target forward pass per token. The baseline."""
 
-    def __init__(self, model, ctx):
+    def __init__(self, model, ctx, lane: Lane | None = None):
+        """`lane`: the request's share of the context when several requests decode together
+        (decoding.batching); by default all of it."""
         self.model = model
         self.ctx = ctx
-        self.cache = CachedSequence(ctx, Batch(ctx.n_batch, 1))
+        self.cache = CachedSequence(ctx, Batch(ctx.n_batch, 1), lane)
+        self.lane = self.cache.lane
         self._one = Batch(1, 1)
         self.eog = model.eog_tokens
         self.stats = GenerationStats()
@@ -38,24 +42,23 @@ class PlainDecoder:
         # the last row gives the first token.
         pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True,
                                                                        exact=params.exact_prefill)
-        one, ctx, cache = self._one, self.ctx, self.cache
+        one, cache = self._one, self.cache
         rules = PathRules.of(params)
-        logits = ctx.logits_row(-1)
+        logits = cache.logits
         for i in range(max_tokens):
             t0 = time.perf_counter()
             if i:
                 if cache.room() < 1:
                     stats.finish_reason = "context"
                     return
-                one.set_arrays([pending], [cache.n_cached], [0], True)
-                ctx.decode(one)
+                one.set_arrays([pending], [cache.n_cached], [cache.seq], True)
+                logits = self.lane.run(one)[-1]
                 cache.tokens.append(pending)
-                logits = ctx.logits_row(-1)
             t1 = time.perf_counter()
             token = choose_token(logits if rules is None else rules.shape(logits), params, rng)
             if rules is not None:
                 rules.accept(token)
-            step = Step([token], target_s=t1 - t0, total_s=time.perf_counter() - t0)
+            step = Step([token], target_s=t1 - t0, total_s=time.perf_counter() - t0, shared=self.lane.shared if i else 1)
             if params.logprobs is not None:
                 step.logprobs = token_logprobs(logits, [token], params.logprobs)
             stats.steps.append(step)

@@ -24,6 +24,7 @@ from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
 from specrun.core.verify import accept_path
+from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.speed_guard import SpeedGuard
@@ -37,20 +38,25 @@ log = logging.getLogger("specrun")
 class SpeculativeDecoder:
     """Decodes with the target, proposing trees with the draft. Output is exactly the target's."""
 
-    def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None):
+    def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None,
+                 lane: Lane | None = None):
+        """`lane`: the request's share of the target's context when several requests decode
+        together (decoding.batching); by default all of it."""
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
+        lane = lane if lane is not None else Lane(target_ctx)
         # A recurrent state rolls back only in the sequence that made it: verify chains (module doc).
         self.chain_only = target_ctx.has_state
-        self.n_chains = target_ctx.n_seq_max if self.chain_only else 0
+        self.n_chains = len(lane.seqs) if self.chain_only else 0
         if self.chain_only and target_ctx.n_rs_seq < 1:
             raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")
-        if target_ctx.n_seq_max < MAX_SEQ and not self.chain_only:
+        if lane.whole and target_ctx.n_seq_max < MAX_SEQ and not self.chain_only:
             raise ValueError("speculative contexts need n_seq_max = 256 (one sequence per tree leaf)")
         self.model = target_model
         self.ctx = target_ctx
         self.shape = shape
-        self.cache = CachedSequence(target_ctx, Batch(target_ctx.n_batch, 1))
+        self.lane = lane
+        self.cache = CachedSequence(target_ctx, Batch(target_ctx.n_batch, 1), lane)
         self.tree_batch = Batch(target_ctx.n_batch, MAX_SEQ)
         self.one = Batch(1, 1)
         self.drafter = drafter
@@ -94,7 +100,7 @@ class SpeculativeDecoder:
                                                                 exact=params.exact_prefill)
         t_start = time.perf_counter()
         rules = PathRules.of(params)
-        step = _first_step(self.ctx.logits_row(-1), params, rng, rules)
+        step = _first_step(self.cache.logits, params, rng, rules)
         pending = step.tokens[0]
         step.total_s = time.perf_counter() - t_start
         stats.steps.append(step)
@@ -115,7 +121,7 @@ class SpeculativeDecoder:
             depth = min(shape.depth, remaining - 1, room - 1)
             if self.chain_only:
                 depth = min(depth, self.ctx.n_rs_seq)
-            budget = min(shape.budget, room - 1)
+            budget = self.lane.budget(min(shape.budget, room - 1))
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
             if params.reproducible:
@@ -129,9 +135,10 @@ class SpeculativeDecoder:
             only_forced = bool(forced) and proposal is None
             if forced:
                 proposal = graft_forced(proposal, pending, forced, min(self.ctx.n_batch, room) - 1,
-                                        chain=self.chain_only)
+                                        chain=self.chain_only, max_leaves=len(self.lane.seqs))
             step = self._verify(proposal, pending, params, rng, remaining, rules, forced=only_forced)
             step.total_s = time.perf_counter() - t_start
+            step.shared = self.lane.shared
             stats.steps.append(step)
             stats.n_generated += len(step.tokens)
             stats.decode_s += step.total_s
@@ -156,8 +163,9 @@ class SpeculativeDecoder:
         """Let an adapting drafter and the speed guard see the step's measurements."""
         self.drafter.observe(step)
         # A generation's first drafted step also brings the draft model up to the prompt (its
-        # prefill): a one-off, like the target's prefill, not what a step costs.
-        if self.guard is not None and not first:
+        # prefill): a one-off, like the target's prefill, not what a step costs. A pass shared
+        # with other requests says nothing of what this request's tree costs alone.
+        if self.guard is not None and not first and self.lane.shared == 1:
             self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
             for event in self.guard.events[self.guard.said :]:
                 # Said once with --verbose; what follows (retries, further shrinking) at debug level.
@@ -169,27 +177,28 @@ class SpeculativeDecoder:
                 rules: PathRules | None = None, forced: bool = False) -> Step:
         """Score root + tree with one target pass, walk it, and keep the accepted path in the cache."""
 
-        ctx, cache, batch = self.ctx, self.cache, self.tree_batch
+        ctx, cache, batch, lane = self.ctx, self.cache, self.tree_batch, self.lane
         p0 = cache.n_cached
         if proposal is None:
             return self._plain_step(pending, params, rng, rules)
         if self.chain_only:
             return self._verify_chain(proposal, params, rng, remaining, rules, forced)
         tree = proposal.tree
-        layout = tree.colour_batch()
-        # Every colour must see the committed prefix: copy seq 0 into colours 1.. before the pass.
+        layout = tree.colour_batch(len(lane.seqs))
+        base = lane.base  # colour c is the lane's sequence base + c; colour 0 holds the committed text
+        # Every colour must see the committed prefix: copy it into colours 1.. before the pass.
         for colour in range(1, layout.n_colours):
-            ctx.seq_cp(0, colour, -1, -1)
+            ctx.seq_cp(base, base + colour, -1, -1)
         if layout.n_colours == 1:
-            batch.set_arrays(layout.tokens, p0 + layout.positions, 0, True)
+            batch.set_arrays(layout.tokens, p0 + layout.positions, base, True)
         else:
-            batch.set_tree(layout.tokens, p0 + layout.positions, layout.seq_ids, True)
+            seq_ids = layout.seq_ids if base == 0 else [[base + c for c in s] for s in layout.seq_ids]
+            batch.set_tree(layout.tokens, p0 + layout.positions, seq_ids, True)
         t0 = time.perf_counter()
-        ctx.decode(batch)
+        logits = lane.run(batch)
         target_s = time.perf_counter() - t0
-        logits = ctx.logits()
         acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
-        keep_tree_path(ctx, layout, acceptance.nodes, p0)
+        keep_tree_path(lane, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
         if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
             self.drafter.commit(proposal, acceptance.nodes)
@@ -228,7 +237,7 @@ class SpeculativeDecoder:
         length = max(len(path) for path in paths)
         trie = DraftTree(int(tree.tokens[0]), capacity=len(paths) * length + 1)
         rows, owner = [0], [0]  # per trie node: its logits row in the batch, the chain it came from
-        seqs = [main] + [s for s in range(ctx.n_seq_max) if s != main][: len(paths) - 1]
+        seqs = [main] + [s for s in self.lane.seqs if s != main][: len(paths) - 1]
         batch = self.tree_batch
         batch.clear()
         for c, (path, seq) in enumerate(zip(paths, seqs)):
@@ -249,14 +258,13 @@ class SpeculativeDecoder:
                     owner.append(c)
                 node = child
         t0 = time.perf_counter()
-        ctx.decode(batch)
+        logits = self.lane.run(batch)[rows]  # row i: after trie node i
         target_s = time.perf_counter() - t0
-        logits = ctx.logits()[rows]  # row i: after trie node i
         acceptance = accept_path(trie, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
         chosen = owner[acceptance.nodes[-1]]
         seq = seqs[chosen]
         if len(paths) > 1:
-            ctx.seq_keep(seq)
+            self.lane.keep(seq)
         cache.seq = seq
         cache.tokens.extend(int(batch.tokens[chosen * length + d]) for d in range(length))
         # At most length - 1 drafts go, fewer than this decode held for the sequence: exact.
@@ -289,10 +297,10 @@ class SpeculativeDecoder:
         cache = self.cache
         self.one.set_arrays([pending], [cache.n_cached], [cache.seq], True)
         t0 = time.perf_counter()
-        self.ctx.decode(self.one)
+        row = self.lane.run(self.one)[-1]
         target_s = time.perf_counter() - t0
         cache.tokens.append(pending)
-        return _first_step(self.ctx.logits_row(-1), params, rng, rules, target_s=target_s)
+        return _first_step(row, params, rng, rules, target_s=target_s)
 
 
 def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules | None, target_s: float = 0.0) -> Step:
@@ -323,7 +331,7 @@ def best_chains(tree: DraftTree, n_chains: int, max_drafts: int) -> list[list[in
 
 
 def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max_nodes: int,
-                 chain: bool = False) -> Proposal:
+                 chain: bool = False, max_leaves: int = MAX_SEQ) -> Proposal:
     """Return the proposal with a grammar's forced run as a path from the root: the drafter's tree
     where it already holds the run, the rest appended below (new ids, past the drafter's own, so
     its `commit` is unaffected), within `max_nodes` nodes besides the root; with `chain`, only
@@ -337,7 +345,7 @@ def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max
         if child is None:
             rest = forced[i: i + max_nodes - (len(tree) - 1)]
             branching = not tree.is_leaf(node)
-            if not rest or (branching and (chain or len(tree.leaves()) >= MAX_SEQ)):
+            if not rest or (branching and (chain or len(tree.leaves()) >= max_leaves)):
                 return proposal
             proposal.forced_from = len(tree)
             proposal.tree = tree = tree.copy()
@@ -349,18 +357,20 @@ def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max
     return proposal
 
 
-def keep_tree_path(ctx: Context, layout, nodes: Sequence[int], p0: int) -> None:
-    """Leave exactly the committed prefix + the path `nodes` in seq 0; drop every tree colour."""
+def keep_tree_path(lane: Lane, layout, nodes: Sequence[int], p0: int) -> None:
+    """Leave exactly the committed prefix + the path `nodes` in the lane's first sequence (colour
+    0); drop every other tree colour."""
+    ctx, base = lane.ctx, lane.base
     end = p0 + len(nodes)
     colour = int(layout.first_colour[nodes[-1]])
     if colour == 0:
-        ctx.seq_rm(0, end, -1)
+        ctx.seq_rm(base, end, -1)
     else:
         # The cells of colour c in [p0, end) are exactly the path down to the accepted node.
-        ctx.seq_rm(0, p0, -1)
-        ctx.seq_cp(colour, 0, p0, end)
+        ctx.seq_rm(base, p0, -1)
+        ctx.seq_cp(base + colour, base, p0, end)
     if layout.n_colours > 1:
-        ctx.seq_keep(0)
+        lane.keep(base, used=layout.n_colours)
 
 
 def _child_ranks(tree, acceptance) -> tuple[int, ...]:

@@ -29,6 +29,7 @@ class Step:
     accepted: int = 0  # tree tokens the target accepted (the bonus token not counted)
     lookup_tokens: int = 0  # of those, how many came from text lookup rather than the draft model
     forced_tokens: int = 0  # of those, how many a grammar forced (free drafts: nobody proposed them)
+    shared: int = 1  # requests whose tokens the step's target pass held (decoding.batching; 1: this one's alone)
     # One per token when the request asked for log-probs (params.logprobs), else None.
     logprobs: list[TokenLogprob] | None = None
     # Calibration data for the tuner: best-first rank of each accepted tree node, and for each

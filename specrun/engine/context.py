@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import threading
 from typing import Iterable, Sequence
 
 import llama_cpp as C
@@ -121,6 +122,12 @@ class Batch:
 # Context
 
 
+# llama.cpp's CPU threads spin while they wait for work: two decodes at once on the same cores run
+# many times slower than one after the other. Every decode of this process takes this lock, so
+# requests decoding in threads of their own (the server's) take turns with their passes.
+_COMPUTE = threading.Lock()
+
+
 def default_threads() -> int:
     """Return the thread count llama.cpp runs best with here: the usable CPU cores."""
     try:
@@ -228,7 +235,8 @@ class Context(Owner):
         if n > self.n_batch:
             raise EngineError(f"batch of {n} tokens exceeds the context's n_batch {self.n_batch}")
         batch.struct.n_tokens = n
-        rc = C.llama_decode(self.ptr, batch.struct)
+        with _COMPUTE:
+            rc = C.llama_decode(self.ptr, batch.struct)
         if rc != 0:
             if rc == 1:
                 raise ContextFullError(f"the context ({self.n_ctx} tokens) has no room for {n} more tokens")

@@ -33,6 +33,9 @@ class RunOptions:
     gpu_memory: int | None = None
     # --rpc: the RPC workers ("HOST:PORT") whose devices take target layers beside this machine's
     rpc: tuple[str, ...] = ()
+    # --parallel: requests decoding together (the server's); None: as many as fit, up to
+    # plan.DEFAULT_PARALLEL, at the context one request gets
+    parallel: int | None = 1
 
     @property
     def lookup_only(self) -> bool:

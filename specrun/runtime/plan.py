@@ -58,20 +58,33 @@ PREFILL_BATCH = 512
 # state is 15-50% off, and on the 2-core test host the demo pair's draft went from losing (10.8 ms
 # target passes) to paying 1.1x (12 ms). Set aside, a run is the untuned default: never slower.
 PROFILE_DRIFT = 0.08
+# Requests a server decodes together unless --parallel says otherwise, where that many fit at the
+# context one request gets (the measured 2x of four clients over one on the 2-core test host).
+DEFAULT_PARALLEL = 4
 
 
 @dataclass(frozen=True)
 class ContextPlan:
     """llama.cpp context sizes: cells, batch = ubatch (tokens per forward pass), sequences."""
 
-    n_ctx: int
+    n_ctx: int  # tokens one request may hold
     n_batch: int
     n_seq_max: int
     n_rs_seq: int = 0  # recurrent-state snapshots per sequence (rollback of a verified chain)
+    # Requests decoding together in this context, each in a range of its sequences with n_ctx
+    # cells of its own (the target's; decoding.batching).
+    parallel: int = 1
+    # Contexts of this size the run opens (the draft's: one per request decoding at once).
+    copies: int = 1
 
     @property
     def n_ubatch(self) -> int:
         return self.n_batch  # the engine sets n_ubatch = n_batch: one pass per batch
+
+    @property
+    def cells(self) -> int:
+        """The KV cells llama.cpp is asked for: n_ctx for each request."""
+        return self.n_ctx * self.parallel
 
 
 @dataclass(frozen=True)
@@ -213,7 +226,7 @@ def _path(path: Path | None) -> str | None:
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
     return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
-            "n_rs_seq": ctx.n_rs_seq}
+            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells, "copies": ctx.copies}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +259,20 @@ def build_plan(
         devices = engine.list_devices()
     elif opts.rpc:  # GPUs given for another machine, beside the workers
         devices = [*devices, *engine.remote_devices()]
-    return _build(opts, files, shape, devices, ram_free_bytes, sizes, detailed, use_profile=True)
+    if opts.parallel is not None:
+        return _build(opts, files, shape, devices, ram_free_bytes, sizes, detailed, use_profile=True)
+    # As many requests at once as fit at the context one request gets alone (at most DEFAULT_PARALLEL).
+    alone = _build(replace(opts, parallel=1), files, shape, devices, ram_free_bytes, sizes, detailed, use_profile=True)
+    for n in range(DEFAULT_PARALLEL, 1, -1):
+        wider = _build(replace(opts, ctx_size=alone.target_ctx.n_ctx, parallel=n), files, shape, devices,
+                       ram_free_bytes, sizes, detailed, use_profile=True)
+        # ...and only where the target's layers stay where they are alone: never slower for one request.
+        a, b = wider.placement, alone.placement
+        same_layers = (a.target_gpu_layers, a.target_tensor_split, a.cpu_expert_layers) == (
+            b.target_gpu_layers, b.target_tensor_split, b.cpu_expert_layers)
+        if wider.target_ctx.parallel == n and a.fits and same_layers and wider.draft_gpu_layers == alone.draft_gpu_layers:
+            return replace(wider, ctx_why=alone.ctx_why)
+    return alone
 
 
 def connect_workers(opts: RunOptions) -> None:
@@ -298,7 +324,11 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         if draft_path is not None or (sizes and tree is not None and tree.draft_model):
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
     # llama.cpp's own figures for the files (not for shapes given in their place)
-    measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch)
+    parallel = opts.parallel or 1
+    if parallel > 1 and tree is not None and tree.mtp:
+        notes.append("--parallel: the target's MTP layers draft for one request at a time: answering one at a time")
+        parallel = 1
+    measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel)
     try:
         if auto_ctx:
             widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
@@ -312,7 +342,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
                          f"using {n_ctx - 1}")
             tree = fit_tree(tree, n_ctx - 1)
             measure.tree = tree
-        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch)
+        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel)
         if target_size is None:
             measured = measure(n_ctx)
             placed = placement.cpu_only([p for p in (target_file, draft_path) if p is not None], ram_free_bytes,
@@ -338,24 +368,29 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         measure.close()
 
 
-def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None) -> tuple[ContextPlan, ContextPlan | None]:
-    """Return the target's and the draft's contexts (None: no draft model) for n_ctx cells."""
+def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
+              parallel: int = 1) -> tuple[ContextPlan, ContextPlan | None]:
+    """Return the target's and the draft's contexts (None: no draft model) for requests of n_ctx
+    tokens, `parallel` of them decoding together (the target's sequences split between them; a
+    draft context each)."""
     if tree is None:
-        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), 1), None
+        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel), None
     if tree.verify in (architectures.CHAINS, architectures.CHAIN):
         # A sequence per chain (MTP drafts one), and snapshots to roll the state back by the
         # rejected drafts.
         n_chains = MAX_CHAINS if tree.verify == architectures.CHAINS else 1
         chain_tokens = n_chains * (tree.verified.depth + 1)
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), n_chains, tree.verified.depth)
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), min(MAX_SEQ, n_chains * parallel),
+                                 tree.verified.depth, parallel=parallel)
     else:
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)), MAX_SEQ)
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)), MAX_SEQ,
+                                 parallel=parallel)
     draft_ctx = None
     if tree.draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
         # its tree has nodes (each node's state is its parent's, copied, plus its token).
         seqs = min(MAX_SEQ, tree.shape.budget + 1) if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
-        draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs)
+        draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs, copies=parallel)
     return target_ctx, draft_ctx
 
 
@@ -365,19 +400,19 @@ class ContextMemory:
     context included. A file it cannot simulate is estimated by the planner, with a note."""
 
     def __init__(self, target_path: Path | None, draft_path: Path | None, tree: TreePlan | None,
-                 draft_arch: str | None):
-        self.tree, self.draft_arch = tree, draft_arch
+                 draft_arch: str | None, parallel: int = 1):
+        self.tree, self.draft_arch, self.parallel = tree, draft_arch, parallel
         self.mtp = tree is not None and tree.mtp
         self.notes: list[str] = []
         self._target = engine.Simulation(target_path, load_mtp=self.mtp) if target_path is not None else None
         self._draft = engine.Simulation(draft_path) if draft_path is not None else None
 
     def __call__(self, n_ctx: int) -> tuple[offload.ContextBytes | None, offload.ContextBytes | None]:
-        target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch)
+        target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch, self.parallel)
         target_specs = [_spec(target_ctx)]
         if self.mtp:
             target_specs.append(engine.ContextSpec(n_ctx, PREFILL_BATCH, mtp=True))  # as Runtime opens it
-        draft = self._figures(self._draft, [_spec(draft_ctx)]) if draft_ctx is not None else None
+        draft = self._figures(self._draft, [_spec(draft_ctx)] * draft_ctx.copies) if draft_ctx is not None else None
         return self._figures(self._target, target_specs), draft
 
     def close(self) -> None:
@@ -400,7 +435,7 @@ class ContextMemory:
 
 
 def _spec(ctx: ContextPlan):
-    return engine.ContextSpec(ctx.n_ctx, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq)
+    return engine.ContextSpec(ctx.cells, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq)
 
 
 def _loads_target_alike(plan: Plan, other: Plan) -> bool:

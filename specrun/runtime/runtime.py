@@ -13,6 +13,7 @@ from dataclasses import replace
 from specrun import engine, ui
 from specrun.chat.session import ChatFormat
 from specrun.decoding.adaptive import DraftPrior
+from specrun.decoding.batching import Lane, PassGate
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
@@ -79,6 +80,7 @@ class Runtime:
         self._owned: list = []
         self._chat_format = None
         self.draft = self.draft_ctx = None
+        self.draft_ctxs: list = []  # the draft contexts of requests 2.. when several decode at once
         # The target's one-token pass timed at load (with a profile to check), and whether it set
         # the profile aside.
         self.target_pass_s: float | None = None
@@ -95,6 +97,9 @@ class Runtime:
                     self.draft = self._load(plan.files.draft_path, **draft_load)
                     pairing.check_vocab(self.target, self.draft, plan.files.target_name, plan.files.draft_name)
                     self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"], plan.threads)
+                    # One more for each other request decoding at once (--parallel).
+                    self.draft_ctxs += [self._context(self.draft, plan.draft_ctx, draft_load["op_offload"], plan.threads)
+                                        for _ in range(plan.draft_ctx.copies - 1)]
                 elif plan.tree is not None and plan.tree.mtp:
                     # The target's MTP block drafts in a context of its own, fed the target's rows.
                     engine.enable_target_rows(self.target_ctx)
@@ -108,7 +113,14 @@ class Runtime:
         self.plan = plan
         self.models = plan.files
         self.shape = plan.tree.shape if plan.tree else None
-        self.decoder = make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx)
+        # The tokens one request may hold (the target's context holds this for each of `parallel`).
+        self.n_ctx = plan.target_ctx.n_ctx
+        try:
+            self.decoders = self._decoders(plan)
+        except BaseException:
+            self.close()
+            raise
+        self.decoder = self.decoders[0]
         if plan.untuned and not quiet and not self.profile_set_aside:
             self._suggest_tuning()
 
@@ -118,10 +130,27 @@ class Runtime:
         return model
 
     def _context(self, model, sizes: ContextPlan, op_offload: bool | None, threads: int):
-        ctx = engine.Context(model, n_ctx=sizes.n_ctx, n_batch=sizes.n_batch, n_seq_max=sizes.n_seq_max,
+        ctx = engine.Context(model, n_ctx=sizes.cells, n_batch=sizes.n_batch, n_seq_max=sizes.n_seq_max,
                              threads=threads, op_offload=op_offload, n_rs_seq=sizes.n_rs_seq)
         self._owned.append(ctx)
         return ctx
+
+    def _decoders(self, plan: Plan) -> list:
+        """One decoder per request that may decode at once: alone, the whole target context; with
+        --parallel N, each its own lane of it (decoding.batching: a range of sequences, n_ctx
+        tokens, passes shared through one gate) and a draft context of its own."""
+        n = plan.target_ctx.parallel
+        if n == 1:
+            return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx)]
+        gate = PassGate(self.target_ctx)
+        per = self.target_ctx.n_seq_max // n
+        draft_ctxs = [self.draft_ctx, *self.draft_ctxs]
+        decoders = []
+        for i in range(n):
+            lane = Lane(self.target_ctx, range(i * per, (i + 1) * per), plan.target_ctx.n_ctx, gate)
+            draft_ctx = draft_ctxs[i] if self.draft is not None else self.draft_ctx
+            decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, draft_ctx, lane=lane))
+        return decoders
 
     def _checked(self, plan: Plan, quiet: bool) -> Plan:
         """Time the target's one-token pass (the target is loaded, nothing else yet) and return the
@@ -167,7 +196,8 @@ class Runtime:
 
     def reset_cache(self) -> None:
         """Empty the KV caches (after an interrupted step left them in an unknown state)."""
-        self.decoder.reset()
+        for decoder in self.decoders:
+            decoder.reset()
 
     def close(self) -> None:
         for owner in reversed(self._owned):
@@ -229,18 +259,20 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     return target, draft
 
 
-def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True):
+def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True,
+                 lane: Lane | None = None):
     """Return the decoder for a tree plan: plain decoding (None), or speculative decoding with the
     drafter the plan names. With `guard`, a speed guard shrinks the tree (down to plain steps)
     while speculation measures slower than plain decoding (bench and tune measure trees as given).
     The drafter lives as long as the decoder: a lookup index learns from every request it serves.
+    `lane`: the decoder's share of the target's context (decoding.batching), by default all of it.
     """
     if tree is None:
-        return PlainDecoder(target, target_ctx)
+        return PlainDecoder(target, target_ctx, lane)
     shape = tree.verified
     speed_guard = SpeedGuard(shape.budget, plain_s=tree.plain_s) if guard else None
     drafter = make_drafter(tree, draft, draft_ctx, target_ctx)
-    return SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard)
+    return SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane)
 
 
 def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):

@@ -95,6 +95,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     ahead: int = 0  # requests before it when it arrived (the one being answered included)
+    started_at: float = 0.0  # when its turn came (perf_counter)
 
     def emit(self, event) -> None:
         """Hand an event to the request's coroutine (called from the worker thread)."""

@@ -67,6 +67,10 @@ def timings(started: Started, stats: GenerationStats) -> dict:
         "lookup_n_accepted": sum(step.lookup_tokens for step in stats.steps),
         "n_passes": stats.n_passes,
         "accepted_per_pass": round(stats.accepted_per_pass, 3),
+        # Of the passes, those whose batch also held other requests' tokens (--parallel), and the
+        # most requests one of them held.
+        "shared_passes": sum(1 for step in stats.steps if step.shared > 1),
+        "most_shared": max((step.shared for step in stats.steps), default=1),
     }
 
 

@@ -1,9 +1,16 @@
-"""The one thread that owns the loaded models and answers requests one at a time, in arrival order.
+"""The worker that owns the loaded models and answers queued requests, several at once.
 
-llama.cpp contexts are not thread-safe, so a single worker thread loads the Runtime, serves every
-job from a bounded FIFO queue and closes the Runtime when the server stops. The asyncio side
-submits a `Job` and reads its events (`Started`, `Piece`, `Finished`, `Failed`) from an
-asyncio.Queue that the worker fills through `loop.call_soon_threadsafe`.
+A worker thread loads the Runtime, takes jobs from a bounded FIFO queue and closes the Runtime
+when the server stops. The asyncio side submits a `Job` and reads its events (`Started`,
+`Piece`, `Finished`, `Failed`) from an asyncio.Queue that the worker fills through
+`loop.call_soon_threadsafe`.
+
+With --parallel N (by default as many as fit, runtime.plan.DEFAULT_PARALLEL at most) up to N jobs
+are answered at once, each in a thread of its own with a decoder of its own: its lane of the
+target's context and its own draft context. Their target passes meet in one gate and run as one
+batch (decoding.batching), so four requests cost little more than one; everything else a request
+does (its prompt, grammar, drafting, sampling, streaming) is its own. A job takes the idle decoder
+whose cache holds most of its prompt (a conversation's next turn finds its previous turns).
 
 A job's cancel flag is checked after every decoder step. Closing the text stream between steps
 leaves the KV cache consistent, so the cache is kept and the next request prefills only what it
@@ -12,12 +19,9 @@ that parts from an earlier prompt: also the rest of that prompt's last batch, so
 evaluated as in an empty cache, see decoding.kv). Only an error inside a step, which may leave
 half a step behind, empties the caches.
 
-Fairness today: /health and /v1/models never touch the worker, a job records when it was queued
-and how many were ahead (X-Queue-Position, timings.queue_ms). Several answers decoding together
-would take several jobs from the queue at a time, give each its own range of sequence ids (its
-committed text in its own sequence instead of seq 0, its tree colours beside the others' under
-LLAMA_MAX_SEQ) and run one target pass over all their trees; the job/event protocol (Started,
-Piece, Finished per job) stays as it is.
+Fairness: /health and /v1/models never touch the worker, a job records when it was queued and
+how many were ahead (X-Queue-Position, timings.queue_ms); a cancelled job leaves its lane at its
+next step, and the others' passes go on without it.
 """
 
 from __future__ import annotations
@@ -104,11 +108,11 @@ class QueueWorker:
         self.model: ModelInfo | None = None
         self.load_error: BaseException | None = None
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
-        self._current: Job | None = None
+        self._active: dict[int, Job] = {}  # the jobs being answered, by id()
+        self.parallel = 1  # jobs answered at once (a subclass sets it when its models are loaded)
         self._stopping = threading.Event()
         self._on_ready, self._on_load_error = on_ready, on_load_error
         self._mean_job_s = 5.0  # for Retry-After; follows the recent jobs
-        self._started_at = 0.0  # when the job in progress got its turn
         self._thread = threading.Thread(target=self._run, name="specrun-worker", daemon=True)
 
     # -- called from the event loop --
@@ -124,7 +128,7 @@ class QueueWorker:
         if not self.alive:
             raise worker_gone()
         try:
-            job.ahead = self._jobs.qsize() + (self._current is not None)
+            job.ahead = self._jobs.qsize() + (len(self._active) >= self.parallel)
             self._jobs.put_nowait(job)
         except queue.Full:
             wait = self.retry_after_s()
@@ -156,9 +160,8 @@ class QueueWorker:
         if self.state in ("loading", "ready"):
             self.state = "stopping"
         self._stopping.set()
-        current = self._current
-        if current is not None:
-            current.cancel.set()
+        for job in list(self._active.values()):
+            job.cancel.set()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
@@ -190,20 +193,39 @@ class QueueWorker:
         raise NotImplementedError
 
     def _serve_until_stopped(self) -> None:
+        """Take queued jobs in order and answer up to `parallel` at once (one at a time in this
+        thread; several each in a thread of its own)."""
+        free = threading.Semaphore(self.parallel)
+        threads: list[threading.Thread] = []
         while not self._stopping.is_set():
+            if not free.acquire(timeout=POLL_S):
+                continue
             try:
                 job = self._jobs.get(timeout=POLL_S)
             except queue.Empty:
+                free.release()
                 continue
             if job.cancel.is_set():
+                free.release()
                 continue  # the client left while waiting
-            self._current = job
-            t0 = self._started_at = time.perf_counter()
-            try:
-                self._serve(job)
-            finally:
-                self._current = None
-                self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.perf_counter() - t0)
+            job.started_at = time.perf_counter()
+            self._active[id(job)] = job
+            if self.parallel == 1:
+                self._answer_job(job, free)
+                continue
+            thread = threading.Thread(target=self._answer_job, args=(job, free), name=f"specrun-{job.id}", daemon=True)
+            threads = [t for t in threads if t.is_alive()] + [thread]
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def _answer_job(self, job: Job, free: threading.Semaphore) -> None:
+        try:
+            self._serve(job)
+        finally:
+            self._active.pop(id(job), None)
+            free.release()
+            self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.perf_counter() - job.started_at)
 
     def _refuse_queued(self) -> None:
         while True:
@@ -222,6 +244,8 @@ class GenerationWorker(QueueWorker):
         self.opts = opts
         self.chat = chat
         self._memory = ConversationMemory()
+        self._lock = threading.Lock()  # the conversation memory and the idle decoders, between jobs' threads
+        self._idle: list = []  # decoders no job is using, the least recently used first
 
     def _load(self) -> str:
         rt = Runtime(self.opts)
@@ -233,6 +257,8 @@ class GenerationWorker(QueueWorker):
             rt.close()
             raise
         self.runtime = rt
+        self._idle = list(rt.decoders)
+        self.parallel = len(rt.decoders)
         return describe(rt)
 
     def _unload(self) -> None:
@@ -240,49 +266,70 @@ class GenerationWorker(QueueWorker):
 
     def _serve(self, job: Job) -> None:
         """Answer one job; whatever goes wrong becomes a Failed event, and the worker goes on."""
+        lease = _Lease(self)
         try:
-            self._answer(job)
+            self._answer(job, lease)
         except APIError as e:
             job.emit(Failed(e))
         except BaseException as e:  # nothing one request does may end the worker (SystemExit included)
-            # The failure may have hit inside a decoder step: start the caches afresh.
-            self._reset()
+            # The failure may have hit inside a decoder step: start its caches afresh.
+            self._reset(lease.decoder)
             if isinstance(e, SpecrunError):
                 job.emit(Failed(APIError(400 if getattr(e, "exit_code", 1) == 2 else 500, str(e))))
             else:
                 log.exception("request %s failed", job.id)
                 job.emit(Failed(APIError(500, f"internal error ({type(e).__name__}); the server logged it")))
 
-    def _reset(self) -> None:
-        try:
-            self.runtime.reset_cache()
         finally:
-            self._memory.forget()
+            lease.give_back()
 
-    def _answer(self, job: Job) -> None:
+    def _reset(self, decoder=None) -> None:
+        """Empty a decoder's caches (none before the job took one) and the conversation memory."""
+        try:
+            if decoder is not None:
+                decoder.reset()
+        finally:
+            with self._lock:
+                self._memory.forget()
+
+    def _take_decoder(self, prompt: list[int]):
+        """Return the idle decoder whose cache holds most of the prompt (the least recently used
+        among equals). There is always one: no more jobs run than there are decoders."""
+        with self._lock:
+            best = max(range(len(self._idle)), key=lambda i: (_shared_prefix(self._idle[i].cache.tokens, prompt), -i))
+            return self._idle.pop(best)
+
+    def _give_back_decoder(self, decoder) -> None:
+        decoder.cache.lane.leave()  # the other requests' passes no longer wait for this one
+        with self._lock:
+            self._idle.append(decoder)
+
+    def _answer(self, job: Job, lease: "_Lease") -> None:
         rt = self.runtime
         tools = self._tool_format(job.prompt)
         prompt, rendered = self._prompt_tokens(job.prompt)
+        decoder = lease.take(prompt)
         parser = None
         if rendered is not None:
             parser = reasoning.parser_for(rt.chat_format.template, rendered,
                                           job.prompt.reasoning_format or self.chat.reasoning_format)
         param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
-        limit = token_budget(len(prompt), rt.target_ctx.n_ctx, job.max_tokens, param)
+        limit = token_budget(len(prompt), rt.n_ctx, job.max_tokens, param)
         params, shaped_by = self._params(job, tools)
-        started = Started(len(prompt), rt.decoder.cache.reusable(prompt, params.exact_prefill), limit, job.max_tokens,
-                          queue_s=self._started_at - job.queued_at)
+        started = Started(len(prompt), decoder.cache.reusable(prompt, params.exact_prefill), limit, job.max_tokens,
+                          queue_s=job.started_at - job.queued_at)
         if started.capped:
-            ui.dim(f"{job.id}: max_tokens {job.max_tokens} lowered to {limit} to fit the {rt.target_ctx.n_ctx}-token context")
+            ui.dim(f"{job.id}: max_tokens {job.max_tokens} lowered to {limit} to fit the {rt.n_ctx}-token context")
         job.emit(started)
         try:
-            generated, finish = self._decode(job, prompt, limit, params, parser, hold_text=tools is not None)
+            generated, finish = self._decode(job, decoder, prompt, limit, params, parser, hold_text=tools is not None)
         except GrammarError as e:  # llguidance gave up mid-answer: the answer is no answer
-            self._reset()  # raised inside a step, which may have left half of it behind
+            self._reset(decoder)  # raised inside a step, which may have left half of it behind
             raise APIError(400, str(e), param=shaped_by, code="grammar_failed") from None
-        stats = rt.decoder.stats
+        stats = decoder.stats
         if job.cancel.is_set():
-            self._memory.forget()
+            with self._lock:
+                self._memory.forget()
             if self._stopping.is_set():
                 job.emit(Failed(shutting_down()))
             else:
@@ -293,12 +340,12 @@ class GenerationWorker(QueueWorker):
         reason = FINISH_REASONS.get(finish or "length", "length")
         content, calls = None, None
         if tools is not None:  # the answer was held back: its calls become tool_calls
-            answer = rt.target.detokenize([t for t in generated if t not in rt.decoder.eog], special=True)
+            answer = rt.target.detokenize([t for t in generated if t not in decoder.eog], special=True)
             content, calls = tools.parse(answer)
             if calls:
                 reason = "tool_calls"
             else:
-                content = rt.target.detokenize([t for t in generated if t not in rt.decoder.eog])
+                content = rt.target.detokenize([t for t in generated if t not in decoder.eog])
             if parser is not None and content:  # thinking before the call (or the answer) goes apart
                 content = _split_thinking(job, parser, content)
         job.emit(Finished(reason, len(generated), stats, content, calls or None))
@@ -358,11 +405,12 @@ class GenerationWorker(QueueWorker):
         """Return the prompt's tokens, and for a chat the rendered text they spell."""
         rt = self.runtime
         if isinstance(prompt, ChatPrompt):
-            refuse_what_cannot_fit(prompt.messages, rt.target_ctx.n_ctx, rt.target.max_token_bytes)
+            refuse_what_cannot_fit(prompt.messages, rt.n_ctx, rt.target.max_token_bytes)
             fmt = rt.chat_format
             extra = {"tools": prompt.tools} if prompt.tools else {}
             rendered = fmt.render(prompt.messages, add_generation_prompt=True, **prompt.template_kwargs, **extra)
-            return self._memory.tokens_for(fmt, rendered), rendered.text
+            with self._lock:
+                return self._memory.tokens_for(fmt, rendered), rendered.text
         if prompt.token_ids is not None:
             n_vocab = rt.target.n_vocab
             if any(t >= n_vocab for t in prompt.token_ids):
@@ -370,7 +418,7 @@ class GenerationWorker(QueueWorker):
             return list(prompt.token_ids), None
         return rt.target.tokenize(prompt.text, add_special=True, parse_special=prompt.parse_special), None
 
-    def _decode(self, job: Job, prompt: list[int], limit: int, params, parser: ReasoningParser | None,
+    def _decode(self, job: Job, decoder, prompt: list[int], limit: int, params, parser: ReasoningParser | None,
                 hold_text: bool = False) -> tuple[list[int], str | None]:
         """Stream the answer's text to the job (thinking apart when a parser splits it; nothing
         while it is held back for tool calls); return the
@@ -378,8 +426,8 @@ class GenerationWorker(QueueWorker):
         rt = self.runtime
         generated: list[int] = []
         finish = None
-        eog = rt.decoder.eog
-        chunks = stream(rt.decoder, rt.target, prompt, params, limit, job.stop)
+        eog = decoder.eog
+        chunks = stream(decoder, rt.target, prompt, params, limit, job.stop)
         try:
             for chunk in chunks:
                 generated.extend(chunk.tokens)
@@ -407,7 +455,8 @@ class GenerationWorker(QueueWorker):
         if rendered is None or finish == "stop":
             return
         answer = self.runtime.target.detokenize(generated, special=True)
-        self._memory.remember(rendered + answer, prompt + generated)
+        with self._lock:
+            self._memory.remember(rendered + answer, prompt + generated)
 
 
 def describe(rt: Runtime) -> str:
@@ -417,7 +466,34 @@ def describe(rt: Runtime) -> str:
         how = f"with {drafter} (tree budget {rt.shape.budget})"
     else:
         how = "without a draft (plain decoding)"
-    return f"specrun serve: {rt.models.target_name} {how}, {rt.target_ctx.n_ctx}-token context ({rt.plan.ctx_why})"
+    at_once = f", {len(rt.decoders)} requests at once" if len(rt.decoders) > 1 else ""
+    return f"specrun serve: {rt.models.target_name} {how}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
+
+
+class _Lease:
+    """The decoder one job holds: taken once its prompt is known, given back when it ends."""
+
+    def __init__(self, worker: GenerationWorker):
+        self.worker = worker
+        self.decoder = None
+
+    def take(self, prompt: list[int]):
+        self.decoder = self.worker._take_decoder(prompt)
+        return self.decoder
+
+    def give_back(self) -> None:
+        if self.decoder is not None:
+            self.worker._give_back_decoder(self.decoder)
+            self.decoder = None
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def loading() -> APIError:
@@ -446,7 +522,7 @@ def _model_info(rt: Runtime) -> ModelInfo:
     path = rt.models.target_path
     return ModelInfo(
         rt.models.target_name, rt.models.draft_name if rt.draft is not None else None, rt.plan.drafter,
-        rt.target_ctx.n_ctx, rt.shape.budget if rt.speculative else None, n_ctx_train=rt.target.n_ctx_train,
+        rt.n_ctx, rt.shape.budget if rt.speculative else None, n_ctx_train=rt.target.n_ctx_train,
         ctx_why=rt.plan.ctx_why, architecture=rt.target.architecture, file_name=path.name if path else "",
         file_bytes=rt.target.file_size, chat_template=rt.chat_format.template,
     )

@@ -1,0 +1,221 @@
+"""Several requests in one target pass: each request's lane of the target's context, and the gate
+where their passes meet.
+
+A `Lane` is one request's share of the target's context: a range of its sequence ids (the
+committed text in the first, tree colours or chains in the rest), the context length a request
+may use, and how its passes run. A lane of its own (the default) decodes at once; lanes that
+share a `PassGate` hand their batches to it and wait: when every lane that is decoding has
+handed one in, the last to arrive runs them as one batch, and each gets its own rows of the
+logits back. Each lane decodes in a thread of its own (the server's requests), so a request's
+drafting, sampling and streaming run while the others do theirs; the one target pass is shared.
+
+The rules of the gate:
+- A pass runs only when every member is waiting at the gate, so no member is still reading the
+  logits of the pass before (the rows it got are views into llama.cpp's buffer, valid until the
+  next pass: nothing is copied).
+- Decoding steps (a pending token and its tree) go together, as many as fit one batch; a prompt's
+  chunk (a whole batch on the prefill grid, decoding.kv) runs in a pass of its own, every other
+  pass while steps wait, so a short request's first token waits for one chunk at most and a
+  prompt is evaluated exactly as it is alone.
+- A member that is not waiting (drafting, or between requests) holds the pass back; one that
+  leaves lets it go.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrun.engine import Batch, Context
+from specrun.limits import MAX_SEQ
+
+
+class Lane:
+    """One request's share of a target context: its sequence ids, its context length, and how its
+    passes run (at once, or through a gate with other lanes')."""
+
+    def __init__(self, ctx: Context, seqs: range | None = None, n_ctx: int | None = None,
+                 gate: "PassGate | None" = None):
+        self.ctx = ctx
+        self.seqs = seqs if seqs is not None else range(ctx.n_seq_max)
+        self.n_ctx = n_ctx or ctx.n_ctx
+        self.gate = gate
+        # The whole context: whole-cache calls (clear, seq_keep) are cheaper and do the same.
+        self.whole = gate is None and len(self.seqs) == ctx.n_seq_max
+        self.shared = 1  # requests whose tokens the last pass held (1: this lane's alone)
+
+    @property
+    def base(self) -> int:
+        """The sequence that holds the lane's committed text (tree colour 0)."""
+        return self.seqs.start
+
+    def run(self, batch: Batch, prefill: bool = False) -> np.ndarray | None:
+        """Run the batch (its sequence ids are the lane's) and return its logits rows, a view valid
+        until the lane's next pass (None when the batch asked for none)."""
+        if self.gate is None:
+            self.ctx.decode(batch)
+            self.shared = 1
+            return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
+        rows, self.shared = self.gate.decode(self, batch, prefill)
+        return rows
+
+    def budget(self, wanted: int) -> int:
+        """Tree nodes this lane may verify per pass: what it wants, within its sequence ids (one
+        per leaf) and its share of the batch among the lanes decoding now."""
+        cap = len(self.seqs) if len(self.seqs) < MAX_SEQ else wanted
+        if self.gate is not None:
+            cap = min(cap, self.gate.share())
+        return max(0, min(wanted, cap))
+
+    def keep(self, seq: int, used: int | None = None) -> None:
+        """Drop every sequence of the lane but `seq` (of the first `used` ones, where only those
+        were written)."""
+        if self.whole:
+            self.ctx.seq_keep(seq)
+            return
+        for s in self.seqs[:used] if used is not None else self.seqs:
+            if s != seq:
+                self.ctx.seq_rm(s, -1, -1)
+
+    def clear(self) -> None:
+        """Empty the lane's sequences."""
+        if self.whole:
+            self.ctx.clear()
+            return
+        for s in self.seqs:
+            self.ctx.seq_rm(s, -1, -1)
+
+    def leave(self) -> None:
+        """This lane decodes no more for now (its request ended): the others' passes go on
+        without it. It joins again at its next pass."""
+        if self.gate is not None:
+            self.gate.leave(self)
+
+
+@dataclass(eq=False)
+class _Handed:
+    """A batch handed to the gate, and what came of it."""
+
+    batch: Batch
+    prefill: bool
+    rows: np.ndarray | None = None
+    shared: int = 0
+    error: BaseException | None = None
+    done: bool = False
+
+
+class PassGate:
+    """Where the lanes of one target context meet to share its passes (see the module doc)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self._batch = Batch(ctx.n_batch, MAX_SEQ)
+        self._cond = threading.Condition()
+        self._members: set[Lane] = set()
+        self._waiting: dict[Lane, _Handed] = {}
+        self._running = False
+        self._last_prefill = False
+        # Counts for stats and tests: passes run, and of them those that held several requests.
+        self.passes = 0
+        self.shared_passes = 0
+        self.most_shared = 0
+
+    @property
+    def active(self) -> int:
+        """Lanes decoding now."""
+        return len(self._members)
+
+    def share(self) -> int:
+        """Tree nodes one lane may verify per pass when every active lane grows a tree: its share of
+        the batch, less its pending token."""
+        return max(0, self.ctx.n_batch // max(1, len(self._members)) - 1)
+
+    def leave(self, lane: Lane) -> None:
+        with self._cond:
+            self._members.discard(lane)
+            self._cond.notify_all()
+
+    def decode(self, lane: Lane, batch: Batch, prefill: bool) -> tuple[np.ndarray | None, int]:
+        """Hand the lane's batch in and wait for its pass; return its logits rows and how many
+        requests the pass held. A failed pass raises its error in every lane it held."""
+        handed = _Handed(batch, prefill)
+        with self._cond:
+            self._members.add(lane)
+            self._waiting[lane] = handed
+            self._cond.notify_all()
+            while not handed.done:
+                if not self._running and len(self._waiting) >= len(self._members):
+                    self._lead()
+                else:
+                    self._cond.wait()
+        if handed.error is not None:
+            raise handed.error
+        return handed.rows, handed.shared
+
+    # -- the lane whose arrival completed the set runs the pass (holding the condition's lock,
+    # which it lets go while llama.cpp decodes) --
+    def _lead(self) -> None:
+        chosen = self._choose()
+        handed = [self._waiting.pop(lane) for lane in chosen]
+        self._running = True
+        self._cond.release()
+        try:
+            self._run(handed)
+        except BaseException as e:  # every request in the pass gets the error
+            for h in handed:
+                h.error = e
+        finally:
+            self._cond.acquire()
+            self._running = False
+            for h in handed:
+                h.done = True
+            self._cond.notify_all()
+
+    def _choose(self) -> list[Lane]:
+        """The lanes of the next pass: the steps that fit one batch, oldest first; every other
+        pass while a prompt's chunk waits, that chunk alone."""
+        steps = [lane for lane, h in self._waiting.items() if not h.prefill]
+        chunks = [lane for lane, h in self._waiting.items() if h.prefill]
+        if chunks and (not steps or not self._last_prefill):
+            self._last_prefill = True
+            # The shortest prompt first: a short request is not kept behind a long one's chunks.
+            return [min(chunks, key=lambda lane: self._waiting[lane].batch.n_tokens)]
+        self._last_prefill = False
+        chosen, room = [], self.ctx.n_batch
+        for lane in steps:
+            n = self._waiting[lane].batch.n_tokens
+            if n <= room or not chosen:
+                chosen.append(lane)
+                room -= n
+        return chosen
+
+    def _run(self, handed: list[_Handed]) -> None:
+        self.passes += 1
+        self.most_shared = max(self.most_shared, len(handed))
+        if len(handed) == 1:
+            h = handed[0]
+            self.ctx.decode(h.batch)
+            h.shared = 1
+            h.rows = self.ctx.logits() if h.batch.want_logits[: h.batch.n_tokens].any() else None
+            return
+        self.shared_passes += 1
+        big, n = self._batch, 0
+        for h in handed:
+            b, k = h.batch, h.batch.n_tokens
+            big.tokens[n: n + k] = b.tokens[:k]
+            big.positions[n: n + k] = b.positions[:k]
+            big.n_seq[n: n + k] = b.n_seq[:k]
+            big.seq_ids[n: n + k, : b.n_seq_max] = b.seq_ids[:k]
+            big.want_logits[n: n + k] = b.want_logits[:k]
+            n += k
+        big.n_tokens = n
+        self.ctx.decode(big)
+        logits = self.ctx.logits() if big.want_logits[:n].any() else None
+        row = 0
+        for h in handed:
+            wanted = int(h.batch.want_logits[: h.batch.n_tokens].sum())
+            h.rows = logits[row: row + wanted] if wanted else None
+            h.shared = len(handed)
+            row += wanted

@@ -1,0 +1,241 @@
+"""Several requests at once (--parallel): their target passes shared, each answer its own.
+
+A real `specrun serve --parallel 4` on the demo pair (speculative, Qwen 2.5's real template so that
+tools work), driven by the official openai client from several threads; every greedy answer is
+compared with the same request sent alone. Then the engine without a server: a hybrid target
+(random qwen35, chains with rollbacks) decoding two requests in lanes of one context, and the
+memory plan for N requests against what llama.cpp allocates.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from pinned_sources import template
+from test_server import API_KEY, TARGET, ServerProcess
+from test_server_structured import ADD, PERSON, WEATHER
+from tiny_archs import tiny_arch_model
+
+from conftest import MODEL_CACHE
+from specrun import engine
+from specrun.core.sampling import SamplingParams, make_rng
+from specrun.core.tree_shapes import TreeShape
+from specrun.decoding.batching import Lane, PassGate
+from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.runtime.plan import RunOptions
+from specrun.runtime.runtime import Runtime
+
+PARALLEL = 4
+QUESTIONS = ["Name three colours.", "Write a haiku about the sea.", "What is the capital of France?",
+             "Count from 1 to 10."]
+
+
+@pytest.fixture(scope="module")
+def server(offline_models, tmp_path_factory):
+    home = tmp_path_factory.mktemp("serve-parallel")
+    path = home / "qwen.jinja"
+    path.write_text(template("Qwen-Qwen2.5-7B-Instruct"))
+    srv = ServerProcess(home, "--api-key", API_KEY, "--chat-template", str(path), "--parallel", str(PARALLEL))
+    srv.wait_ready()
+    yield srv
+    assert srv.terminate() == 0, srv.stderr
+    assert srv.stdout == ""
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
+
+
+def _ask(client, content: str, **kwargs):
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", 40)
+    return client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": content}], **kwargs)
+
+
+def _alone_then_together(calls: list) -> tuple[list, list]:
+    """Run each call alone, one after the other, then all at once; return both lists of replies."""
+    alone = [call() for call in calls]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        together = list(pool.map(lambda call: call(), calls))
+    return alone, together
+
+
+def _content(reply) -> tuple:
+    message = reply.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+    return message.content, calls, reply.choices[0].finish_reason
+
+
+def test_the_server_says_how_many_requests_it_answers_at_once(server):
+    assert any(f"{PARALLEL} requests at once" in line for line in server.stderr_lines), server.stderr
+
+
+def test_requests_at_once_answer_as_each_alone_and_share_passes(client):
+    calls = [lambda q=q: _ask(client, q) for q in QUESTIONS]
+    alone, together = _alone_then_together(calls)
+    assert [_content(r) for r in together] == [_content(r) for r in alone]
+    timings = [r.model_extra["timings"] for r in together]
+    assert all(t["shared_passes"] == 0 for t in (r.model_extra["timings"] for r in alone))
+    # The answers were decoded together: passes held several requests' tokens.
+    assert sum(t["shared_passes"] for t in timings) > 0, timings
+    assert max(t["most_shared"] for t in timings) >= 2, timings
+
+
+def test_a_batch_mixing_a_schema_a_tool_call_and_chat(client):
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    calls = [
+        lambda: _ask(client, "Invent a person.", response_format=schema, max_tokens=48),
+        lambda: _ask(client, "What is the weather in Paris?", tools=[WEATHER, ADD], tool_choice="required", max_tokens=48),
+        lambda: _ask(client, "Tell me about the moon."),
+    ]
+    alone, together = _alone_then_together(calls)
+    assert [_content(r) for r in together] == [_content(r) for r in alone]
+    person = json.loads(together[0].choices[0].message.content)
+    assert set(person) == {"name", "age"}
+    call = together[1].choices[0].message.tool_calls[0]
+    assert call.function.name in ("get_weather", "add") and json.loads(call.function.arguments)
+
+
+def test_a_short_request_is_not_kept_behind_a_long_prompt(client):
+    # A text no request sent before (nothing of it cached): two prefill chunks of up to 512 tokens.
+    long_text = "Summarise this list of fruit. " + " ".join(f"Fruit {i} is a line of a long list." for i in range(60))
+    first_token: dict[str, float] = {}
+
+    def stream(name: str, content: str, delay: float) -> str:
+        time.sleep(delay)
+        t0 = time.perf_counter()
+        pieces = []
+        for chunk in _ask(client, content, max_tokens=8, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first_token.setdefault(name, time.perf_counter() - t0 + delay)
+                pieces.append(chunk.choices[0].delta.content)
+        return "".join(pieces)
+
+    with ThreadPoolExecutor(2) as pool:
+        long_answer = pool.submit(stream, "long", long_text, 0.0)
+        short_answer = pool.submit(stream, "short", QUESTIONS[2], 0.1)
+        long_answer, short_answer = long_answer.result(), short_answer.result()
+    # The long prompt's chunks were interleaved: the short request's first token came first.
+    assert first_token["short"] < first_token["long"], first_token
+    alone = _ask(client, long_text, max_tokens=8)
+    assert alone.usage.prompt_tokens > 600
+    assert long_answer == alone.choices[0].message.content
+    assert short_answer == _ask(client, QUESTIONS[2], max_tokens=8).choices[0].message.content
+
+
+def test_a_request_cancelled_in_a_batch_leaves_the_others_whole(server, client):
+    alone = [_content(_ask(client, q)) for q in QUESTIONS[:2]]
+    body = {"model": TARGET, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    left: dict = {}
+
+    def leave_after_a_piece() -> None:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
+                        left["id"] = json.loads(line.removeprefix("data: "))["id"]
+                        break
+
+    leaver = threading.Thread(target=leave_after_a_piece)
+    leaver.start()
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda q: _content(_ask(client, q)), QUESTIONS[:2]))
+    leaver.join(120)
+    assert together == alone
+    deadline = time.monotonic() + 60
+    while not any(left["id"] in line for line in server.stderr_lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    logged = next(line for line in server.stderr_lines if left["id"] in line)
+    assert logged.endswith("cancelled"), logged
+    assert _content(_ask(client, QUESTIONS[0])) == alone[0]  # and the server goes on answering
+
+
+def test_the_queue_position_counts_only_what_waits(server):
+    """With free lanes a request does not wait: X-Queue-Position is 0."""
+    body = {"model": TARGET, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+    assert reply.status_code == 200 and reply.headers["X-Queue-Position"] == "0"
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine without a server
+
+
+HYBRID_PROMPT = "The cat sat on the mat. The dog sat on the log. The cat sat on the"
+
+
+def test_a_hybrid_target_decodes_two_requests_in_lanes_as_each_alone(offline_models, load_model):
+    """Random qwen35 (a recurrent state: chains, rolled back where drafts were rejected) drafted by
+    another random qwen35, each request with a draft context of its own: two requests in two lanes
+    of one target context, their passes shared, each answer the one decoded alone."""
+    model = load_model(tiny_arch_model(MODEL_CACHE, "qwen35"))
+    draft = load_model(tiny_arch_model(MODEL_CACHE, "qwen35", seed=2))
+    depth, chains, n = 4, 2, 40
+    shape = TreeShape(chains * depth, depth, chains, chains)
+    prompts = [model.tokenize(HYBRID_PROMPT, add_special=True), model.tokenize(HYBRID_PROMPT + " mat. The", add_special=True)]
+    opened = []
+
+    def decoder(ctx, lane=None):
+        draft_ctx = engine.Context(draft, n_ctx=512, n_batch=64, n_seq_max=shape.budget + 2, threads=1)
+        opened.append(draft_ctx)
+        return SpeculativeDecoder(model, ctx, TreeGrower(draft, draft_ctx, shape), shape, lane=lane)
+
+    def tokens(dec, prompt):
+        return [t for step in dec.steps(prompt, SamplingParams(), n, make_rng(0)) for t in step.tokens]
+
+    alone_ctx = engine.Context(model, n_ctx=512, n_batch=64, n_seq_max=chains, n_rs_seq=depth, threads=1)
+    shared_ctx = engine.Context(model, n_ctx=1024, n_batch=64, n_seq_max=2 * chains, n_rs_seq=depth, threads=1)
+    try:
+        alone = []
+        for prompt in prompts:
+            dec = decoder(alone_ctx)
+            alone.append(tokens(dec, prompt))
+            alone_ctx.clear()
+        gate = PassGate(shared_ctx)
+        lanes = [Lane(shared_ctx, range(i * chains, (i + 1) * chains), 512, gate) for i in range(2)]
+        decoders = [decoder(shared_ctx, lane) for lane in lanes]
+        results: list = [None, None]
+
+        def run(i: int) -> None:
+            try:
+                results[i] = tokens(decoders[i], prompts[i])
+            finally:
+                lanes[i].leave()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert results == alone
+        assert gate.shared_passes > 0
+        # Drafts were rejected and rolled back in the shared passes too.
+        assert any(step.shared == 2 and step.tree_nodes > step.accepted for dec in decoders for step in dec.stats.steps)
+    finally:
+        for ctx in opened:
+            ctx.close()
+        shared_ctx.close()
+        alone_ctx.close()
+
+
+def test_the_plan_for_n_requests_is_what_llama_cpp_allocates(offline_models):
+    opts = RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", ctx_size=1024, parallel=3, quiet=True)
+    with Runtime(opts) as rt:
+        planned = rt.plan.placement.breakdown
+        assert rt.plan.target_ctx.cells == 3 * 1024 and rt.plan.draft_ctx.copies == 3
+        assert len(rt.decoders) == 3 and len({d.cache.lane.base for d in rt.decoders}) == 3
+        context = sum(p.context for p in planned)
+        everything = sum(p.total for p in planned)
+        assert abs(context - rt.allocation.context) <= 0.05 * rt.allocation.context, (context, rt.allocation)
+        allocated = rt.allocation.total - rt.allocation.repacked
+        assert abs(everything - allocated) <= 0.05 * allocated, (everything, rt.allocation)
