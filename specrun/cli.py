@@ -181,6 +181,7 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and stats.")] = False,
     lines: Annotated[bool, typer.Option("--lines", help="Each input line (stdin or --file) is a prompt of its own; models load once.")] = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="Read JSON requests line by line; write one JSON result per line.")] = False,
+    parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="With --jsonl: decode this many lines together, their target passes shared; results still in input order.")] = 1,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
@@ -211,7 +212,10 @@ def generate(
             raise UsageError("--lines and --jsonl do not go together (--jsonl already reads one request per line)")
         if system is not None and chat is False:
             raise UsageError("--system needs chat mode (drop --raw)")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc)
+        if parallel > 1 and not jsonl:
+            raise UsageError("--parallel needs --jsonl: only JSONL requests are decoded together")
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc,
+                            parallel=parallel)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(

@@ -255,7 +255,7 @@ def _quoted_figures() -> list[tuple[str, str]]:
     from specrun.experiments.workloads import KINDS, ROUNDS
     from specrun.hardware.placement import AUTO_CTX_STEP, MIN_AUTO_CTX
     from specrun.runtime.options import DEFAULT_CTX
-    from specrun.runtime.plan import PROFILE_DRIFT
+    from specrun.runtime.plan import DEFAULT_PARALLEL, PROFILE_DRIFT
     from specrun.runtime.trees import DEFAULT_SHAPE, MAX_CHAIN, MAX_CHAINS, MTP_CHAIN
     from specrun.server.app import MAX_BODY_BYTES
     from specrun.server.connections import MAX_CONNECTIONS, MAX_HEAD_BYTES, MAX_HEADERS
@@ -267,6 +267,7 @@ def _quoted_figures() -> list[tuple[str, str]]:
     return [
         ("docs/serving.md", f"a queue of `--queue-size` requests (default {serve['queue_size']})"),
         ("docs/serving.md", f"within `--read-timeout` seconds ({serve['read_timeout']:g}; 408)"),
+        ("docs/serving.md", f"at the context one request gets, {DEFAULT_PARALLEL} at most"),
         ("docs/serving.md", f"Request bodies are limited to {MAX_BODY_BYTES >> 20} MiB (413)"),
         ("docs/serving.md", f"A request head is limited to {MAX_HEAD_BYTES >> 10} KiB and {MAX_HEADERS} headers (431)"),
         ("docs/serving.md", f"At most {MAX_CONNECTIONS} connections are open at once"),

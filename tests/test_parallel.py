@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from conftest import MODEL_CACHE
 from pinned_sources import template
 from test_server import API_KEY, TARGET, ServerProcess
 from test_server_structured import ADD, PERSON, WEATHER
 from tiny_archs import tiny_arch_model
 
-from conftest import MODEL_CACHE
 from specrun import engine
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.tree_shapes import TreeShape
@@ -79,10 +79,12 @@ def test_the_server_says_how_many_requests_it_answers_at_once(server):
 
 
 def test_requests_at_once_answer_as_each_alone_and_share_passes(client):
-    calls = [lambda q=q: _ask(client, q) for q in QUESTIONS]
+    calls = [lambda q=q: _ask(client, q) for q in QUESTIONS[:3]]
+    # A seeded sampled request: the same draws whatever decodes beside it.
+    calls.append(lambda: _ask(client, QUESTIONS[3], temperature=1.0, seed=7))
     alone, together = _alone_then_together(calls)
     assert [_content(r) for r in together] == [_content(r) for r in alone]
-    timings = [r.model_extra["timings"] for r in together]
+    timings = [r.model_extra["timings"] for r in together[:3]]
     assert all(t["shared_passes"] == 0 for t in (r.model_extra["timings"] for r in alone))
     # The answers were decoded together: passes held several requests' tokens.
     assert sum(t["shared_passes"] for t in timings) > 0, timings
@@ -239,3 +241,28 @@ def test_the_plan_for_n_requests_is_what_llama_cpp_allocates(offline_models):
         assert abs(context - rt.allocation.context) <= 0.05 * rt.allocation.context, (context, rt.allocation)
         allocated = rt.allocation.total - rt.allocation.repacked
         assert abs(everything - allocated) <= 0.05 * allocated, (everything, rt.allocation)
+
+
+def test_generate_jsonl_decodes_lines_together_in_input_order(cli):
+    lines = [json.dumps({"id": f"q{i}", "prompt": q}) for i, q in enumerate(QUESTIONS)]
+    lines.insert(2, "{not json")  # a bad line keeps its place and stops nothing
+    args = ["generate", "--jsonl", "-n", "24", "--ctx-size", "1024"]
+    alone = cli(*args, input="\n".join(lines) + "\n")
+    together = cli(*args, "--parallel", "3", input="\n".join(lines) + "\n")
+    assert alone.exit_code == 0 and together.exit_code == 0, together.output
+    one, many = [json.loads(x) for x in alone.stdout.splitlines()], [json.loads(x) for x in together.stdout.splitlines()]
+    assert [r.get("id") for r in many] == ["q0", "q1", None, "q2", "q3"]
+    assert "error" in many[2] and many[2]["line"] == 3
+    assert [r.get("text") for r in many] == [r.get("text") for r in one]
+    assert [r.get("token_ids") for r in many] == [r.get("token_ids") for r in one]
+    assert sum(step_shared(r) for r in many) > 0  # lines did decode together
+
+
+def step_shared(result: dict) -> int:
+    return result.get("stats", {}).get("shared_passes", 0)
+
+
+def test_generate_refuses_parallel_without_jsonl(cli):
+    result = cli("generate", "--parallel", "2", "hello")
+    assert result.exit_code == 2
+    assert "--parallel needs --jsonl" in result.output

@@ -3,11 +3,15 @@ requests answered line by line (--jsonl). Models load once per command."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import queue
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from specrun import ui
 from specrun.engine import rpc
@@ -110,13 +114,44 @@ def generate_jsonl(opts: RunOptions, base: Request, file: Path | None) -> None:
     """
     with Runtime(opts) as rt:
         announce(rt)
+        if len(rt.decoders) > 1:
+            _jsonl_together(rt, base, file)
+            return
         for line_no, raw in _input_lines(file):
             if not raw.strip():
                 continue
             print(request_json.dumps(_jsonl_result(rt, base, line_no, raw)), flush=True)
 
 
-def _jsonl_result(rt: Runtime, base: Request, line_no: int, raw: bytes) -> dict:
+def _jsonl_together(rt: Runtime, base: Request, file: Path | None) -> None:
+    """--jsonl --parallel N: up to N lines decode at once, each with a decoder of its own (their
+    target passes shared); each result is printed once every line before it was."""
+    idle: queue.Queue = queue.Queue()
+    for decoder in rt.decoders:
+        idle.put(decoder)
+    _ = rt.chat_format  # made once, before the threads share it
+
+    def answer(line_no: int, raw: bytes) -> dict:
+        decoder = idle.get()
+        try:
+            return _jsonl_result(rt, base, line_no, raw, decoder)
+        finally:
+            decoder.cache.lane.leave()  # the others' passes no longer wait for this one
+            idle.put(decoder)
+
+    pending: collections.deque = collections.deque()
+    with ThreadPoolExecutor(len(rt.decoders)) as pool:
+        for line_no, raw in _input_lines(file):
+            if not raw.strip():
+                continue
+            pending.append(pool.submit(answer, line_no, raw))
+            while pending and (pending[0].done() or len(pending) > 2 * len(rt.decoders)):
+                print(request_json.dumps(pending.popleft().result()), flush=True)
+        while pending:
+            print(request_json.dumps(pending.popleft().result()), flush=True)
+
+
+def _jsonl_result(rt: Runtime, base: Request, line_no: int, raw: bytes, decoder=None) -> dict:
     line = ""
     try:
         line = decode_utf8(raw, f"line {line_no}")
@@ -126,10 +161,11 @@ def _jsonl_result(rt: Runtime, base: Request, line_no: int, raw: bytes) -> dict:
     except UsageError as e:
         return _with_id({"error": str(e), "line": line_no}, line)
     try:
-        out = _result_json(run_request(rt, request, prompt), rt)
+        out = _result_json(run_request(rt, request, prompt, decoder=decoder), rt)
     except Exception as e:  # one line's failure must not end the batch
         out = {"error": _failure_text(e), "line": line_no}
-        rt.reset_cache()  # a failure inside a decoder step may leave half a step in the caches
+        # a failure inside a decoder step may leave half a step in the caches
+        (decoder or rt.decoder).reset()
     return _with_id(out, line, req_id)
 
 

@@ -13,12 +13,18 @@ The rules of the gate:
 - A pass runs only when every member is waiting at the gate, so no member is still reading the
   logits of the pass before (the rows it got are views into llama.cpp's buffer, valid until the
   next pass: nothing is copied).
-- Decoding steps (a pending token and its tree) go together, as many as fit one batch; a prompt's
-  chunk (a whole batch on the prefill grid, decoding.kv) runs in a pass of its own, every other
-  pass while steps wait, so a short request's first token waits for one chunk at most and a
-  prompt is evaluated exactly as it is alone.
+- Decoding steps (a pending token and its tree) go together, as many as fit one batch. A solo
+  batch runs in a pass of its own, every other pass while steps wait, the smallest first: a
+  prompt's chunk (a whole batch on the prefill grid, decoding.kv), evaluated exactly as alone, so
+  a short request's first token waits for one chunk at most; and a seeded request's steps, whose
+  draws must not depend on what else runs (llama.cpp's kernels round a token's row differently
+  in batches of other sizes).
 - A member that is not waiting (drafting, or between requests) holds the pass back; one that
   leaves lets it go.
+- A target with a recurrent state splits a batch into ubatches that hold as many tokens of every
+  sequence, and rolls a state back only within the ubatch that made it: there, steps go together
+  only where every sequence of every step holds as many tokens (chains of one length), so the
+  pass stays one ubatch as each step's is alone.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ class Lane:
     passes run (at once, or through a gate with other lanes')."""
 
     def __init__(self, ctx: Context, seqs: range | None = None, n_ctx: int | None = None,
-                 gate: "PassGate | None" = None):
+                 gate: PassGate | None = None):
         self.ctx = ctx
         self.seqs = seqs if seqs is not None else range(ctx.n_seq_max)
         self.n_ctx = n_ctx or ctx.n_ctx
@@ -51,23 +57,25 @@ class Lane:
         """The sequence that holds the lane's committed text (tree colour 0)."""
         return self.seqs.start
 
-    def run(self, batch: Batch, prefill: bool = False) -> np.ndarray | None:
+    def run(self, batch: Batch, solo: bool = False) -> np.ndarray | None:
         """Run the batch (its sequence ids are the lane's) and return its logits rows, a view valid
-        until the lane's next pass (None when the batch asked for none)."""
+        until the lane's next pass (None when the batch asked for none). `solo`: in a pass of its
+        own, computed exactly as when the lane decodes alone."""
         if self.gate is None:
             self.ctx.decode(batch)
             self.shared = 1
             return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
-        rows, self.shared = self.gate.decode(self, batch, prefill)
+        rows, self.shared = self.gate.decode(self, batch, solo)
         return rows
 
-    def budget(self, wanted: int) -> int:
-        """Tree nodes this lane may verify per pass: what it wants, within its sequence ids (one
-        per leaf) and its share of the batch among the lanes decoding now."""
-        cap = len(self.seqs) if len(self.seqs) < MAX_SEQ else wanted
+    def budget(self, wanted: int, leaves: bool = True) -> int:
+        """Tree nodes this lane may verify per pass: what it wants, within its share of the batch
+        among the lanes decoding now, and (`leaves`: a tree, one sequence per leaf) within its
+        sequence ids."""
+        cap = min(wanted, len(self.seqs)) if leaves else wanted
         if self.gate is not None:
             cap = min(cap, self.gate.share())
-        return max(0, min(wanted, cap))
+        return max(0, cap)
 
     def keep(self, seq: int, used: int | None = None) -> None:
         """Drop every sequence of the lane but `seq` (of the first `used` ones, where only those
@@ -99,7 +107,8 @@ class _Handed:
     """A batch handed to the gate, and what came of it."""
 
     batch: Batch
-    prefill: bool
+    solo: bool
+    kind: int = 0  # steps of one kind may share a pass (a recurrent state: tokens per sequence)
     rows: np.ndarray | None = None
     shared: int = 0
     error: BaseException | None = None
@@ -116,7 +125,7 @@ class PassGate:
         self._members: set[Lane] = set()
         self._waiting: dict[Lane, _Handed] = {}
         self._running = False
-        self._last_prefill = False
+        self._last_solo = False
         # Counts for stats and tests: passes run, and of them those that held several requests.
         self.passes = 0
         self.shared_passes = 0
@@ -137,10 +146,10 @@ class PassGate:
             self._members.discard(lane)
             self._cond.notify_all()
 
-    def decode(self, lane: Lane, batch: Batch, prefill: bool) -> tuple[np.ndarray | None, int]:
+    def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int]:
         """Hand the lane's batch in and wait for its pass; return its logits rows and how many
         requests the pass held. A failed pass raises its error in every lane it held."""
-        handed = _Handed(batch, prefill)
+        handed = _Handed(batch, solo, self._kind(batch) if self.ctx.has_state else 0)
         with self._cond:
             self._members.add(lane)
             self._waiting[lane] = handed
@@ -175,21 +184,30 @@ class PassGate:
 
     def _choose(self) -> list[Lane]:
         """The lanes of the next pass: the steps that fit one batch, oldest first; every other
-        pass while a prompt's chunk waits, that chunk alone."""
-        steps = [lane for lane, h in self._waiting.items() if not h.prefill]
-        chunks = [lane for lane, h in self._waiting.items() if h.prefill]
-        if chunks and (not steps or not self._last_prefill):
-            self._last_prefill = True
-            # The shortest prompt first: a short request is not kept behind a long one's chunks.
-            return [min(chunks, key=lambda lane: self._waiting[lane].batch.n_tokens)]
-        self._last_prefill = False
+        pass while a solo batch waits, that batch alone."""
+        steps = [lane for lane, h in self._waiting.items() if not h.solo]
+        solos = [lane for lane, h in self._waiting.items() if h.solo]
+        if solos and (not steps or not self._last_solo):
+            self._last_solo = True
+            # The smallest first: a short prompt is not kept behind a long one's chunks.
+            return [min(solos, key=lambda lane: self._waiting[lane].batch.n_tokens)]
+        self._last_solo = False
+        kind = self._waiting[steps[0]].kind
         chosen, room = [], self.ctx.n_batch
         for lane in steps:
-            n = self._waiting[lane].batch.n_tokens
-            if n <= room or not chosen:
+            handed = self._waiting[lane]
+            if handed.kind != kind or (kind < 0 and chosen):  # (-1: a batch of its own)
+                continue
+            if handed.batch.n_tokens <= room or not chosen:
                 chosen.append(lane)
-                room -= n
+                room -= handed.batch.n_tokens
         return chosen
+
+    @staticmethod
+    def _kind(batch: Batch) -> int:
+        """Tokens per sequence where every sequence of the batch holds as many (-1: they differ)."""
+        _, counts = np.unique(batch.seq_ids[: batch.n_tokens, 0], return_counts=True)
+        return int(counts[0]) if (counts == counts[0]).all() else -1
 
     def _run(self, handed: list[_Handed]) -> None:
         self.passes += 1

@@ -152,7 +152,7 @@ class CachedSequence:
             done += len(chunk)
             last = done == len(tokens)
             self.batch.set_sequence(chunk, start, self.seq, "last" if (want_last_logits and last) else "none")
-            rows = self.lane.run(self.batch, prefill=True)
+            rows = self.lane.run(self.batch, solo=True)
             if rows is not None:
                 self.logits = rows[-1]
             self.tokens.extend(chunk)

@@ -52,7 +52,7 @@ class PlainDecoder:
                     stats.finish_reason = "context"
                     return
                 one.set_arrays([pending], [cache.n_cached], [cache.seq], True)
-                logits = self.lane.run(one)[-1]
+                logits = self.lane.run(one, solo=params.reproducible)[-1]
                 cache.tokens.append(pending)
             t1 = time.perf_counter()
             token = choose_token(logits if rules is None else rules.shape(logits), params, rng)

@@ -121,7 +121,7 @@ class SpeculativeDecoder:
             depth = min(shape.depth, remaining - 1, room - 1)
             if self.chain_only:
                 depth = min(depth, self.ctx.n_rs_seq)
-            budget = self.lane.budget(min(shape.budget, room - 1))
+            budget = self.lane.budget(min(shape.budget, room - 1), leaves=not self.chain_only)
             if self.guard is not None:
                 budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
             if params.reproducible:
@@ -297,7 +297,7 @@ class SpeculativeDecoder:
         cache = self.cache
         self.one.set_arrays([pending], [cache.n_cached], [cache.seq], True)
         t0 = time.perf_counter()
-        row = self.lane.run(self.one)[-1]
+        row = self.lane.run(self.one, solo=params.reproducible)[-1]
         target_s = time.perf_counter() - t0
         cache.tokens.append(pending)
         return _first_step(row, params, rng, rules, target_s=target_s)

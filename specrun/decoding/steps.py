@@ -88,6 +88,8 @@ class GenerationStats:
             "draft_s": round(draft_s, 4),
             "overhead_s": round(overhead_s, 4),
             "mean_tree_nodes": round(float(np.mean([s.tree_nodes for s in self.steps])), 2) if self.steps else 0.0,
+            # passes that also held other requests' tokens (several decoding at once)
+            "shared_passes": sum(1 for s in self.steps if s.shared > 1),
             "finish_reason": self.finish_reason,
         }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -113,7 +114,8 @@ class Model(Owner):
         self.eos = C.llama_vocab_eos(self._vocab)
         self.add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
         self.add_eos = bool(C.llama_vocab_get_add_eos(self._vocab))
-        self._piece_buf = ctypes.create_string_buffer(256)
+        # One piece buffer per thread: requests decoding at once detokenize in threads of their own.
+        self._piece = threading.local()
         self._eog: frozenset[int] | None = None
 
     # -- lifetime --
@@ -225,7 +227,9 @@ class Model(Owner):
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         """Return the bytes a token stands for (special tokens render empty unless special=True)."""
-        buf = self._piece_buf
+        buf = getattr(self._piece, "buf", None)
+        if buf is None:
+            buf = self._piece.buf = ctypes.create_string_buffer(256)
         n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)

@@ -61,12 +61,15 @@ class Request:
         return None
 
 
-def run_request(rt, request: Request, text: str, on_text=None):
-    """Generate for one prompt text; call on_text(chunk) as text streams; return the Result."""
+def run_request(rt, request: Request, text: str, on_text=None, decoder=None):
+    """Generate for one prompt text; call on_text(chunk) as text streams; return the Result.
+    `decoder`: one of the runtime's (several requests decode at once each with its own); by
+    default its first."""
+    decoder = decoder or rt.decoder
     prompt = rt.tokenize_prompt(text, request.chat, request.system, request.parse_special)
     params = request.sampling(request.compile_grammar(rt.target))
-    chunks = stream(rt.decoder, rt.target, prompt, params, request.max_tokens, request.stop)
-    return collect(chunks, rt.decoder, params, on_text)
+    chunks = stream(decoder, rt.target, prompt, params, request.max_tokens, request.stop)
+    return collect(chunks, decoder, params, on_text)
 
 
 def logprob_json(model, logprobs: list[TokenLogprob]) -> list[dict]:

@@ -204,7 +204,7 @@ class Runtime:
             owner.close()
         self._owned.clear()
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import signal
 import socket
+from dataclasses import replace
 
 import uvicorn
 
@@ -55,7 +56,9 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
             server.should_exit = True
 
     if opts.rpc:  # a lost RPC worker ends the process that loaded the target: not this one
-        worker = IsolatedWorker(opts, queue_size, on_ready, on_load_error, chat, settings.verbose)
+        if (opts.parallel or 1) > 1:
+            ui.warn("--rpc: the server answers one request at a time (the target's process relays one job at once)")
+        worker = IsolatedWorker(replace(opts, parallel=1), queue_size, on_ready, on_load_error, chat, settings.verbose)
     else:
         worker = GenerationWorker(opts, queue_size, on_ready, on_load_error, chat)
     config = uvicorn.Config(

@@ -31,8 +31,8 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from specrun import ui
 from specrun.chat import reasoning
@@ -59,7 +59,11 @@ from specrun.server.jobs import (
     shutting_down,
     worker_gone,
 )
-from specrun.server.prompts import ConversationMemory, refuse_what_cannot_fit, token_budget
+from specrun.server.prompts import (
+    ConversationMemory,
+    refuse_what_cannot_fit,
+    token_budget,
+)
 from specrun.server.schemas import APIError
 
 log = logging.getLogger("specrun.server")
@@ -102,7 +106,7 @@ class QueueWorker:
     (`_serve`) and how the models are let go (`_unload`).
     """
 
-    def __init__(self, queue_size: int, on_ready: Callable[["QueueWorker", str], None],
+    def __init__(self, queue_size: int, on_ready: Callable[[QueueWorker, str], None],
                  on_load_error: Callable[[BaseException], None]):
         self.state = "loading"  # loading, ready, failed, stopping
         self.model: ModelInfo | None = None
@@ -304,7 +308,7 @@ class GenerationWorker(QueueWorker):
         with self._lock:
             self._idle.append(decoder)
 
-    def _answer(self, job: Job, lease: "_Lease") -> None:
+    def _answer(self, job: Job, lease: _Lease) -> None:
         rt = self.runtime
         tools = self._tool_format(job.prompt)
         prompt, rendered = self._prompt_tokens(job.prompt)

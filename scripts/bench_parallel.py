@@ -1,0 +1,258 @@
+"""Several clients at once: `specrun serve --parallel` against one request at a time and llama-server.
+
+    python scripts/bench_parallel.py [--clients 1,2,4,8] [--requests 2] [--max-tokens 64] [--ctx-size 2048]
+                                     [--target ...] [--draft ...] [--peer-bin LLAMA_CPP/build/bin]
+                                     [--servers specrun-1,specrun-N,peer-draft,peer-ngram] [--rounds 1] [--json]
+
+Each server is started in turn on the same model files (specrun's --target/--draft, by default the
+demo pair), warmed up, then driven by 1, 2, 4 and 8 clients at once; each client sends --requests
+streamed greedy requests, every prompt a different one, mixed: a chat question, a code edit, and a
+chat question whose answer must follow a JSON schema (response_format). Reported per server and
+client count: the aggregate generated tokens/s, each request's own tokens/s (median), and the time
+to its first token (p50, p95). Answers of specrun with several requests at once are checked
+against the same prompts answered one at a time.
+
+Servers: `specrun-1` is `specrun serve --parallel 1` (one request at a time), `specrun-N` is
+`--parallel N` with N the most clients; `peer-draft` is llama.cpp's `llama-server -np N` with the
+same draft model, `peer-ngram` with its `ngram-mod` drafts (both need --peer-bin, llama.cpp built
+from the pinned sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release
+&& cmake --build build -j2 --target llama-server`). --rounds repeats the whole sweep, servers in
+turn, so slow drifts of the machine show. Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+LISTENING_RE = re.compile(r"listening on (http://\S+)")
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 200},
+                                                  "confident": {"type": "boolean"}},
+                 "required": ["answer", "confident"], "additionalProperties": False}
+
+
+def main() -> None:
+    args = _parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    work = _requests(max(clients) * args.requests)
+    rows = []
+    for round_ in range(args.rounds):
+        for name in args.servers.split(","):
+            server = _start(name, args, max(clients))
+            if server is None:
+                continue
+            try:
+                _drive(server.url, work[:2], 2, args.max_tokens)  # warm-up
+                for n in clients:
+                    t0 = time.perf_counter()
+                    results = _drive(server.url, work[: n * args.requests], n, args.max_tokens)
+                    rows.append(_row(name, n, round_, results, time.perf_counter() - t0))
+                    print(_line(rows[-1]), file=sys.stderr, flush=True)
+            finally:
+                server.stop()
+    _check_same(rows)
+    print(json.dumps(rows, indent=2) if args.json else _table(rows))
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--requests", type=int, default=2, help="requests each client sends, one after the other")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ctx-size", type=int, default=2048, help="tokens one request may hold")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--target", default="smollm2-135m-f32")
+    parser.add_argument("--draft", default="smollm2-135m-q4")
+    parser.add_argument("--peer-bin", type=Path, help="llama.cpp's build/bin, with llama-server")
+    parser.add_argument("--servers", default="specrun-1,specrun-N,peer-draft,peer-ngram")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    return parser.parse_args()
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests: every prompt a different one, three kinds mixed
+
+
+def _requests(n: int) -> list[dict]:
+    from specrun.experiments.workloads import WORKLOADS
+
+    chat, code = WORKLOADS["chat"], WORKLOADS["code"]
+    out = []
+    for i in range(n):
+        kind = ("chat", "code", "json")[i % 3]
+        if kind == "code":
+            body = {"messages": [{"role": "user", "content": code[i % len(code)]}]}
+        else:
+            body = {"messages": [{"role": "user", "content": chat[(i + 11) % len(chat) if kind == "json" else i % len(chat)]}]}
+        if kind == "json":
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+        out.append({"kind": kind, "body": body})
+    return out
+
+
+def _stream(http: httpx.Client, request: dict, max_tokens: int) -> dict:
+    body = {**request["body"], "model": "m", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, parts, usage = None, [], {}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", ()):
+                text = choice.get("delta", {}).get("content")
+                if text:
+                    first = first or time.perf_counter()
+                    parts.append(text)
+    last = time.perf_counter()
+    tokens = usage.get("completion_tokens", 0)
+    return {"kind": request["kind"], "ttft": (first or last) - t0, "seconds": last - t0, "tokens": tokens,
+            "text": "".join(parts)}
+
+
+def _drive(url: str, work: list[dict], clients: int, max_tokens: int) -> list[dict]:
+    """`clients` clients at once, each sending its share of `work` one request after the other."""
+    def client(c: int) -> list[dict]:
+        with httpx.Client(base_url=url, timeout=900) as http:
+            return [_stream(http, work[i], max_tokens) | {"index": i} for i in range(c, len(work), clients)]
+
+    with ThreadPoolExecutor(clients) as pool:
+        return [r for rs in pool.map(client, range(clients)) for r in rs]
+
+
+def _percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def _row(name: str, clients: int, round_: int, results: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "server": name, "clients": clients, "round": round_, "requests": len(results),
+        "tokens_per_s": round(tokens / wall, 2),
+        "request_tokens_per_s_p50": round(statistics.median(r["tokens"] / r["seconds"] for r in results), 2),
+        "ttft_p50_s": round(_percentile([r["ttft"] for r in results], 50), 3),
+        "ttft_p95_s": round(_percentile([r["ttft"] for r in results], 95), 3),
+        "texts": {r["index"]: r["text"] for r in results},
+    }
+
+
+def _check_same(rows: list[dict]) -> None:
+    """Mark specrun's rows whose answers differ from one-at-a-time specrun's for the same prompts."""
+    alone = {}
+    for row in rows:
+        if row["server"] == "specrun-1":
+            alone.update(row["texts"])
+    for row in rows:
+        if row["server"].startswith("specrun") and alone:
+            row["same_as_alone"] = all(alone.get(i, text) == text for i, text in row["texts"].items())
+    for row in rows:
+        row.pop("texts")
+
+
+def _line(row: dict) -> str:
+    return (f"{row['server']:<11} {row['clients']} clients: {row['tokens_per_s']:7.1f} tokens/s in all, "
+            f"{row['request_tokens_per_s_p50']:6.1f} per request (p50), first token p50 {row['ttft_p50_s']:.2f} s, "
+            f"p95 {row['ttft_p95_s']:.2f} s")
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| server | clients | tokens/s in all | per request (p50) | first token p50 / p95 s | same as alone |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        same = {True: "yes", False: "NO"}.get(r.get("same_as_alone"), "")
+        lines.append(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']} | {r['request_tokens_per_s_p50']} | "
+                     f"{r['ttft_p50_s']} / {r['ttft_p95_s']} | {same} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers
+
+
+class _Server:
+    def __init__(self, argv: list[str], env: dict | None = None, url: str | None = None):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.url = url or self._listening()
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+        if url is not None:
+            self._healthy()
+
+    def _listening(self) -> str:
+        for line in self.proc.stderr:
+            match = LISTENING_RE.search(line)
+            if match:
+                return match.group(1)
+        raise SystemExit(f"the server exited ({self.proc.wait()}) before listening")
+
+    def _healthy(self) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited ({self.proc.returncode})")
+            time.sleep(0.5)
+        raise SystemExit("llama-server did not become healthy")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def _start(name: str, args, parallel: int) -> _Server | None:
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    if name.startswith("specrun"):
+        n = 1 if name == "specrun-1" else parallel
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                   NO_COLOR="1")
+        argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
+                "--target", args.target, "--draft", args.draft, "--parallel", str(n), *threads]
+        return _Server(argv, env)
+    if args.peer_bin is None:
+        print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
+        return None
+    from specrun.runtime.plan import RunOptions, resolve_models
+
+    files = resolve_models(RunOptions(target=args.target, draft=args.draft, quiet=True))
+    target, draft = files.target_path, files.draft_path
+    port = _free_port()
+    argv = [str(args.peer_bin / "llama-server"), "-m", str(target), "--port", str(port), "-np", str(parallel),
+            "-c", str(args.ctx_size * parallel), "-t", str(args.threads or os.cpu_count()), "--no-webui"]
+    if name == "peer-draft":
+        argv += ["-md", str(draft), "--spec-draft-n-max", "5"]
+    elif name == "peer-ngram":
+        argv += ["--spec-type", "ngram-mod"]
+    return _Server(argv, url=f"http://127.0.0.1:{port}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
