@@ -13,7 +13,7 @@ to its first token (p50, p95). Answers of specrun with several requests at once 
 against the same prompts answered one at a time.
 
 Servers: `specrun-1` is `specrun serve --parallel 1` (one request at a time), `specrun-N` is
-`--parallel N` with N the most clients; `peer-draft` is llama.cpp's `llama-server -np N` with the
+`--parallel N` with N the most clients (either with `-plain`: --no-spec, plain decoding); `peer-draft` is llama.cpp's `llama-server -np N` with the
 same draft model, `peer-ngram` with its `ngram-mod` drafts (both need --peer-bin, llama.cpp built
 from the pinned sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release
 && cmake --build build -j2 --target llama-server`). --rounds repeats the whole sweep, servers in
@@ -157,14 +157,16 @@ def _row(name: str, clients: int, round_: int, results: list[dict], wall: float)
 
 
 def _check_same(rows: list[dict]) -> None:
-    """Mark specrun's rows whose answers differ from one-at-a-time specrun's for the same prompts."""
-    alone = {}
+    """Mark specrun's rows whose answers differ from those specrun gives one at a time (the same
+    decoding: speculative or plain) for the same prompts."""
+    alone: dict[bool, dict] = {True: {}, False: {}}
     for row in rows:
-        if row["server"] == "specrun-1":
-            alone.update(row["texts"])
+        if row["server"].startswith("specrun-1"):
+            alone[row["server"].endswith("-plain")].update(row["texts"])
     for row in rows:
-        if row["server"].startswith("specrun") and alone:
-            row["same_as_alone"] = all(alone.get(i, text) == text for i, text in row["texts"].items())
+        reference = alone[row["server"].endswith("-plain")]
+        if row["server"].startswith("specrun") and reference:
+            row["same_as_alone"] = all(reference.get(i, text) == text for i, text in row["texts"].items())
     for row in rows:
         row.pop("texts")
 
@@ -225,11 +227,13 @@ class _Server:
 def _start(name: str, args, parallel: int) -> _Server | None:
     threads = ["--threads", str(args.threads)] if args.threads else []
     if name.startswith("specrun"):
-        n = 1 if name == "specrun-1" else parallel
+        n = 1 if name.startswith("specrun-1") else parallel
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                    NO_COLOR="1")
         argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
                 "--target", args.target, "--draft", args.draft, "--parallel", str(n), *threads]
+        if name.endswith("-plain"):
+            argv.append("--no-spec")
         return _Server(argv, env)
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)

@@ -53,6 +53,11 @@ class Lane:
         self.shared = 1  # requests whose tokens the last pass held (1: this lane's alone)
 
     @property
+    def sharing(self) -> bool:
+        """Whether other lanes decode now (their passes shared with this one's)."""
+        return self.gate is not None and self.gate.active > 1
+
+    @property
     def base(self) -> int:
         """The sequence that holds the lane's committed text (tree colour 0)."""
         return self.seqs.start

@@ -71,6 +71,16 @@ class SpeculativeDecoder:
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
 
+    def swap_drafting(self, other: SpeculativeDecoder) -> None:
+        """Exchange what drafts (the drafter, its draft context and what it learned, the speed
+        guards) with another idle decoder of the same target context: several requests decoding at
+        once keep their lanes of the target's cache (decoding.batching), while the drafting that
+        served the last request goes to the next, warm, whichever lane that one takes."""
+        for name in ("drafter", "guard", "_guards", "_guard_told"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, theirs)
+            setattr(other, name, mine)
+
     def reset(self) -> None:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
         self.cache.clear()
@@ -128,7 +138,9 @@ class SpeculativeDecoder:
                 budget = 0
             proposal = None
             if depth >= 1 and budget >= 1:
-                proposal = self.drafter.propose(cache.tokens, pending, budget, depth)
+                # Beside other requests (their passes shared), only proposals that cost no model pass.
+                propose = self.drafter.propose_free if self.lane.sharing else self.drafter.propose
+                proposal = propose(cache.tokens, pending, budget, depth)
             # Where a grammar allows one continuation only, that run is a path of the tree: grafted
             # where the drafter's tree leaves it (free drafts), or the whole tree without a drafter's.
             forced = [] if rules is None or not self.forced_drafts else rules.forced(min(remaining - 1, room - 1))

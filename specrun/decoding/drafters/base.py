@@ -58,6 +58,13 @@ class Drafter(ABC):
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         """Take note that the target accepted the path `accepted_nodes` (root first) of `proposal`."""
 
+    def propose_free(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
+        """Return what `propose` would, where it costs no model pass; None (a plain step) where it
+        would. A step whose target pass other requests share (decoding.batching) asks this: one
+        request's draft passes hold up every other's pass (measured on the demo pair, 4 clients
+        at once: draft-model trees 57 tokens/s in all, plain steps 74, one request at a time 87)."""
+        return None
+
     def reset(self) -> None:
         """Forget any cached state (after an error left the caches in an unknown state)."""
 

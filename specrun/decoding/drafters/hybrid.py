@@ -118,6 +118,7 @@ class HybridDrafter(Drafter):
         self.drafted = False  # the last step ran the draft model
         self._deepest = 0  # the depth of the draft model's last tree
         self._lean_steps = 0
+        self._free = False  # this step runs no draft pass (propose_free): it leans on lookup
         self._lean_proposal: Proposal | None = None
         self.idle = IdleSchedule()  # when a leaning step looks at lookup's proposal
         self.answer_len = Average(8)  # tokens of this session's answers
@@ -146,6 +147,14 @@ class HybridDrafter(Drafter):
         if complete:
             self.answer_len.add(len(text) - self._n_prompt)
 
+    def propose_free(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
+        """Lean on lookup this step (the draft model catches up when it drafts again)."""
+        self._free = True
+        try:
+            return self.propose(committed, root, budget, depth)
+        finally:
+            self._free = False
+
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         self.text.read(committed, root, self.with_draft, self.alone, self.alone_on_drafts)
         lookup_budget = min(self.lookup_budget, budget)
@@ -168,7 +177,7 @@ class HybridDrafter(Drafter):
         if proposed:  # the record prices and sizes a lookup step only where lookup proposes one
             alone = self._lean_record(alone)
         self._lean_proposal = None
-        leaning = self._should_lean(alone, proposed, kind[0] == 2, committed, root)
+        leaning = self._free or self._should_lean(alone, proposed, kind[0] == 2, committed, root)
         after_draft, self.drafted = self.drafted, not leaning
         if leaning:
             self._lean_steps += 1

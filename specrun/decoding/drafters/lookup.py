@@ -120,6 +120,9 @@ class LookupDrafter(Drafter):
         """Index a finished generation's text (prompt + answer) and finish watching its proposals."""
         self.text.read(text[:-1], text[-1], self.seen)
 
+    def propose_free(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
+        return self.propose(committed, root, budget, depth)  # lookup runs no model pass
+
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         self.text.read(committed, root, self.seen)
         if not self.adapt:
