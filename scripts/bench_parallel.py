@@ -48,7 +48,9 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "
 def main() -> None:
     args = _parse_args()
     clients = [int(c) for c in args.clients.split(",")]
-    work = _requests(max(clients) * args.requests)
+    # Every request of a sweep a prompt of its own (a repeated prompt is drafted from its earlier
+    # answer): the warm-up's first, then each row's.
+    work = _requests(2 + sum(clients) * args.requests)
     rows = []
     for round_ in range(args.rounds):
         for name in args.servers.split(","):
@@ -57,11 +59,20 @@ def main() -> None:
                 continue
             try:
                 _drive(server.url, work[:2], 2, args.max_tokens)  # warm-up
+                start = 2
                 for n in clients:
                     t0 = time.perf_counter()
-                    results = _drive(server.url, work[: n * args.requests], n, args.max_tokens)
+                    results = _drive(server.url, work[start: start + n * args.requests], n, args.max_tokens)
+                    for r in results:
+                        r["index"] += start
+                    start += n * args.requests
                     rows.append(_row(name, n, round_, results, time.perf_counter() - t0))
                     print(_line(rows[-1]), file=sys.stderr, flush=True)
+            except httpx.HTTPError as e:  # a server that fails or dies: said, and the sweep goes on
+                rows.append({"server": name, "clients": n if "n" in locals() else 0, "round": round_,
+                             "failed": f"{type(e).__name__}: {e}; exit code {server.proc.poll()}; "
+                                       + " | ".join(server.last_lines[-3:])})
+                print(f"{name}: {rows[-1]['failed']}", file=sys.stderr, flush=True)
             finally:
                 server.stop()
     _check_same(rows)
@@ -98,7 +109,7 @@ def _requests(n: int) -> list[dict]:
         if kind == "code":
             body = {"messages": [{"role": "user", "content": code[i % len(code)]}]}
         else:
-            body = {"messages": [{"role": "user", "content": chat[(i + 11) % len(chat) if kind == "json" else i % len(chat)]}]}
+            body = {"messages": [{"role": "user", "content": chat[(i + 16) % len(chat) if kind == "json" else i % len(chat)]}]}
         if kind == "json":
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
@@ -133,7 +144,8 @@ def _stream(http: httpx.Client, request: dict, max_tokens: int) -> dict:
 def _drive(url: str, work: list[dict], clients: int, max_tokens: int) -> list[dict]:
     """`clients` clients at once, each sending its share of `work` one request after the other."""
     def client(c: int) -> list[dict]:
-        with httpx.Client(base_url=url, timeout=900) as http:
+        # A connection per request (llama-server closes idle ones, which a reused one meets as an error).
+        with httpx.Client(base_url=url, timeout=900, headers={"Connection": "close"}) as http:
             return [_stream(http, work[i], max_tokens) | {"index": i} for i in range(c, len(work), clients)]
 
     with ThreadPoolExecutor(clients) as pool:
@@ -161,14 +173,14 @@ def _check_same(rows: list[dict]) -> None:
     decoding: speculative or plain) for the same prompts."""
     alone: dict[bool, dict] = {True: {}, False: {}}
     for row in rows:
-        if row["server"].startswith("specrun-1"):
+        if row["server"].startswith("specrun-1") and "texts" in row:
             alone[row["server"].endswith("-plain")].update(row["texts"])
     for row in rows:
         reference = alone[row["server"].endswith("-plain")]
-        if row["server"].startswith("specrun") and reference:
+        if row["server"].startswith("specrun") and reference and "texts" in row:
             row["same_as_alone"] = all(reference.get(i, text) == text for i, text in row["texts"].items())
     for row in rows:
-        row.pop("texts")
+        row.pop("texts", None)
 
 
 def _line(row: dict) -> str:
@@ -181,6 +193,9 @@ def _table(rows: list[dict]) -> str:
     lines = ["| server | clients | tokens/s in all | per request (p50) | first token p50 / p95 s | same as alone |",
              "|---|---|---|---|---|---|"]
     for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['server']} | {r['clients']} | failed: {r['failed'][:120]} | | | |")
+            continue
         same = {True: "yes", False: "NO"}.get(r.get("same_as_alone"), "")
         lines.append(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']} | {r['request_tokens_per_s_p50']} | "
                      f"{r['ttft_p50_s']} / {r['ttft_p95_s']} | {same} |")
@@ -194,10 +209,15 @@ def _table(rows: list[dict]) -> str:
 class _Server:
     def __init__(self, argv: list[str], env: dict | None = None, url: str | None = None):
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.last_lines: list[str] = []
         self.url = url or self._listening()
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+        threading.Thread(target=self._drain, daemon=True).start()
         if url is not None:
             self._healthy()
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.last_lines = [*self.last_lines[-20:], line.rstrip()]
 
     def _listening(self) -> str:
         for line in self.proc.stderr:
@@ -220,8 +240,9 @@ class _Server:
         raise SystemExit("llama-server did not become healthy")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
 
 
 def _start(name: str, args, parallel: int) -> _Server | None:

@@ -266,3 +266,14 @@ def test_generate_refuses_parallel_without_jsonl(cli):
     result = cli("generate", "--parallel", "2", "hello")
     assert result.exit_code == 2
     assert "--parallel needs --jsonl" in result.output
+
+
+def test_plan_parallel_shows_the_cells_and_a_draft_context_each(cli):
+    result = cli("plan", "--parallel", "3", "--ctx-size", "1024", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    target, draft = plan["contexts"]["target"], plan["contexts"]["draft"]
+    assert (target["parallel"], target["cells"], target["n_ctx"]) == (3, 3072, 1024)
+    assert draft["copies"] == 3 and plan["context"]["n_ctx"] == 1024
+    text = cli("plan", "--parallel", "3", "--ctx-size", "1024")
+    assert "3 requests at once: 3072 KV cells (1024 each)" in text.stdout

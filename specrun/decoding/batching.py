@@ -30,6 +30,7 @@ The rules of the gate:
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,7 @@ class Lane:
         # The whole context: whole-cache calls (clear, seq_keep) are cheaper and do the same.
         self.whole = gate is None and len(self.seqs) == ctx.n_seq_max
         self.shared = 1  # requests whose tokens the last pass held (1: this lane's alone)
+        self.pass_s = 0.0  # seconds llama.cpp took over the last pass (not the wait for it)
 
     @property
     def sharing(self) -> bool:
@@ -67,10 +69,11 @@ class Lane:
         until the lane's next pass (None when the batch asked for none). `solo`: in a pass of its
         own, computed exactly as when the lane decodes alone."""
         if self.gate is None:
+            t0 = time.perf_counter()
             self.ctx.decode(batch)
-            self.shared = 1
+            self.pass_s, self.shared = time.perf_counter() - t0, 1
             return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
-        rows, self.shared = self.gate.decode(self, batch, solo)
+        rows, self.shared, self.pass_s = self.gate.decode(self, batch, solo)
         return rows
 
     def budget(self, wanted: int, leaves: bool = True) -> int:
@@ -116,6 +119,7 @@ class _Handed:
     kind: int = 0  # steps of one kind may share a pass (a recurrent state: tokens per sequence)
     rows: np.ndarray | None = None
     shared: int = 0
+    seconds: float = 0.0
     error: BaseException | None = None
     done: bool = False
 
@@ -151,9 +155,10 @@ class PassGate:
             self._members.discard(lane)
             self._cond.notify_all()
 
-    def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int]:
-        """Hand the lane's batch in and wait for its pass; return its logits rows and how many
-        requests the pass held. A failed pass raises its error in every lane it held."""
+    def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int, float]:
+        """Hand the lane's batch in and wait for its pass; return its logits rows, how many
+        requests the pass held and the seconds it took. A failed pass raises its error in every
+        lane it held."""
         handed = _Handed(batch, solo, self._kind(batch) if self.ctx.has_state else 0)
         with self._cond:
             self._members.add(lane)
@@ -166,7 +171,7 @@ class PassGate:
                     self._cond.wait()
         if handed.error is not None:
             raise handed.error
-        return handed.rows, handed.shared
+        return handed.rows, handed.shared, handed.seconds
 
     # -- the lane whose arrival completed the set runs the pass (holding the condition's lock,
     # which it lets go while llama.cpp decodes) --
@@ -219,8 +224,9 @@ class PassGate:
         self.most_shared = max(self.most_shared, len(handed))
         if len(handed) == 1:
             h = handed[0]
+            t0 = time.perf_counter()
             self.ctx.decode(h.batch)
-            h.shared = 1
+            h.seconds, h.shared = time.perf_counter() - t0, 1
             h.rows = self.ctx.logits() if h.batch.want_logits[: h.batch.n_tokens].any() else None
             return
         self.shared_passes += 1
@@ -234,11 +240,13 @@ class PassGate:
             big.want_logits[n: n + k] = b.want_logits[:k]
             n += k
         big.n_tokens = n
+        t0 = time.perf_counter()
         self.ctx.decode(big)
+        seconds = time.perf_counter() - t0
         logits = self.ctx.logits() if big.want_logits[:n].any() else None
         row = 0
         for h in handed:
             wanted = int(h.batch.want_logits[: h.batch.n_tokens].sum())
             h.rows = logits[row: row + wanted] if wanted else None
-            h.shared = len(handed)
+            h.shared, h.seconds = len(handed), seconds
             row += wanted
