@@ -6,9 +6,6 @@ starts instantly.
 
 from __future__ import annotations
 
-import io
-import os
-import sys
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -214,8 +211,7 @@ def generate(
             raise UsageError("--system needs chat mode (drop --raw)")
         if parallel > 1 and not jsonl:
             raise UsageError("--parallel needs --jsonl: only JSONL requests are decoded together")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc,
-                            parallel=parallel)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
@@ -338,8 +334,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc,
-                            parallel=parallel)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose,
@@ -486,8 +481,7 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc,
-                            parallel=parallel)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel)
         plan_command.plan(opts, as_json, gpu, ram_free)
 
 
@@ -583,7 +577,7 @@ def _user_errors():
         ui.dim("interrupted")
         raise typer.Exit(130) from None
     except BrokenPipeError:
-        _silence_stdout()
+        ui.silence_stdout()
         raise typer.Exit(0) from None
     except Exception as e:
         if _verbose:
@@ -592,15 +586,6 @@ def _user_errors():
         else:
             ui.error(f"unexpected {type(e).__name__}: {e} (a bug in specrun; --verbose shows the traceback)")
         raise typer.Exit(1) from None
-
-
-def _silence_stdout() -> None:
-    """The reader went away (`| head`): point stdout at /dev/null so the final flush cannot fail."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
-        pass
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ falls back to plain text when stderr is not a terminal or NO_COLOR is set.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -235,3 +236,12 @@ class LineReader:
             self._readline.write_history_file(str(self.history_file))
         except OSError:
             pass
+
+
+def silence_stdout() -> None:
+    """The reader went away (`| head`): point stdout at /dev/null so the final flush cannot fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
