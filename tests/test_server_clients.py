@@ -24,7 +24,8 @@ SECRET = "zebra-7731"  # prompt text that must not reach the log of a refused re
 
 @pytest.fixture(scope="module")
 def server(offline_models, tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY, ctx=None) as srv:
+    # One request at a time: the queue test below waits behind an answer (test_parallel.py serves several).
+    with running_server(tmp_path_factory.mktemp("serve-home"), "--api-key", API_KEY, "--parallel", "1", ctx=None) as srv:
         yield srv
 
 

@@ -80,7 +80,7 @@ class Lane:
         """Tree nodes this lane may verify per pass: what it wants, within its share of the batch
         among the lanes decoding now, and (`leaves`: a tree, one sequence per leaf) within its
         sequence ids."""
-        cap = min(wanted, len(self.seqs)) if leaves else wanted
+        cap = min(wanted, len(self.seqs)) if leaves and len(self.seqs) < MAX_SEQ else wanted
         if self.gate is not None:
             cap = min(cap, self.gate.share())
         return max(0, cap)
