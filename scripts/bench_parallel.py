@@ -39,6 +39,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench_server import stream_chat  # noqa: E402  (scripts/, beside this one)
 LISTENING_RE = re.compile(r"listening on (http://\S+)")
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 200},
                                                   "confident": {"type": "boolean"}},
@@ -118,27 +119,8 @@ def _requests(n: int) -> list[dict]:
 
 
 def _stream(http: httpx.Client, request: dict, max_tokens: int) -> dict:
-    body = {**request["body"], "model": "m", "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first, parts, usage = None, [], {}
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", ()):
-                text = choice.get("delta", {}).get("content")
-                if text:
-                    first = first or time.perf_counter()
-                    parts.append(text)
-    last = time.perf_counter()
-    tokens = usage.get("completion_tokens", 0)
-    return {"kind": request["kind"], "ttft": (first or last) - t0, "seconds": last - t0, "tokens": tokens,
-            "text": "".join(parts)}
+    result = stream_chat(http, {**request["body"], "model": "m", "max_tokens": max_tokens, "temperature": 0})
+    return {**result, "kind": request["kind"]}
 
 
 def _drive(url: str, work: list[dict], clients: int, max_tokens: int) -> list[dict]:
@@ -161,7 +143,7 @@ def _row(name: str, clients: int, round_: int, results: list[dict], wall: float)
     return {
         "server": name, "clients": clients, "round": round_, "requests": len(results),
         "tokens_per_s": round(tokens / wall, 2),
-        "request_tokens_per_s_p50": round(statistics.median(r["tokens"] / r["seconds"] for r in results), 2),
+        "request_tokens_per_s_p50": round(statistics.median(r["tokens"] / r["ttlt"] for r in results), 2),
         "ttft_p50_s": round(_percentile([r["ttft"] for r in results], 50), 3),
         "ttft_p95_s": round(_percentile([r["ttft"] for r in results], 95), 3),
         "texts": {r["index"]: r["text"] for r in results},

@@ -126,8 +126,14 @@ def _rss_mb(pid: int) -> float:
 
 def _stream_one(http: httpx.Client, prompt: str, max_tokens: int) -> dict:
     """Send one streamed greedy chat request; return its latencies, tokens and text."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    return stream_chat(http, {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                              "temperature": 0})
+
+
+def stream_chat(http: httpx.Client, body: dict) -> dict:
+    """Send one chat request (`body`), streamed with usage; return the time to its first piece of
+    text and to its last (ttft, ttlt), its generated tokens and its text."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = None
     parts, usage = [], {}
@@ -140,7 +146,7 @@ def _stream_one(http: httpx.Client, prompt: str, max_tokens: int) -> dict:
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", ()):
-                text = choice["delta"].get("content")
+                text = choice.get("delta", {}).get("content")
                 if text:
                     first = first or time.perf_counter()
                     parts.append(text)

@@ -95,6 +95,14 @@ class Lane:
             if s != seq:
                 self.ctx.seq_rm(s, -1, -1)
 
+    def cut(self, n: int) -> None:
+        """Drop positions n.. from every sequence of the lane."""
+        if self.whole:
+            self.ctx.seq_rm(-1, n, -1)
+            return
+        for s in self.seqs:
+            self.ctx.seq_rm(s, n, -1)
+
     def clear(self) -> None:
         """Empty the lane's sequences."""
         if self.whole:
@@ -135,10 +143,7 @@ class PassGate:
         self._waiting: dict[Lane, _Handed] = {}
         self._running = False
         self._last_solo = False
-        # Counts for stats and tests: passes run, and of them those that held several requests.
-        self.passes = 0
-        self.shared_passes = 0
-        self.most_shared = 0
+        self.shared_passes = 0  # passes that held several requests (for tests and stats)
 
     @property
     def active(self) -> int:
@@ -220,8 +225,6 @@ class PassGate:
         return int(counts[0]) if (counts == counts[0]).all() else -1
 
     def _run(self, handed: list[_Handed]) -> None:
-        self.passes += 1
-        self.most_shared = max(self.most_shared, len(handed))
         if len(handed) == 1:
             h = handed[0]
             t0 = time.perf_counter()

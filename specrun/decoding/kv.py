@@ -107,11 +107,7 @@ class CachedSequence:
                 raise EngineError(f"a recurrent state cannot be cut back from {len(self.tokens)} to {n} tokens")
             self.lane.keep(self.seq)  # nothing to drop from the text; stale draft sequences go
             return
-        if self.lane.whole:
-            self.ctx.seq_rm(-1, n, -1)
-        else:
-            for seq in self.lane.seqs:
-                self.ctx.seq_rm(seq, n, -1)
+        self.lane.cut(n)
         del self.tokens[n:]
 
     def roll_back(self, n_keep: int, last_decode: int) -> None:

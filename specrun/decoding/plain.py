@@ -58,7 +58,8 @@ class PlainDecoder:
             token = choose_token(logits if rules is None else rules.shape(logits), params, rng)
             if rules is not None:
                 rules.accept(token)
-            step = Step([token], target_s=min(t1 - t0, self.lane.pass_s) if i else t1 - t0,
+            # llama.cpp's time for the pass, not the wait for other requests' batches
+            step = Step([token], target_s=self.lane.pass_s if i else t1 - t0,
                         total_s=time.perf_counter() - t0, shared=self.lane.shared if i else 1)
             if params.logprobs is not None:
                 step.logprobs = token_logprobs(logits, [token], params.logprobs)
