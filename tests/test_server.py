@@ -374,9 +374,11 @@ def test_client_that_disconnects_frees_the_server(server, client):
 def fast_server(offline_models, tmp_path_factory):
     """A server whose answers come token after token without pause and run to their limit: the tiny
     random-weight model (no end-of-turn in its first thousands of greedy tokens), plain decoding, one
-    thread (hundreds of tokens a second even on a busy machine, where threads wait for each other)."""
+    thread (hundreds of tokens a second even on a busy machine, where threads wait for each other), one
+    request at a time (a request that came second waits for the one before: with lanes it would run
+    beside it and could finish before the first was found abandoned)."""
     with running_server(tmp_path_factory.mktemp("serve-fast"), "--target", "smollm2-tiny-random", "--no-spec",
-                        "--threads", "1", ctx=4096) as srv:
+                        "--threads", "1", "--parallel", "1", ctx=4096) as srv:
         yield srv
 
 
