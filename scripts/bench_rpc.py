@@ -212,35 +212,54 @@ def _tree_choice(profile: dict) -> str:
 
 
 def _llama_runs(llama_bin: Path, pair: tuple[str, str], rpc: str, args, env: dict) -> dict:
-    """tokens/s of llama.cpp on the first prompt of the workload: plain, draft model, n-gram."""
+    """{run: {workload: tokens/s}} of llama.cpp on the same prompts as specrun's bench, through the
+    model's chat template: its server plain, with the draft model and with two n-gram modes, and
+    llama-speculative-simple (draft model) on the prompts the server rendered."""
     from specrun.experiments.workloads import workload_prompts
     from specrun.models import hub, registry
 
     target, draft = (str(hub.ensure_local(registry.resolve(name), progress=False)) for name in pair)
-    prompt = next(iter(workload_prompts(args.workload, None).values()))[0]
-    runs = {"speculative-simple": _speculative_simple(llama_bin, target, draft, rpc, prompt, args)}
-    for name, spec in (("server plain", []), ("server draft", ["-md", draft, "--spec-type", "draft-simple"]),
+    prompts = workload_prompts(args.workload, None)
+    runs: dict[str, dict] = {}
+    rendered: dict[str, list[str]] = {}
+    for name, spec in (("server plain", []), ("server draft", ["-md", draft, "-ngld", "0", "--spec-type", "draft-simple"]),
                        ("server ngram-mod", ["--spec-type", "ngram-mod"]),
                        ("server ngram-simple", ["--spec-type", "ngram-simple"])):
-        runs[name] = _server_speed(llama_bin, target, rpc, spec, prompt, args)
+        runs[name] = _server_speeds(llama_bin, target, rpc, spec, prompts, args, rendered if not spec else None)
+    runs["speculative-simple"] = {
+        workload: _rate([_speculative_simple(llama_bin, target, draft, rpc, text, args) for text in texts])
+        for workload, texts in rendered.items()}
     return runs
 
 
-def _speculative_simple(llama_bin: Path, target: str, draft: str, rpc: str, prompt: str, args) -> float | None:
+def _rate(runs: list[tuple[int, float] | None]) -> float | None:
+    """Tokens/s over all runs of (tokens, seconds); None when any failed."""
+    if not runs or any(run is None for run in runs):
+        return None
+    return sum(n for n, _ in runs) / max(1e-9, sum(s for _, s in runs))
+
+
+def _speculative_simple(llama_bin: Path, target: str, draft: str, rpc: str, prompt: str,
+                        args) -> tuple[int, float] | None:
     cmd = [str(llama_bin / "llama-speculative-simple"), "-m", target, "-md", draft, "--rpc", rpc, "-ngl", "99",
-           "-ngld", "0", "-t", str(args.threads), "-n", str(args.max_tokens), "-p", prompt, "--temp", "0"]
+           "-ngld", "0", "--spec-type", "draft-simple", "-t", str(args.threads), "-n", str(args.max_tokens),
+           "-p", prompt, "--temp", "0"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    match = re.search(r"decoded +\d+ tokens in +[\d.]+ seconds, speed: +([\d.]+) t/s", result.stderr + result.stdout)
-    return float(match.group(1)) if match else None
+    match = re.search(r"decoded +(\d+) tokens in +([\d.]+) seconds", result.stderr + result.stdout)
+    return (int(match.group(1)), float(match.group(2))) if match else None
 
 
-def _server_speed(llama_bin: Path, target: str, rpc: str, spec: list[str], prompt: str, args) -> float | None:
+def _server_speeds(llama_bin: Path, target: str, rpc: str, spec: list[str], prompts: dict[str, list[str]], args,
+                   rendered: dict[str, list[str]] | None) -> dict[str, float | None]:
+    """{workload: tokens/s} of llama-server answering each prompt as a chat (greedy, no prompt
+    cache); `rendered`, when given, receives each prompt as the chat template rendered it."""
     import httpx
 
     port = _free_port()
     cmd = [str(llama_bin / "llama-server"), "-m", target, "--rpc", rpc, "-ngl", "99", "-t", str(args.threads),
-           "--port", str(port), "-c", "4096", *spec]
+           "--port", str(port), "-c", "4096", "-np", "1", *spec]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    speeds: dict[str, float | None] = {}
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -251,15 +270,35 @@ def _server_speed(llama_bin: Path, target: str, rpc: str, spec: list[str], promp
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        body = {"prompt": prompt, "n_predict": args.max_tokens, "temperature": 0, "cache_prompt": False}
-        httpx.post(url + "/completion", json={**body, "n_predict": 8}, timeout=600)  # warm-up
-        answer = httpx.post(url + "/completion", json=body, timeout=600).json()
-        return answer.get("timings", {}).get("predicted_per_second")
+        first = next(iter(prompts.values()))[0]
+        _chat(url, first, 8)  # warm-up
+        for workload, texts in prompts.items():
+            runs = [_chat(url, text, args.max_tokens) for text in texts]
+            speeds[workload] = _rate(runs)
+            if rendered is not None:
+                rendered[workload] = [httpx.post(url + "/apply-template", json={"messages": _messages(text)},
+                                                 timeout=60).json()["prompt"] for text in texts]
     except httpx.HTTPError:
-        return None
+        pass
     finally:
         proc.terminate()
         proc.wait(30)
+    return speeds
+
+
+def _messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _chat(url: str, text: str, max_tokens: int) -> tuple[int, float] | None:
+    """(tokens generated, seconds generating them) of one greedy chat answer, by the server's timings."""
+    import httpx
+
+    body = {"messages": _messages(text), "max_tokens": max_tokens, "temperature": 0, "cache_prompt": False}
+    timings = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).json().get("timings") or {}
+    if not timings.get("predicted_n"):
+        return None
+    return timings["predicted_n"], timings["predicted_ms"] / 1e3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,13 +344,15 @@ def _report_one(result: dict, as_json: bool) -> None:
     head = f"{result['pair']:>5} · {result['workers']} worker(s) · {result['latency_ms']:g} ms one way"
     for workload, row in result["untuned"].items():
         tuned = result.get("tuned", {}).get(workload, {})
+        llama = {name: speeds.get(workload) for name, speeds in result.get("llama.cpp", {}).items()}
         line = (f"{head} · {workload:>8}: plain {row.get('plain', 0):6.2f} tok/s · default {row.get('default', 0):6.2f}"
                 f" ({row.get('default_mode')})")
         if tuned:
             line += f" · tuned {tuned.get('default', 0):6.2f} ({tuned.get('default_mode')}: {tuned.get('tree')})"
+        if llama:
+            line += " · llama.cpp " + ", ".join(f"{name} {'failed' if v is None else f'{v:.2f}'}"
+                                                for name, v in llama.items())
         print(line, file=out, flush=True)
-    for name, speed in result.get("llama.cpp", {}).items():
-        print(f"{head} · llama.cpp {name}: {speed if speed is not None else 'failed'} tok/s", file=out, flush=True)
 
 
 def _parse_args() -> argparse.Namespace:
