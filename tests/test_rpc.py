@@ -213,6 +213,40 @@ def test_greedy_output_over_a_worker_is_local_greedy_output(worker, cli, tmp_pat
     assert any(name.startswith("RPC0[") for name in _model_buffers(stderr)), "no target layer went to the worker"
 
 
+# A pass over the worker, timed as the cost curves time it: `decode` returns once the pass is done
+# and its logits are back (llama_decode alone returns once the pass is sent), so reading them
+# right after costs nothing. Prints the seconds of each, per pass.
+_TIMED_PASSES = """
+import json, sys, time
+import numpy as np
+from specrun.engine import Batch, Context, rpc
+from specrun.engine.model import Model
+rpc.connect([sys.argv[2]])
+model = Model(sys.argv[1], n_gpu_layers=99, across_hosts=True)
+ctx = Context(model, n_ctx=512, n_batch=64, threads=1)
+batch = Batch(64)
+out = []
+for i in range(4):
+    ctx.clear()
+    batch.set_arrays(np.arange(64, dtype=np.int32) + 100 * i, np.arange(64, dtype=np.int32), 0, True)
+    t0 = time.perf_counter(); ctx.decode(batch); t1 = time.perf_counter()
+    ctx.logits().sum(); t2 = time.perf_counter()
+    out.append([t1 - t0, t2 - t1])
+print(json.dumps(out))
+"""
+
+
+def test_a_pass_over_a_worker_is_timed_whole(worker, offline_models, tmp_path):
+    """The pass time that sizes trees covers the worker's compute and the logits' trip back: what
+    is read after `decode` is already here (64 rows of logits: 12 MiB over the network)."""
+    result = subprocess.run([sys.executable, "-c", _TIMED_PASSES, str(offline_models.smollm2_f32), worker.endpoint],
+                            capture_output=True, text=True, env=_env(tmp_path), timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    passes = json.loads(result.stdout)
+    for decode_s, read_s in passes[1:]:  # (the first pass allocates)
+        assert read_s < 0.2 * decode_s, passes
+
+
 # ---------------------------------------------------------------------------------------------
 # A worker lost mid-answer
 

@@ -237,6 +237,13 @@ class Context(Owner):
         batch.struct.n_tokens = n
         with _COMPUTE:
             rc = C.llama_decode(self.ptr, batch.struct)
+            if rc == 0:
+                # llama_decode returns once the pass is queued: on a GPU or an RPC worker it runs,
+                # and its logits come back, after that. Waiting here makes a pass's time the
+                # time of the pass, wherever it runs (the cost curves of trees are built on it:
+                # timed without the wait, a pass over an RPC worker looked free and lookup trees
+                # grew until the rewrites of the demo pair ran at 0.82x plain).
+                C.llama_synchronize(self.ptr)
         if rc != 0:
             if rc == 1:
                 raise ContextFullError(f"the context ({self.n_ctx} tokens) has no room for {n} more tokens")
