@@ -174,3 +174,39 @@ def test_template_helpers_behave_like_hugging_face():
     prompt = render_chat(template, messages, tools=[{"name": "f"}])
     year = datetime.datetime.now().strftime("%Y")
     assert prompt == f'{{"role": "user", "content": "<b>fish & chips</b> ünï"}}|{year}|[{{"name": "f"}}]user'
+
+
+def test_the_server_remembers_the_tokens_of_several_conversations(smollm2_vocab, smollm2_template):
+    """Clients answered side by side (serve --parallel) each continue their own conversation: its
+    next turn reuses the tokens its answer was generated as, even when those are not how the text
+    would be tokenized afresh, until enough other conversations came after it."""
+    from specrun.chat.session import ChatFormat
+    from specrun.server.prompts import ConversationMemory
+
+    fmt = ChatFormat(smollm2_vocab)
+    fmt.template = smollm2_template
+    memory = ConversationMemory(capacity=2)
+    end_of_turn = smollm2_vocab.tokenize("<|im_end|>", add_special=False)
+    spelled = {}  # conversation: (messages so far, tokens of its answer as "generated")
+
+    def first_turn(question: str, answer: str) -> None:
+        messages = [{"role": "user", "content": question}]
+        rendered = fmt.render(messages)
+        prompt = memory.tokens_for(fmt, rendered)
+        # The answer generated one character a token: no fresh tokenization splits it so.
+        generated = [t for ch in answer for t in smollm2_vocab.tokenize(ch, add_special=False, parse_special=False)]
+        assert generated != smollm2_vocab.tokenize(answer, add_special=False, parse_special=False)
+        memory.remember(rendered.text + answer + "<|im_end|>", prompt + generated + end_of_turn)
+        spelled[question] = (messages + [{"role": "assistant", "content": answer}], prompt + generated + end_of_turn)
+
+    def next_turn_reuses(question: str) -> bool:
+        messages, tokens = spelled[question]
+        rendered = fmt.render(messages + [{"role": "user", "content": "And then?"}])
+        return memory.tokens_for(fmt, rendered)[: len(tokens)] == tokens
+
+    first_turn("Capital of France?", "Paris, in France.")
+    first_turn("Capital of Spain?", "Madrid, in Spain.")
+    assert next_turn_reuses("Capital of France?") and next_turn_reuses("Capital of Spain?")
+    first_turn("Capital of Peru?", "Lima, in Peru.")  # the least recently used (France) is forgotten
+    assert next_turn_reuses("Capital of Peru?") and next_turn_reuses("Capital of Spain?")
+    assert not next_turn_reuses("Capital of France?")

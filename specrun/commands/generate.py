@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import queue
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from specrun.errors import SpecrunError, UsageError
 from specrun.inputs import decode_utf8
 from specrun.runtime import request_json
 from specrun.runtime.plan import RunOptions
+from specrun.runtime.pool import DecoderPool, Lease
 from specrun.runtime.request import Request, logprob_json, run_request
 from specrun.runtime.runtime import Runtime
 
@@ -126,32 +126,21 @@ def generate_jsonl(opts: RunOptions, base: Request, file: Path | None) -> None:
 def _jsonl_together(rt: Runtime, base: Request, file: Path | None) -> None:
     """--jsonl --parallel N: up to N lines decode at once, each with a decoder of its own (their
     target passes shared); each result is printed once every line before it was."""
-    idle: queue.Queue = queue.Queue()
-    for decoder in rt.decoders:
-        idle.put(decoder)
+    pool = DecoderPool(rt.decoders)
     _ = rt.chat_format  # made once, before the threads share it
-
-    def answer(line_no: int, raw: bytes) -> dict:
-        decoder = idle.get()
-        try:
-            return _jsonl_result(rt, base, line_no, raw, decoder)
-        finally:
-            decoder.cache.lane.leave()  # the others' passes no longer wait for this one
-            idle.put(decoder)
-
     pending: collections.deque = collections.deque()
-    with ThreadPoolExecutor(len(rt.decoders)) as pool:
+    with ThreadPoolExecutor(len(rt.decoders)) as threads:
         for line_no, raw in _input_lines(file):
             if not raw.strip():
                 continue
-            pending.append(pool.submit(answer, line_no, raw))
+            pending.append(threads.submit(_jsonl_result, rt, base, line_no, raw, pool))
             while pending and (pending[0].done() or len(pending) > 2 * len(rt.decoders)):
                 print(request_json.dumps(pending.popleft().result()), flush=True)
         while pending:
             print(request_json.dumps(pending.popleft().result()), flush=True)
 
 
-def _jsonl_result(rt: Runtime, base: Request, line_no: int, raw: bytes, decoder=None) -> dict:
+def _jsonl_result(rt: Runtime, base: Request, line_no: int, raw: bytes, pool: DecoderPool | None = None) -> dict:
     line = ""
     try:
         line = decode_utf8(raw, f"line {line_no}")
@@ -160,12 +149,16 @@ def _jsonl_result(rt: Runtime, base: Request, line_no: int, raw: bytes, decoder=
         return _with_id({"error": str(e), "line": line_no, "field": e.field}, line)
     except UsageError as e:
         return _with_id({"error": str(e), "line": line_no}, line)
+    lease = Lease(pool) if pool is not None else None
     try:
-        out = _result_json(run_request(rt, request, prompt, decoder=decoder), rt)
+        out = _result_json(run_request(rt, request, prompt, lease=lease), rt)
     except Exception as e:  # one line's failure must not end the batch
         out = {"error": _failure_text(e), "line": line_no}
         # a failure inside a decoder step may leave half a step in the caches
-        (decoder or rt.decoder).reset()
+        (lease.decoder if lease is not None and lease.decoder is not None else rt.decoder).reset()
+    finally:
+        if lease is not None:
+            lease.give_back()
     return _with_id(out, line, req_id)
 
 

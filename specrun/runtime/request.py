@@ -1,4 +1,7 @@
-"""One generation request (sampling settings and limits) and running it on a loaded Runtime."""
+"""One generation request (sampling settings, limits and what the answer must follow) and running
+it on a loaded Runtime. Every front end builds one: `generate` and `chat` from their options, the
+server's OpenAI and Ollama APIs from a request's fields (server/schemas.py, server/ollama.py); its
+sampling settings and its grammar are made here and nowhere else."""
 
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ from specrun.errors import UsageError
 
 @dataclass(frozen=True)
 class Request:
-    """One generation request: sampling settings and limits."""
+    """One generation request: sampling settings, limits, and the JSON schema or grammar its answer
+    follows."""
 
-    max_tokens: int = 256
+    max_tokens: int | None = 256  # None: until the context is full (the server's limit, applied there)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -52,21 +56,26 @@ class Request:
         if self.grammar is not None:
             text_grammar(self.grammar)
 
+    def schema(self) -> dict | None:
+        """Return the JSON schema the answer must satisfy (None: none)."""
+        return None if self.json_schema is None else json.loads(self.json_schema)
+
     def compile_grammar(self, model) -> Grammar | None:
         """Return the request's grammar compiled for `model`'s vocabulary (None: unconstrained)."""
         if self.json_schema is not None:
-            return Grammar.from_schema(model, json.loads(self.json_schema))
+            return Grammar.from_schema(model, self.schema())
         if self.grammar is not None:
             return Grammar.from_text(model, self.grammar)
         return None
 
 
-def run_request(rt, request: Request, text: str, on_text=None, decoder=None):
+def run_request(rt, request: Request, text: str, on_text=None, lease=None):
     """Generate for one prompt text; call on_text(chunk) as text streams; return the Result.
-    `decoder`: one of the runtime's (several requests decode at once each with its own); by
-    default its first."""
-    decoder = decoder or rt.decoder
+    `lease`: where several requests decode at once, each with a decoder of its own, the
+    runtime.pool.Lease that takes this one's once its prompt is known; by default the runtime's
+    first decoder."""
     prompt = rt.tokenize_prompt(text, request.chat, request.system, request.parse_special)
+    decoder = lease.take(prompt) if lease is not None else rt.decoder
     params = request.sampling(request.compile_grammar(rt.target))
     chunks = stream(decoder, rt.target, prompt, params, request.max_tokens, request.stop)
     return collect(chunks, decoder, params, on_text)

@@ -296,9 +296,8 @@ async def _parse(request: Request, model: type[GenerationRequest]) -> Generation
 
 async def _answer(request: Request, worker: QueueWorker, body: GenerationRequest, prompt, envelope: Envelope,
                   constraint: Constraint | None) -> Response:
-    shape = {} if constraint is None else {"json_schema": constraint.schema, "grammar": constraint.grammar,
-                                           "constraint_field": constraint.field}
-    job = Job(envelope.id, prompt, body.sampling(), body.token_limit(), body.stop, asyncio.get_running_loop(), **shape)
+    field = {} if constraint is None else {"constraint_field": constraint.field}
+    job = Job(envelope.id, prompt, body.request(constraint), asyncio.get_running_loop(), **field)
     worker.submit(job)
     events = EventReader(request, job)
     try:
@@ -312,7 +311,7 @@ async def _answer(request: Request, worker: QueueWorker, body: GenerationRequest
         return StreamingResponse(_stream(events, started, envelope, body.include_usage),
                                  media_type="text/event-stream", headers=headers)
     try:
-        answer = await events.rest(logprobs=job.params.logprobs is not None)
+        answer = await events.rest(logprobs=job.request.logprobs is not None)
     except ClientGone:
         return Response(status_code=499)
     finished = answer.finished

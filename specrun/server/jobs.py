@@ -12,8 +12,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specrun.core.sampling import SamplingParams
 from specrun.decoding.steps import GenerationStats
+from specrun.runtime.request import Request
 from specrun.server.schemas import APIError
 
 # A request waiting for its turn (or the worker waiting for one) looks at the stop flag this often.
@@ -84,13 +84,9 @@ class Job:
 
     id: str
     prompt: ChatPrompt | TextPrompt
-    params: SamplingParams
-    max_tokens: int | None
-    stop: tuple[str, ...]
+    request: Request  # sampling, limits (max_tokens None: until the context is full), schema or grammar
     loop: asyncio.AbstractEventLoop
-    json_schema: dict | None = None  # the answer is JSON valid under it (response_format, json_schema)
-    grammar: str | None = None  # or it follows this GBNF (llama.cpp) or Lark grammar
-    constraint_field: str = "response_format"  # the request field that asked for either (named in errors)
+    constraint_field: str = "response_format"  # the request field that asked for a schema or grammar (named in errors)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)

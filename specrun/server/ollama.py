@@ -29,11 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specrun.chat import reasoning
 from specrun.chat.tools import tool_format
-from specrun.core.sampling import SamplingParams
-from specrun.errors import UsageError
+from specrun.runtime.request import Request as RunRequest  # (Request: the HTTP one)
 from specrun.server.jobs import ChatPrompt, ClientGone, EventReader, Finished, Job, Piece, Started, TextPrompt
 from specrun.server.responses import new_id
-from specrun.server.schemas import APIError, Message, ResponseFormat, Tool, parse_body
+from specrun.server.schemas import APIError, Message, ResponseFormat, Tool, checked, parse_body
 from specrun.server.worker import ModelInfo, QueueWorker
 
 # The Ollama API release whose shapes these routes follow; clients compare it to enable features.
@@ -64,14 +63,14 @@ class Options(BaseModel):
             raise ValueError("num_predict must be at least 1, or -1 (until the model stops) or -2 (until the context is full)")
         return n
 
-    def sampling(self) -> SamplingParams:
+    def request(self, schema: dict | None) -> RunRequest:
+        """Return the generation request these options ask for (the answer valid under `schema`),
+        or raise a 400 naming a bad option."""
         values = {name: DEFAULTS[name] if getattr(self, name) is None else getattr(self, name) for name in DEFAULTS}
         # Ollama's seed 0 and -1 mean "random", as no seed does.
         seed = self.seed if self.seed is not None and self.seed > 0 else None
-        try:
-            return SamplingParams(values["temperature"], values["top_k"], values["top_p"], values["min_p"], seed)
-        except UsageError as e:
-            raise APIError(400, str(e), param="options") from None
+        return checked(RunRequest(max_tokens=self.token_limit(), stop=tuple(self.stop or ()), seed=seed,
+                               json_schema=None if schema is None else json.dumps(schema), **values), param="options")
 
     def token_limit(self) -> int | None:
         return None if self.num_predict is None or self.num_predict in UNLIMITED else self.num_predict
@@ -280,8 +279,7 @@ async def _answer(request: Request, worker: QueueWorker, body: _Request, prompt,
                   chat: bool) -> Response:
     t0 = time.perf_counter()
     options = body.options
-    job = Job(new_id("ollama"), prompt, options.sampling(), options.token_limit(), tuple(options.stop or ()),
-              asyncio.get_running_loop(), json_schema=body.json_schema())
+    job = Job(new_id("ollama"), prompt, options.request(body.json_schema()), asyncio.get_running_loop())
     worker.submit(job)
     events = EventReader(request, job)
     try:

@@ -17,9 +17,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from specrun.chat import reasoning
-from specrun.core.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from specrun.core.sampling import MAX_TOP_LOGPROBS
 from specrun.errors import UsageError
 from specrun.inputs import token_id
+from specrun.runtime.request import Request
 
 # What an absent sampling field means. Temperature 1 is the OpenAI API's documented default (the
 # CLI's greedy default would surprise API clients, which send a temperature when they want one).
@@ -239,6 +240,16 @@ class ToolCall(BaseModel):
 Message.model_rebuild()
 
 
+def checked(request: Request, param: str | None = None) -> Request:
+    """Return the request, or raise a 400 naming its bad sampling setting (`param`: the field that
+    holds them all, where the API nests them)."""
+    try:
+        request.sampling()
+    except UsageError as e:
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
+    return request
+
+
 @dataclass(frozen=True)
 class Constraint:
     """What the answer must follow (besides a forced tool call), and the request field that asked."""
@@ -337,18 +348,20 @@ class GenerationRequest(BaseModel):
             raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs", code="invalid_value")
         return self.logprobs
 
-    def sampling(self) -> SamplingParams:
-        """Return the sampling settings (without a grammar), or raise a 400 naming the bad one."""
-        temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+    def request(self, constraint: Constraint | None) -> Request:
+        """Return the generation request these fields ask for (the answer following `constraint`),
+        or raise a 400 naming a bad setting."""
         bias = tuple((token_id(k), float(v)) for k, v in (self.logit_bias or {}).items())
-        try:
-            return SamplingParams(temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p,
-                                  self.min_p or 0.0, self.seed, presence_penalty=self.presence_penalty or 0.0,
-                                  frequency_penalty=self.frequency_penalty or 0.0,
-                                  repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
-                                  logit_bias=bias, logprobs=self.n_logprobs())
-        except UsageError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+        schema = None if constraint is None or constraint.schema is None else json.dumps(constraint.schema)
+        request = Request(
+            max_tokens=self.token_limit(), stop=self.stop,
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p or 0.0,
+            seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty, logit_bias=bias,
+            logprobs=self.n_logprobs(), json_schema=schema, grammar=None if constraint is None else constraint.grammar)
+        return checked(request)
 
     def constraint(self) -> Constraint | None:
         """Return what the answer must follow (None: free text), or raise a 400 when more than one

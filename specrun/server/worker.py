@@ -10,7 +10,9 @@ are answered at once, each in a thread of its own with a decoder of its own: its
 target's context and its own draft context. Their target passes meet in one gate and run as one
 batch (decoding.batching), so four requests cost little more than one; everything else a request
 does (its prompt, grammar, drafting, sampling, streaming) is its own. A job takes the idle decoder
-whose cache holds most of its prompt (a conversation's next turn finds its previous turns).
+whose cache holds most of its prompt (runtime.pool: a conversation's next turn finds its previous
+turns), and the tokens of the latest conversations are remembered, two per lane (server.prompts:
+a next turn tokenizes only its new message).
 
 A job's cancel flag is checked after every decoder step. Closing the text stream between steps
 leaves the KV cache consistent, so the cache is kept and the next request prefills only what it
@@ -32,7 +34,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from specrun import ui
 from specrun.chat import reasoning
@@ -45,6 +47,7 @@ from specrun.engine import rpc
 from specrun.engine.grammar import Grammar
 from specrun.errors import GrammarError, SpecrunError, UsageError
 from specrun.runtime.plan import RunOptions
+from specrun.runtime.pool import DecoderPool, Lease
 from specrun.runtime.request import logprob_json
 from specrun.runtime.runtime import Runtime
 from specrun.server.jobs import (
@@ -239,6 +242,10 @@ class QueueWorker:
                 return
 
 
+# Conversations the server remembers the tokens of, per lane (see GenerationWorker._load).
+MEMORY_PER_LANE = 2
+
+
 class GenerationWorker(QueueWorker):
     """The worker that owns the Runtime in this process."""
 
@@ -248,8 +255,8 @@ class GenerationWorker(QueueWorker):
         self.opts = opts
         self.chat = chat
         self._memory = ConversationMemory()
-        self._lock = threading.Lock()  # the conversation memory and the idle decoders, between jobs' threads
-        self._idle: list = []  # decoders no job is using, the least recently used first
+        self._lock = threading.Lock()  # the conversation memory, between jobs' threads
+        self._pool: DecoderPool | None = None  # the decoders no job is using
 
     def _load(self) -> str:
         rt = Runtime(self.opts)
@@ -261,8 +268,12 @@ class GenerationWorker(QueueWorker):
             rt.close()
             raise
         self.runtime = rt
-        self._idle = list(rt.decoders)
+        self._pool = DecoderPool(rt.decoders)
         self.parallel = len(rt.decoders)
+        # Conversations whose tokens are remembered: more than the lanes, whose caches hold the
+        # latest ones (a client that comes back after others finds its lane taken, but its
+        # tokens as they were generated still match what any lane kept of them).
+        self._memory = ConversationMemory(MEMORY_PER_LANE * self.parallel)
         return describe(rt)
 
     def _unload(self) -> None:
@@ -270,7 +281,7 @@ class GenerationWorker(QueueWorker):
 
     def _serve(self, job: Job) -> None:
         """Answer one job; whatever goes wrong becomes a Failed event, and the worker goes on."""
-        lease = _Lease(self)
+        lease = Lease(self._pool)
         try:
             self._answer(job, lease)
         except APIError as e:
@@ -296,28 +307,7 @@ class GenerationWorker(QueueWorker):
             with self._lock:
                 self._memory.forget()
 
-    def _take_decoder(self, prompt: list[int]):
-        """Return the idle decoder whose cache holds most of the prompt, among equals the one used
-        last, drafting with what served the last request (warm: its lookup index, its
-        measurements, its draft cache). There is always one: no more jobs run than decoders.
-
-        Among equals the last used: one client's requests keep to one lane, as with one lane in
-        all. Text that other lanes keep cached costs every pass attention over its cells (one
-        unified KV cache): one client's requests spread over 4 lanes of the demo pair decoded
-        20% slower (49-52 tokens/s against 62)."""
-        with self._lock:
-            best = max(range(len(self._idle)), key=lambda i: (_shared_prefix(self._idle[i].cache.tokens, prompt), i))
-            decoder, last = self._idle[best], self._idle[-1]
-            if decoder is not last and hasattr(decoder, "swap_drafting"):
-                decoder.swap_drafting(last)
-            return self._idle.pop(best)
-
-    def _give_back_decoder(self, decoder) -> None:
-        decoder.cache.lane.leave()  # the other requests' passes no longer wait for this one
-        with self._lock:
-            self._idle.append(decoder)
-
-    def _answer(self, job: Job, lease: _Lease) -> None:
+    def _answer(self, job: Job, lease: Lease) -> None:
         rt = self.runtime
         tools = self._tool_format(job.prompt)
         prompt, rendered = self._prompt_tokens(job.prompt)
@@ -327,12 +317,13 @@ class GenerationWorker(QueueWorker):
             parser = reasoning.parser_for(rt.chat_format.template, rendered,
                                           job.prompt.reasoning_format or self.chat.reasoning_format)
         param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
-        limit = token_budget(len(prompt), rt.n_ctx, job.max_tokens, param)
+        asked = job.request.max_tokens
+        limit = token_budget(len(prompt), rt.n_ctx, asked, param)
         params, shaped_by = self._params(job, tools)
-        started = Started(len(prompt), decoder.cache.reusable(prompt, params.exact_prefill), limit, job.max_tokens,
+        started = Started(len(prompt), decoder.cache.reusable(prompt, params.exact_prefill), limit, asked,
                           queue_s=job.started_at - job.queued_at)
         if started.capped:
-            ui.dim(f"{job.id}: max_tokens {job.max_tokens} lowered to {limit} to fit the {rt.n_ctx}-token context")
+            ui.dim(f"{job.id}: max_tokens {asked} lowered to {limit} to fit the {rt.n_ctx}-token context")
         job.emit(started)
         try:
             generated, finish = self._decode(job, decoder, prompt, limit, params, parser, hold_text=tools is not None)
@@ -341,9 +332,7 @@ class GenerationWorker(QueueWorker):
             raise APIError(400, str(e), param=shaped_by, code="grammar_failed") from None
         stats, eog = decoder.stats, decoder.eog
         lease.give_back()  # decoding is over: the next request may take this decoder now
-        if job.cancel.is_set():
-            with self._lock:
-                self._memory.forget()
+        if job.cancel.is_set():  # (nothing to remember: the client never saw the whole answer)
             if self._stopping.is_set():
                 job.emit(Failed(shutting_down()))
             else:
@@ -379,8 +368,7 @@ class GenerationWorker(QueueWorker):
         """Return the job's sampling settings with its grammar compiled for the target's vocabulary,
         and the request field that asked for the grammar (named if it fails)."""
         model = self.runtime.target
-        params = job.params
-        for token, _ in params.logit_bias:
+        for token, _ in job.request.logit_bias:
             if token >= model.n_vocab:
                 raise APIError(400, f"logit_bias: token id {token} is not below the vocabulary size {model.n_vocab}",
                                param="logit_bias", code="invalid_value")
@@ -390,7 +378,7 @@ class GenerationWorker(QueueWorker):
             grammar = self._call_grammar(job.prompt, tools) if forced else self._answer_grammar(job, tools)
         except UsageError as e:
             raise APIError(400, str(e), param=field, code="invalid_value") from None
-        return (params if grammar is None else replace(params, grammar=grammar)), field
+        return job.request.sampling(grammar), field
 
     def _call_grammar(self, prompt: ChatPrompt, tools: ToolFormat) -> Grammar:
         """Return the grammar of a forced call (tool_choice required or named). The answer is that
@@ -403,13 +391,12 @@ class GenerationWorker(QueueWorker):
     def _answer_grammar(self, job: Job, tools: ToolFormat | None) -> Grammar | None:
         """Return the grammar the request asks the answer to follow (None: free text); with tools
         the model may call, a call is allowed in place of a response_format answer."""
-        model = self.runtime.target
-        if job.json_schema is not None and tools is not None:
+        request = job.request
+        if request.json_schema is not None and tools is not None:
             functions = [t["function"] for t in job.prompt.tools]
-            return Grammar.from_lark(model, tools.call_or_answer(functions, self._marker, job.json_schema))
-        if job.json_schema is not None:
-            return Grammar.from_schema(model, job.json_schema)
-        return Grammar.from_text(model, job.grammar) if job.grammar is not None else None
+            grammar = tools.call_or_answer(functions, self._marker, request.schema())
+            return Grammar.from_lark(self.runtime.target, grammar)
+        return request.compile_grammar(self.runtime.target)
 
     def _marker(self, text: str) -> str:
         """Return text as a grammar literal: the special token it is, if the vocabulary has one."""
@@ -441,7 +428,7 @@ class GenerationWorker(QueueWorker):
         generated: list[int] = []
         finish = None
         eog = decoder.eog
-        chunks = stream(decoder, rt.target, prompt, params, limit, job.stop)
+        chunks = stream(decoder, rt.target, prompt, params, limit, job.request.stop)
         try:
             for chunk in chunks:
                 generated.extend(chunk.tokens)
@@ -482,32 +469,6 @@ def describe(rt: Runtime) -> str:
         how = "without a draft (plain decoding)"
     at_once = f", {len(rt.decoders)} requests at once" if len(rt.decoders) > 1 else ""
     return f"specrun serve: {rt.models.target_name} {how}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
-
-
-class _Lease:
-    """The decoder one job holds: taken once its prompt is known, given back when it ends."""
-
-    def __init__(self, worker: GenerationWorker):
-        self.worker = worker
-        self.decoder = None
-
-    def take(self, prompt: list[int]):
-        self.decoder = self.worker._take_decoder(prompt)
-        return self.decoder
-
-    def give_back(self) -> None:
-        if self.decoder is not None:
-            self.worker._give_back_decoder(self.decoder)
-            self.decoder = None
-
-
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def loading() -> APIError:
