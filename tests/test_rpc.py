@@ -38,6 +38,8 @@ RUN_TIMEOUT_S = 600
 PROMPT = "Write two sentences about the sea."
 # A raw prompt the demo target continues for a long time (counting), for answers cut mid-way.
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+# A raw prompt whose continuation copies (lookup's trees pay at once, priced by real pass times).
+REPEATING = "red green blue yellow purple orange black white pink brown grey gold silver; " * 6
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -202,7 +204,7 @@ def test_greedy_output_over_a_worker_is_local_greedy_output(worker, cli, tmp_pat
     hybrid = str(tiny_arch_model(MODEL_CACHE, "qwen35"))
     args = {"draft trees with lookup": ["--target", "smollm2-135m-f32", "--draft", "smollm2-135m-q4",
                                         "--budget", "12", "--depth", "4", PROMPT],
-            "lookup": ["--target", "smollm2-135m-q4", "--draft", "lookup", "--raw", COUNTING],
+            "lookup": ["--target", "smollm2-135m-q4", "--draft", "lookup", "--raw", REPEATING],
             # its own draft: every chain is accepted, and rolled back over the network where cut
             "hybrid target": ["--target", hybrid, "--draft", hybrid, "--depth", "4", "--raw", PROMPT]}[how]
     local = cli("generate", "--json", "--ctx-size", "1024", "--max-tokens", "40", *args)
