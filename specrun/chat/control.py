@@ -35,6 +35,12 @@ class Marked:
     text: str
     specials: tuple[tuple[int, int, int], ...] = ()
 
+    def continues(self, prefix: str) -> bool:
+        """Whether the text starts with `prefix` and no control token spans its end (its tokens
+        then start with the prefix's own)."""
+        end = len(prefix)
+        return self.text.startswith(prefix) and not any(s < end < e for s, e, _ in self.specials)
+
 
 class ControlTokens:
     """A vocabulary's control tokens: finding their texts, shielding messages, tokenizing `Marked` text."""

@@ -72,7 +72,7 @@ class ChatFormat:
             # Many templates index messages[0] unguarded; an empty history renders as nothing.
             rendered_history = self.render(history, add_generation_prompt=False).text if history else ""
         start = len(rendered_history)
-        if not full.text.startswith(rendered_history) or any(s < start < e for s, e, _ in full.specials):
+        if not full.continues(rendered_history):
             return full, None
         return full, start
 

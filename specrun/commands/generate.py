@@ -154,8 +154,11 @@ def _jsonl_result(rt: Runtime, base: Request, line_no: int, raw: bytes, pool: De
         out = _result_json(run_request(rt, request, prompt, lease=lease), rt)
     except Exception as e:  # one line's failure must not end the batch
         out = {"error": _failure_text(e), "line": line_no}
-        # a failure inside a decoder step may leave half a step in the caches
-        (lease.decoder if lease is not None and lease.decoder is not None else rt.decoder).reset()
+        # A failure inside a decoder step may leave half a step in its caches (none was taken
+        # when the prompt itself failed: then no decoder is reset, another line may be using it).
+        decoder = rt.decoder if lease is None else lease.decoder
+        if decoder is not None:
+            decoder.reset()
     finally:
         if lease is not None:
             lease.give_back()

@@ -23,10 +23,8 @@ class ConversationMemory:
     def tokens_for(self, fmt, rendered) -> list[int]:
         """Return the tokens of `rendered` (a chat.control.Marked), reusing those of the longest
         remembered chat it continues."""
-        text = rendered.text
         found = [i for i, (known, _) in enumerate(self._chats)
-                 if len(text) > len(known) and text.startswith(known)
-                 and not any(s < len(known) < e for s, e, _ in rendered.specials)]
+                 if len(rendered.text) > len(known) and rendered.continues(known)]
         if not found:
             return fmt.tokenize_start(rendered)
         best = max(found, key=lambda i: len(self._chats[i][0]))
