@@ -124,7 +124,8 @@ def test_head_sizes_and_hybrid_layers_count_as_llama_cpp_counts_them(models):
     """The old arithmetic's misses (issue 33): Gemma's 256-wide heads, Qwen3-MoE's 128-wide heads,
     and hybrids whose recurrent layers keep no KV cache. The plan now carries llama.cpp's figures."""
     for arch in ("gemma3", "qwen3moe", "qwen35", "lfm2"):
-        simulated = engine.Simulation(models[arch]).context(engine.ContextSpec(4096, 512))
+        # A plain run keeps only the window of sliding-window layers (gemma3), as llama.cpp does.
+        simulated = engine.Simulation(models[arch]).context(engine.ContextSpec(4096, 512, swa_full=False))
         plan = build_plan(RunOptions(target=str(models[arch]), ctx_size=4096, no_spec=True, threads=1, quiet=True),
                           devices=[])
         assert plan.placement.breakdown[0].context == simulated.context > 0

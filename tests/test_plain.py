@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specrun import engine
 from specrun.core.sampling import SamplingParams
+from specrun.decoding.kv import CachedSequence
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import generate, token_ids
 
@@ -131,3 +133,74 @@ def test_a_greedy_prompt_is_evaluated_as_in_an_empty_cache(target, plain, text):
         assert _greedy(plain, target, prompt) == want
         # What it cost: the tokens decoded again, fewer than a batch.
         assert plain.stats.n_prefilled == len(prompt) - reused and reused % 512 == 0 and len(prompt) - reused <= 512
+
+
+# About 1,400 tokens of a list (Gemma's tokenizer): past the 1,024 cells Gemma 3 270M's window-sized
+# cache keeps at a batch of 512 (its 512-token window and a batch).
+LIST_TEXT = " ".join(f"Item {i} is a {'red' if i % 3 else 'blue'} box." for i in range(220))
+
+
+def _fresh_logits(model, prompt) -> np.ndarray:
+    """The last token's logits after a prefill into an empty cache that keeps every cell."""
+    ctx = engine.Context(model, n_ctx=2048, n_batch=512)
+    try:
+        cache = CachedSequence(ctx, engine.Batch(512, 1))
+        cache.sync(prompt, include_last=True)
+        return np.array(cache.logits)
+    finally:
+        ctx.close()
+
+
+def test_a_window_sized_cache_is_cut_back_only_where_it_still_holds_the_window(offline_models, load_model):
+    """Issue 33: plain decoding keeps only the window of sliding-window layers, as llama.cpp does.
+    Such a cache reuses the cells its window has passed, so a prompt that shares only an early
+    part of the cached text cannot reuse it: the attention of its next tokens would miss what was
+    overwritten (the logits of Gemma 3 270M then differed by 6.5, another token on top). It starts
+    over; a prompt that parts from the text within the window reuses it."""
+    model = load_model(offline_models.gemma_f32)
+    ctx = engine.Context(model, n_ctx=2048, n_batch=512, swa_full=False)
+    try:
+        assert ctx.window == model.n_swa == 512
+        cache = CachedSequence(ctx, engine.Batch(512, 1))
+        text = model.tokenize(LIST_TEXT)[:1100]
+        other = model.tokenize(" Now the list ends and a story begins.", add_special=False)
+        for keep in (300, 800):
+            cache.clear()
+            cache.sync(text, include_last=True)
+            oldest = ctx.seq_pos_min(cache.seq)
+            assert oldest > 0  # the window's cells were reused: the text's start is gone
+            prompt = text[:keep] + other
+            _, prefilled, _ = cache.sync(prompt, include_last=True)
+            got, want = np.array(cache.logits), _fresh_logits(model, prompt)
+            if keep - model.n_swa < oldest:
+                assert prefilled == len(prompt)  # started over: exactly a fresh prefill
+                assert np.array_equal(got, want)
+            else:
+                assert prefilled == len(prompt) - keep  # the window before the cut is still held
+                assert got.argmax() == want.argmax() and np.abs(got - want).max() < 1.0
+    finally:
+        ctx.close()
+
+
+def test_plain_decoding_plans_and_opens_the_window_only(offline_models, cli):
+    """The plan and the run agree: a plain run of a sliding-window model asks llama.cpp for window-
+    sized caches (a fraction of the KV a tree run holds at the same context), and the greedy answer
+    is the one a cache of every cell gives while the text fits the window's cells."""
+    import json
+
+    def planned(*args):
+        out = cli("plan", "--json", "--target", "gemma3-270m-f32", "--ctx-size", "8192", "--gpu", "Test=80GiB", *args)
+        assert out.exit_code == 0, out.output
+        return json.loads(out.stdout)
+
+    plain, trees = planned("--no-spec"), planned("--draft", "lookup")  # the target's contexts alone
+    assert plain["contexts"]["target"]["swa_full"] is False and trees["contexts"]["target"]["swa_full"] is True
+    kv = {name: plan["memory"]["breakdown"][0]["context"] for name, plan in (("plain", plain), ("trees", trees))}
+    # 18 window layers of 1,024 cells and one global layer of 8,192, against 19 layers of 8,192.
+    assert kv["plain"] < kv["trees"] / 3, kv
+    # The run opens what was planned (a load compares llama.cpp's allocation with the plan and
+    # warns past 5%), and answers as a cache of every cell does on a text that fits the window.
+    run = cli("generate", "--target", "gemma3-270m-f32", "--no-spec", "--ctx-size", "8192", "--max-tokens", "24",
+              "--verbose", input="Name three colours.")
+    assert run.exit_code == 0, run.output
+    assert "memory: llama.cpp allocated" in run.stderr and "the memory plan is off" not in run.stderr

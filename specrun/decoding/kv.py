@@ -83,7 +83,10 @@ class CachedSequence:
         multiple of the batch size, fewer than a batch of tokens to decode again. Where it runs on
         into a previous answer (the next turn of a conversation), that answer's KV came from
         decoding steps, which no prefill computes the same: it is kept (as it is on a recurrent
-        state, which cannot be cut back)."""
+        state, which cannot be cut back).
+
+        A window-sized cache (engine.Context.window) is cut back only where it still holds the
+        window before the cut; elsewhere nothing is reused, as llama.cpp's server does."""
         keep, limit = 0, min(len(self.tokens), len(prompt) - 1)
         while keep < limit and self.tokens[keep] == prompt[keep]:
             keep += 1
@@ -91,7 +94,9 @@ class CachedSequence:
             return keep if keep == len(self.tokens) else 0  # a recurrent state cannot go back to an earlier prefix
         aligned = keep - keep % self.batch.capacity
         if exact and keep <= self.prompt_end and aligned <= self.n_exact:
-            return aligned
+            keep = aligned
+        if keep < len(self.tokens) and not self.ctx.can_cut(self.seq, keep):
+            return 0  # a window-sized cache no longer holds the window before the cut: start over
         return keep
 
     def truncate(self, n: int) -> None:
@@ -122,6 +127,8 @@ class CachedSequence:
             return
         if self.ctx.has_state and (drop >= last_decode or drop > self.ctx.n_rs_seq):
             raise EngineError(f"cannot roll a recurrent state back by {drop} tokens after a decode of {last_decode}")
+        if not self.ctx.can_cut(self.seq, n_keep):
+            raise EngineError(f"a window-sized cache cannot be rolled back by {drop} tokens")
         self.ctx.seq_rm(self.seq, n_keep, -1)
         del self.tokens[n_keep:]
         self._forget_from(n_keep)

@@ -154,7 +154,10 @@ class Context(Owner):
     ):
         """`n_rs_seq`: recurrent-state snapshots kept per sequence, so a model with a recurrent
         state can roll back that many tokens of its last decode (llama.cpp keeps 0 for models that
-        cannot; `self.n_rs_seq` says what it kept)."""
+        cannot; `self.n_rs_seq` says what it kept).
+
+        `swa_full`: sliding-window layers keep every cell, as tree verification needs (see
+        `window`); False keeps only their window and a batch, llama.cpp's own default."""
         if n_seq_max > MAX_SEQ:
             raise EngineError(f"n_seq_max {n_seq_max} exceeds llama.cpp's limit of {MAX_SEQ}")
         self.model = model
@@ -177,7 +180,9 @@ class Context(Owner):
             "on": C.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             "off": C.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[flash_attn]
-        # Sliding-window caches drop old cells; rollback of a rejected tree needs them all.
+        # A window-sized cache reuses the cells its window has passed. Tree colours copy the
+        # committed text into several sequences, and llama.cpp reuses only cells of one sequence:
+        # a tree pass then finds no room once the text outgrew the window. Trees need them all.
         params.swa_full = swa_full
         # A split-per-sequence cache cannot hold tokens shared by several tree colours.
         params.kv_unified = kv_unified
@@ -195,6 +200,8 @@ class Context(Owner):
         # A recurrent state holds only the end of each sequence: it can be dropped whole, rolled
         # back by at most n_rs_seq tokens of the last decode, and never cut anywhere else.
         self.has_state = model.has_state
+        # Positions a sliding-window cache keeps behind its newest (0: it keeps every cell).
+        self.window = 0 if swa_full else max(0, model.n_swa)
         self.n_vocab = model.n_vocab
         self.threads = threads
         self._n_outputs = 0
@@ -300,7 +307,17 @@ class Context(Owner):
         return C.llama_memory_seq_pos_max(self._mem, seq)
 
     def seq_pos_min(self, seq: int = 0) -> int:
+        """Return the smallest cached position of seq (-1 when empty); with a window-sized cache,
+        the oldest position its sliding-window layers still hold."""
         return C.llama_memory_seq_pos_min(self._mem, seq)
+
+    def can_cut(self, seq: int, n: int) -> bool:
+        """Return whether seq can be cut back to its first n positions and decoding go on from
+        there: a window-sized cache must still hold the window before position n (llama.cpp
+        reuses the cells its window has passed; it keeps the positions it holds contiguous)."""
+        if not self.window:
+            return True
+        return self.seq_pos_min(seq) <= max(0, n - self.window)
 
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)

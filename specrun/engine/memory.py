@@ -145,6 +145,7 @@ class ContextSpec:
     n_seq_max: int = 1
     n_rs_seq: int = 0
     mtp: bool = False  # an MTP context on the same model (engine.MtpContext)
+    swa_full: bool = True  # sliding-window layers keep every cell (engine.Context)
 
 
 class Simulation:
@@ -208,7 +209,7 @@ def _open(model: Model, spec: ContextSpec) -> Context:
     if spec.mtp:
         return MtpContext(model, spec.n_ctx, n_batch=spec.n_batch, threads=1)
     return Context(model, n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max, threads=1,
-                   n_rs_seq=spec.n_rs_seq)
+                   n_rs_seq=spec.n_rs_seq, swa_full=spec.swa_full)
 
 
 def _record_key(path: Path, spec: ContextSpec, load: dict) -> dict:

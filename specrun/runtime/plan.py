@@ -76,6 +76,10 @@ class ContextPlan:
     parallel: int = 1
     # Contexts of this size the run opens (the draft's: one per request decoding at once).
     copies: int = 1
+    # Sliding-window layers keep every cell (tree colours share the committed text, and llama.cpp
+    # reuses a cell its window has passed only when one sequence holds it); plain decoding keeps
+    # their window only, as llama.cpp does (Gemma 3 27B at 32k: about 3 GiB of KV in place of 15.5).
+    swa_full: bool = True
 
     @property
     def n_ubatch(self) -> int:
@@ -226,7 +230,8 @@ def _path(path: Path | None) -> str | None:
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
     return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
-            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells, "copies": ctx.copies}
+            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells, "copies": ctx.copies,
+            "swa_full": ctx.swa_full}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +379,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
     tokens, `parallel` of them decoding together (the target's sequences split between them; a
     draft context each)."""
     if tree is None:
-        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel), None
+        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False), None
     if tree.verify in (architectures.CHAINS, architectures.CHAIN):
         # A sequence per chain (MTP drafts one), and snapshots to roll the state back by the
         # rejected drafts.
@@ -435,7 +440,7 @@ class ContextMemory:
 
 
 def _spec(ctx: ContextPlan):
-    return engine.ContextSpec(ctx.cells, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq)
+    return engine.ContextSpec(ctx.cells, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq, swa_full=ctx.swa_full)
 
 
 def _loads_target_alike(plan: Plan, other: Plan) -> bool:
