@@ -182,7 +182,7 @@ class Context(Owner):
         }[flash_attn]
         # A window-sized cache reuses the cells its window has passed. Tree colours copy the
         # committed text into several sequences, and llama.cpp reuses only cells of one sequence:
-        # a tree pass then finds no room once the text outgrew the window. Trees need them all.
+        # a tree pass finds no room once the text filled the cache. Trees need every cell.
         params.swa_full = swa_full
         # A split-per-sequence cache cannot hold tokens shared by several tree colours.
         params.kv_unified = kv_unified
