@@ -218,3 +218,25 @@ def test_a_profile_whose_pass_time_is_nonsense_offers_no_check(offline_models, p
     _store_measured(offline_models, Choice("plain", 0, 0, 0, 0, 90.0, 1.0), pass_s)
     plan = build_plan(OPTS, devices=[])
     assert plan.check is None and plan.drafter == "lookup"
+
+
+def test_a_tied_head_in_ram_is_counted_once(offline_models):
+    """Gemma 3 ties its output head to the token embedding (671 MB in F32 for the 270M). On a GPU
+    llama.cpp keeps a copy of it for the head; in RAM the head reads the embedding's own mapped
+    bytes. The detailed plan (specrun plan, chat's default context) counted the copy in RAM too:
+    2.0 GB of weights planned for the Gemma pair where llama.cpp mapped 1.3, and every chat
+    warned that the memory plan was off."""
+    opts = RunOptions(target="gemma3-270m-f32", draft="gemma3-270m-q4", ctx_size=1024, threads=1, quiet=True)
+    plan = build_plan(opts, devices=[], detailed=True)
+    (ram,) = plan.placement.breakdown
+    with Runtime(plan) as rt:
+        mapped = rt.allocation.weights
+    assert abs(ram.model - mapped) <= 0.03 * mapped, (ram.model, mapped)
+    # On a GPU the head's copy is counted there, beside the layers; the embedding stays in RAM.
+    size = placement.model_size(offline_models.gemma_f32)
+    assert size.tied_bytes > 0 and size.tied_bytes <= size.output_bytes
+    gpu = [DeviceInfo("Big GPU", "assumed", "gpu", "CUDA", 80 * GB, 80 * GB)]
+    on_gpu = build_plan(replace(opts, draft=None, no_spec=True), devices=gpu, detailed=True)
+    device, ram = on_gpu.placement.breakdown
+    assert device.model == sum(size.layer_bytes) + size.output_bytes
+    assert ram.model == size.input_bytes

@@ -56,7 +56,9 @@ class ModelSize:
 
     `layer_bytes[i]` are the weights of repeating layer i (tensors `blk.i.*`); `input_bytes` the
     token embedding (always in RAM); `output_bytes` the output norm and output matrix (the token
-    embedding again when the model ties them: llama.cpp then keeps a copy on the output's device).
+    embedding again when the model ties them: llama.cpp then keeps a copy on the output's device;
+    `tied_bytes` of them, which take no memory of their own where the head stays in RAM: there it
+    reads the embedding's own mapped bytes).
     """
 
     file_bytes: int
@@ -72,6 +74,7 @@ class ModelSize:
     largest_tensor_bytes: int = 0  # largest single weight in a layer; 0 = unknown, estimated
     n_ctx_train: int = 0  # the context the model was trained for; 0 = unknown
     expert_bytes: tuple[int, ...] = ()  # per layer: its routed experts (ffn_*_exps); empty = a dense model
+    tied_bytes: int = 0  # of output_bytes: the token embedding's copy for a tied head
 
     @property
     def n_layer(self) -> int:
@@ -527,7 +530,7 @@ def plan_offload(
     ram = ram.plus(target.input_bytes + sum(target.layer_bytes[:cpu_layers]) + experts_in_ram,
                    cpu_layers * buffers.kv_layer, buffers.compute, buffers.logits)
     if gpu_layers == 0:
-        ram = ram.plus(model=target.output_bytes)
+        ram = ram.plus(model=target.output_bytes - target.tied_bytes)
 
     ram_limit = max(0, ram_free_bytes - margin_bytes)
     for device, used, limit in zip(devices, placement.used, limits):

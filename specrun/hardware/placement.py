@@ -111,8 +111,10 @@ def size_from_tensors(tensors: dict[str, int], file_bytes: int, n_layer: int, **
             output_bytes += size
         else:
             input_bytes += size
+    tied = 0
     if "output.weight" not in tensors:  # tied: llama.cpp keeps a copy of the embedding for the head
-        output_bytes += tensors.get("token_embd.weight", 0)
+        tied = tensors.get("token_embd.weight", 0)
+        output_bytes += tied
     n_head = shape.pop("n_head")
     n_head_kv = shape.pop("n_head_kv")
     head_dim = shape["n_embd"] // max(n_head, 1)
@@ -121,7 +123,7 @@ def size_from_tensors(tensors: dict[str, int], file_bytes: int, n_layer: int, **
     return offload.ModelSize(
         file_bytes=file_bytes, layer_bytes=tuple(layers), input_bytes=input_bytes, output_bytes=output_bytes,
         n_head=n_head, n_embd_k_gqa=n_head_kv * key_length, n_embd_v_gqa=n_head_kv * value_length,
-        largest_tensor_bytes=largest, expert_bytes=tuple(experts) if any(experts) else (), **shape,
+        largest_tensor_bytes=largest, expert_bytes=tuple(experts) if any(experts) else (), tied_bytes=tied, **shape,
     )
 
 
