@@ -56,7 +56,7 @@ def models(offline_models) -> dict[str, Path]:
         # Mistral Small's GGUFs are llama files whose heads (128) are narrower than n_embd / n_head (160)
         "mistral": _scaled_shape("qwen2.5-14b", 96, "llama"),
     }
-    for arch in ("qwen35", "qwen35moe", "lfm2", "gpt-oss", "jamba", "mamba"):
+    for arch in ("qwen35", "qwen35moe", "lfm2", "gpt-oss", "gemma4", "jamba", "nemotron_h", "mamba"):
         found[arch] = tiny_arch_model(MODEL_CACHE, arch)
     found["qwen35-mtp"] = tiny_arch_model(MODEL_CACHE, "qwen35", mtp=True)
     return found
@@ -85,14 +85,15 @@ def _assert_plan_matches(plan, allocated: Allocation) -> None:
 
 @pytest.mark.parametrize("n_ctx", CONTEXTS)
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe",
-                                  "lfm2", "gpt-oss", "jamba", "mamba"])
+                                  "lfm2", "gpt-oss", "gemma4", "jamba", "nemotron_h", "mamba"])
 def test_plain_decoding_plan_is_what_llama_cpp_allocates(models, arch, n_ctx):
     plan, allocated = _planned_and_allocated(
         RunOptions(target=str(models[arch]), ctx_size=n_ctx, no_spec=True, threads=1, quiet=True))
     _assert_plan_matches(plan, allocated)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "qwen3moe", "qwen35", "qwen35moe", "lfm2", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3moe", "qwen35", "qwen35moe", "lfm2", "gpt-oss", "gemma4",
+                                  "nemotron_h"])
 def test_speculative_plan_is_what_llama_cpp_allocates(models, arch):
     """Lookup trees (attention models: 256 sequences) or chains with rollback snapshots (hybrids:
     the recurrent state kept once per chain and snapshot)."""
@@ -100,7 +101,7 @@ def test_speculative_plan_is_what_llama_cpp_allocates(models, arch):
         RunOptions(target=str(models[arch]), draft="lookup", ctx_size=4096, threads=1, quiet=True))
     assert plan.tree is not None
     _assert_plan_matches(plan, allocated)
-    if arch in ("qwen35", "qwen35moe", "lfm2"):
+    if arch in ("qwen35", "qwen35moe", "lfm2", "nemotron_h"):
         assert plan.target_ctx.n_rs_seq > 0 and allocated.state > 0
 
 
@@ -122,8 +123,9 @@ def test_mtp_plan_counts_the_mtp_context(models):
 
 def test_head_sizes_and_hybrid_layers_count_as_llama_cpp_counts_them(models):
     """The old arithmetic's misses (issue 33): Gemma's 256-wide heads, Qwen3-MoE's 128-wide heads,
+    Gemma 4's global heads wider than its window heads and its layers without a cache of their own,
     and hybrids whose recurrent layers keep no KV cache. The plan now carries llama.cpp's figures."""
-    for arch in ("gemma3", "qwen3moe", "qwen35", "lfm2"):
+    for arch in ("gemma3", "qwen3moe", "qwen35", "lfm2", "gemma4", "nemotron_h"):
         # A plain run keeps only the window of sliding-window layers (gemma3), as llama.cpp does.
         simulated = engine.Simulation(models[arch]).context(engine.ContextSpec(4096, 512, swa_full=False))
         plan = build_plan(RunOptions(target=str(models[arch]), ctx_size=4096, no_spec=True, threads=1, quiet=True),
@@ -131,6 +133,10 @@ def test_head_sizes_and_hybrid_layers_count_as_llama_cpp_counts_them(models):
         assert plan.placement.breakdown[0].context == simulated.context > 0
     qwen35 = engine.Simulation(models["qwen35"]).context(engine.ContextSpec(4096, 512))
     assert qwen35.kv_layers < placement.model_size(models["qwen35"]).n_layer  # only its attention layers
+    # Gemma 4's KV-shared layers read earlier layers' caches (3 of its 6 layers keep one);
+    # Nemotron-H's Mamba-2 and MLP-only blocks keep none (1 attention layer of 5)
+    assert engine.Simulation(models["gemma4"]).context(engine.ContextSpec(4096, 512)).kv_layers == 3
+    assert engine.Simulation(models["nemotron_h"]).context(engine.ContextSpec(4096, 512)).kv_layers == 1
 
 
 def test_a_model_not_downloaded_is_planned_from_its_header_alone(offline_models, cli, tmp_path, monkeypatch):

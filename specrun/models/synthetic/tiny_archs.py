@@ -8,8 +8,10 @@ mostly the embedding and output matrices (stored Q8_0, a few MB per 100k tokens 
 
 Architectures: `qwen35` (Gated DeltaNet + attention, can roll back its recurrent state),
 `qwen35moe` (the same with routed + shared experts), `lfm2` (short convolutions + attention, can
-roll back), `gpt-oss` (MoE attention model with sinks and sliding window), `jamba` (Mamba +
-attention, cannot roll back) and `mamba` (pure recurrent).
+roll back), `gpt-oss` (MoE attention model with sinks and sliding window), `gemma4` (window and
+global attention layers of different head sizes, shared KV layers, per-layer embeddings),
+`jamba` (Mamba + attention, cannot roll back), `nemotron_h` (Mamba-2, attention and MLP-only
+blocks, can roll back) and `mamba` (pure recurrent).
 
 Needs the `gguf` package (the `dev` extra).
 """
@@ -29,7 +31,7 @@ from specrun.models.synthetic.gguf_writer import (
 )
 from specrun.models.synthetic.tiny_llama import LOGIT_STD
 
-ARCHITECTURES = ("qwen35", "qwen35moe", "lfm2", "gpt-oss", "jamba", "mamba")
+ARCHITECTURES = ("qwen35", "qwen35moe", "lfm2", "gpt-oss", "gemma4", "jamba", "nemotron_h", "mamba")
 
 CONTEXT_LENGTH = 8192
 RMS_NORM_EPS = 1e-6
@@ -160,10 +162,10 @@ def _attention(lay: _Layout, blk: str, n_q: int, qk_norm: bool) -> None:
         lay.tensor(f"{blk}.attn_k_norm.weight", (HEAD_DIM,), "ones")
 
 
-def _dense_ffn(lay: _Layout, blk: str) -> None:
-    lay.tensor(f"{blk}.ffn_gate.weight", (N_EMBD, N_FF))
-    lay.tensor(f"{blk}.ffn_up.weight", (N_EMBD, N_FF))
-    lay.tensor(f"{blk}.ffn_down.weight", (N_FF, N_EMBD))
+def _dense_ffn(lay: _Layout, blk: str, n_ff: int = N_FF) -> None:
+    lay.tensor(f"{blk}.ffn_gate.weight", (N_EMBD, n_ff))
+    lay.tensor(f"{blk}.ffn_up.weight", (N_EMBD, n_ff))
+    lay.tensor(f"{blk}.ffn_down.weight", (n_ff, N_EMBD))
 
 
 def _experts(lay: _Layout, blk: str, biases: bool) -> None:
@@ -300,6 +302,65 @@ def _gpt_oss(n_vocab: int) -> _Layout:
     return lay
 
 
+def _gemma4(n_vocab: int) -> _Layout:
+    """Gemma 4 as its small (E2B/E4B) files lay it out (src/models/gemma4.cpp): sliding-window
+    layers with narrow heads and global layers with heads twice as wide and fewer KV heads
+    (key_length vs key_length_swa, a per-layer head_count_kv); the last layers keep no KV cache of
+    their own but read an earlier layer's (shared_kv_layers), with MLPs twice as wide; and
+    per-layer token embeddings mixed into every layer's output."""
+    swa = [True, True, False, True, True, False]
+    n_layer, n_shared = len(swa), 3
+    n_kv_layers = n_layer - n_shared
+    # llama.cpp points a shared window layer at layer n_kv_layers - 2 and a shared global layer at
+    # n_kv_layers - 1: the last two layers with a cache must be a window one, then a global one.
+    assert swa[n_kv_layers - 2] and not swa[n_kv_layers - 1]
+    head_swa, head_full = HEAD_DIM, 2 * HEAD_DIM
+    n_per_layer = 16  # n_layer x 16 = 96 values a token: whole Q8_0 blocks of 32
+    lay = _common("gemma4", n_vocab, n_layer)
+    lay.key("feed_forward_length", [N_FF if i < n_kv_layers else 2 * N_FF for i in range(n_layer)])
+    lay.key("attention.head_count", N_HEAD)
+    lay.key("attention.head_count_kv", [N_HEAD_KV if s else 1 for s in swa])
+    lay.key("attention.key_length", head_full)
+    lay.key("attention.value_length", head_full)
+    lay.key("attention.key_length_swa", head_swa)
+    lay.key("attention.value_length_swa", head_swa)
+    lay.key("attention.sliding_window", 128)
+    lay.key("attention.sliding_window_pattern", swa)
+    lay.key("attention.shared_kv_layers", n_shared)
+    lay.key("embedding_length_per_layer_input", n_per_layer)
+    lay.key("rope.dimension_count", head_full)
+    lay.key("rope.dimension_count_swa", head_swa)
+    lay.key("rope.freq_base", 1000000.0)
+    lay.key("rope.freq_base_swa", 10000.0)
+    lay.key("final_logit_softcapping", 30.0)
+    lay.tensor("per_layer_token_embd.weight", (n_per_layer * n_layer, n_vocab), "embd")
+    lay.tensor("per_layer_model_proj.weight", (N_EMBD, n_per_layer * n_layer))
+    lay.tensor("per_layer_proj_norm.weight", (n_per_layer,), "ones")
+    lay.tensor("output_norm.weight", (N_EMBD,), "ones")
+    # the global layers' rope frequency factors, one tensor for all of them (factors of 1: plain rope)
+    lay.tensor("rope_freqs.weight", (head_full // 2,), "ones")
+    for i, window in enumerate(swa):
+        blk, head = f"blk.{i}", head_swa if window else head_full
+        n_kv = (N_HEAD_KV if window else 1) * head
+        lay.tensor(f"{blk}.attn_norm.weight", (N_EMBD,), "ones")
+        lay.tensor(f"{blk}.attn_q.weight", (N_EMBD, N_HEAD * head))
+        lay.tensor(f"{blk}.attn_q_norm.weight", (head,), "ones")
+        if i < n_kv_layers:  # a shared layer has no keys or values of its own
+            lay.tensor(f"{blk}.attn_k.weight", (N_EMBD, n_kv))
+            lay.tensor(f"{blk}.attn_v.weight", (N_EMBD, n_kv))
+            lay.tensor(f"{blk}.attn_k_norm.weight", (head,), "ones")
+        lay.tensor(f"{blk}.attn_output.weight", (N_HEAD * head, N_EMBD))
+        lay.tensor(f"{blk}.post_attention_norm.weight", (N_EMBD,), "ones")
+        lay.tensor(f"{blk}.ffn_norm.weight", (N_EMBD,), "ones")
+        _dense_ffn(lay, blk, N_FF if i < n_kv_layers else 2 * N_FF)
+        lay.tensor(f"{blk}.post_ffw_norm.weight", (N_EMBD,), "ones")
+        lay.tensor(f"{blk}.inp_gate.weight", (N_EMBD, n_per_layer))
+        lay.tensor(f"{blk}.proj.weight", (n_per_layer, N_EMBD))
+        lay.tensor(f"{blk}.post_norm.weight", (N_EMBD,), "ones")
+        lay.tensor(f"{blk}.layer_output_scale.weight", (1,), "ones")
+    return lay
+
+
 def _mamba_layer(lay: _Layout, blk: str, d_inner: int, d_state: int, dt_rank: int, norms: bool) -> None:
     d_conv = 4
     lay.tensor(f"{blk}.ssm_in.weight", (N_EMBD, 2 * d_inner))
@@ -346,6 +407,45 @@ def _jamba(n_vocab: int) -> _Layout:
     return lay
 
 
+def _nemotron_h(n_vocab: int) -> _Layout:
+    """Nemotron-H's three kinds of block (src/models/nemotron-h.cpp): Mamba-2 mixers, attention
+    without an FFN, and MLP-only blocks (squared ReLU, no gate). llama.cpp reads a block's kind
+    from the per-layer arrays: head_count_kv > 0 is attention, feed_forward_length > 0 an MLP,
+    both 0 a Mamba-2 mixer."""
+    kinds = ["mamba", "mlp", "mamba", "attn", "mlp"]
+    lay = _common("nemotron_h", n_vocab, len(kinds))
+    # Mamba-2: time_step_rank is the number of SSM heads (d_inner / heads = 16 wide), B and C in groups
+    d_inner, d_state, n_ssm_head, n_group, d_conv = 2 * N_EMBD, 16, 8, 2, 4
+    d_xbc = d_inner + 2 * n_group * d_state
+    lay.key("feed_forward_length", [N_FF if k == "mlp" else 0 for k in kinds])
+    lay.key("attention.head_count", N_HEAD)
+    lay.key("attention.head_count_kv", [N_HEAD_KV if k == "attn" else 0 for k in kinds])
+    lay.key("attention.key_length", HEAD_DIM)
+    lay.key("attention.value_length", HEAD_DIM)
+    lay.key("attention.layer_norm_epsilon", 1e-5)  # required beside the RMS one
+    _ssm_keys(lay, d_inner, d_state, n_ssm_head)
+    lay.key("ssm.group_count", n_group)
+    lay.tensor("output_norm.weight", (N_EMBD,), "ones")
+    for i, kind in enumerate(kinds):
+        blk = f"blk.{i}"
+        lay.tensor(f"{blk}.attn_norm.weight", (N_EMBD,), "ones")  # every block's one norm
+        if kind == "mamba":  # in_proj yields z, x, B, C and one dt per head
+            lay.tensor(f"{blk}.ssm_in.weight", (N_EMBD, d_inner + d_xbc + n_ssm_head))
+            lay.tensor(f"{blk}.ssm_conv1d.weight", (d_conv, d_xbc))
+            lay.tensor(f"{blk}.ssm_conv1d.bias", (d_xbc,), "zeros")  # the graph adds it unconditionally
+            lay.tensor(f"{blk}.ssm_dt.bias", (n_ssm_head,), "dt_bias")
+            lay.tensor(f"{blk}.ssm_a", (1, n_ssm_head), "decay")
+            lay.tensor(f"{blk}.ssm_d", (1, n_ssm_head), "ones")
+            lay.tensor(f"{blk}.ssm_norm.weight", (d_inner // n_group, n_group), "ones")
+            lay.tensor(f"{blk}.ssm_out.weight", (d_inner, N_EMBD))
+        elif kind == "attn":
+            _attention(lay, blk, N_HEAD * HEAD_DIM, qk_norm=False)
+        else:
+            lay.tensor(f"{blk}.ffn_up.weight", (N_EMBD, N_FF))
+            lay.tensor(f"{blk}.ffn_down.weight", (N_FF, N_EMBD))
+    return lay
+
+
 def _mamba(n_vocab: int) -> _Layout:
     """Two Mamba layers: a pure recurrent model (no attention, no KV cache)."""
     n_layer = 2
@@ -365,6 +465,8 @@ _LAYOUTS = {
     "qwen35moe": lambda n_vocab: _qwen35(n_vocab, moe=True),
     "lfm2": _lfm2,
     "gpt-oss": _gpt_oss,
+    "gemma4": _gemma4,
     "jamba": _jamba,
+    "nemotron_h": _nemotron_h,
     "mamba": _mamba,
 }
