@@ -237,6 +237,7 @@ def exactness(args, made: dict) -> dict:
     from specrun.decoding.stream import token_ids
     from specrun.engine import Batch
     from specrun.runtime.plan import RunOptions
+    from specrun.runtime.drafters import BEST_FIRST
     from specrun.runtime.runtime import Runtime, make_decoder
     from specrun.runtime.trees import TreePlan
 
@@ -246,7 +247,7 @@ def exactness(args, made: dict) -> dict:
         prompts = [rt.tokenize_prompt(p, chat=False) for p in EXACTNESS_PROMPTS]
         plain = [token_ids(make_decoder(None, rt.target, rt.target_ctx), p, SamplingParams(), args.tokens) for p in prompts]
         for budget in EXACTNESS_BUDGETS[::3] if args.fast else EXACTNESS_BUDGETS:
-            tree = TreePlan(TreeShape(budget, min(16, budget), min(8, budget), min(8, budget)), None, "flags")
+            tree = TreePlan(TreeShape(budget, min(16, budget), min(8, budget), min(8, budget)), BEST_FIRST, "flags")
             decoder = make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, guard=False)
             for prompt, expected in zip(prompts, plain):
                 got = token_ids(decoder, prompt, SamplingParams(), args.tokens)

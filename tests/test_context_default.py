@@ -12,7 +12,7 @@ from dataclasses import replace
 from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
 
 from specrun.engine import DeviceInfo
-from specrun.hardware import offload, placement
+from specrun.hardware import placement
 from specrun.runtime.plan import RunOptions, build_plan
 
 GB = 1 << 30

@@ -9,12 +9,14 @@ import pytest
 
 from specrun.core.tree_shapes import TreeShape
 from specrun.experiments.runner import Modes, by_mode, decode_in_turn, merged
+from specrun.runtime import drafters
+from specrun.runtime.drafters import BEST_FIRST
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
 from specrun.runtime.trees import LOOKUP_SHAPE, TreePlan
 
-CHAIN = TreePlan(TreeShape.chain(3), None, "flags")
-LOOKUP = TreePlan(LOOKUP_SHAPE, None, "flags", lookup=LOOKUP_SHAPE, draft_model=False)
+CHAIN = TreePlan(TreeShape.chain(3), BEST_FIRST, "flags")
+LOOKUP = TreePlan(LOOKUP_SHAPE, drafters.LOOKUP, "flags", lookup=LOOKUP_SHAPE)
 TEXTS = ["Name three fruits.", "Repeat after me: the cat sat on the mat.", "Count from one to five."]
 
 

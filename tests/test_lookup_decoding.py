@@ -296,14 +296,14 @@ def test_without_a_profile_the_hybrid_times_both_models_at_load_and_leaves_their
     """A hybrid made without a profile times the draft's passes (catch-up, one-token expansions)
     and the target's (one token, the whole tree): the figures that say whether the draft's tree
     could pay at all. The probe leaves both caches empty: the answer is the target's own."""
-    from specrun.runtime.runtime import make_drafter
+    from specrun.runtime.drafters import BEST_FIRST
     from specrun.runtime.trees import TreePlan
 
     shape = TreeShape(budget=5, depth=5, width=1, top_k=1)
     target_ctx = contexts(target, n_ctx=N_CTX, n_batch=TREE_BATCH)
     draft_ctx = contexts(draft, n_ctx=N_CTX, n_batch=64)
-    plan = TreePlan(shape, None, "default", lookup=lookup_shape(64))
-    drafter = make_drafter(plan, draft, draft_ctx, target_ctx)
+    plan = TreePlan(shape, BEST_FIRST, "default", lookup=lookup_shape(64))
+    drafter = plan.drafting.build(plan, draft, draft_ctx, target_ctx)
     best = drafter.best_case
     assert isinstance(drafter, HybridDrafter) and best is not None and drafter.catch_up_s > 0
     # Six tokens in one target pass cost more than one, and less than six one-token passes.

@@ -114,7 +114,7 @@ def test_draft_model_plan_counts_the_draft_and_its_sequences(offline_models):
 def test_mtp_plan_counts_the_mtp_context(models):
     plan, allocated = _planned_and_allocated(
         RunOptions(target=str(models["qwen35-mtp"]), draft="mtp", ctx_size=4096, threads=1, quiet=True))
-    assert plan.tree is not None and plan.tree.mtp
+    assert plan.tree is not None and plan.tree.drafting.loads_mtp
     _assert_plan_matches(plan, allocated)
     without = build_plan(RunOptions(target=str(models["qwen35-mtp"]), ctx_size=4096, no_spec=True, threads=1,
                                     quiet=True), devices=[])

@@ -159,7 +159,7 @@ def test_mtp_context_refuses_a_model_without_mtp_layers(offline_models, load_mod
 
 def test_plan_picks_mtp_for_a_target_that_carries_it(mtp_path):
     plan = build_plan(RunOptions(target=str(mtp_path), quiet=True), fetch=False)
-    assert plan.drafter == "mtp" and plan.tree.mtp and not plan.draft_loaded
+    assert plan.drafter == "mtp" and plan.tree.drafting.loads_mtp and not plan.draft_loaded
     assert "carries MTP layers" in plan.why
     assert plan.tree.verify == "chain" and plan.tree.shape.depth == 3
     assert plan.target_ctx.n_rs_seq == 3

@@ -35,14 +35,7 @@ def chat(opts: RunOptions, request: Request, max_tokens: int | None, settings: C
         if settings.template is not None:
             rt.chat_format.template = settings.template
         session = ChatSession(rt, system=request.system)
-        if rt.plan.drafter == "lookup":
-            how = f"with lookup drafting (tree budget {rt.shape.budget})"
-        elif rt.speculative:
-            how = f"with draft {rt.models.draft_name} (tree budget {rt.shape.budget})"
-            how += " and lookup" if rt.plan.drafter == "hybrid" else ""
-        else:
-            how = "without a draft (plain decoding)"
-        ui.dim(f"specrun chat: {rt.models.target_name} {how}, {session.n_ctx}-token context")
+        ui.dim(f"specrun chat: {rt.models.target_name} {rt.drafting()}, {session.n_ctx}-token context")
         reader = ui.LineReader(paths.config_dir() / "chat_history")
         if reader.interactive:
             ui.dim("/help for commands, Ctrl-D to leave")

@@ -24,7 +24,7 @@ chat, though 17% faster than it alone).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -98,11 +98,9 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
 
 def _fitted(rt, tree):
     """The tree with its lookup branches cut to what one target batch holds beside the draft tree."""
-    room = rt.target_ctx.n_batch - 1 - (tree.shape.budget if tree.draft_model else 0)
+    room = rt.target_ctx.n_batch - 1 - (tree.shape.budget if tree.drafting.loads_draft_model else 0)
     if tree.lookup is not None and tree.lookup.budget > room:
-        tree = replace(tree, lookup=tree.lookup.resized(room))
-        if not tree.draft_model:
-            tree = replace(tree, shape=tree.lookup)
+        tree = tree.drafting.with_lookup(tree, tree.lookup.resized(room))
     return tree
 
 

@@ -6,6 +6,7 @@ import time
 from typing import Sequence
 
 from specrun.decoding.batching import Lane
+from specrun.engine import Batch
 from specrun.errors import ContextFullError, EngineError, UsageError
 
 
@@ -186,3 +187,13 @@ def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 1, 
 
     timed(1)
     return {n: min(timed(n) for _ in range(repeats)) for n in sorted({max(1, min(n, limit)) for n in sizes})}
+
+
+def probe_context(ctx, sizes: Sequence[int], repeats: int = 1, logits: str = "last") -> dict[int, float] | None:
+    """probe_passes over a whole context, emptied first (a new decoder's cache starts empty; the
+    probe leaves it so); None where the context cannot be probed."""
+    try:
+        ctx.clear()
+        return probe_passes(CachedSequence(ctx, Batch(ctx.n_batch, 1)), sizes, repeats, logits)
+    except EngineError:
+        return None

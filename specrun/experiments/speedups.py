@@ -15,6 +15,7 @@ from pathlib import Path
 from specrun.core.tree_shapes import TreeShape
 from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn, merged
 from specrun.experiments.workloads import load_prompts, workload_prompts
+from specrun.runtime.drafters import BEST_FIRST, LOOKUP
 from specrun.runtime.plan import Plan, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
 from specrun.runtime.trees import DEFAULT_SHAPE, LOOKUP_SHAPE, TreePlan
@@ -76,7 +77,7 @@ def budget_configs(opts: RunOptions, budgets: list[int] | None, width: int | Non
     """Return the (label, tree) rows to measure: the run's own configuration first when no budgets
     are given, then the tuned (or default) tree kind at each budget."""
     run = build_plan(replace(opts, budget=None), fetch=True)
-    run_tree = run.tree or TreePlan(DEFAULT_SHAPE, None, "default")
+    run_tree = run.tree or TreePlan(DEFAULT_SHAPE, BEST_FIRST, "default")
     if opts.lookup_only:
         return [(f"budget {b}", _lookup_plan(replace(LOOKUP_SHAPE, budget=b))) for b in budgets or DEFAULT_BUDGETS]
     configs = []
@@ -86,7 +87,7 @@ def budget_configs(opts: RunOptions, budgets: list[int] | None, width: int | Non
         budgets = list(DEFAULT_BUDGETS)
     for budget in budgets:
         shape = _bench_shape(run_tree.shape, budget, opts.depth, width, children)
-        configs.append((f"budget {budget}", TreePlan(shape, None, "flags", lookup=run_tree.lookup)))
+        configs.append((f"budget {budget}", TreePlan(shape, BEST_FIRST, "flags", lookup=run_tree.lookup)))
     return configs
 
 
@@ -99,27 +100,24 @@ def _bench_shape(base: TreeShape, budget: int, depth: int | None, width: int | N
 
 
 def _lookup_plan(shape: TreeShape) -> TreePlan:
-    return TreePlan(shape, None, "flags", lookup=shape, draft_model=False)
+    return TreePlan(shape, LOOKUP, "flags", lookup=shape)
 
 
 def _default_mode(tree: TreePlan | None) -> str:
     """The bench mode that decodes as a run does by default (the plan's drafter)."""
     if tree is None:
         return "plain"
-    if tree.mtp:
-        return "mtp"
-    if not tree.draft_model:
-        return "lookup"
-    return "hybrid" if tree.lookup is not None else "draft tree"
+    # A draft model's tree without lookup branches, best-first or Sequoia, is the "draft tree" mode.
+    return {"draft model": "draft tree", "sequoia": "draft tree"}.get(tree.drafter, tree.drafter)
 
 
 def _mode_trees(plan: Plan) -> dict[str, TreePlan | None]:
     """Return each mode's tree in the order a workload row decodes them (plain, draft tree,
     lookup, hybrid; without a draft model, no draft rows)."""
     trees: dict[str, TreePlan | None] = {"plain": None}
-    if plan.tree is not None and plan.tree.mtp:  # --draft mtp: the target's MTP chains beside lookup
+    if plan.tree is not None and plan.tree.drafting.loads_mtp:  # --draft mtp: the target's MTP chains beside lookup
         return {"plain": None, "lookup": _lookup_plan(LOOKUP_SHAPE), "mtp": plan.tree}
-    lookup = _lookup_plan(LOOKUP_SHAPE) if plan.tree is None or plan.tree.draft_model else plan.tree
+    lookup = _lookup_plan(LOOKUP_SHAPE) if plan.tree is None or plan.draft_loaded else plan.tree
     if plan.draft_loaded:
         trees["draft tree"] = replace(plan.tree, lookup=None)
     trees["lookup"] = replace(lookup, plain_s=plan.tree.plain_s if plan.tree else None)

@@ -40,6 +40,7 @@ from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
 from specrun.models import headers, hub, pairing, registry
 from specrun.runtime.options import ModelFiles, RunOptions
+from specrun.runtime.drafters import BEST_FIRST
 from specrun.runtime.trees import (
     MAX_CHAINS,
     TreePlan,
@@ -143,7 +144,7 @@ class Plan:
     @property
     def draft_loaded(self) -> bool:
         """Whether a draft model is loaded (speculating, and not with lookup alone)."""
-        return self.tree is not None and self.tree.draft_model
+        return self.tree is not None and self.tree.drafting.loads_draft_model
 
     @property
     def target_gpu_layers(self) -> int:
@@ -293,7 +294,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
     as without a tuning profile: the plan a profile's check falls back to."""
     pass_s = None
     if shape is not None:
-        tree, why, untuned = TreePlan(shape, None, "flags"), "tree given by the caller", False
+        tree, why, untuned = TreePlan(shape, BEST_FIRST, "flags"), "tree given by the caller", False
     else:
         tree, why, untuned, pass_s = choose_tree(opts, files, use_profile)
     notes = []
@@ -307,10 +308,8 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         tree, why, note = fit_tree_to_target(tree, why, target_arch)
         if note:
             notes.append(note)
-    if tree is not None and tree.template is not None and draft_arch and architectures.has_state(draft_arch):
-        # A draft with a recurrent state has one sequence per tree node (its context keeps few):
-        # it grows best-first trees of the template's size rather than the static template.
-        tree = replace(tree, template=None)
+    if tree is not None and draft_arch and architectures.has_state(draft_arch):
+        tree = tree.drafting.for_recurrent_draft(tree)
     threads, cores = opts.threads or engine.default_threads(), engine.default_threads()
     if threads > cores:
         # More threads than cores only makes them wait for each other (and 999 would start 999).
@@ -321,16 +320,16 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         if not gpus:
             notes.append("--gpu-memory has no effect: no GPU was found")
         gpus = offload.capped_devices(gpus, opts.gpu_memory)
-    draft_path = draft_file if tree is not None and tree.draft_model else None
+    draft_path = draft_file if tree is not None and tree.drafting.loads_draft_model else None
     auto_ctx = opts.ctx_size is None
     target_size = draft_size = None
     if gpus or sizes is not None or detailed or auto_ctx:
         target_size = sizes[0] if sizes else _model_size(files.target_name, target_file)
-        if draft_path is not None or (sizes and tree is not None and tree.draft_model):
+        if draft_path is not None or (sizes and tree is not None and tree.drafting.loads_draft_model):
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
     # llama.cpp's own figures for the files (not for shapes given in their place)
     parallel = opts.parallel or 1
-    if parallel > 1 and tree is not None and tree.mtp:
+    if parallel > 1 and tree is not None and tree.drafting.loads_mtp:
         notes.append("--parallel: the target's MTP layers draft for one request at a time: answering one at a time")
         parallel = 1
     measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel)
@@ -391,7 +390,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)), MAX_SEQ,
                                  parallel=parallel)
     draft_ctx = None
-    if tree.draft_model:
+    if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
         # its tree has nodes (each node's state is its parent's, copied, plus its token).
         seqs = min(MAX_SEQ, tree.shape.budget + 1) if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
@@ -407,7 +406,7 @@ class ContextMemory:
     def __init__(self, target_path: Path | None, draft_path: Path | None, tree: TreePlan | None,
                  draft_arch: str | None, parallel: int = 1):
         self.tree, self.draft_arch, self.parallel = tree, draft_arch, parallel
-        self.mtp = tree is not None and tree.mtp
+        self.mtp = tree is not None and tree.drafting.loads_mtp
         self.notes: list[str] = []
         self._target = engine.Simulation(target_path, load_mtp=self.mtp) if target_path is not None else None
         self._draft = engine.Simulation(draft_path) if draft_path is not None else None

@@ -8,28 +8,19 @@ Commands use it as a context manager so contexts are closed before their models.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from specrun import engine, ui
 from specrun.chat.session import ChatFormat
-from specrun.decoding.adaptive import DraftPrior
 from specrun.decoding.batching import Lane, PassGate
-from specrun.decoding.drafters.best_first import TreeGrower
-from specrun.decoding.drafters.hybrid import HybridDrafter
-from specrun.decoding.drafters.lookup import LookupDrafter
-from specrun.decoding.drafters.mtp import MtpDrafter
-from specrun.decoding.drafters.sequoia import StaticTreeGrower
-from specrun.decoding.kv import CachedSequence, probe_passes
+from specrun.decoding.kv import probe_context
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.speed_guard import SpeedGuard
-from specrun.errors import EngineError
 from specrun.files import human_size
 from specrun.models import pairing
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, build_plan
 from specrun.runtime.trees import TreePlan
 from specrun.tuning import profiles
-from specrun.tuning.cost_model import CostCurve
 
 log = logging.getLogger("specrun")
 
@@ -100,7 +91,7 @@ class Runtime:
                     # One more for each other request decoding at once (--parallel).
                     self.draft_ctxs += [self._context(self.draft, plan.draft_ctx, draft_load["op_offload"], plan.threads)
                                         for _ in range(plan.draft_ctx.copies - 1)]
-                elif plan.tree is not None and plan.tree.mtp:
+                elif plan.tree is not None and plan.tree.drafting.loads_mtp:
                     # The target's MTP block drafts in a context of its own, fed the target's rows.
                     engine.enable_target_rows(self.target_ctx)
                     self.draft_ctx = engine.MtpContext(self.target, plan.target_ctx.n_ctx, threads=plan.threads)
@@ -177,6 +168,14 @@ class Runtime:
     def speculative(self) -> bool:
         return self.plan.speculative
 
+    def drafting(self) -> str:
+        """How `chat` and `serve` say what drafts when they start: "with draft X (tree budget 5)
+        and lookup", "without a draft (plain decoding)"."""
+        tree = self.plan.tree
+        if tree is None:
+            return "without a draft (plain decoding)"
+        return tree.drafting.headline(tree, self.models.draft_name)
+
     @property
     def chat_format(self) -> ChatFormat:
         """Return the target's chat format (template, special tokens), made on first use."""
@@ -215,18 +214,8 @@ class Runtime:
 def target_pass_s(target_ctx) -> float | None:
     """Seconds of the target's one-token pass, timed now in its empty context (the least of three,
     after a warm-up); None where the context cannot be timed. Leaves the cache empty."""
-    seconds = _target_passes(target_ctx, (1,), repeats=3)
+    seconds = probe_context(target_ctx, (1,), repeats=3)
     return seconds[1] if seconds else None
-
-
-def _target_passes(target_ctx, sizes, repeats: int, logits: str = "last") -> dict[int, float] | None:
-    """kv.probe_passes over the target's context, emptied first (a new decoder's cache starts
-    empty; the probe leaves it so); None where the context cannot be probed."""
-    try:
-        target_ctx.clear()
-        return probe_passes(CachedSequence(target_ctx, engine.Batch(target_ctx.n_batch, 1)), sizes, repeats, logits)
-    except EngineError:
-        return None
 
 
 def load_arguments(plan: Plan) -> tuple[dict, dict]:
@@ -240,7 +229,7 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     """
     placed = plan.placement
     target = {"n_gpu_layers": placed.target_gpu_layers, "op_offload": None}
-    if plan.tree is not None and plan.tree.mtp:
+    if plan.tree is not None and plan.tree.drafting.loads_mtp:
         target["load_mtp"] = True
     draft = {"n_gpu_layers": plan.draft_gpu_layers, "op_offload": None}
     if not plan.devices:
@@ -272,57 +261,5 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
         return PlainDecoder(target, target_ctx, lane)
     shape = tree.verified
     speed_guard = SpeedGuard(shape.budget, plain_s=tree.plain_s) if guard else None
-    drafter = make_drafter(tree, draft, draft_ctx, target_ctx)
+    drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx)
     return SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane)
-
-
-def make_drafter(tree: TreePlan, draft=None, draft_ctx=None, target_ctx=None):
-    """Return the drafter a tree plan names: draft model (best-first or Sequoia), lookup, hybrid,
-    or the target's MTP layers (`draft_ctx` is then the MTP context)."""
-    if tree.mtp:
-        draft_ctx.clear()  # a new drafter: its cache starts empty
-        return MtpDrafter(draft_ctx, target_ctx, tree.shape.depth)
-    if not tree.draft_model:
-        return LookupDrafter(tree.shape.budget)
-    if tree.template is not None:
-        model_drafter = StaticTreeGrower(draft, draft_ctx, tree.template)
-    else:
-        model_drafter = TreeGrower(draft, draft_ctx, tree.shape)
-    if tree.lookup is None:
-        return model_drafter
-    # Without a profile's figures the draft's passes are timed now (short passes, a warm-up too):
-    # its catch-up cost decides whether a long prompt's catch-up waits while lookup looks; for
-    # the default tree (not one asked for with --budget or --depth), with the target's passes
-    # timed too, they say whether the draft's tree could pay at all.
-    draft_passes = model_drafter.probe() if tree.prior is None else None
-    catch_up_s = best_case = None
-    if draft_passes is not None:
-        widest = max(draft_passes)
-        catch_up_s = draft_passes[widest] / widest
-        if tree.source == "default":
-            best_case = _best_case(tree.shape, draft_passes, target_ctx)
-    hybrid = HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
-                           prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case)
-    if not hybrid.could_pay():
-        log.info("the draft model stays off: its tree would run at %.2fx plain decoding at best (every draft token "
-                 "accepted, passes timed now); lookup and plain steps decode. `specrun tune` measures this machine",
-                 hybrid.best_speedup())
-    return hybrid
-
-
-def _best_case(shape, draft_passes: dict[int, float], target_ctx) -> DraftPrior | None:
-    """What the draft model's steps would be, timed now, if the target accepted every draft token:
-    a profile's prior for the tree (profiles.Facts.draft_prior) from the target's passes over one
-    token and over the tree and the draft's `draft_passes` ({tokens: seconds}), with the catch-up
-    of the tree's last token, which the draft never decoded. None when the target's passes cannot
-    be timed (no context, or one that cannot be probed)."""
-    if target_ctx is None:
-        return None
-    # The least of two timings each: the target's passes are short, and their ratio decides.
-    seconds = _target_passes(target_ctx, (1, shape.budget + 1), repeats=2, logits="all")
-    if not seconds:
-        return None
-    facts = profiles.Facts(target=CostCurve.from_points(seconds), draft=CostCurve.from_points(draft_passes),
-                           plain_s=seconds[1], tau={shape.budget: shape.depth + 1.0}, tree_speedup=None)
-    prior = facts.draft_prior(shape)
-    return replace(prior, step_s=prior.step_s + prior.catch_up_s)

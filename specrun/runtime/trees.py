@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, replace
 
 from specrun import architectures
-from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, TreeTemplate, template_shape
+from specrun.core.tree_shapes import TreeShape, template_shape
 from specrun.decoding.adaptive import DraftPrior
+from specrun.runtime.drafters import BEST_FIRST, LOOKUP, MTP, DraftModel, Drafting
 from specrun.runtime.options import ModelFiles, RunOptions
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice
@@ -37,70 +38,37 @@ MAX_CHAINS = 4
 
 @dataclass(frozen=True)
 class TreePlan:
-    """The tree a speculative run grows, and why this one."""
+    """The tree a speculative run grows, which drafter proposes it, and why this one."""
 
-    shape: TreeShape  # the draft model's tree (lookup only: the largest lookup tree)
-    template: TreeTemplate | None  # a tuned Sequoia tree, grown as is (None: best-first growth)
+    shape: TreeShape  # the draft model's tree (lookup alone: the largest lookup tree; MTP: its chain)
+    drafting: Drafting  # which drafter proposes the trees (runtime.drafters)
     source: str  # "flags", "profile" or "default"
     lookup: TreeShape | None = None  # lookup nodes a step may add (None: no lookup)
-    draft_model: bool = True  # False: lookup alone proposes, no draft model is loaded
     plain_s: float | None = None  # plain decoding's seconds per token by the tuning profile
     # How the target verifies: "tree" (attention KV cache) or "chains" (a recurrent state that
     # rolls back only in the sequence that made it: each step checks the proposal's best paths,
     # each in a sequence of its own).
     verify: str = architectures.TREE
     prior: DraftPrior | None = None  # the profile's figures for the draft model (hybrid's first steps)
-    mtp: bool = False  # the target's MTP layers draft a chain of `shape.depth` (draft_model is False)
 
     @property
     def drafter(self) -> str:
         """"draft model", "sequoia" (static, draft model), "lookup" (no model), "hybrid" or "mtp"."""
-        if self.mtp:
-            return "mtp"
-        if not self.draft_model:
-            return "lookup"
-        if self.lookup is not None:
-            return "hybrid"
-        return "sequoia" if self.template is not None else "draft model"
+        return self.drafting.name(self)
 
     @property
     def kind(self) -> str:
-        if self.mtp:
-            return "mtp"
-        if not self.draft_model:
-            return "lookup"
-        if self.template is not None:
-            return "sequoia"
-        return "chain" if self.shape.is_chain else "specexec"
+        return self.drafting.kind(self)
 
     @property
     def verified(self) -> TreeShape:
         """The largest tree one target pass verifies: the draft model's plus lookup branches."""
-        if self.lookup is None or not self.draft_model:
-            return self.shape
-        return replace(self.shape, budget=min(MAX_BUDGET, self.shape.budget + self.lookup.budget),
-                       depth=max(self.shape.depth, self.lookup.depth))
+        return self.drafting.verified(self)
 
     def describe(self) -> str:
-        text = self._describe_drafts()
+        text = self.drafting.describe(self)
         if self.verify == architectures.CHAINS:
             text += f"; the target verifies up to {MAX_CHAINS} chains of up to {self.verified.depth} drafts per step"
-        return text
-
-    def _describe_drafts(self) -> str:
-        s = self.shape
-        if self.mtp:
-            return f"chain of {s.depth} drafts from the target's own MTP layers (no draft model)"
-        if not self.draft_model:
-            return f"lookup trees of up to {s.budget} tokens from the session's text, depth {s.depth} (no draft model)"
-        if self.template is not None:
-            text = f"Sequoia static tree of {s.budget} draft tokens, depth {s.depth}"
-        elif s.is_chain:
-            text = f"chain of {s.budget} draft tokens"
-        else:
-            text = f"best-first tree of {s.budget} draft tokens, depth {s.depth}, width {s.width}, top-k {s.top_k}"
-        if self.lookup is not None:
-            text += f" + up to {self.lookup.budget} lookup tokens from the session's text"
         return text
 
 
@@ -117,27 +85,13 @@ def fit_tree_to_target(tree: TreePlan, why: str, arch: str) -> tuple[TreePlan | 
         return tree, why, None
     if support.shape == architectures.PLAIN:
         return None, support.reason, f"plain decoding: {support.reason}"
-    if tree.mtp:
-        shape = TreeShape.chain(min(MAX_CHAIN, tree.shape.depth))
-        return replace(tree, shape=shape, verify=architectures.CHAIN), f"{why}; {support.reason}", None
-    depth = min(MAX_CHAIN, tree.verified.depth)
-    s = tree.shape
-    shape = TreeShape(min(s.budget, MAX_CHAINS * depth), min(s.depth, depth), s.width, s.top_k)
-    lookup = TreeShape(MAX_CHAINS * depth, depth, 1, 1) if tree.lookup is not None else None
-    if not tree.draft_model:
-        shape = lookup
-    chained = replace(tree, shape=shape, template=None, lookup=lookup, verify=architectures.CHAINS)
+    chained = tree.drafting.chained(tree, min(MAX_CHAIN, tree.verified.depth), MAX_CHAINS)
     return chained, f"{why}; {support.reason}", None
 
 
 def fit_tree(tree: TreePlan, budget: int) -> TreePlan:
-    """Return the tree cut to `budget` verified nodes: lookup branches give way first."""
-    if tree.lookup is not None and tree.draft_model and tree.shape.budget < budget:
-        return replace(tree, lookup=tree.lookup.resized(budget - tree.shape.budget))
-    shape = tree.shape.resized(budget)
-    lookup = shape if not tree.draft_model and not tree.mtp else None
-    return replace(tree, shape=shape, template=None, lookup=lookup)
-
+    """Return the tree cut to `budget` verified nodes (lookup branches give way first)."""
+    return tree.drafting.cut(tree, budget)
 
 
 def choose_tree(opts: RunOptions, files: ModelFiles,
@@ -184,7 +138,7 @@ def choose_tree(opts: RunOptions, files: ModelFiles,
     if tuned is not None:
         tree, why = tuned, "tuned profile for this pair on this machine"
     else:
-        tree, why = TreePlan(DEFAULT_SHAPE, None, "default"), "default (no tuning profile: `specrun tune` measures one)"
+        tree, why = TreePlan(DEFAULT_SHAPE, BEST_FIRST, "default"), "default (no tuning profile: `specrun tune` measures one)"
     if overridden:
         shape = tree.shape
         if opts.budget is not None:
@@ -192,7 +146,7 @@ def choose_tree(opts: RunOptions, files: ModelFiles,
         if opts.depth is not None:
             shape = replace(shape, depth=opts.depth)
         # explicit sizes: grow best-first trees of that size, of the tuned (or default) kind
-        tree, why = TreePlan(shape, None, "flags"), "--budget/--depth"
+        tree, why = TreePlan(shape, BEST_FIRST, "flags"), "--budget/--depth"
     tree = replace(tree, plain_s=plain_s, prior=facts.draft_prior(tree.shape) if facts is not None else None)
     if opts.lookup is True:
         tree, why = replace(tree, lookup=LOOKUP_SHAPE), why + "; --lookup adds branches from the session's text"
@@ -205,7 +159,7 @@ def _mtp_tree(opts: RunOptions) -> TreePlan:
     """Return the MTP chain: MTP_CHAIN drafts, or --depth (else --budget) of them."""
     depth = opts.depth or opts.budget
     shape = TreeShape.chain(depth or MTP_CHAIN)
-    return TreePlan(shape, None, "flags" if depth else "default", draft_model=False, mtp=True)
+    return TreePlan(shape, MTP, "flags" if depth else "default")
 
 
 def _lookup_tree(opts: RunOptions, plain_s: float | None) -> TreePlan:
@@ -213,7 +167,7 @@ def _lookup_tree(opts: RunOptions, plain_s: float | None) -> TreePlan:
     shape, source = LOOKUP_SHAPE, "default"
     if opts.budget is not None or opts.depth is not None:
         shape, source = TreeShape(opts.budget or shape.budget, opts.depth or shape.depth, 1, 1), "flags"
-    return TreePlan(shape, None, source, lookup=shape, draft_model=False, plain_s=plain_s)
+    return TreePlan(shape, LOOKUP, source, lookup=shape, plain_s=plain_s)
 
 
 def tuned_default(choice: Choice, facts: profiles.Facts | None) -> TreePlan:
@@ -222,7 +176,7 @@ def tuned_default(choice: Choice, facts: profiles.Facts | None) -> TreePlan:
     measured the draft model's trees slower than plain decoding."""
     tree = tree_of_choice(choice)
     if tree is None:
-        return TreePlan(LOOKUP_SHAPE, None, "profile", lookup=LOOKUP_SHAPE, draft_model=False)
+        return TreePlan(LOOKUP_SHAPE, LOOKUP, "profile", lookup=LOOKUP_SHAPE)
     return replace(tree, lookup=LOOKUP_SHAPE, prior=facts.draft_prior(tree.shape) if facts is not None else None)
 
 
@@ -231,5 +185,5 @@ def tree_of_choice(choice: Choice) -> TreePlan | None:
     if choice.kind == "plain":
         return None
     if choice.kind == "sequoia" and choice.tree is not None:
-        return TreePlan(template_shape(choice.tree), choice.tree, "profile")
-    return TreePlan(TreeShape(choice.budget, choice.depth, choice.width, choice.top_k), None, "profile")
+        return TreePlan(template_shape(choice.tree), DraftModel(choice.tree), "profile")
+    return TreePlan(TreeShape(choice.budget, choice.depth, choice.width, choice.top_k), BEST_FIRST, "profile")

@@ -462,13 +462,8 @@ class GenerationWorker(QueueWorker):
 
 def describe(rt: Runtime) -> str:
     """Return the line that says what is being served, as `specrun chat` says it."""
-    if rt.speculative:
-        drafter = f"draft {rt.models.draft_name}" if rt.plan.draft_loaded else f"{rt.plan.drafter} drafting"
-        how = f"with {drafter} (tree budget {rt.shape.budget})"
-    else:
-        how = "without a draft (plain decoding)"
     at_once = f", {len(rt.decoders)} requests at once" if len(rt.decoders) > 1 else ""
-    return f"specrun serve: {rt.models.target_name} {how}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
+    return f"specrun serve: {rt.models.target_name} {rt.drafting()}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
 
 
 def loading() -> APIError:
