@@ -189,3 +189,12 @@ def test_cli_draft_mtp_without_mtp_layers_is_one_line(offline_models):
     out = run_cli("generate", "--target", str(offline_models.smollm2_random), "--draft", "mtp", "-n", "2", "Hi")
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "no MTP layers" in out.stderr
+
+
+def test_chat_says_the_mtp_layers_draft(mtp_path):
+    """`specrun chat` named the draft model of an MTP run, which has none ("with draft None")."""
+    out = subprocess.run([sys.executable, "-m", "specrun", "chat", "--target", str(mtp_path), "--ctx-size", "256",
+                          "-n", "4"], input="Hi\n", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    banner = next(line for line in out.stderr.splitlines() if line.startswith("specrun chat:"))
+    assert "with its own MTP layers drafting (chains of 3)" in banner and "None" not in banner
