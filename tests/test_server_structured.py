@@ -10,6 +10,7 @@ not call tools by itself; tool_choice required / named force a real call with a 
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 import httpx
 import jsonschema
@@ -238,8 +239,15 @@ def _openai_call(city: str) -> dict:
         {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
 
 
-def test_ollama_show_lists_tools_and_bad_formats_are_ollama_400s(server, olm):
-    assert "tools" in olm.show(TARGET).capabilities
+def test_ollama_show_lists_tools_and_bad_formats_are_ollama_400s(server, olm, offline_models):
+    shown = olm.show(TARGET)
+    assert "tools" in shown.capabilities
+    # The model as the ollama client lists it: its size label, and when its file was written.
+    (listed,) = olm.list().models
+    written = datetime.fromtimestamp(offline_models.smollm2_f32.stat().st_mtime, timezone.utc)
+    for model in (listed, shown):
+        assert model.details.parameter_size == "135M" and model.details.quantization_level == "F32"
+        assert abs((model.modified_at - written).total_seconds()) < 1
     with pytest.raises(ollama.ResponseError) as refused:
         olm.chat(model=TARGET, messages=[{"role": "user", "content": "Hi"}], options=GREEDY,
                  format={"type": "object", "dependentRequired": {"a": ["b"]}})

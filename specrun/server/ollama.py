@@ -217,7 +217,16 @@ def add_ollama_routes(app: FastAPI, worker: QueueWorker) -> None:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return _timestamp(datetime.now(timezone.utc))
+
+
+def _modified(info: ModelInfo) -> str:
+    """When the model's file was written, as Ollama says when a model was pulled."""
+    return _timestamp(datetime.fromtimestamp(info.modified, timezone.utc)) if info.modified else _now()
+
+
+def _timestamp(when: datetime) -> str:
+    return when.isoformat().replace("+00:00", "Z")
 
 
 def _head(info: ModelInfo, **fields) -> dict:
@@ -332,11 +341,11 @@ def _line(obj: dict) -> str:
 def _details(info: ModelInfo) -> dict:
     quant = _QUANT.search(info.file_name.removesuffix(".gguf"))
     return {"parent_model": "", "format": "gguf", "family": info.architecture, "families": [info.architecture],
-            "parameter_size": "", "quantization_level": quant.group(1).upper() if quant else ""}
+            "parameter_size": info.size_label, "quantization_level": quant.group(1).upper() if quant else ""}
 
 
 def _listing(info: ModelInfo) -> dict:
-    return {"name": info.target, "model": info.target, "modified_at": _now(), "size": info.file_bytes,
+    return {"name": info.target, "model": info.target, "modified_at": _modified(info), "size": info.file_bytes,
             "digest": "", "details": _details(info)}
 
 
@@ -352,5 +361,5 @@ def _show(info: ModelInfo) -> dict:
     return {
         "modelfile": "", "parameters": f"num_ctx {info.n_ctx}", "template": info.chat_template or "",
         "details": _details(info), "model_info": model_info, "capabilities": capabilities,
-        "modified_at": _now(),
+        "modified_at": _modified(info),
     }

@@ -99,6 +99,8 @@ class ModelInfo:
     file_name: str = ""
     file_bytes: int = 0
     chat_template: str | None = None  # the template chats are rendered with (None: ChatML fallback)
+    size_label: str = ""  # the GGUF's general.size_label ("135M", "30B-A3B"), as Ollama's parameter_size
+    modified: float = 0.0  # the target file's modification time (seconds since the epoch; 0: unknown)
 
 
 class QueueWorker:
@@ -495,6 +497,7 @@ def _model_info(rt: Runtime) -> ModelInfo:
         rt.n_ctx, rt.shape.budget if rt.speculative else None, n_ctx_train=rt.target.n_ctx_train,
         ctx_why=rt.plan.ctx_why, architecture=rt.target.architecture, file_name=path.name if path else "",
         file_bytes=rt.target.file_size, chat_template=rt.chat_format.template,
+        size_label=rt.target.meta("general.size_label") or "", modified=path.stat().st_mtime if path else 0.0,
     )
 
 
