@@ -341,3 +341,15 @@ def test_gemma_without_a_template_gets_its_own_turn_format(offline_models):
         text = rt.target.detokenize(prompt, special=True)
 
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nSay hello.<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_chat_says_when_the_model_has_no_template_of_its_own(cli):
+    """Gemma 3 270M's file has no chat template (a base model): chat renders Gemma's turn format,
+    and says so once, so that a model that does not follow turns is not taken for a bug. A model
+    with its own template chats without the warning."""
+    bare = cli("chat", "--target", "gemma3-270m-f32", "--no-spec", "-n", "2", input="Hi\n")
+    assert bare.exit_code == 0, bare.output
+    said = [line for line in bare.stderr.splitlines() if "no chat template in its file" in line]
+    assert len(said) == 1 and "gemma3's turn format" in said[0] and "--chat-template" in said[0]
+    own = cli("chat", "--no-spec", "-n", "2", input="Hi\n")
+    assert own.exit_code == 0 and "no chat template" not in own.stderr

@@ -36,6 +36,12 @@ def chat(opts: RunOptions, request: Request, max_tokens: int | None, settings: C
             rt.chat_format.template = settings.template
         session = ChatSession(rt, system=request.system)
         ui.dim(f"specrun chat: {rt.models.target_name} {rt.drafting()}, {session.n_ctx}-token context")
+        if settings.template is None and rt.target.chat_template is None:
+            # A file without a template is often a base model, which continues text and does not
+            # follow turns: said once, so babble is not taken for a bug of specrun's.
+            fmt = "ChatML" if rt.chat_format.template is None else f"{rt.target.architecture}'s turn format"
+            ui.warn(f"{rt.models.target_name} has no chat template in its file: chatting in {fmt} "
+                    "(a base model may not follow a conversation; --chat-template FILE gives one)")
         reader = ui.LineReader(paths.config_dir() / "chat_history")
         if reader.interactive:
             ui.dim("/help for commands, Ctrl-D to leave")
