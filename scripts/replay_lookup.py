@@ -33,7 +33,7 @@ from specrun.core.tree import DraftTree
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
-from specrun.decoding.speed_guard import SpeedGuard
+from specrun.decoding.pay.guard import SpeedGuard
 from specrun.experiments.workloads import WORKLOADS
 from specrun.runtime.trees import LOOKUP_SHAPE
 

@@ -17,7 +17,7 @@ from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter, SessionText
 from specrun.decoding.lookup_index import graft
-from specrun.decoding.speed_guard import SpeedGuard
+from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.steps import Step
 
 

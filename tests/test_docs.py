@@ -248,14 +248,14 @@ def _text(page: str) -> str:
 
 def _quoted_figures() -> list[tuple[str, str]]:
     """(page, a phrase built from the constant it quotes)."""
-    from specrun.commands.tune import CHECK_MIN_SPEEDUP, DEFAULT_MARGIN, FULL, QUICK
-    from specrun.commands.tune_workloads import UNTUNED_MARGIN
+    from specrun.commands.tune import FULL, QUICK
     from specrun.core.sampling import SamplingParams
-    from specrun.decoding.adaptive import MARGIN, STRONG_ORDER
+    from specrun.decoding.adaptive import STRONG_ORDER
+    from specrun.decoding.pay.rules import CHECK_FLOOR, DEFAULT_MARGIN, PROFILE_DRIFT, STEP_MARGIN, UNTUNED_MARGIN
     from specrun.experiments.workloads import KINDS, ROUNDS
     from specrun.hardware.placement import AUTO_CTX_STEP, MIN_AUTO_CTX
     from specrun.runtime.options import DEFAULT_CTX
-    from specrun.runtime.plan import DEFAULT_PARALLEL, PROFILE_DRIFT
+    from specrun.runtime.plan import DEFAULT_PARALLEL
     from specrun.runtime.trees import DEFAULT_SHAPE, MAX_CHAIN, MAX_CHAINS, MTP_CHAIN
     from specrun.server.app import MAX_BODY_BYTES
     from specrun.server.connections import MAX_CONNECTIONS, MAX_HEAD_BYTES, MAX_HEADERS
@@ -276,13 +276,13 @@ def _quoted_figures() -> list[tuple[str, str]]:
         ("docs/serving.md", "Ollama's defaults (temperature {temperature}, top_k {top_k}, top_p {top_p})".format(**DEFAULTS)),
         ("README.md", f"a chain of {DEFAULT_SHAPE.budget} tokens"),
         ("docs/tuning.md", f"a chain of {DEFAULT_SHAPE.budget} tokens"),
-        ("docs/tuning.md", f"the tree at {CHECK_MIN_SPEEDUP:.2f}x plain decoding or faster"),
+        ("docs/tuning.md", f"the tree at {CHECK_FLOOR:.2f}x plain decoding or faster"),
         ("docs/tuning.md", f"more than {DEFAULT_MARGIN:.0%} slower than the untuned default"),
         ("docs/tuning.md", f"runs some workload more than {UNTUNED_MARGIN:.0%} slower than it"),
         ("docs/tuning.md", f"{WORDS[ROUNDS // 2].capitalize()} requests of each of {WORDS[KINDS]} kinds predict"),
         ("docs/tuning.md", f"{FULL.workload_tokens} tokens each ({QUICK.workload_tokens} with `--quick`)"),
         ("docs/tuning.md", f"more than {PROFILE_DRIFT:.0%} off the profile's"),
-        ("docs/tuning.md", f"would not beat plain steps by {MARGIN:.0%}"),
+        ("docs/tuning.md", f"would not beat plain steps by {STEP_MARGIN:.0%}"),
         ("docs/models.md", f"up to {WORDS[MAX_CHAINS]} chains (the proposal's best paths, at most {MAX_CHAIN} drafts each)"),
         ("docs/models.md", f"lowered in steps of {AUTO_CTX_STEP}"),
         ("docs/models.md", f"a MoE model's experts) that a {MIN_AUTO_CTX}-token context would keep"),

@@ -29,7 +29,7 @@ from specrun.decoding.drafters.lookup import LookupDrafter
 from specrun.decoding.lookup_index import LookupIndex
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
-from specrun.decoding.speed_guard import SpeedGuard
+from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.stream import token_ids
 from specrun.experiments.workloads import PASTED
 

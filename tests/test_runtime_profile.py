@@ -18,7 +18,7 @@ from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
 from specrun.experiments.workloads import WORKLOADS
-from specrun.runtime import plan as plan_module
+from specrun.decoding.pay import rules as pay_rules
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
 from specrun.runtime.trees import DEFAULT_SHAPE
@@ -160,7 +160,7 @@ def test_a_profile_whose_timing_holds_decides_the_run(offline_models, monkeypatc
     """Where the pass timed at load is the profile's (here: any pass is, with the drift widened),
     the profile's verdict stands: lookup alone, no draft model loaded."""
     store_measured(offline_models, PLAIN, pass_s=0.01)
-    monkeypatch.setattr(plan_module, "PROFILE_DRIFT", 1e6)
+    monkeypatch.setattr(pay_rules, "PROFILE_DRIFT", 1e6)
     with Runtime(replace(OPTS, lookup=None)) as rt:
         assert not rt.profile_set_aside and rt.target_pass_s > 0
         assert rt.plan.drafter == "lookup" and rt.draft is None and rt.plan.check is not None

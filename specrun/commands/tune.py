@@ -21,6 +21,7 @@ from pathlib import Path
 from specrun import __version__, files, paths, ui
 from specrun.commands import tune_workloads as workloads
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
+from specrun.decoding.pay import rules as pay
 from specrun.errors import SpecrunError, UsageError
 from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn
 from specrun.hardware.machine import probe_hardware
@@ -63,18 +64,6 @@ FULL = TuneSettings(
     check_prompts=3, check_tokens=128, check_seconds=300, workload_tokens=128, workload_prompts=32,
 )
 
-# A draft tree that measures slower than this against plain decoding on the held-out prompts is
-# turned off (lookup stays on), whatever the prediction said; one that measures at least this
-# fast stays, whatever the prediction said. The check decodes a few short answers, whose speed
-# varies by several percent from run to run on a small machine: a tree that measured about level
-# with plain decoding stays, and the run's own speed guard (which measures plain steps itself)
-# cuts it where it loses, as it does without a profile. Turning it off on such a figure took the
-# draft tree's gain on free text away from every later run.
-CHECK_MIN_SPEEDUP = 0.90
-# The held-out check also decodes what runs without a profile (a chain of DEFAULT_SHAPE); a tuned
-# tree must not measure slower than it by more than this, or the default is what is stored.
-DEFAULT_MARGIN = 0.03
-
 
 def tune(opts: RunOptions, settings: TuneSettings) -> dict:
     """Measure, choose, check and store; return the stored profile."""
@@ -103,10 +92,10 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             check = _check(rt, best_tree, held_out, settings, progress, default)
         choice, best_tree, check = _prefer_the_default(choice, best_tree, default, check)
         # Measured beats predicted, both ways.
-        if choice.kind != "plain" and check.tree_speedup < CHECK_MIN_SPEEDUP:
+        if choice.kind != "plain" and not pay.check_keeps(check.tree_speedup):
             # The tree lost on the held-out prompts: the draft model's trees are turned off.
             choice = tuner.Choice("plain", 0, 0, 0, 0, measured.plain_tokens_per_s, 1.0)
-        elif choice.kind == "plain" and best_tree.kind != "plain" and check.tree_speedup >= CHECK_MIN_SPEEDUP:
+        elif choice.kind == "plain" and best_tree.kind != "plain" and pay.check_keeps(check.tree_speedup):
             choice = best_tree  # predicted to lose, measured level or faster: it stays
         key = profiles.profile_key(
             rt.models.target_path, rt.models.draft_path, hardware.fingerprint(), rt.target_ctx.threads,
@@ -180,10 +169,10 @@ class CheckResult:
 
 def _prefer_the_default(choice: tuner.Choice, best_tree: tuner.Choice, default: tuner.Choice | None,
                         check: CheckResult) -> tuple[tuner.Choice, tuner.Choice, CheckResult]:
-    """Where the tuner's best tree measured slower than the untuned default's (by more than
-    DEFAULT_MARGIN), storing it would make every later run slower: the default takes its place
-    (its measured figures standing for the prediction). Return (choice, best tree, check)."""
-    if default is None or check.default_tokens_per_s <= check.tree_tokens_per_s * (1.0 + DEFAULT_MARGIN):
+    """Where the tuner's best tree measured slower than the untuned default's (pay.default_wins),
+    storing it would make every later run slower: the default takes its place (its measured
+    figures standing for the prediction). Return (choice, best tree, check)."""
+    if default is None or not pay.default_wins(check.default_tokens_per_s, check.tree_tokens_per_s):
         return choice, best_tree, check
     # With plain decoding chosen, the default is what is weighed against it next, not stored yet.
     then = "weighing the default against plain decoding" if choice.kind == "plain" else "storing the default"

@@ -11,7 +11,7 @@ during the minutes a tune takes moves both alike.
 
 On the predicting half the untuned default (what runs without a profile: a chain of DEFAULT_SHAPE
 with lookup branches) decodes too, in turn with the others: where the tuned tree's default runs a
-workload slower than it by more than UNTUNED_MARGIN, or the workloads slower on the whole, the
+workload slower than it by more than pay's UNTUNED_MARGIN, or the workloads slower on the whole, the
 untuned chain is what is stored, so that a profile never makes a workload slower than no profile.
 Both decode the held-out half too (the choice is not known until the predicting half is done, and
 the halves take turns); only the predicting half decides, and the held-out figure reported is that
@@ -29,15 +29,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrun import ui
+from specrun.decoding.pay.rules import UNTUNED_MARGIN, lost_to
 from specrun.experiments.runner import Modes, Run, by_mode, decode_halves
 from specrun.experiments.workloads import KINDS, ROUNDS, WORKLOADS
 from specrun.runtime.trees import tuned_default
 from specrun.tuning.cost_model import Choice
 
-# The tuned default may run a workload at most this much slower than the untuned default on the
-# predicting half; slower, and the untuned default is stored instead (a false alarm costs only what
-# the tuned tree would have gained; the untuned default is what runs without a profile anyway).
-UNTUNED_MARGIN = 0.05
 # Two-sided 95% of a normal distribution, for the range a prediction expects (_Half.expected_range).
 _Z95 = 1.96
 
@@ -115,7 +112,7 @@ def _slower_workloads(predicting: dict[str, dict[str, _Half]]) -> dict[str, tupl
            for name, halves in predicting.items() if "untuned" in halves}
 
     def lost(margin: float) -> dict[str, tuple[float, float]]:
-        return {name: (tuned, untuned) for name, (tuned, untuned) in ran.items() if tuned < untuned * (1.0 - margin)}
+        return {name: (tuned, untuned) for name, (tuned, untuned) in ran.items() if lost_to(tuned, untuned, margin)}
 
     slower = lost(UNTUNED_MARGIN)
     ratios = [tuned / untuned for tuned, untuned in ran.values() if tuned > 0 and untuned > 0]  # 0: unknown

@@ -10,7 +10,7 @@ Two pieces, all pure:
 - `TargetCost`: seconds of one target pass over n tokens here: the tuning profile's curve scaled
   to this run's measurements, or a line fitted online.
 
-The speed guard, which shrinks a tree that measures slower than plain decoding, is speed_guard's.
+What pays, and so how large a tree a step verifies, is decided by decoding.pay from these figures.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ LONG_RUN = 6
 MAX_MORE = 64.0
 # ... and at most this many times what it has matched so far.
 RAMP = 2.0
-# A lookup tree must be expected this much faster than a plain step to be verified.
-MARGIN = 0.05
 
 
 def _decay(half_life: float) -> float:

@@ -13,7 +13,6 @@ is exact because the same decode held the pending token and all of that chain be
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Iterator, Sequence
 
@@ -27,12 +26,11 @@ from specrun.core.verify import accept_path
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import CachedSequence
-from specrun.decoding.speed_guard import SpeedGuard
+from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.steps import GenerationStats, Step
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
-
-log = logging.getLogger("specrun")
 
 
 class SpeculativeDecoder:
@@ -62,12 +60,9 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
-        # Optional: caps the tree, down to plain steps, while speculation is measured slower than
-        # plain decoding on this machine. One guard per kind of request (greedy, sampled): what
-        # sampled answers measured must not cut the trees of greedy ones (see _guard_for).
-        self.guard = guard
-        self._guards: dict[str, SpeedGuard] = {}
-        self._guard_told = False  # the guard's first event was said (at info level)
+        # What each step proposes, at what size (decoding.pay): with a guard, the tree shrinks,
+        # down to plain steps, while speculation is measured slower than plain decoding here.
+        self.sizer = StepSizer(guard)
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
 
@@ -76,7 +71,7 @@ class SpeculativeDecoder:
         guards) with another idle decoder of the same target context: several requests decoding at
         once keep their lanes of the target's cache (decoding.batching), while the drafting that
         served the last request goes to the next, warm, whichever lane that one takes."""
-        for name in ("drafter", "guard", "_guards", "_guard_told"):
+        for name in ("drafter", "sizer"):
             mine, theirs = getattr(self, name), getattr(other, name)
             setattr(self, name, theirs)
             setattr(other, name, mine)
@@ -88,9 +83,7 @@ class SpeculativeDecoder:
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
         self.drafter.start(len(prompt), max_tokens)
-        if self.guard is not None:
-            self.guard = self._guard_for(params)
-            self.guard.new_request()
+        self.sizer.start(params)
         yield from self._steps(prompt, params, max_tokens, rng)
         # The generation ended (not interrupted): a drafter that learns from the session's text
         # reads all of it, the last step's tokens included.
@@ -131,11 +124,7 @@ class SpeculativeDecoder:
             depth = min(shape.depth, remaining - 1, room - 1)
             if self.chain_only:
                 depth = min(depth, self.ctx.n_rs_seq)
-            budget = self.lane.budget(min(shape.budget, room - 1), leaves=not self.chain_only)
-            if self.guard is not None:
-                budget = 0 if self.guard.wants_plain_step() else min(budget, self.guard.cap)
-            if params.reproducible:
-                budget = 0
+            budget = self.sizer.size(self.lane.budget(min(shape.budget, room - 1), leaves=not self.chain_only), params)
             proposal = None
             if depth >= 1 and budget >= 1:
                 # Beside other requests (their passes shared), only proposals that cost no model pass.
@@ -162,17 +151,8 @@ class SpeculativeDecoder:
             pending = step.tokens[-1]
         stats.finish_reason = "length"
 
-    def _guard_for(self, params: SamplingParams) -> SpeedGuard:
-        """The speed guard of this kind of request (greedy or sampled: acceptance differs)."""
-        kind = "sampled" if params.temperature > 0 else "greedy"
-        if not self._guards:
-            self._guards[kind] = self.guard  # the guard given stands for the first kind seen
-        elif kind not in self._guards:
-            self._guards[kind] = self.guard.copy()
-        return self._guards[kind]
-
     def _observe(self, step: Step, first: bool) -> None:
-        """Let an adapting drafter and the speed guard see the step's measurements: only of passes
+        """Let an adapting drafter and the step sizer see the step's measurements: only of passes
         this request had to itself. A pass shared with other requests (decoding.batching) times
         their tokens and their waits too, nothing of what this request's tree costs: fed to the
         drafters' cost curves, they grew the demo pair's trees threefold for the same accepted
@@ -182,13 +162,8 @@ class SpeculativeDecoder:
         self.drafter.observe(step)
         # A generation's first drafted step also brings the draft model up to the prompt (its
         # prefill): a one-off, like the target's prefill, not what a step costs.
-        if self.guard is not None and not first:
-            self.guard.record(len(step.tokens), step.total_s, step.tree_nodes)
-            for event in self.guard.events[self.guard.said :]:
-                # Said once with --verbose; what follows (retries, further shrinking) at debug level.
-                (log.debug if self._guard_told else log.info)("%s", event)
-                self._guard_told = True
-                self.guard.said += 1
+        if not first:
+            self.sizer.record(step)
 
     def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int,
                 rules: PathRules | None = None, forced: bool = False) -> Step:

@@ -19,7 +19,7 @@
 
 A plan made from a tuning profile carries one check (`Plan.check`): the profile's figures hold
 for the machine as it was when tuned. At load the target's one-token pass is timed; where it is
-off the profile's by more than PROFILE_DRIFT (a laptop on battery, another power state, a busy
+off the profile's by more than decoding.pay's PROFILE_DRIFT (a laptop on battery, another power state, a busy
 machine), the run loads `check.fallback` instead: the plan made as without a profile, whose
 drafter times both models itself. It is offered only where it loads the target the same way.
 """
@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specrun import architectures, engine, ui
 from specrun.core.tree_shapes import TreeShape
+from specrun.decoding.pay.rules import PROFILE_DRIFT, profile_holds
 from specrun.engine import rpc
 from specrun.errors import EngineError, UsageError
 from specrun.hardware import offload, placement
@@ -53,12 +53,6 @@ log = logging.getLogger("specrun")
 
 # Prompts are prefilled in batches of this many tokens.
 PREFILL_BATCH = 512
-# How far the target's one-token pass at load may be from the tuning profile's (either way, as a
-# fraction) before the profile's figures are set aside for the run. The pass timed at load and
-# plain decoding's passes agree within about 5% in one state of a machine; a CPU in another power
-# state is 15-50% off, and on the 2-core test host the demo pair's draft went from losing (10.8 ms
-# target passes) to paying 1.1x (12 ms). Set aside, a run is the untuned default: never slower.
-PROFILE_DRIFT = 0.08
 # Requests a server decodes together unless --parallel says otherwise, where that many fit at the
 # context one request gets (the measured 2x of four clients over one on the 2-core test host).
 DEFAULT_PARALLEL = 4
@@ -215,8 +209,8 @@ class ProfileCheck:
     fallback: Plan
 
     def holds(self, target_pass_s: float) -> bool:
-        """Whether a one-token pass timed now is within PROFILE_DRIFT of the profile's, either way."""
-        return abs(math.log(target_pass_s / self.pass_s)) <= math.log1p(PROFILE_DRIFT)
+        """Whether a one-token pass timed now is close enough to the profile's (pay.profile_holds)."""
+        return profile_holds(target_pass_s, self.pass_s)
 
     def describe(self) -> str:
         fallback = self.fallback

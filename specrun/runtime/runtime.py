@@ -15,7 +15,7 @@ from specrun.decoding.batching import Lane, PassGate
 from specrun.decoding.kv import probe_context
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
-from specrun.decoding.speed_guard import SpeedGuard
+from specrun.decoding.pay.guard import SpeedGuard
 from specrun.files import human_size
 from specrun.models import pairing
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, build_plan

@@ -24,11 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrun.core.tree_shapes import TreeTemplate
+from specrun.decoding.pay.rules import predicted_pays
 from specrun.limits import MAX_SEQ as MAX_TREE_LEAVES  # one sequence id per leaf
-
-# Below this predicted speedup over plain decoding, the gain is within measurement noise and a
-# misprediction would make decoding slower, so we decode plainly.
-MIN_SPEEDUP = 1.05
 
 # SpecExec draft-cost model: draft tokens kept per expanded node (tree nodes / internal nodes).
 # Best-first trees from a confident draft are a long spine of top-1 children with a few siblings
@@ -413,14 +410,15 @@ def choose_config(
     max_tree_tokens: int = 512,
     sequoia_depths: Sequence[int] = tuple(range(1, 17)),
     plain_overhead: float = 0.0,
-    min_speedup: float = MIN_SPEEDUP,
+    best_even_if_losing: bool = False,
     overhead_per_pass: float = 0.0,
 ) -> Choice:
     """Return the configuration with the best predicted tokens/s, or plain decoding.
 
     Predicted tokens/s = E[accepted per pass] / (t_target(B + 1) + t_draft_build + overhead),
     against plain decoding at 1 / (t_target(1) + plain_overhead). Speculation is chosen only when
-    it beats plain by `min_speedup`. The overhead of a step is `overhead` plus `overhead_per_pass`
+    it is predicted to pay (decoding.pay.rules.predicted_pays), or
+    with `best_even_if_losing` whenever any configuration was weighed. The overhead of a step is `overhead` plus `overhead_per_pass`
     for each forward pass it makes (the draft's and the target's): Python bookkeeping and
     llama_decode's own setup grow with the passes, so a chain and a wide tree pay differently.
 
@@ -459,7 +457,7 @@ def choose_config(
         )
 
     best = max(candidates, key=lambda c: (c.predicted_tokens_per_s, -c.budget), default=None)
-    if best is None or best.predicted_speedup < min_speedup:
+    if best is None or not (best_even_if_losing or predicted_pays(best.predicted_speedup)):
         return Choice("plain", 0, 0, 0, 0, plain_rate, 1.0)
     return best
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from specrun.core.tree_shapes import TreeShape
+from specrun.decoding.pay.rules import predicted_pays
 from specrun.hardware import offload
 from specrun.limits import MAX_SEQ
 from specrun.tuning import cost_model as tuner
@@ -131,10 +132,10 @@ def tau_budgets(largest: int) -> list[int]:
 def choose(measured: Measured) -> tuple[tuner.Choice, tuner.Choice]:
     """Return (the choice, the best tree even if it loses to plain decoding): the best SpecExec
     and Sequoia trees the measured curves and acceptance predict, or plain decoding where neither
-    is predicted to gain tuner.MIN_SPEEDUP."""
+    is predicted to pay (decoding.pay.rules.predicted_pays)."""
     inputs = _tuner_inputs(measured)
     cal = measured.calibration
-    best_specexec = tuner.choose_config(**inputs, min_speedup=0.0)
+    best_specexec = tuner.choose_config(**inputs, best_even_if_losing=True)
     draft = measured.draft_curve
     sequoia_inputs = {
         **inputs,
@@ -145,14 +146,14 @@ def choose(measured: Measured) -> tuple[tuner.Choice, tuner.Choice]:
     }
     best_sequoia = tuner.choose_config(
         **sequoia_inputs, accept_probs=cal.accept_probs(), sequoia_depths=tuple(range(1, cal.depth + 1)),
-        min_speedup=0.0,
+        best_even_if_losing=True,
     )
     candidates = [c for c in (best_specexec, best_sequoia) if c.kind != "plain"]
     if not candidates:
         plain = tuner.choose_config(**inputs)
         return plain, plain
     best = max(candidates, key=lambda c: c.predicted_tokens_per_s)
-    if best.predicted_speedup < tuner.MIN_SPEEDUP:
+    if not predicted_pays(best.predicted_speedup):
         plain_rate = best.predicted_tokens_per_s / best.predicted_speedup
         return tuner.Choice("plain", 0, 0, 0, 0, plain_rate, 1.0), best
     return best, best

@@ -15,9 +15,9 @@ from rich.progress import (
 )
 
 from specrun import sysinfo, ui
+from specrun.decoding.pay.rules import predicted_pays
 from specrun.errors import UsageError
 from specrun.hardware.machine import Hardware
-from specrun.tuning import cost_model as tuner
 
 # Other work using more than this share of the CPU when tuning starts gets a warning.
 BUSY_FRACTION = 0.25
@@ -47,7 +47,7 @@ def report_lines(profile: dict) -> list[str]:
     lines = [f"{profile['models']['target']} with draft {profile['models']['draft']}, {profile['threads']} threads"]
     if config["kind"] == "plain":
         tree = profile.get("best_tree") or {}
-        if tree.get("predicted_speedup", 0.0) >= tuner.MIN_SPEEDUP:
+        if predicted_pays(tree.get("predicted_speedup", 0.0)):
             lines.append("stored: no draft-model tree (the best tree was predicted faster but measured slower); "
                          "runs use lookup alone, sized online (--no-lookup: plain decoding)")
         else:

@@ -16,7 +16,6 @@ import numpy as np
 
 from specrun.core.tree import MAX_LEAVES
 from specrun.decoding.adaptive import (
-    MARGIN,
     STRONG_ORDER,
     Average,
     DraftPrior,
@@ -26,42 +25,22 @@ from specrun.decoding.adaptive import (
 )
 from specrun.decoding.drafters.base import Drafter, ModelDrafter, Proposal
 from specrun.decoding.drafters.lookup import IdleSchedule, SessionText, lookup_proposal
+from specrun.decoding.pay.rules import (
+    DEFER_STEPS,
+    LEAN_HALF_LIFE,
+    LEAN_REFRESH,
+    MIN_AHEAD,
+    MIN_DRAFTED,
+    REFRESH_DEBT,
+    SHORT_DEBT,
+    THIN_KIND,
+    assumed_prior,
+    best_size,
+    draft_could_pay,
+    faster,
+)
 from specrun.decoding.lookup_index import LookupIndex, cut, graft, new_by_rank
 
-# Steps leaning on lookup alone before the draft model runs again (to measure it again), when
-# bringing it up costs no more than catching up this many tokens. After an answer's first such
-# refresh, the next ones only where drafting could pay: its tree accepted whole would beat
-# leaning by MARGIN. Each costs the draft's catch-up with what the lean steps emitted (a quarter
-# of a plain step's time per token on the demo pair), which nothing pays back where even a whole
-# chain loses: refreshing every 8 plain steps there ran free chat at 0.94x plain. Where a whole
-# chain would win, an answer's first chains may have been unlucky (1 to 3 of 5 accepted, where
-# 4.5 was the rule): one refresh an answer left such an answer leaning, at 0.93x plain.
-_LEAN_REFRESH = 8
-_REFRESH_DEBT = 16
-# Drafting steps measured before the hybrid leans on plain steps (lookup proposing nothing): one
-# step's acceptance is chance (a chat answer's first chain accepted 2 of 5, where 4.5 was the rule).
-_MIN_DRAFTED = 3
-# A kind of lookup proposal (HindsightByKind) whose record has watched fewer proposals than this
-# is priced by what lookup alone would have made of the steps that drafted, where that is faster
-# (HybridDrafter._lean_record): about where its DOUBT has faded to half (KIND_HALF_LIFE).
-_THIN_KIND = 8
-# An answer that has outlived the session's typical length is expected to go on at least this long.
-_MIN_AHEAD = 16
-# Before this process has run the draft model, a catch-up dearer than what drafting would save
-# over this many steps waits that many steps: lookup watches meanwhile (for free) whether the
-# answer copies the text, and then decides (HybridDrafter._lean_by_prior).
-_DEFER_STEPS = 4
-# Without a profile, what the first steps assume of the draft model until it has run: its steps
-# emit this many times plain decoding's tokens per second (a modest draft's gain), accepting this
-# many draft tokens a pass. With a profile or without, a catch-up of at most _SHORT_DEBT tokens
-# never waits: so short a text (a one-line question in its chat template, a new turn of a chat)
-# gives lookup little to copy, and waiting would only cost the draft's gain on the first steps.
-_ASSUMED_SPEEDUP = 1.3
-_ASSUMED_ACCEPTED = 1.0
-_SHORT_DEBT = 64
-# Steps after which a leaning step's tokens and seconds weigh half in what leaning is expected to
-# make of the rest of an answer (HybridDrafter._lean_by_prior).
-_LEAN_HALF_LIFE = 24
 _UNMEASURED = DraftPrior(plain_s=0.0, tree_s=0.0, step_s=0.0, catch_up_s=0.0, accepted=0.0)
 
 
@@ -85,7 +64,7 @@ class HybridDrafter(Drafter):
         # (TreeGrower.probe), which prices a long text's catch-up (see _assumed_prior).
         self.catch_up_s = catch_up_s
         # Without a profile: the draft's steps as timed when it was loaded, were every draft token
-        # accepted. Where even that would not beat plain steps by MARGIN, the draft model never
+        # accepted. Where even that would not pay (pay.rules.draft_could_pay), the draft model never
         # runs in this process (exploring it costs a prompt's catch-up and a few losing steps:
         # the demo pair's free chat ran at 0.86x plain so on a host whose plain passes were fast).
         self.best_case = best_case
@@ -126,7 +105,7 @@ class HybridDrafter(Drafter):
         self._deferred = 0  # steps of this answer that waited before paying the draft's catch-up
         self._refreshed = False  # this answer has run the draft model again after leaning
         # Tokens and seconds of this answer's recent steps without the draft model.
-        self._lean = Average(_LEAN_HALF_LIFE, 2)
+        self._lean = Average(LEAN_HALF_LIFE, 2)
 
     @property
     def index(self) -> LookupIndex:
@@ -142,7 +121,7 @@ class HybridDrafter(Drafter):
         self.drafted = False
         self._deferred = 0
         self._refreshed = False
-        self._lean = Average(_LEAN_HALF_LIFE, 2)
+        self._lean = Average(LEAN_HALF_LIFE, 2)
 
     def learn(self, text: Sequence[int], complete: bool = True) -> None:
         """Index a finished generation's text (prompt + answer) and finish watching its proposals.
@@ -221,12 +200,11 @@ class HybridDrafter(Drafter):
         beside the target's pass."""
         if not self.adapt or not hindsight.known:
             return budget
-        best, _ = hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead, MARGIN)
-        return min(best, budget)
+        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget)
 
     def _lean_record(self, record: Hindsight) -> Hindsight:
         """The record that prices and sizes a lookup step alone: the kind's own (`record`), or,
-        while it has watched fewer than _THIN_KIND proposals, what lookup alone would have made
+        while it has watched fewer than THIN_KIND proposals, what lookup alone would have made
         of the steps that drafted where that is faster.
 
         A kind's record starts from DOUBT steps of nothing accepted, which fade with the steps
@@ -235,7 +213,7 @@ class HybridDrafter(Drafter):
         watches. Gemma-270M's chat answers, which repeat themselves, drafted so through copies
         that lookup alone ran 1.5x faster: a drafting step's lookup branches carried 25 tokens
         in 180 ms where lookup alone would have carried them in 80."""
-        if record.watched >= _THIN_KIND or not self.alone_on_drafts.known:
+        if record.watched >= THIN_KIND or not self.alone_on_drafts.known:
             return record
         return self.alone_on_drafts if self._lean_rate(self.alone_on_drafts) > self._lean_rate(record) else record
 
@@ -295,7 +273,7 @@ class HybridDrafter(Drafter):
         if not self.with_draft.known:
             return self._lean_by_prior(alone, proposed, committed, root)
         debt = self.draft.debt(committed, root)
-        if not proposed and self.with_draft.watched < _MIN_DRAFTED:
+        if not proposed and self.with_draft.watched < MIN_DRAFTED:
             return False
         if proposed:
             lean = self._lean_rate(alone)
@@ -306,11 +284,11 @@ class HybridDrafter(Drafter):
         catch_up_s = max(0.0, self._draft_step_s(debt) - draft_s)  # beyond a drafting step's usual catch-up
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
         seconds = self.cost(nodes + 1) + self._overhead_s("draft") + draft_s + catch_up_s * accepted / ahead
-        if self._lean_steps >= _LEAN_REFRESH and not long_run and debt <= _REFRESH_DEBT:
+        if self._lean_steps >= LEAN_REFRESH and not long_run and debt <= REFRESH_DEBT:
             # The draft's own tree accepted whole: its deepest path, the catch-up spread as ever.
             tokens = self._deepest + 1.0
             whole = tokens / (float(seconds[0]) + catch_up_s * (tokens - float(accepted[0])) / ahead)
-            if not self._refreshed or whole >= lean * (1.0 + MARGIN):
+            if not self._refreshed or faster(whole, lean):
                 self._refreshed = True
                 return False
         return lean > float(np.max(accepted / seconds))
@@ -320,8 +298,8 @@ class HybridDrafter(Drafter):
         without a profile, from what _assumed_prior makes of this process's measurements).
 
         A catch-up with the text so far (a whole prompt, in a fresh process) that costs more than
-        drafting would save over _DEFER_STEPS steps waits: while the answer follows lookup's
-        proposals (a copy) and for _DEFER_STEPS steps after, plain or lookup steps, lookup
+        drafting would save over DEFER_STEPS steps waits: while the answer follows lookup's
+        proposals (a copy) and for DEFER_STEPS steps after, plain or lookup steps, lookup
         learning for free whether the answer copies the text. Then (or at once, when the
         catch-up is cheap: a short prompt) the draft model runs unless lookup alone, or a plain
         step, is expected faster than its steps with that catch-up spread over the answer.
@@ -342,11 +320,11 @@ class HybridDrafter(Drafter):
         plain_rate = 1.0 / (prior.plain_s * scale)
         ahead = self._tokens_ahead(len(committed) + 1, debt)
         saved = (prior.accepted + 1.0) * max(0.0, 1.0 / plain_rate - 1.0 / prior.draft_rate(1, ahead, scale))
-        if debt > _SHORT_DEBT and max(0, debt - 1) * prior.catch_up_s * scale > _DEFER_STEPS * saved:
+        if debt > SHORT_DEBT and max(0, debt - 1) * prior.catch_up_s * scale > DEFER_STEPS * saved:
             if self.alone.run(2):
                 self._deferred = 0  # the answer is copying the text: lookup carries it
                 return True
-            if self._deferred < _DEFER_STEPS:
+            if self._deferred < DEFER_STEPS:
                 self._deferred += 1
                 return True
         lean = plain_rate
@@ -368,33 +346,29 @@ class HybridDrafter(Drafter):
         return best.draft_rate(1, 1.0) * best.plain_s if best is not None else None
 
     def could_pay(self) -> bool:
-        """Whether the draft's tree, accepted whole, would beat plain steps by MARGIN as timed when
-        it was made (True when nothing was timed)."""
-        best = self.best_speedup()
-        return best is None or best >= 1.0 + MARGIN
+        """Whether the draft's tree, accepted whole, would pay as timed when it was made
+        (pay.rules.draft_could_pay; True when nothing was timed)."""
+        return draft_could_pay(self.best_speedup())
 
     def _assumed_prior(self, debt: int) -> DraftPrior | None:
         """Without a profile: a prior from this process's own measurements (the draft's catch-up
-        cost, the target's passes) and a modest assumption of the draft's gain (_ASSUMED_SPEEDUP),
+        cost, the target's passes) and a modest assumption of the draft's gain (pay.rules.assumed_prior),
         so that a fresh process does not pay a long text's catch-up before lookup has seen
         whether the answer copies it. None where nothing is put off (the catch-up cost unknown,
         or a short catch-up); _UNMEASURED before any target pass of this process was measured."""
-        if self.catch_up_s is None or debt <= _SHORT_DEBT:
+        if self.catch_up_s is None or debt <= SHORT_DEBT:
             return None
         if not self.cost.known:
             return _UNMEASURED
-        plain_s = float(self.cost(np.array([1]))[0])
-        tokens = _ASSUMED_ACCEPTED + 1.0
-        return DraftPrior(plain_s=plain_s, tree_s=tokens * plain_s / _ASSUMED_SPEEDUP, step_s=0.0,
-                          catch_up_s=self.catch_up_s, accepted=_ASSUMED_ACCEPTED)
+        return assumed_prior(float(self.cost(np.array([1]))[0]), self.catch_up_s)
 
     def _tokens_ahead(self, n_text: int, debt: int) -> float:
         """Tokens this answer is expected to still generate (at least 1), to spread a catch-up
         with `debt` unread tokens over.
 
-        Before any answer of this session has ended, and for a long catch-up (over _SHORT_DEBT
+        Before any answer of this session has ended, and for a long catch-up (over SHORT_DEBT
         tokens), an answer that has run g tokens is expected to run about g more (at least
-        _MIN_AHEAD), not up to max_tokens: the catch-up is then paid once the draft's gain
+        MIN_AHEAD), not up to max_tokens: the catch-up is then paid once the draft's gain
         forgone so far would have paid for it (renting until the rent paid equals the price of
         buying: at worst twice what knowing the answer's length would have cost, and never
         slower than plain decoding). Expecting max_tokens paid a 0.8 s catch-up for a 41-token
@@ -403,8 +377,8 @@ class HybridDrafter(Drafter):
         generated = max(0, n_text - self._n_prompt)
         left = max(1, self._max_tokens - generated)
         if not self.answer_len.known:
-            return float(min(left, max(_MIN_AHEAD, generated))) if debt > _SHORT_DEBT else float(left)
-        return float(min(left, max(_MIN_AHEAD, float(self.answer_len.mean) - generated)))
+            return float(min(left, max(MIN_AHEAD, generated))) if debt > SHORT_DEBT else float(left)
+        return float(min(left, max(MIN_AHEAD, float(self.answer_len.mean) - generated)))
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         if proposal is not self._lean_proposal:

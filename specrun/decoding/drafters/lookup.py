@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Sequence
 
 from specrun.decoding.adaptive import (
-    MARGIN,
     STRONG_ORDER,
     Average,
     Hindsight,
@@ -17,6 +16,7 @@ from specrun.decoding.adaptive import (
     TargetCost,
 )
 from specrun.decoding.drafters.base import Drafter, Proposal
+from specrun.decoding.pay.rules import best_size
 from specrun.decoding.lookup_index import LookupIndex, cut
 
 # Tokens compared with the index's copy of the text before indexing a step's tokens: a cheap
@@ -143,8 +143,7 @@ class LookupDrafter(Drafter):
     def best_budget(self, hindsight: Hindsight, budget: int) -> int:
         """The budget with the most tokens per second this kind of proposal has measured."""
         overhead = float(self.step_s.mean) if self.step_s.known else 0.0
-        best, _ = hindsight.best(lambda nodes: self.cost(nodes + 1) + overhead, MARGIN)
-        return min(best, budget)
+        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         pass  # the next propose reads what was accepted from the committed text

@@ -2,15 +2,19 @@
 
 When measured seconds per emitted token stay above plain decoding's, the guard halves the budget,
 down to plain decoding, and tries a larger one again now and then. Pure: the decoder reports each
-step and asks it for the cap.
+step and asks it for the cap (pay.steps). Its figures are pay.rules' GUARD_ ones.
 """
 
 from __future__ import annotations
 
 from specrun.decoding.adaptive import Average
-
-# A speed guard's cut cap grows this many times back at each new request (SpeedGuard.new_request).
-RECOVER = 4
+from specrun.decoding.pay.rules import (
+    GUARD_MARGIN,
+    GUARD_PROBE_EVERY,
+    GUARD_RECOVER,
+    GUARD_RETRY_AFTER,
+    GUARD_WINDOW,
+)
 
 
 class SpeedGuard:
@@ -24,11 +28,12 @@ class SpeedGuard:
     that run would change nothing (the hybrid's budget counts its lookup branches, 5 + 64, while
     on free text its draft chain of 5 is what runs: four cuts, 64 steps, before it shrank). After
     `retry_after` steps at a lower cap it tries twice the cap again, and every new request
-    (`new_request`) starts from RECOVER times the cap: whatever one request taught (a busy
+    (`new_request`) starts from GUARD_RECOVER times the cap: whatever one request taught (a busy
     moment, text that did not repeat) is forgotten within a few requests.
     """
 
-    def __init__(self, budget: int, plain_s: float | None = None, window: int = 16, margin: float = 0.03, retry_after: int = 256, probe_every: int = 128):
+    def __init__(self, budget: int, plain_s: float | None = None, window: int = GUARD_WINDOW, margin: float = GUARD_MARGIN,
+                 retry_after: int = GUARD_RETRY_AFTER, probe_every: int = GUARD_PROBE_EVERY):
         self.budget = budget
         self.cap = budget
         self.window = window
@@ -51,10 +56,10 @@ class SpeedGuard:
         return SpeedGuard(self.budget, self._profiled_plain_s, self.window, self.margin, self.retry_after, self.probe_every)
 
     def new_request(self) -> None:
-        """A request begins: a cut cap grows back RECOVER-fold (from plain decoding: to RECOVER
-        nodes), and the window restarts (the last request's steps judge nothing here)."""
+        """A request begins: a cut cap grows back GUARD_RECOVER-fold (from plain decoding: to
+        GUARD_RECOVER nodes), and the window restarts (the last request's steps judge nothing here)."""
         if self.cap < self.budget:
-            self.cap = min(self.budget, max(1, self.cap) * RECOVER)
+            self.cap = min(self.budget, max(1, self.cap) * GUARD_RECOVER)
             self._since_shrink = 0
         self._spec_s, self._spec_tokens, self._spec_steps, self._spec_nodes = 0.0, 0, 0, 0
 

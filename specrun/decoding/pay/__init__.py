@@ -1,0 +1,7 @@
+"""Whether speculation pays: the one place where specrun weighs a tree against plain decoding.
+
+`rules`: every decision's rule and threshold, each with the measurement it came from (tune's
+prediction and check, a profile's drift at load, whether the draft model could pay at all, the
+size a drafter's hindsight says pays); `guard`: the speed guard, speculation measured against plain
+steps during a run; `steps`: what a speculative decoder proposes each step, and at what size.
+"""

@@ -1,0 +1,170 @@
+"""The rules by which specrun decides that speculation pays, and their thresholds.
+
+Every decision that weighs a tree against plain decoding (or one tree against another) asks here,
+at one of four moments, and every threshold is below with the measurement it came from:
+
+- `specrun tune` predicts (`predicted_pays`), checks the prediction on held-out prompts, which
+  overrules it either way (`check_keeps`), weighs the tuned tree against the untuned default
+  (`default_wins`) and, per workload, the tuned default against the untuned one (`lost_to`);
+- a plan made from a profile is checked at load (`profile_holds`);
+- without a profile, the hybrid decides at load whether the draft model could pay at all
+  (`draft_could_pay`) and, until it has run it, what to assume of it (`assumed_prior`);
+- each step, a drafter sizes its tree by what its hindsight says pays (`best_size`), the hybrid
+  weighs its draft model against leaning on lookup (`faster`, and the figures of its section
+  below), and the speed guard (pay.guard) cuts what measures slower than plain steps, with the
+  GUARD_ figures.
+
+Pure: callers hand in what was measured or predicted. The estimators the rules read decide
+nothing themselves: decoding.adaptive (hindsight acceptance, the target's cost online),
+tuning.cost_model (predictions).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from specrun.decoding.adaptive import DraftPrior, Hindsight
+
+# -- each step --------------------------------------------------------------------------------
+
+# A tree a step proposes (a lookup tree, lookup branches grafted on the draft's tree, the draft's
+# tree against leaning on lookup) must be expected this much faster than what it replaces to be
+# verified: a bet that only breaks even on estimates loses to their noise.
+STEP_MARGIN = 0.05
+
+# The speed guard (pay.guard) judges every GUARD_WINDOW speculative steps; speculation slower than
+# plain steps by more than GUARD_MARGIN halves the tree. A plain step measures plain decoding every
+# GUARD_PROBE_EVERY steps; GUARD_RETRY_AFTER steps at a cut cap try twice the cap again, and a new
+# request grows a cut cap GUARD_RECOVER-fold. Run-to-run noise of a step's seconds on the 2-core
+# test host is a few percent; 16 steps average it to about 1%.
+GUARD_WINDOW = 16
+GUARD_MARGIN = 0.03
+GUARD_PROBE_EVERY = 128
+GUARD_RETRY_AFTER = 256
+GUARD_RECOVER = 4
+
+# Without a profile, what the hybrid assumes of the draft model until it has run (assumed_prior):
+# its steps emit this many times plain decoding's tokens per second (a modest draft's gain),
+# accepting this many draft tokens a pass.
+ASSUMED_SPEEDUP = 1.3
+ASSUMED_ACCEPTED = 1.0
+
+# -- the hybrid: when the draft model runs, and when lookup (or a plain step) carries the text --
+
+# Steps leaning on lookup alone before the draft model runs again (to measure it again), when
+# bringing it up costs no more than catching up this many tokens. After an answer's first such
+# refresh, the next ones only where drafting could pay: its tree accepted whole would beat
+# leaning (`faster`). Each costs the draft's catch-up with what the lean steps emitted (a quarter
+# of a plain step's time per token on the demo pair), which nothing pays back where even a whole
+# chain loses: refreshing every 8 plain steps there ran free chat at 0.94x plain. Where a whole
+# chain would win, an answer's first chains may have been unlucky (1 to 3 of 5 accepted, where
+# 4.5 was the rule): one refresh an answer left such an answer leaning, at 0.93x plain.
+LEAN_REFRESH = 8
+REFRESH_DEBT = 16
+# Drafting steps measured before the hybrid leans on plain steps (lookup proposing nothing): one
+# step's acceptance is chance (a chat answer's first chain accepted 2 of 5, where 4.5 was the rule).
+MIN_DRAFTED = 3
+# A kind of lookup proposal (HindsightByKind) whose record has watched fewer proposals than this
+# is priced by what lookup alone would have made of the steps that drafted, where that is faster
+# (the hybrid's _lean_record): about where its DOUBT has faded to half (adaptive.KIND_HALF_LIFE).
+THIN_KIND = 8
+# An answer that has outlived the session's typical length is expected to go on at least this long.
+MIN_AHEAD = 16
+# Before this process has run the draft model, a catch-up dearer than what drafting would save
+# over this many steps waits that many steps: lookup watches meanwhile (for free) whether the
+# answer copies the text, and then decides (the hybrid's _lean_by_prior).
+DEFER_STEPS = 4
+# Without a profile, the first steps assume of the draft model what `assumed_prior` says
+# until it has run. With a profile or without, a catch-up of at most SHORT_DEBT tokens
+# never waits: so short a text (a one-line question in its chat template, a new turn of a chat)
+# gives lookup little to copy, and waiting would only cost the draft's gain on the first steps.
+SHORT_DEBT = 64
+# Steps after which a leaning step's tokens and seconds weigh half in what leaning is expected to
+# make of the rest of an answer (the hybrid's _lean_by_prior).
+LEAN_HALF_LIFE = 24
+
+# -- tune -------------------------------------------------------------------------------------
+
+# Below this predicted speedup over plain decoding the gain is within measurement noise and a
+# misprediction would make decoding slower: the tuner stores plain decoding (lookup stays on).
+PREDICTED_GAIN = 1.05
+# A draft tree that measures slower than this against plain decoding on the held-out prompts is
+# turned off (lookup stays on), whatever the prediction said; one that measures at least this
+# fast stays, whatever the prediction said. The check decodes a few short answers, whose speed
+# varies by several percent from run to run on a small machine: a tree that measured about level
+# with plain decoding stays, and the run's own speed guard (which measures plain steps itself)
+# cuts it where it loses, as it does without a profile. Turning it off on such a figure took the
+# draft tree's gain on free text away from every later run.
+CHECK_FLOOR = 0.90
+# The held-out check also decodes what runs without a profile (the untuned chain); a tuned tree
+# must not measure slower than it by more than this, or the default is what is stored.
+DEFAULT_MARGIN = 0.03
+# The tuned default may run a workload at most this much slower than the untuned default on the
+# predicting half; slower, and the untuned default is stored instead (a false alarm costs only what
+# the tuned tree would have gained; the untuned default is what runs without a profile anyway).
+UNTUNED_MARGIN = 0.05
+
+# -- load -------------------------------------------------------------------------------------
+
+# How far the target's one-token pass at load may be from the tuning profile's (either way, as a
+# fraction) before the profile's figures are set aside for the run. The pass timed at load and
+# plain decoding's passes agree within about 5% in one state of a machine; a CPU in another power
+# state is 15-50% off, and on the 2-core test host the demo pair's draft went from losing (10.8 ms
+# target passes) to paying 1.1x (12 ms). Set aside, a run is the untuned default: never slower.
+PROFILE_DRIFT = 0.08
+
+
+def faster(rate: float, than: float, margin: float = STEP_MARGIN) -> bool:
+    """Whether `rate` (tokens per second) beats `than` by `margin`."""
+    return rate >= than * (1.0 + margin)
+
+
+def lost_to(rate: float, than: float, margin: float) -> bool:
+    """Whether `rate` fell behind `than` by more than `margin`."""
+    return rate < than * (1.0 - margin)
+
+
+def best_size(hindsight: Hindsight, step_seconds: Callable[[np.ndarray], np.ndarray], budget: int) -> int:
+    """The budget (at most `budget`) with the most tokens per second by `hindsight`, a step that
+    verifies n nodes taking `step_seconds(n)`; 0 (no tree) unless a tree beats it by STEP_MARGIN."""
+    best, _ = hindsight.best(step_seconds, STEP_MARGIN)
+    return min(best, budget)
+
+
+def draft_could_pay(best_speedup: float | None) -> bool:
+    """Whether the draft's tree, accepted whole, beats plain steps by STEP_MARGIN as timed at load
+    (True when nothing was timed: a profile's figures decide)."""
+    return best_speedup is None or best_speedup >= 1.0 + STEP_MARGIN
+
+
+def assumed_prior(plain_s: float, catch_up_s: float) -> DraftPrior:
+    """What to assume of a draft model that has not run yet in a process without a profile: this
+    process's one-token pass and the draft's catch-up cost per token as measured, its gain
+    ASSUMED_SPEEDUP with ASSUMED_ACCEPTED tokens a pass."""
+    tokens = ASSUMED_ACCEPTED + 1.0
+    return DraftPrior(plain_s=plain_s, tree_s=tokens * plain_s / ASSUMED_SPEEDUP, step_s=0.0,
+                      catch_up_s=catch_up_s, accepted=ASSUMED_ACCEPTED)
+
+
+def predicted_pays(speedup: float) -> bool:
+    """Whether the tuner's predicted speedup over plain decoding is worth a tree."""
+    return speedup >= PREDICTED_GAIN
+
+
+def check_keeps(measured_speedup: float) -> bool:
+    """Whether tune's held-out check keeps a draft tree that measured `measured_speedup` over plain
+    decoding (turning off one predicted to gain, or keeping one predicted to lose)."""
+    return measured_speedup >= CHECK_FLOOR
+
+
+def default_wins(default_tokens_per_s: float, tuned_tokens_per_s: float) -> bool:
+    """Whether the untuned default measured faster than the tuned tree by more than DEFAULT_MARGIN."""
+    return default_tokens_per_s > tuned_tokens_per_s * (1.0 + DEFAULT_MARGIN)
+
+
+def profile_holds(target_pass_s: float, profiled_s: float) -> bool:
+    """Whether a one-token pass timed now is within PROFILE_DRIFT of the profile's, either way."""
+    return abs(math.log(target_pass_s / profiled_s)) <= math.log1p(PROFILE_DRIFT)

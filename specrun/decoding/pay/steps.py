@@ -1,0 +1,68 @@
+"""What a speculative decoder proposes each step, and at what size.
+
+A step may verify at most what the plan's tree, the room left in the context and the request's
+lane allow (the decoder's capacity); `StepSizer` cuts that to what pays: the speed guard of this
+kind of request (greedy or sampled) caps it, down to plain steps, and now and then asks for a
+plain step to measure plain decoding; reproducible sampling decodes plainly. Within the size it
+gives, a drafter proposes the tree its own hindsight says pays (rules.best_size).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specrun.core.sampling import SamplingParams
+from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.steps import Step
+
+log = logging.getLogger("specrun")
+
+
+class StepSizer:
+    """The size of each step of one decoder: `start` a request, ask `size` before each step,
+    `record` each step that ran.
+
+    One guard per kind of request (greedy, sampled): what sampled answers measured must not cut
+    the trees of greedy ones. The guard given stands for the first kind seen, a copy (settings, no
+    measurements) for the other. Without a guard (bench and tune measure trees as given) a step
+    verifies what the decoder's capacity allows.
+    """
+
+    def __init__(self, guard: SpeedGuard | None = None):
+        self.guard = guard  # the guard of the request under way
+        self._guards: dict[str, SpeedGuard] = {}
+        self._told = False  # the guard's first event was said (at info level)
+
+    def start(self, params: SamplingParams) -> None:
+        """A request begins: its kind's guard (a cut cap grows back: SpeedGuard.new_request)."""
+        if self.guard is None:
+            return
+        kind = "sampled" if params.temperature > 0 else "greedy"
+        if not self._guards:
+            self._guards[kind] = self.guard
+        elif kind not in self._guards:
+            self._guards[kind] = self.guard.copy()
+        self.guard = self._guards[kind]
+        self.guard.new_request()
+
+    def size(self, capacity: int, params: SamplingParams) -> int:
+        """The most tree nodes this step proposes, of the `capacity` the decoder has (0: a plain step)."""
+        if params.reproducible:
+            return 0  # see SamplingParams.reproducible
+        if self.guard is None:
+            return capacity
+        return 0 if self.guard.wants_plain_step() else min(capacity, self.guard.cap)
+
+    def record(self, step: Step) -> None:
+        """Take a step's tokens, seconds and tree size (steps of passes this request had to
+        itself only, and not an answer's first drafted step, which brings the draft up to the
+        prompt: a one-off, like the target's prefill)."""
+        guard = self.guard
+        if guard is None:
+            return
+        guard.record(len(step.tokens), step.total_s, step.tree_nodes)
+        for event in guard.events[guard.said :]:
+            # Said once with --verbose; what follows (retries, further shrinking) at debug level.
+            (log.debug if self._told else log.info)("%s", event)
+            self._told = True
+            guard.said += 1

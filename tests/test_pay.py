@@ -1,0 +1,134 @@
+"""decoding.pay: the one place that decides whether speculation pays.
+
+The rules with their thresholds, the step sizer that asks the speed guard of each kind of request,
+and a check that no other module keeps a threshold of its own. The decoders' behaviour with real
+models under these rules is tested where they are (test_lookup_decoding, test_runtime_profile).
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrun.core.sampling import SamplingParams
+from specrun.core.tree import DraftTree
+from specrun.decoding.adaptive import Hindsight
+from specrun.decoding.pay import rules
+from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.pay.steps import StepSizer
+from specrun.decoding.steps import Step
+
+PACKAGE = Path(rules.__file__).resolve().parents[2]
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8)
+SEEDED = SamplingParams(temperature=0.8, seed=7)
+
+
+def test_a_tree_must_beat_what_it_replaces_by_the_step_margin():
+    assert rules.faster(105.0, 100.0) and not rules.faster(104.0, 100.0)
+    assert rules.lost_to(94.0, 100.0, 0.05) and not rules.lost_to(96.0, 100.0, 0.05)
+    # The draft model whose whole-accepted tree cannot beat plain steps stays off; untimed, it may run.
+    assert rules.draft_could_pay(None) and rules.draft_could_pay(1.0 + rules.STEP_MARGIN)
+    assert not rules.draft_could_pay(1.0 + rules.STEP_MARGIN / 2)
+
+
+def test_tune_decides_by_its_thresholds():
+    assert rules.predicted_pays(rules.PREDICTED_GAIN) and not rules.predicted_pays(rules.PREDICTED_GAIN - 0.01)
+    assert rules.check_keeps(rules.CHECK_FLOOR) and not rules.check_keeps(rules.CHECK_FLOOR - 0.01)
+    tuned = 50.0
+    assert not rules.default_wins(tuned * (1 + rules.DEFAULT_MARGIN), tuned)
+    assert rules.default_wins(tuned * (1 + rules.DEFAULT_MARGIN) + 0.1, tuned)
+
+
+def test_a_profile_holds_within_its_drift_either_way():
+    profiled = 0.010
+    inside, outside = 1.0 + rules.PROFILE_DRIFT * 0.9, 1.0 + rules.PROFILE_DRIFT * 1.1
+    assert rules.profile_holds(profiled * inside, profiled) and rules.profile_holds(profiled / inside, profiled)
+    assert not rules.profile_holds(profiled * outside, profiled) and not rules.profile_holds(profiled / outside, profiled)
+
+
+def test_the_assumed_prior_is_a_modest_gain_over_the_measured_pass():
+    prior = rules.assumed_prior(plain_s=0.02, catch_up_s=0.001)
+    # A drafting step right after another (no catch-up): the assumed speedup over plain steps.
+    assert prior.draft_rate(1, 100.0) * prior.plain_s == pytest.approx(rules.ASSUMED_SPEEDUP)
+    assert prior.accepted == rules.ASSUMED_ACCEPTED and prior.catch_up_s == 0.001
+
+
+def _watched(accepted_of_four: int, steps: int = 12) -> Hindsight:
+    """A hindsight of `steps` proposals of a 4-token chain, each accepted `accepted_of_four` deep."""
+    hindsight = Hindsight(max_budget=4)
+    for i in range(steps):
+        tokens = [10 * i + k for k in range(1, 5)]
+        hindsight.watch(DraftTree.chain(1, tokens, -0.1 * np.arange(1, 5)))
+        hindsight.feed(tokens[:accepted_of_four] + [999])
+    return hindsight
+
+
+def test_a_drafter_gets_the_size_that_pays_and_none_where_a_tree_only_breaks_even():
+    seconds = lambda nodes: 0.010 + 0.002 * np.asarray(nodes)  # a pass over the tree + its root
+    assert rules.best_size(_watched(4), seconds, 4) == 4  # every token accepted: the whole chain
+    assert rules.best_size(_watched(4), seconds, 2) == 2  # never above what the step may verify
+    assert rules.best_size(_watched(0), seconds, 4) == 0  # nothing accepted: a plain step
+    # One token accepted a step: a one-node tree emits 2 tokens a pass where a plain step emits 1.
+    # It pays only where its pass costs less than twice a plain one by the margin (larger trees
+    # are priced out here).
+    def passes(one_node_s: float):
+        return lambda nodes: np.select([np.asarray(nodes) == 0, np.asarray(nodes) == 1], [0.010, one_node_s], 1.0)
+    margin = rules.STEP_MARGIN
+    assert rules.best_size(_watched(1), passes(0.020 / (1 + 2 * margin)), 4) == 1
+    assert rules.best_size(_watched(1), passes(0.020 / (1 + margin / 2)), 4) == 0
+
+
+def _step(tokens: int, seconds: float, nodes: int) -> Step:
+    return Step(list(range(tokens)), target_s=seconds, total_s=seconds, tree_nodes=nodes)
+
+
+def test_a_step_is_plain_for_a_seeded_sample_and_as_large_as_allowed_without_a_guard():
+    sizer = StepSizer()
+    sizer.start(GREEDY)
+    assert sizer.size(24, GREEDY) == 24
+    assert sizer.size(24, SEEDED) == 0
+
+
+def test_greedy_and_sampled_requests_have_guards_of_their_own(caplog):
+    """A guard cut by greedy requests' losing trees does not cut sampled ones, and says so once at
+    info level."""
+    sizer = StepSizer(SpeedGuard(16, plain_s=0.010, window=4))
+    sizer.start(GREEDY)
+    with caplog.at_level(logging.DEBUG, logger="specrun"):
+        for _ in range(3):
+            for _ in range(4):
+                if sizer.size(16, GREEDY):
+                    sizer.record(_step(1, 0.020, 16))  # one token a step at twice a plain step's time
+                else:
+                    sizer.record(_step(1, 0.010, 0))  # the guard's own plain step
+    greedy_cap = sizer.guard.cap
+    assert greedy_cap < 16
+    switches = [r for r in caplog.records if "switching to" in r.getMessage()]
+    assert switches and [r.levelno for r in switches].count(logging.INFO) == 1
+    sizer.start(SAMPLED)
+    assert sizer.guard.cap == 16 and sizer.size(16, SAMPLED) == 16
+    sizer.start(GREEDY)  # back to greedy: its guard, its cap grown back by GUARD_RECOVER at most
+    assert sizer.guard.cap == min(16, max(1, greedy_cap) * rules.GUARD_RECOVER)
+
+
+def test_no_module_outside_pay_keeps_a_threshold_of_its_own():
+    """Thresholds that weigh speculation against plain decoding (margins, minimum speedups, drifts)
+    are defined in decoding/pay/rules.py only; memory margins (bytes, allocations) are no such thing."""
+    stray = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "pay":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                name = getattr(target, "id", "").lstrip("_")
+                if name.startswith("ALLOCATION") or "BYTES" in name:
+                    continue  # memory: what llama.cpp allocated against the plan
+                if name.endswith(("MARGIN", "SPEEDUP", "DRIFT", "GAIN", "FLOOR")) or "ASSUMED" in name:
+                    stray.append(f"{path.relative_to(PACKAGE)}: {name}")
+    assert stray == []
