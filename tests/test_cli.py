@@ -174,6 +174,47 @@ def test_jsonl_reads_a_file(cli, tmp_path):
     assert json.loads(result.stdout)["text"] == ANSWER
 
 
+def test_jsonl_lines_may_carry_a_conversation(cli):
+    """A line's "messages" are rendered by the chat template as a prompt's chat mode renders one
+    message: the same answers, token for token; a system message, `--system`, and several turns;
+    a bad conversation is that line's error, naming the field."""
+    user = {"role": "user", "content": QUESTION}
+    system = {"role": "system", "content": "You answer in one word."}
+    turns = [system, user, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
+    bad = [
+        {"messages": [user], "prompt": QUESTION},
+        {"messages": []},
+        {"messages": [{"role": "bot", "content": "hi"}]},
+        {"messages": [user, {"role": "assistant", "content": "Paris."}]},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [user], "system": "Be brief."},
+    ]
+    lines = [{"messages": [user]}, {"prompt": QUESTION},
+             {"messages": [system, user]}, {"prompt": QUESTION, "system": system["content"]},
+             {"messages": turns}, *bad]
+    result = cli("generate", "--jsonl", "-n", "12", *PLAIN, input="\n".join(map(json.dumps, lines)) + "\n")
+
+    assert result.exit_code == 0, result.output
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    key = lambda r: (r["stats"]["n_prompt"], r["token_ids"])  # the prompt's length and the answer
+    prompt_len = lambda r: r["stats"]["n_prompt"]
+    assert key(out[0]) == key(out[1]) and out[0]["text"] == ANSWER
+    assert key(out[2]) == key(out[3]) and prompt_len(out[2]) != prompt_len(out[0])  # (the template has a default one)
+    assert out[4]["n_tokens"] > 0 and prompt_len(out[4]) > prompt_len(out[2])
+    errors = out[5:]
+    assert [e.get("field") for e in errors] == ["messages"] * 5 + ["system"]
+    assert all("text" not in e and e["line"] == 6 + i for i, e in enumerate(errors))
+    assert "not both" in errors[0]["error"] and "role" in errors[2]["error"] and "last message" in errors[3]["error"]
+
+    # --system opens a conversation that has no system message of its own (and only such a one).
+    result = cli("generate", "--jsonl", "-n", "12", *PLAIN, "--system", system["content"],
+                 input=json.dumps({"messages": [user]}) + "\n" + json.dumps({"messages": [
+                     {"role": "system", "content": "You answer every question at great length, with examples."}, user]}) + "\n")
+    assert result.exit_code == 0, result.output
+    with_flag, own = (json.loads(line) for line in result.stdout.splitlines())
+    assert key(with_flag) == key(out[2]) and prompt_len(own) != prompt_len(out[2])
+
+
 # ---------------------------------------------------------------------------------------------
 # exit codes and messages
 

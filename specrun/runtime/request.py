@@ -36,6 +36,9 @@ class Request:
     json_schema: str | None = None  # JSON text of a schema the answer must satisfy
     grammar: str | None = None  # a GBNF or Lark grammar the answer must follow
     parse_special: bool = True  # raw prompts: special-token text becomes special tokens (chat messages: never)
+    # A whole conversation, (role, content) per message, in place of one prompt text: rendered by
+    # the model's chat template (a `--jsonl` line's "messages").
+    messages: tuple[tuple[str, str], ...] | None = None
 
     def sampling(self, grammar: Grammar | None = None) -> SamplingParams:
         """Return the sampling settings (raises UsageError naming a bad one)."""
@@ -69,12 +72,16 @@ class Request:
         return None
 
 
-def run_request(rt, request: Request, text: str, on_text=None, lease=None):
-    """Generate for one prompt text; call on_text(chunk) as text streams; return the Result.
+def run_request(rt, request: Request, text: str | None, on_text=None, lease=None):
+    """Generate for one prompt text (or the request's messages); call on_text(chunk) as text
+    streams; return the Result.
     `lease`: where several requests decode at once, each with a decoder of its own, the
     runtime.pool.Lease that takes this one's once its prompt is known; by default the runtime's
     first decoder."""
-    prompt = rt.tokenize_prompt(text, request.chat, request.system, request.parse_special)
+    if request.messages is not None:
+        prompt = rt.tokenize_messages([{"role": role, "content": content} for role, content in request.messages])
+    else:
+        prompt = rt.tokenize_prompt(text, request.chat, request.system, request.parse_special)
     decoder = lease.take(prompt) if lease is not None else rt.decoder
     params = request.sampling(request.compile_grammar(rt.target))
     chunks = stream(decoder, rt.target, prompt, params, request.max_tokens, request.stop)

@@ -14,7 +14,7 @@ from specrun.errors import UsageError
 from specrun.inputs import check_utf8, token_id
 from specrun.runtime.request import Request
 
-FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "parse_special",
+FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "parse_special",
           "presence_penalty", "frequency_penalty", "repeat_penalty", "logit_bias", "logprobs", "json_schema",
           "grammar", "id")
 
@@ -85,6 +85,33 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def _messages(value) -> tuple[tuple[str, str], ...]:
+    """A conversation: a non-empty list of {"role", "content"} objects ending with a user's."""
+    if not isinstance(value, list) or not value:
+        raise FieldError("messages", f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, got {json.dumps(value)[:80]}")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or set(message) - {"role", "content"}:
+            raise FieldError("messages", f"{where} must be an object with \"role\" and \"content\" only, got {json.dumps(message)[:80]}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise FieldError("messages", f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise FieldError("messages", f"{where}.content must be a string, got {json.dumps(content)[:80]}")
+        try:
+            out.append((role, check_utf8(content, where + ".content")))
+        except UsageError as e:
+            raise FieldError("messages", str(e)) from None
+    if out[-1][0] != "user":
+        raise FieldError("messages", f"the last message must be the user's (the answer is the assistant's), got {out[-1][0]!r}")
+    return tuple(out)
+
+
 def _json_schema(value) -> str:
     if not isinstance(value, dict):
         raise FieldError("json_schema", f"json_schema must be a JSON object, got {json.dumps(value)}")
@@ -108,12 +135,14 @@ _CHECKS = {
     "logit_bias": _logit_bias,
     "logprobs": lambda v: _int_at_least("logprobs", v, 0),
     "json_schema": _json_schema,
+    "messages": _messages,
     "grammar": lambda v: _text("grammar", v),
 }
 
 
-def parse_line(line: str, base: Request) -> tuple[Request, str, object]:
-    """Return (request, prompt, id) for one JSON line; raise UsageError (FieldError for a field)."""
+def parse_line(line: str, base: Request) -> tuple[Request, str | None, object]:
+    """Return (request, prompt, id) for one JSON line (the prompt None where the line gives
+    "messages": then the request carries them); raise UsageError (FieldError for a field)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -125,13 +154,27 @@ def parse_line(line: str, base: Request) -> tuple[Request, str, object]:
     unknown = sorted(set(obj) - set(FIELDS))
     if unknown:
         raise FieldError(unknown[0], f"unknown field(s): {', '.join(unknown)} (known: {', '.join(FIELDS)})")
-    if "prompt" not in obj:
-        raise FieldError("prompt", 'missing "prompt" (a non-empty string)')
-    prompt = _text("prompt", obj["prompt"])
-    if not prompt.strip():
-        raise FieldError("prompt", "prompt is empty")
+    prompt = None
+    if obj.get("messages") is not None:
+        if obj.get("prompt") is not None:
+            raise FieldError("messages", 'give "prompt" or "messages", not both')
+        for name in ("system", "chat"):
+            if obj.get(name) is not None:
+                raise FieldError(name, f'{name} goes with "prompt": "messages" are a chat (put a system message in them)')
+    else:
+        if "prompt" not in obj:
+            raise FieldError("prompt", 'missing "prompt" (a non-empty string) or "messages"')
+        prompt = _text("prompt", obj["prompt"])
+        if not prompt.strip():
+            raise FieldError("prompt", "prompt is empty")
     fields = {name: _CHECKS[name](value) for name, value in obj.items() if name in _CHECKS and value is not None}
     request = replace(base, **fields)
+    if request.messages is not None:
+        # A conversation is a chat; the command line's --system opens one that has no system message.
+        messages = request.messages
+        if request.system and all(role != "system" for role, _ in messages):
+            messages = (("system", request.system), *messages)
+        request = replace(request, messages=messages, chat=True, system=None)
     if request.system and request.chat is False:
         raise FieldError("system", 'system needs chat mode ("chat": true, or leave "chat" out)')
     if "json_schema" in fields and "grammar" in fields:

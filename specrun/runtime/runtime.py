@@ -188,6 +188,12 @@ class Runtime:
         """Return the prompt's tokens (see ChatFormat.prompt_tokens)."""
         return self.chat_format.prompt_tokens(text, chat, system, parse_special)
 
+    def tokenize_messages(self, messages: list[dict]) -> list[int]:
+        """Return a conversation's tokens, rendered by the model's chat template as a chat-mode
+        prompt is (message text stays text: chat.control), ready for the assistant's answer."""
+        fmt = self.chat_format
+        return fmt.tokenize_start(fmt.render(messages, add_generation_prompt=True))
+
     def clear_contexts(self) -> None:
         """Empty the target's and the draft's KV caches (for a fresh decoder on each prompt)."""
         self.target_ctx.clear()
