@@ -29,7 +29,10 @@ from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.batching import Lane, PassGate
 from specrun.core.tree import DraftTree
 from specrun.decoding.drafters.base import Drafter, Proposal
+from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.pay.together import Together
 from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.limits import MAX_SEQ
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
 
@@ -229,6 +232,63 @@ def test_a_hybrid_target_decodes_two_requests_in_lanes_as_each_alone(offline_mod
         alone_ctx.close()
 
 
+def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone(offline_models, load_model):
+    """The demo pair, three requests in lanes of one target context and one draft context (a gate
+    each, one room): the draft model grows every request's tree while they decode together, its
+    passes expanding several requests' trees at once, and each greedy answer is the one decoded
+    alone."""
+    target, draft = load_model(offline_models.smollm2_f32), load_model(offline_models.smollm2_q4)
+    shape = TreeShape(budget=12, depth=6, width=4, top_k=4)
+    prompts = [target.tokenize(q, add_special=True) for q in QUESTIONS[:3]]
+    n, per = 32, MAX_SEQ // 3
+    owned = []
+
+    def context(model, requests: int, batch: int):
+        ctx = engine.Context(model, n_ctx=256 * requests, n_batch=batch, n_seq_max=MAX_SEQ, threads=2)
+        owned.append(ctx)
+        return ctx
+
+    def tokens(dec, prompt):
+        return [t for step in dec.steps(prompt, SamplingParams(), n, make_rng(0)) for t in step.tokens]
+
+    try:
+        target_ctx, draft_ctx = context(target, 1, 64), context(draft, 1, 64)
+        alone = []
+        for prompt in prompts:
+            grower = TreeGrower(draft, draft_ctx, shape)
+            alone.append(tokens(SpeculativeDecoder(target, target_ctx, grower, shape), prompt))
+            target_ctx.clear()
+            draft_ctx.clear()
+        target_ctx, draft_ctx = context(target, 3, 64), context(draft, 3, 64)
+        gate = PassGate(target_ctx)
+        draft_gate = PassGate(draft_ctx, gate.room, first=True)
+        lanes = [Lane(target_ctx, range(i * per, (i + 1) * per), 256, gate) for i in range(3)]
+        draft_lanes = [Lane(draft_ctx, range(i * per, (i + 1) * per), 256, draft_gate) for i in range(3)]
+        together = Together(window=10**6)  # one turn, the first: drafting with the model
+        decoders = [SpeculativeDecoder(target, target_ctx, TreeGrower(draft, draft_ctx, shape, d), shape, lane=lane,
+                                       together=together) for lane, d in zip(lanes, draft_lanes)]
+        results: list = [None] * 3
+
+        def run(i: int) -> None:
+            try:
+                results[i] = tokens(decoders[i], prompts[i])
+            finally:
+                lanes[i].leave()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert results == alone
+        assert gate.shared_passes > 0 and draft_gate.shared_passes > 0, (gate.shared_passes, draft_gate.shared_passes)
+        # Steps whose target pass held other requests' trees drafted with the draft model too.
+        assert any(step.shared > 1 and step.draft_passes > 1 for dec in decoders for step in dec.stats.steps)
+    finally:
+        for ctx in owned:
+            ctx.close()
+
+
 class _PromptChains(Drafter):
     """Proposes, below the root, the prompt's tokens that followed the root's last occurrence there
     (or its first tokens): chains that are often wrong, with no model pass."""
@@ -251,8 +311,12 @@ def test_the_plan_for_n_requests_is_what_llama_cpp_allocates(offline_models):
     opts = RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", ctx_size=1024, parallel=3, quiet=True)
     with Runtime(opts) as rt:
         planned = rt.plan.placement.breakdown
-        assert rt.plan.target_ctx.cells == 3 * 1024 and rt.plan.draft_ctx.copies == 3
+        assert rt.plan.target_ctx.cells == 3 * 1024 and rt.plan.draft_ctx.cells == 3 * 1024
         assert len(rt.decoders) == 3 and len({d.cache.lane.base for d in rt.decoders}) == 3
+        # One draft context, a lane of it each, its gate in the target gate's room.
+        drafters = [getattr(d.drafter, "draft", d.drafter) for d in rt.decoders]
+        assert len({g.lane.base for g in drafters}) == 3 and {g.ctx for g in drafters} == {rt.draft_ctx}
+        assert drafters[0].lane.gate.room is rt.decoders[0].lane.gate.room
         context = sum(p.context for p in planned)
         everything = sum(p.total for p in planned)
         assert abs(context - rt.allocation.context) <= 0.05 * rt.allocation.context, (context, rt.allocation)
@@ -285,12 +349,12 @@ def test_generate_refuses_parallel_without_jsonl(cli):
     assert "--parallel needs --jsonl" in result.output
 
 
-def test_plan_parallel_shows_the_cells_and_a_draft_context_each(cli):
+def test_plan_parallel_shows_the_cells_of_each_context(cli):
     result = cli("plan", "--parallel", "3", "--ctx-size", "1024", "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     target, draft = plan["contexts"]["target"], plan["contexts"]["draft"]
     assert (target["parallel"], target["cells"], target["n_ctx"]) == (3, 3072, 1024)
-    assert draft["copies"] == 3 and plan["context"]["n_ctx"] == 1024
+    assert (draft["parallel"], draft["cells"]) == (3, 3072) and plan["context"]["n_ctx"] == 1024
     text = cli("plan", "--parallel", "3", "--ctx-size", "1024")
     assert "3 requests at once: 3072 KV cells (1024 each)" in text.stdout

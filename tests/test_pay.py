@@ -20,6 +20,7 @@ from specrun.decoding.adaptive import Hindsight
 from specrun.decoding.pay import rules
 from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.steps import StepSizer
+from specrun.decoding.pay.together import Together
 from specrun.decoding.steps import Step
 
 PACKAGE = Path(rules.__file__).resolve().parents[2]
@@ -132,3 +133,27 @@ def test_no_module_outside_pay_keeps_a_threshold_of_its_own():
                 if name.endswith(("MARGIN", "SPEEDUP", "DRIFT", "GAIN", "FLOOR")) or "ASSUMED" in name:
                     stray.append(f"{path.relative_to(PACKAGE)}: {name}")
     assert stray == []
+
+
+def test_requests_together_take_turns_and_keep_the_faster_mode():
+    """Per count of requests: a turn drafting with the model, one leaning, then the faster one,
+    the slower again every `retry` turns; a request coming or going starts a turn of its count."""
+    now = [0.0]
+    together = Together(window=10, retry=4, clock=lambda: now[0])
+
+    def turn(requests: int, seconds: float) -> bool:
+        drafting = together.drafts(requests)
+        for _ in range(5):  # 5 steps of 2 tokens: one window
+            now[0] += seconds / 5
+            together.record(requests, drafting, 2)
+        return drafting
+
+    # 4 requests: drafting 10 tokens in 1 s, leaning in 0.5 s.
+    assert turn(4, 1.0) is True and turn(4, 0.5) is False
+    assert together.rate(4, True) == pytest.approx(10) and together.rate(4, False) == pytest.approx(20)
+    assert [turn(4, 0.5 if not together.drafts(4) else 1.0) for _ in range(8)] == [False, False, False, True] * 2
+    # 2 requests have their own turns: drafting wins there.
+    assert turn(2, 0.2) is True and turn(2, 0.5) is False and turn(2, 0.2) is True
+    # A step of a turn that ended (or of another count) is not counted.
+    together.record(3, True, 100)
+    assert together.rate(3, True) is None

@@ -56,7 +56,7 @@ def plan_lines(plan: Plan) -> list[str]:
     if tctx.parallel > 1:
         lines.append(f"         {tctx.parallel} requests at once: {tctx.cells} KV cells ({tctx.n_ctx} each), "
                      f"{tctx.n_seq_max // tctx.parallel} sequences each, one target pass for all"
-                     + (", a draft context each" if plan.draft_ctx is not None else ""))
+                     + (", one draft pass for all" if plan.draft_ctx is not None else ""))
     if plan.draft_ctx is not None:
         lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
     lines.append(f"threads  {plan.threads}")

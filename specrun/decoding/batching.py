@@ -1,13 +1,13 @@
-"""Several requests in one target pass: each request's lane of the target's context, and the gate
-where their passes meet.
+"""Several requests in one model pass: each request's lane of a context (the target's, the
+draft's), and the gates where their passes meet.
 
-A `Lane` is one request's share of the target's context: a range of its sequence ids (the
+A `Lane` is one request's share of a context: a range of its sequence ids (the
 committed text in the first, tree colours or chains in the rest), the context length a request
 may use, and how its passes run. A lane of its own (the default) decodes at once; lanes that
 share a `PassGate` hand their batches to it and wait: when every lane that is decoding has
 handed one in, the last to arrive runs them as one batch, and each gets its own rows of the
 logits back. Each lane decodes in a thread of its own (the server's requests), so a request's
-drafting, sampling and streaming run while the others do theirs; the one target pass is shared.
+drafting, sampling and streaming run while the others do theirs; the passes are shared.
 
 The rules of the gate:
 - A pass runs only when every member is waiting at the gate, so no member is still reading the
@@ -21,6 +21,12 @@ The rules of the gate:
   in batches of other sizes).
 - A member that is not waiting (drafting, or between requests) holds the pass back; one that
   leaves lets it go.
+- The draft model's context is shared the same way (one draft context, a lane of it for each
+  request, its own gate): one draft pass expands every drafting request's tree. The gates of one
+  set of requests meet in a `Room`: a pass of either context runs only when every request waits
+  at one gate or the other, the draft's first (a request still drafting is on its way to the
+  target's gate, and its tree should join that pass). One pass runs at a time, whichever the
+  context: they share the machine's cores.
 - A target with a recurrent state splits a batch into ubatches that hold as many tokens of every
   sequence, and rolls a state back only within the ubatch that made it: there, steps go together
   only where every sequence of every step holds as many tokens (chains of one length), so the
@@ -44,8 +50,11 @@ class Lane:
     passes run (at once, or through a gate with other lanes')."""
 
     def __init__(self, ctx: Context, seqs: range | None = None, n_ctx: int | None = None,
-                 gate: PassGate | None = None):
+                 gate: PassGate | None = None, owner: object | None = None):
         self.ctx = ctx
+        # The request the lane serves: its target lane and its draft lane wait for one another's
+        # passes as one member of the gates' room.
+        self.owner = owner if owner is not None else self
         self.seqs = seqs if seqs is not None else range(ctx.n_seq_max)
         self.n_ctx = n_ctx or ctx.n_ctx
         self.gate = gate
@@ -57,7 +66,7 @@ class Lane:
     @property
     def sharing(self) -> bool:
         """Whether other lanes decode now (their passes shared with this one's)."""
-        return self.gate is not None and self.gate.active > 1
+        return self.gate is not None and self.gate.room.active > 1
 
     @property
     def base(self) -> int:
@@ -132,32 +141,62 @@ class _Handed:
     done: bool = False
 
 
-class PassGate:
-    """Where the lanes of one target context meet to share its passes (see the module doc)."""
+class Room:
+    """Where the gates of one set of requests meet (see the module doc): its members are the
+    requests decoding now, each waiting at one gate or busy in its own thread."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.members: set[object] = set()
+        self.gates: list[PassGate] = []  # in the order they are served: draft gates first
+        self.running = False
+
+    @property
+    def active(self) -> int:
+        """Requests decoding now."""
+        return len(self.members)
+
+    def ready(self) -> bool:
+        """Whether a pass may run now: none runs and every member waits at a gate (holding the lock)."""
+        return not self.running and sum(len(g._waiting) for g in self.gates) >= len(self.members)
+
+    def lead(self) -> None:
+        """Run the next pass: the first gate's (in serving order) that has batches waiting."""
+        for gate in self.gates:
+            if gate._waiting:
+                gate._lead()
+                return
+
+
+class PassGate:
+    """Where the lanes of one context meet to share its passes (see the module doc)."""
+
+    def __init__(self, ctx: Context, room: Room | None = None, first: bool = False):
         self.ctx = ctx
+        self.room = room if room is not None else Room()
+        if first:
+            self.room.gates.insert(0, self)
+        else:
+            self.room.gates.append(self)
         self._batch = Batch(ctx.n_batch, MAX_SEQ)
-        self._cond = threading.Condition()
-        self._members: set[Lane] = set()
+        self._cond = self.room.cond
         self._waiting: dict[Lane, _Handed] = {}
-        self._running = False
         self._last_solo = False
         self.shared_passes = 0  # passes that held several requests (for tests and stats)
 
     @property
     def active(self) -> int:
-        """Lanes decoding now."""
-        return len(self._members)
+        """Requests decoding now."""
+        return self.room.active
 
     def share(self) -> int:
         """Tree nodes one lane may verify per pass when every active lane grows a tree: its share of
         the batch, less its pending token."""
-        return max(0, self.ctx.n_batch // max(1, len(self._members)) - 1)
+        return max(0, self.ctx.n_batch // max(1, self.room.active) - 1)
 
     def leave(self, lane: Lane) -> None:
         with self._cond:
-            self._members.discard(lane)
+            self.room.members.discard(lane.owner)
             self._cond.notify_all()
 
     def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int, float]:
@@ -165,13 +204,14 @@ class PassGate:
         requests the pass held and the seconds it took. A failed pass raises its error in every
         lane it held."""
         handed = _Handed(batch, solo, self._kind(batch) if self.ctx.has_state else 0)
+        room = self.room
         with self._cond:
-            self._members.add(lane)
+            room.members.add(lane.owner)
             self._waiting[lane] = handed
             self._cond.notify_all()
             while not handed.done:
-                if not self._running and len(self._waiting) >= len(self._members):
-                    self._lead()
+                if room.ready():
+                    room.lead()
                 else:
                     self._cond.wait()
         if handed.error is not None:
@@ -183,7 +223,7 @@ class PassGate:
     def _lead(self) -> None:
         chosen = self._choose()
         handed = [self._waiting.pop(lane) for lane in chosen]
-        self._running = True
+        self.room.running = True
         self._cond.release()
         try:
             self._run(handed)
@@ -192,7 +232,7 @@ class PassGate:
                 h.error = e
         finally:
             self._cond.acquire()
-            self._running = False
+            self.room.running = False
             for h in handed:
                 h.done = True
             self._cond.notify_all()

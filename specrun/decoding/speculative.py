@@ -28,6 +28,7 @@ from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.steps import StepSizer
+from specrun.decoding.pay.together import Together
 from specrun.decoding.steps import GenerationStats, Step
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
@@ -37,9 +38,10 @@ class SpeculativeDecoder:
     """Decodes with the target, proposing trees with the draft. Output is exactly the target's."""
 
     def __init__(self, target_model, target_ctx: Context, drafter: Drafter, shape: TreeShape, guard: SpeedGuard | None = None,
-                 lane: Lane | None = None):
+                 lane: Lane | None = None, together: Together | None = None):
         """`lane`: the request's share of the target's context when several requests decode
-        together (decoding.batching); by default all of it."""
+        together (decoding.batching); by default all of it. `together`: the turns those requests
+        take drafting with the draft model or not (pay.together; shared by their decoders)."""
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
         lane = lane if lane is not None else Lane(target_ctx)
@@ -58,11 +60,12 @@ class SpeculativeDecoder:
         self.tree_batch = Batch(target_ctx.n_batch, MAX_SEQ)
         self.one = Batch(1, 1)
         self.drafter = drafter
+        drafter.attach(lane)
         self.eog = target_model.eog_tokens
         self.stats = GenerationStats()
         # What each step proposes, at what size (decoding.pay): with a guard, the tree shrinks,
         # down to plain steps, while speculation is measured slower than plain decoding here.
-        self.sizer = StepSizer(guard)
+        self.sizer = StepSizer(guard, together)
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
 
@@ -75,6 +78,8 @@ class SpeculativeDecoder:
             mine, theirs = getattr(self, name), getattr(other, name)
             setattr(self, name, theirs)
             setattr(other, name, mine)
+        self.drafter.attach(self.lane)
+        other.drafter.attach(other.lane)
 
     def reset(self) -> None:
         """Forget both KV caches (after an interrupted step left them in an unknown state)."""
@@ -127,8 +132,9 @@ class SpeculativeDecoder:
             budget = self.sizer.size(self.lane.budget(min(shape.budget, room - 1), leaves=not self.chain_only), params)
             proposal = None
             if depth >= 1 and budget >= 1:
-                # Beside other requests (their passes shared), only proposals that cost no model pass.
-                propose = self.drafter.propose_free if self.lane.sharing else self.drafter.propose
+                # Beside other requests (their passes shared), only proposals that cost no model
+                # pass, unless the step sizer says the draft model drafts (pay.together).
+                propose = self.drafter.propose if self.sizer.model_drafts(self.lane, self.drafter) else self.drafter.propose_free
                 proposal = propose(cache.tokens, pending, budget, depth)
             # Where a grammar allows one continuation only, that run is a path of the tree: grafted
             # where the drafter's tree leaves it (free drafts), or the whole tree without a drafter's.
@@ -157,6 +163,7 @@ class SpeculativeDecoder:
         their tokens and their waits too, nothing of what this request's tree costs: fed to the
         drafters' cost curves, they grew the demo pair's trees threefold for the same accepted
         tokens afterwards (40 tokens/s one request at a time, against 56)."""
+        self.sizer.record_together(step)
         if self.lane.shared > 1:
             return
         self.drafter.observe(step)

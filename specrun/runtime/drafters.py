@@ -77,9 +77,10 @@ class Drafting(ABC):
         return tree
 
     @abstractmethod
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
         """The drafter of a loaded run: `draft` and `draft_ctx` are the draft model and its context
-        (the MTP context for MTP chains), `target_ctx` the target's."""
+        (the MTP context for MTP chains), `target_ctx` the target's; `draft_lane` the request's
+        share of a draft context several requests draft in (decoding.batching), else all of it."""
 
 
 @dataclass(frozen=True)
@@ -138,11 +139,11 @@ class DraftModel(Drafting):
         # Such a draft's context keeps few sequences: best-first trees of the template's size.
         return replace(tree, drafting=DraftModel()) if self.template is not None else tree
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
         if self.template is not None:
-            model_drafter = StaticTreeGrower(draft, draft_ctx, self.template)
+            model_drafter = StaticTreeGrower(draft, draft_ctx, self.template, draft_lane)
         else:
-            model_drafter = TreeGrower(draft, draft_ctx, tree.shape)
+            model_drafter = TreeGrower(draft, draft_ctx, tree.shape, draft_lane)
         if tree.lookup is None:
             return model_drafter
         # Without a profile's figures the draft's passes are timed now (short passes, a warm-up
@@ -194,7 +195,7 @@ class Lookup(Drafting):
     def with_lookup(self, tree, lookup: TreeShape):
         return replace(tree, shape=lookup, lookup=lookup)
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
         return LookupDrafter(tree.shape.budget)
 
 
@@ -224,7 +225,7 @@ class Mtp(Drafting):
     def cut(self, tree, budget: int):
         return replace(tree, shape=tree.shape.resized(budget), lookup=None)
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
         draft_ctx.clear()  # a new drafter: its cache starts empty
         return MtpDrafter(draft_ctx, target_ctx, tree.shape.depth)
 

@@ -67,10 +67,8 @@ class ContextPlan:
     n_seq_max: int
     n_rs_seq: int = 0  # recurrent-state snapshots per sequence (rollback of a verified chain)
     # Requests decoding together in this context, each in a range of its sequences with n_ctx
-    # cells of its own (the target's; decoding.batching).
+    # cells of its own (decoding.batching).
     parallel: int = 1
-    # Contexts of this size the run opens (the draft's: one per request decoding at once).
-    copies: int = 1
     # Sliding-window layers keep every cell (tree colours share the committed text, and llama.cpp
     # reuses a cell its window has passed only when one sequence holds it); plain decoding keeps
     # their window only, as llama.cpp does (Gemma 3 27B at 32k: about 3 GiB of KV in place of 15.5).
@@ -225,7 +223,7 @@ def _path(path: Path | None) -> str | None:
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
     return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
-            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells, "copies": ctx.copies,
+            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells,
             "swa_full": ctx.swa_full}
 
 
@@ -369,8 +367,8 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
 def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
               parallel: int = 1) -> tuple[ContextPlan, ContextPlan | None]:
     """Return the target's and the draft's contexts (None: no draft model) for requests of n_ctx
-    tokens, `parallel` of them decoding together (the target's sequences split between them; a
-    draft context each)."""
+    tokens, `parallel` of them decoding together (each context's sequences and cells split between
+    them)."""
     if tree is None:
         return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False), None
     if tree.verify in (architectures.CHAINS, architectures.CHAIN):
@@ -387,8 +385,10 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
     if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
         # its tree has nodes (each node's state is its parent's, copied, plus its token).
-        seqs = min(MAX_SEQ, tree.shape.budget + 1) if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
-        draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), seqs, copies=parallel)
+        # Several requests share one draft context as they share the target's, a lane each.
+        per_request = tree.shape.budget + 1 if draft_arch and architectures.has_state(draft_arch) else MAX_SEQ
+        draft_ctx = ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), min(MAX_SEQ, per_request * parallel),
+                                parallel=parallel)
     return target_ctx, draft_ctx
 
 
@@ -410,7 +410,7 @@ class ContextMemory:
         target_specs = [_spec(target_ctx)]
         if self.mtp:
             target_specs.append(engine.ContextSpec(n_ctx, PREFILL_BATCH, mtp=True))  # as Runtime opens it
-        draft = self._figures(self._draft, [_spec(draft_ctx)] * draft_ctx.copies) if draft_ctx is not None else None
+        draft = self._figures(self._draft, [_spec(draft_ctx)]) if draft_ctx is not None else None
         return self._figures(self._target, target_specs), draft
 
     def close(self) -> None:

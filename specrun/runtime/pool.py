@@ -1,7 +1,8 @@
 """The decoders of a runtime that no request is using, and which one the next request takes.
 
 Several requests decode at once (serve --parallel, generate --jsonl --parallel), each with a
-decoder of its own: its lane of the target's context (decoding.batching) and its own drafting.
+decoder of its own: its lanes of the target's and the draft's context (decoding.batching) and
+its own drafting.
 Both front ends take and give back decoders here.
 """
 

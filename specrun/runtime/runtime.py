@@ -16,6 +16,7 @@ from specrun.decoding.kv import probe_context
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.pay.together import Together
 from specrun.files import human_size
 from specrun.models import pairing
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, build_plan
@@ -71,7 +72,6 @@ class Runtime:
         self._owned: list = []
         self._chat_format = None
         self.draft = self.draft_ctx = None
-        self.draft_ctxs: list = []  # the draft contexts of requests 2.. when several decode at once
         # The target's one-token pass timed at load (with a profile to check), and whether it set
         # the profile aside.
         self.target_pass_s: float | None = None
@@ -88,9 +88,6 @@ class Runtime:
                     self.draft = self._load(plan.files.draft_path, **draft_load)
                     pairing.check_vocab(self.target, self.draft, plan.files.target_name, plan.files.draft_name)
                     self.draft_ctx = self._context(self.draft, plan.draft_ctx, draft_load["op_offload"], plan.threads)
-                    # One more for each other request decoding at once (--parallel).
-                    self.draft_ctxs += [self._context(self.draft, plan.draft_ctx, draft_load["op_offload"], plan.threads)
-                                        for _ in range(plan.draft_ctx.copies - 1)]
                 elif plan.tree is not None and plan.tree.drafting.loads_mtp:
                     # The target's MTP block drafts in a context of its own, fed the target's rows.
                     engine.enable_target_rows(self.target_ctx)
@@ -128,20 +125,22 @@ class Runtime:
         return ctx
 
     def _decoders(self, plan: Plan) -> list:
-        """One decoder per request that may decode at once: alone, the whole target context; with
-        --parallel N, each its own lane of it (decoding.batching: a range of sequences, n_ctx
-        tokens, passes shared through one gate) and a draft context of its own."""
+        """One decoder per request that may decode at once: alone, the whole target context (and the
+        draft's); with --parallel N, each its own lane of the target's context and of the draft's
+        (decoding.batching: a range of sequences, n_ctx tokens), their passes shared through one
+        gate per context, the two gates meeting in one room."""
         n = plan.target_ctx.parallel
         if n == 1:
             return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx)]
         gate = PassGate(self.target_ctx)
-        per = self.target_ctx.n_seq_max // n
-        draft_ctxs = [self.draft_ctx, *self.draft_ctxs]
+        draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft is not None else None
+        together = Together()  # (whether they draft with the draft model beside one another: pay.together)
         decoders = []
         for i in range(n):
-            lane = Lane(self.target_ctx, range(i * per, (i + 1) * per), plan.target_ctx.n_ctx, gate)
-            draft_ctx = draft_ctxs[i] if self.draft is not None else self.draft_ctx
-            decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, draft_ctx, lane=lane))
+            lane = _lane(self.target_ctx, i, n, plan.target_ctx.n_ctx, gate)
+            draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate) if draft_gate else None
+            decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
+                                         lane=lane, draft_lane=draft_lane, together=together))
         return decoders
 
     def _checked(self, plan: Plan, quiet: bool) -> Plan:
@@ -255,17 +254,24 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     return target, draft
 
 
+def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate) -> Lane:
+    """Request i's lane of a context n requests share: the i-th nth of its sequences."""
+    per = ctx.n_seq_max // n
+    return Lane(ctx, range(i * per, (i + 1) * per), n_ctx, gate)
+
+
 def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True,
-                 lane: Lane | None = None):
+                 lane: Lane | None = None, draft_lane: Lane | None = None, together: Together | None = None):
     """Return the decoder for a tree plan: plain decoding (None), or speculative decoding with the
     drafter the plan names. With `guard`, a speed guard shrinks the tree (down to plain steps)
     while speculation measures slower than plain decoding (bench and tune measure trees as given).
     The drafter lives as long as the decoder: a lookup index learns from every request it serves.
-    `lane`: the decoder's share of the target's context (decoding.batching), by default all of it.
+    `lane`: the decoder's share of the target's context (decoding.batching), by default all of it;
+    `draft_lane` its share of the draft's; `together` the turns of the requests decoding together.
     """
     if tree is None:
         return PlainDecoder(target, target_ctx, lane)
     shape = tree.verified
     speed_guard = SpeedGuard(shape.budget, plain_s=tree.plain_s) if guard else None
-    drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx)
-    return SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane)
+    drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx, draft_lane)
+    return SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane, together=together)

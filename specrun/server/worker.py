@@ -7,7 +7,7 @@ when the server stops. The asyncio side submits a `Job` and reads its events (`S
 
 With --parallel N (by default as many as fit, runtime.plan.DEFAULT_PARALLEL at most) up to N jobs
 are answered at once, each in a thread of its own with a decoder of its own: its lane of the
-target's context and its own draft context. Their target passes meet in one gate and run as one
+target's context and of the draft's. Their passes of each model meet in one gate and run as one
 batch (decoding.batching), so four requests cost little more than one; everything else a request
 does (its prompt, grammar, drafting, sampling, streaming) is its own. A job takes the idle decoder
 whose cache holds most of its prompt (runtime.pool: a conversation's next turn finds its previous

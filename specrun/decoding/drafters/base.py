@@ -65,6 +65,18 @@ class Drafter(ABC):
         at once: draft-model trees 57 tokens/s in all, plain steps 74, one request at a time 87)."""
         return None
 
+    def attach(self, lane) -> None:
+        """Draft for the request that decodes in this lane of the target's context (a drafter
+        changes hands between decoders: runtime.pool): draft passes shared with other requests'
+        wait with that request's target passes (decoding.batching)."""
+
+    @property
+    def passes_shared(self) -> bool:
+        """Whether the drafter's model passes go through the gate the other requests' draft passes
+        go through (decoding.batching: one draft pass expands every request's tree), so that it
+        drafts beside them as it does alone."""
+        return False
+
     def reset(self) -> None:
         """Forget any cached state (after an error left the caches in an unknown state)."""
 
@@ -88,6 +100,7 @@ class ModelDrafter(Drafter):
 
     last_catch_up: tuple[int, float] = (0, 0.0)  # (tokens, seconds) the last proposal's catch-up decoded
     last_passes: Sequence[tuple[int, float]] = ()  # (tokens, seconds) of the last proposal's expansion passes
+    last_shared: bool = False  # whether a pass of the last proposal held other requests' trees too
 
     @abstractmethod
     def debt(self, committed: Sequence[int], root: int) -> int:

@@ -1,10 +1,12 @@
 """Growing a draft tree with the draft model (SpecExec-style best-first expansion).
 
-The draft's KV cache holds the committed text in sequence 0, including the current root. Every
-tree node the draft expands gets a sequence id of its own, copied from its parent's, so in one
-batch each node sees exactly its ancestors. After verification the accepted path is copied into
-sequence 0 and every other sequence is dropped: what the draft computed for the accepted path is
-kept, the rest freed.
+The draft's KV cache holds the committed text in the first sequence of the drafter's lane (its
+share of the draft context: all of it, unless several requests draft together and their draft
+passes are shared, decoding.batching), including the current root. Every tree node the draft
+expands gets a sequence id of its own, copied from its parent's, so in one batch each node sees
+exactly its ancestors. After verification the accepted path is copied into the first sequence
+and every other sequence is dropped: what the draft computed for the accepted path is kept, the
+rest freed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from specrun.core.sampling import log_softmax_topk
 from specrun.core.tree import MAX_LEAVES, DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
+from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import ModelDrafter, Proposal
 from specrun.decoding.kv import CachedSequence, probe_passes
 from specrun.engine import Batch, Context
@@ -59,17 +62,26 @@ class GrownTree(Proposal):
 class TreeGrower(ModelDrafter):
     """A drafter that grows trees best-first with the draft model, its KV cache in step with the target."""
 
-    def __init__(self, model, ctx: Context, shape: TreeShape):
+    def __init__(self, model, ctx: Context, shape: TreeShape, lane: Lane | None = None):
         self.model = model
         self.ctx = ctx
         self.shape = shape
-        self.cache = CachedSequence(ctx, Batch(ctx.n_batch, 1))
+        self.lane = lane if lane is not None else Lane(ctx)
+        self.cache = CachedSequence(ctx, Batch(ctx.n_batch, 1), self.lane)
         self.batch = Batch(min(ctx.n_batch, max(shape.width, 1)), 1)
         self._free_seqs: list[int] = []
         self._used_seqs: list[int] = []
         self.p0 = 0
         self.last_catch_up = (0, 0.0)  # (tokens, seconds) the last proposal's catch-up decoded
         self.last_passes: list[tuple[int, float]] = []  # (tokens, seconds) of its expansion passes
+        self.last_shared = False  # whether a pass of the last proposal held other requests' trees too
+
+    @property
+    def passes_shared(self) -> bool:
+        return self.lane.gate is not None
+
+    def attach(self, lane: Lane) -> None:
+        self.lane.owner = lane.owner
 
     def debt(self, committed: Sequence[int], root: int) -> int:
         """Return how many tokens the next proposal's catch-up would decode (the root included)."""
@@ -88,7 +100,7 @@ class TreeGrower(ModelDrafter):
         seconds = probe_passes(self.cache, (1, _PROBE_TOKENS))
         if not seconds:
             return None
-        row = self.ctx.logits_row(-1)[None, :]
+        row = self.cache.ctx.logits_row(-1)[None, :]
         top_k_s = []
         for _ in range(2):
             t0 = time.perf_counter()
@@ -100,24 +112,32 @@ class TreeGrower(ModelDrafter):
     def _catch_up(self, committed: Sequence[int], root: int) -> np.ndarray:
         """Make the draft cache hold committed + root; return the draft's logits after the root."""
         _, tokens, seconds = self.cache.sync([*committed, root], include_last=True)
-        self.last_catch_up = (tokens, seconds)
+        self.last_shared = self.lane.shared > 1
+        self.last_catch_up = (tokens, self.lane.pass_s if self.lane.gate is not None else seconds)
         self.last_passes = []
-        return self.ctx.logits_row(-1)
+        return self.cache.logits
 
-    def _expand(self, n_tokens: int) -> float:
-        """Decode the batch of n_tokens tree nodes; return (and note) the pass's seconds."""
-        t0 = time.perf_counter()
-        self.ctx.decode(self.batch)
-        seconds = time.perf_counter() - t0
+    def _expand(self, n_tokens: int) -> tuple[np.ndarray, float]:
+        """Decode the batch of n_tokens tree nodes; return their logits rows and the pass's seconds
+        (llama.cpp's, not a wait for other requests' passes), noted too."""
+        rows = self.lane.run(self.batch)
+        seconds = self.lane.pass_s
+        self.last_shared |= self.lane.shared > 1
         self.last_passes.append((n_tokens, seconds))
-        return seconds
+        return rows, seconds
+
+    def _tree_seqs(self) -> list[int]:
+        """The lane's sequences a tree's nodes may take, the next to take last (the committed text
+        keeps the first)."""
+        seqs = self.lane.seqs
+        return list(seqs[1: MAX_SEQ])[::-1]
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> GrownTree:
         """Return a tree of at most `budget` nodes below `root`, at most `depth` deep."""
         ctx, shape = self.ctx, self.shape
         self.p0 = p0 = len(committed)
         tree = DraftTree(root, capacity=min(4 * budget + 8, 4 * MAX_BUDGET))
-        node_seq: dict[int, int] = {0: 0}
+        node_seq: dict[int, int] = {0: self.lane.base}
         t0 = time.perf_counter()
         row = self._catch_up(committed, root)
         draft_s = time.perf_counter() - t0
@@ -128,9 +148,9 @@ class TreeGrower(ModelDrafter):
         expanded = np.zeros(tree_capacity := 64, bool)
         expanded[0] = True
         # A draft with a recurrent state keeps one state per sequence: its context has few.
-        self._free_seqs = list(range(min(MAX_SEQ, ctx.n_seq_max) - 1, 0, -1))
+        self._free_seqs = self._tree_seqs()
         self._used_seqs = []
-        room = ctx.n_ctx - (p0 + 1)
+        room = self.lane.n_ctx - (p0 + 1)
         while self._free_seqs and room > 0:
             n = len(tree)
             if n > tree_capacity:
@@ -157,11 +177,12 @@ class TreeGrower(ModelDrafter):
                 node_seq[node] = seq
             self._used_seqs.extend(seqs)
             self.batch.set_arrays(tree.tokens[candidates], p0 + depths[candidates], seqs, True)
-            draft_s += self._expand(len(candidates))
+            rows, seconds = self._expand(len(candidates))
+            draft_s += seconds
             passes += 1
             room -= len(candidates)
             expanded[candidates] = True
-            ids, lps = log_softmax_topk(ctx.logits(), k)
+            ids, lps = log_softmax_topk(rows, k)
             tree.expand(candidates, ids, lps)
         kept = tree.prune_to_best(budget)
         while len(tree.leaves()) > MAX_LEAVES:
@@ -175,16 +196,16 @@ class TreeGrower(ModelDrafter):
 
     def commit(self, grown: GrownTree, accepted_nodes: Sequence[int]) -> None:
         """Keep the draft's cache of the accepted path and free every other tree sequence."""
-        tree, ctx = grown.tree, self.ctx
+        tree, lane = grown.tree, self.lane
         deepest = 0
         for depth, node in enumerate(accepted_nodes):
             if node in grown.node_seq:
                 deepest = depth
         if deepest > 0:
             seq = grown.node_seq[accepted_nodes[deepest]]
-            ctx.seq_cp(seq, 0, self.p0 + 1, self.p0 + deepest + 1)
+            self.ctx.seq_cp(seq, lane.base, self.p0 + 1, self.p0 + deepest + 1)
         if self._used_seqs:
-            ctx.seq_keep(0)
+            lane.keep(lane.base, used=max(self._used_seqs) - lane.base + 1)
         self._used_seqs = []
         self.cache.tokens.extend(int(tree.tokens[n]) for n in accepted_nodes[1 : deepest + 1])
 

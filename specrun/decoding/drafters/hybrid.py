@@ -131,6 +131,13 @@ class HybridDrafter(Drafter):
         if complete:
             self.answer_len.add(len(text) - self._n_prompt)
 
+    @property
+    def passes_shared(self) -> bool:
+        return self.draft.passes_shared
+
+    def attach(self, lane) -> None:
+        self.draft.attach(lane)
+
     def propose_free(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         """Lean on lookup this step (the draft model catches up when it drafts again)."""
         self._free = True
@@ -239,6 +246,8 @@ class HybridDrafter(Drafter):
         the demo pair's 49-token catch-up made it 19 ms where a pass takes 6, and the hybrid
         leaned on plain steps through a chat answer at 0.92x plain that the draft chain alone
         ran at 1.2x."""
+        if self.draft.last_shared:
+            return  # a pass that held other requests' trees too times theirs, not this one's
         caught, catch_up_s = self.draft.last_catch_up
         self.draft_pass.observe(caught, catch_up_s)
         for n_tokens, seconds in self.draft.last_passes:

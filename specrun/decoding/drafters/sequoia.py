@@ -20,6 +20,7 @@ import numpy as np
 from specrun.core.sampling import log_softmax_topk
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import TreeTemplate, template_shape
+from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.best_first import GrownTree, TreeGrower
 from specrun.engine import Context
 from specrun.limits import MAX_SEQ
@@ -44,14 +45,14 @@ def truncate_template(template: TreeTemplate, budget: int, depth: int) -> TreeTe
 class StaticTreeGrower(TreeGrower):
     """Grows the same tree shape every step: a Sequoia template filled with the draft's top tokens."""
 
-    def __init__(self, model, ctx: Context, template: TreeTemplate):
+    def __init__(self, model, ctx: Context, template: TreeTemplate, lane: Lane | None = None):
         inner = len(set(template.parents[1:]))
         if inner > MAX_INNER_NODES:
             raise ValueError(
                 f"the tree template has {inner} inner nodes; the draft can hold at most {MAX_INNER_NODES}"
             )
         self.template = template
-        super().__init__(model, ctx, template_shape(template))
+        super().__init__(model, ctx, template_shape(template), lane)
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> GrownTree:
         """Return the template (cut to budget and depth) filled with draft tokens below `root`."""
@@ -61,14 +62,14 @@ class StaticTreeGrower(TreeGrower):
         ctx = self.ctx
         self.p0 = p0 = len(committed)
         tree = DraftTree(root, capacity=template.size)
-        node_seq: dict[int, int] = {0: 0}
+        node_seq: dict[int, int] = {0: self.lane.base}
         children = _children_by_node(template)
 
         t0 = time.perf_counter()
         row = self._catch_up(committed, root)
         draft_s = time.perf_counter() - t0
         passes = 1
-        self._free_seqs = list(range(MAX_SEQ - 1, 0, -1))
+        self._free_seqs = self._tree_seqs()
         self._used_seqs = []
         # Template node i becomes tree node i: children are added level by level in template order.
         level = [0]
@@ -80,8 +81,8 @@ class StaticTreeGrower(TreeGrower):
                 ranks = [template.ranks[c] - 1 for c in children[node]]
                 tree.add_children(node, ids[r, ranks], tree.logps[node] + lps[r, ranks])
             level = [c for node in level for c in children[node] if children[c]]
-            if not level:
-                break
+            if not level or len(level) > len(self._free_seqs):
+                break  # (a lane of a shared draft context may hold fewer sequences than the template's inner nodes)
             seqs = [self._free_seqs.pop() for _ in level]
             for node, seq in zip(level, seqs):
                 ctx.seq_cp(node_seq[template.parents[node]], seq, -1, -1)
@@ -89,9 +90,9 @@ class StaticTreeGrower(TreeGrower):
             self._used_seqs.extend(seqs)
             nodes = np.asarray(level)
             self.batch.set_arrays(tree.tokens[nodes], p0 + tree.depths[nodes], seqs, True)
-            draft_s += self._expand(len(nodes))
+            logits, seconds = self._expand(len(nodes))
+            draft_s += seconds
             passes += 1
-            logits = ctx.logits()
         return GrownTree(tree, draft_s, passes, node_seq=node_seq)
 
 

@@ -3,5 +3,6 @@
 `rules`: every decision's rule and threshold, each with the measurement it came from (tune's
 prediction and check, a profile's drift at load, whether the draft model could pay at all, the
 size a drafter's hindsight says pays); `guard`: the speed guard, speculation measured against plain
-steps during a run; `steps`: what a speculative decoder proposes each step, and at what size.
+steps during a run; `steps`: what a speculative decoder proposes each step, and at what size;
+`together`: whether requests decoding together draft with the draft model, measured in turns.
 """

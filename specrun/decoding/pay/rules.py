@@ -168,3 +168,16 @@ def default_wins(default_tokens_per_s: float, tuned_tokens_per_s: float) -> bool
 def profile_holds(target_pass_s: float, profiled_s: float) -> bool:
     """Whether a one-token pass timed now is within PROFILE_DRIFT of the profile's, either way."""
     return abs(math.log(target_pass_s / profiled_s)) <= math.log1p(PROFILE_DRIFT)
+
+
+# --- Requests decoding together (pay.together) ---------------------------------------------------
+
+# Committed tokens of all requests decoding together in one measured turn of drafting with the
+# draft model (its passes shared) or of leaning on what costs no model pass. Measured on the demo
+# pair (2-core CPU, `scripts/bench_parallel.py`, mixed 64-token requests): drafting with the model
+# beside other requests ran 57.6 tokens/s in all against 51.6 with 2 clients, 44.8 against 53.2
+# with 4 and 44.2 against 66.1 with 8 (every added tree node fills a target pass that is already
+# compute-bound there); on a GPU, whose passes cost little more for more tokens, it is the other way.
+TOGETHER_WINDOW = 64
+# Every this many turns for a count of requests, the mode that measured slower runs a turn again.
+TOGETHER_RETRY = 8

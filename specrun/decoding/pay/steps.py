@@ -13,6 +13,7 @@ import logging
 
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.pay.together import Together
 from specrun.decoding.steps import Step
 
 log = logging.getLogger("specrun")
@@ -28,10 +29,13 @@ class StepSizer:
     verifies what the decoder's capacity allows.
     """
 
-    def __init__(self, guard: SpeedGuard | None = None):
+    def __init__(self, guard: SpeedGuard | None = None, together: Together | None = None):
         self.guard = guard  # the guard of the request under way
         self._guards: dict[str, SpeedGuard] = {}
         self._told = False  # the guard's first event was said (at info level)
+        # The turns of the requests decoding together (shared by their decoders' sizers).
+        self.together = together
+        self._turn: tuple[int, bool] | None = None  # (requests, drafting) of the step under way
 
     def start(self, params: SamplingParams) -> None:
         """A request begins: its kind's guard (a cut cap grows back: SpeedGuard.new_request)."""
@@ -52,6 +56,26 @@ class StepSizer:
         if self.guard is None:
             return capacity
         return 0 if self.guard.wants_plain_step() else min(capacity, self.guard.cap)
+
+    def model_drafts(self, lane, drafter) -> bool:
+        """Whether this step's proposal may cost model passes: alone, yes; beside other requests,
+        where the drafter's draft passes are shared with theirs too and its turn drafts
+        (together.Together); otherwise it proposes only what costs no model pass."""
+        self._turn = None
+        if not lane.sharing:
+            return True
+        if not drafter.passes_shared or self.together is None:
+            return False
+        requests = lane.gate.room.active
+        drafting = self.together.drafts(requests)
+        self._turn = (requests, drafting)
+        return drafting
+
+    def record_together(self, step: Step) -> None:
+        """Take the tokens of a step made beside other requests (for their turns)."""
+        if self._turn is not None and self.together is not None:
+            self.together.record(*self._turn, len(step.tokens))
+        self._turn = None
 
     def record(self, step: Step) -> None:
         """Take a step's tokens, seconds and tree size (steps of passes this request had to
