@@ -208,20 +208,7 @@ def test_a_hybrid_target_decodes_two_requests_in_lanes_as_each_alone(offline_mod
         gate = PassGate(shared_ctx)
         lanes = [Lane(shared_ctx, range(i * chains, (i + 1) * chains), 512, gate) for i in range(2)]
         decoders = [decoder(shared_ctx, lane) for lane in lanes]
-        results: list = [None, None]
-
-        def run(i: int) -> None:
-            try:
-                results[i] = tokens(decoders[i], prompts[i])
-            finally:
-                lanes[i].leave()
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert results == alone
+        assert _together(decoders, lanes, prompts, tokens) == alone
         assert gate.shared_passes > 0
         # Drafts were rejected and rolled back in the shared passes too.
         assert any(step.shared == 2 and step.tree_nodes > step.accepted for dec in decoders for step in dec.stats.steps)
@@ -267,26 +254,32 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
         together = Together(window=10**6)  # one turn, the first: drafting with the model
         decoders = [SpeculativeDecoder(target, target_ctx, TreeGrower(draft, draft_ctx, shape, d), shape, lane=lane,
                                        together=together) for lane, d in zip(lanes, draft_lanes)]
-        results: list = [None] * 3
-
-        def run(i: int) -> None:
-            try:
-                results[i] = tokens(decoders[i], prompts[i])
-            finally:
-                lanes[i].leave()
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert results == alone
+        assert _together(decoders, lanes, prompts, tokens) == alone
         assert gate.shared_passes > 0 and draft_gate.shared_passes > 0, (gate.shared_passes, draft_gate.shared_passes)
         # Steps whose target pass held other requests' trees drafted with the draft model too.
         assert any(step.shared > 1 and step.draft_passes > 1 for dec in decoders for step in dec.stats.steps)
     finally:
         for ctx in owned:
             ctx.close()
+
+
+def _together(decoders, lanes, prompts, tokens) -> list:
+    """Decode prompt i with decoder i, each in a thread of its own (its lane left at the end);
+    return what each decoded."""
+    results: list = [None] * len(decoders)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = tokens(decoders[i], prompts[i])
+        finally:
+            lanes[i].leave()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(decoders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
 
 
 class _PromptChains(Drafter):
