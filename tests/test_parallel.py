@@ -310,6 +310,8 @@ def test_the_plan_for_n_requests_is_what_llama_cpp_allocates(offline_models):
         drafters = [getattr(d.drafter, "draft", d.drafter) for d in rt.decoders]
         assert len({g.lane.base for g in drafters}) == 3 and {g.ctx for g in drafters} == {rt.draft_ctx}
         assert drafters[0].lane.gate.room is rt.decoders[0].lane.gate.room
+        # On a CPU the requests do not draft with the model beside one another (pay.rules.draft_together).
+        assert all(d.sizer.together is None for d in rt.decoders)
         context = sum(p.context for p in planned)
         everything = sum(p.total for p in planned)
         assert abs(context - rt.allocation.context) <= 0.05 * rt.allocation.context, (context, rt.allocation)

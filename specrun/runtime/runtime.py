@@ -15,6 +15,7 @@ from specrun.decoding.batching import Lane, PassGate
 from specrun.decoding.kv import probe_context
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
+from specrun.decoding.pay import rules
 from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.together import Together
 from specrun.files import human_size
@@ -134,7 +135,8 @@ class Runtime:
             return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx)]
         gate = PassGate(self.target_ctx)
         draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft is not None else None
-        together = Together()  # (whether they draft with the draft model beside one another: pay.together)
+        # Whether they draft with the draft model beside one another, in measured turns (pay.together).
+        together = Together() if rules.draft_together(plan.target_gpu_layers > 0) else None
         decoders = []
         for i in range(n):
             lane = _lane(self.target_ctx, i, n, plan.target_ctx.n_ctx, gate)

@@ -173,11 +173,21 @@ def profile_holds(target_pass_s: float, profiled_s: float) -> bool:
 # --- Requests decoding together (pay.together) ---------------------------------------------------
 
 # Committed tokens of all requests decoding together in one measured turn of drafting with the
-# draft model (its passes shared) or of leaning on what costs no model pass. Measured on the demo
-# pair (2-core CPU, `scripts/bench_parallel.py`, mixed 64-token requests): drafting with the model
-# beside other requests ran 57.6 tokens/s in all against 51.6 with 2 clients, 44.8 against 53.2
-# with 4 and 44.2 against 66.1 with 8 (every added tree node fills a target pass that is already
-# compute-bound there); on a GPU, whose passes cost little more for more tokens, it is the other way.
+# draft model (its passes shared) or of leaning on what costs no model pass.
 TOGETHER_WINDOW = 64
 # Every this many turns for a count of requests, the mode that measured slower runs a turn again.
 TOGETHER_RETRY = 8
+
+
+def draft_together(target_on_gpu: bool) -> bool:
+    """Whether requests decoding together may draft with the draft model beside one another (in
+    turns measured against leaning: pay.together), or lean on what costs no model pass.
+
+    Only where the target's passes run on a GPU, whose passes cost little more for more tokens.
+    On a CPU they are compute-bound, and every tree node a request adds fills the one shared pass:
+    measured on the demo pair (2-core CPU, `scripts/bench_parallel.py --clients 1,2,4,8 --requests
+    2`, mixed 64-token requests, the two alternating, two rounds each), drafting beside other
+    requests ran 57.6 tokens/s in all against 51.6 leaning with 2 clients, 44.8 against 53.2 with
+    4 and 44.2 against 66.1 with 8; taking turns, 44.6 against 48.8, 48.9 against 53.8 and 51.3
+    against 63.0 (the turns that measure drafting cost what it loses)."""
+    return target_on_gpu
