@@ -50,11 +50,12 @@ class Lane:
     passes run (at once, or through a gate with other lanes')."""
 
     def __init__(self, ctx: Context, seqs: range | None = None, n_ctx: int | None = None,
-                 gate: PassGate | None = None, owner: object | None = None):
+                 gate: PassGate | None = None):
         self.ctx = ctx
-        # The request the lane serves: its target lane and its draft lane wait for one another's
-        # passes as one member of the gates' room.
-        self.owner = owner if owner is not None else self
+        # The request the lane serves (its target lane; a drafter's `attach` sets a draft lane's):
+        # its target lane and its draft lane wait for one another's passes as one member of the
+        # gates' room.
+        self.owner: object = self
         self.seqs = seqs if seqs is not None else range(ctx.n_seq_max)
         self.n_ctx = n_ctx or ctx.n_ctx
         self.gate = gate
@@ -66,7 +67,7 @@ class Lane:
     @property
     def sharing(self) -> bool:
         """Whether other lanes decode now (their passes shared with this one's)."""
-        return self.gate is not None and self.gate.room.active > 1
+        return self.gate is not None and self.gate.active > 1
 
     @property
     def base(self) -> int:

@@ -100,7 +100,7 @@ class TreeGrower(ModelDrafter):
         seconds = probe_passes(self.cache, (1, _PROBE_TOKENS))
         if not seconds:
             return None
-        row = self.cache.ctx.logits_row(-1)[None, :]
+        row = self.ctx.logits_row(-1)[None, :]
         top_k_s = []
         for _ in range(2):
             t0 = time.perf_counter()
@@ -112,8 +112,9 @@ class TreeGrower(ModelDrafter):
     def _catch_up(self, committed: Sequence[int], root: int) -> np.ndarray:
         """Make the draft cache hold committed + root; return the draft's logits after the root."""
         _, tokens, seconds = self.cache.sync([*committed, root], include_last=True)
-        self.last_shared = self.lane.shared > 1
-        self.last_catch_up = (tokens, self.lane.pass_s if self.lane.gate is not None else seconds)
+        # (A prompt's chunks run in passes of their own, but wait for other requests' between them.)
+        self.last_shared = self.lane.sharing
+        self.last_catch_up = (tokens, seconds)
         self.last_passes = []
         return self.cache.logits
 

@@ -3,8 +3,8 @@
 Beside other requests a request's draft passes are shared (decoding.batching: one draft pass
 expands every drafting request's tree), but its tree's nodes still fill the one target pass, and
 every request waits while the others draft. Whether that pays depends on how a pass's cost grows
-with its tokens, which differs from machine to machine (rules.TOGETHER_WINDOW says what it was
-here). So the requests take turns: while N of them decode together, a turn of TOGETHER_WINDOW
+with its tokens, which differs from machine to machine (rules.draft_together says what it was
+on a CPU, and where the turns are taken). So the requests take turns: while N of them decode together, a turn of TOGETHER_WINDOW
 committed tokens drafts with the model, the next leans on what costs no model pass (lookup, a
 grammar's forced runs); then the mode with more tokens per second runs, the other again every
 TOGETHER_RETRY turns. Each count of requests has its own measurements.
