@@ -263,12 +263,64 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
             ctx.close()
 
 
+def test_a_request_edits_its_lane_only_while_no_pass_runs(offline_models, load_model):
+    """llama.cpp's cache must not be edited while a pass reads it: a request that takes its lane
+    (join) waits for a pass that runs, and from then on holds the others' passes back until it
+    waits at the gate or leaves, so its edits (a prompt trimmed, a tree's branch kept) never meet
+    a pass."""
+    model = load_model(offline_models.smollm2_q4)
+    ctx = engine.Context(model, n_ctx=512, n_batch=32, n_seq_max=4, threads=1)
+    entered, release = threading.Event(), threading.Event()
+    try:
+        gate = PassGate(ctx)
+        a, b = Lane(ctx, range(0, 2), 256, gate), Lane(ctx, range(2, 4), 256, gate)
+        prompt = model.tokenize("The cat sat on the", add_special=True)
+        decode = ctx.decode
+
+        def held(batch):  # the pass runs until the test lets it end
+            entered.set()
+            release.wait(60)
+            decode(batch)
+
+        ctx.decode = held
+
+        def pass_of_a(tokens, start):
+            batch = engine.Batch(32, MAX_SEQ)
+            batch.set_sequence(tokens, start, a.base, "last")
+            thread = threading.Thread(target=a.run, args=(batch,))
+            thread.start()
+            return thread
+
+        a.join()
+        first = pass_of_a(prompt, 0)
+        assert entered.wait(60)
+        joined = threading.Event()
+        threading.Thread(target=lambda: (b.join(), joined.set())).start()
+        time.sleep(0.3)
+        assert not joined.is_set()  # b waits while a's pass runs
+        release.set()
+        first.join(60)
+        assert joined.wait(60)
+        entered.clear()
+        second = pass_of_a(prompt[-1:], len(prompt))
+        time.sleep(0.3)
+        assert not entered.is_set()  # b took its lane and is not waiting: a's pass waits
+        b.clear()  # b edits its cache while nothing runs
+        b.leave()
+        second.join(60)
+        assert entered.is_set() and not second.is_alive()
+    finally:
+        release.set()
+        ctx.close()
+
+
 def _together(decoders, lanes, prompts, tokens) -> list:
     """Decode prompt i with decoder i, each in a thread of its own (its lane left at the end);
     return what each decoded."""
     results: list = [None] * len(decoders)
 
     def run(i: int) -> None:
+        lanes[i].join()  # as a request that takes its decoder from the pool
         try:
             results[i] = tokens(decoders[i], prompts[i])
         finally:

@@ -19,8 +19,10 @@ The rules of the gate:
   a short request's first token waits for one chunk at most; and a seeded request's steps, whose
   draws must not depend on what else runs (llama.cpp's kernels round a token's row differently
   in batches of other sizes).
-- A member that is not waiting (drafting, or between requests) holds the pass back; one that
-  leaves lets it go.
+- A member that is not waiting (drafting, editing its sequences) holds the pass back; one that
+  leaves lets it go. A request joins (`Lane.join`) before it touches its lane's cache, waiting
+  for a pass that runs to end: llama.cpp's cache must not be edited while a pass reads it, and a
+  request between two of its passes edits it (trims a prompt, keeps a tree's accepted branch).
 - The draft model's context is shared the same way (one draft context, a lane of it for each
   request, its own gate): one draft pass expands every drafting request's tree. The gates of one
   set of requests meet in a `Room`: a pass of either context runs only when every request waits
@@ -121,6 +123,12 @@ class Lane:
         for s in self.seqs:
             self.ctx.seq_rm(s, -1, -1)
 
+    def join(self) -> None:
+        """A request takes this lane: from now on no pass starts until it waits at a gate (or
+        leaves), and a pass that runs now is waited for, so its cache edits never meet a pass."""
+        if self.gate is not None:
+            self.gate.join(self)
+
     def leave(self) -> None:
         """This lane decodes no more for now (its request ended): the others' passes go on
         without it. It joins again at its next pass."""
@@ -194,6 +202,13 @@ class PassGate:
         """Tree nodes one lane may verify per pass when every active lane grows a tree: its share of
         the batch, less its pending token."""
         return max(0, self.ctx.n_batch // max(1, self.room.active) - 1)
+
+    def join(self, lane: Lane) -> None:
+        with self._cond:
+            # A member at once (the pass that runs now is the last before it waits at a gate),
+            # then the end of that pass.
+            self.room.members.add(lane.owner)
+            self._cond.wait_for(lambda: not self.room.running)
 
     def leave(self, lane: Lane) -> None:
         with self._cond:

@@ -35,7 +35,10 @@ class DecoderPool:
             decoder, last = idle[best], idle[-1]
             if decoder is not last and hasattr(decoder, "swap_drafting"):
                 decoder.swap_drafting(last)
-            return idle.pop(best)
+            idle.pop(best)
+        # Its lanes' caches are the request's to edit from here on: no shared pass runs meanwhile.
+        decoder.cache.lane.join()
+        return decoder
 
     def give_back(self, decoder) -> None:
         """The request is over: its decoder is idle (the others' passes no longer wait for it)."""
