@@ -9,7 +9,7 @@ from specrun import engine
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.plain import PlainDecoder
-from specrun.decoding.stream import generate, token_ids
+from specrun.decoding.stream import generate, stream, token_ids
 
 PROMPTS = [
     "<|im_start|>user\nWrite a short poem about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",
@@ -79,6 +79,22 @@ def test_stop_strings_and_limits(target, plain):
     assert full.text.startswith(cut.text)
     one = generate(plain, target, tokens, SamplingParams(), 1)
     assert one.stats.n_generated == 1 and len(one.tokens) == 1
+
+
+def test_a_generations_figures_come_with_its_stream(target, plain):
+    """Every chunk carries its generation's figures (complete on the last): a reader that stops
+    early has those of what it read, and they stay its own when the decoder serves the next
+    request (the server's decoders pass from request to request)."""
+    tokens = target.tokenize(PROMPTS[3])
+    chunks = stream(plain, target, tokens, SamplingParams(), 30)
+    read = [next(chunks) for _ in range(5)]
+    chunks.close()
+    early = read[-1].stats
+    assert all(chunk.stats is early for chunk in read) and early.n_generated == 5
+    whole = list(stream(plain, target, tokens, SamplingParams(), 30))
+    last = whole[-1].stats
+    assert last is not early and last.n_generated == 30 and last.finish_reason == "length"
+    assert early.n_generated == 5 and early.finish_reason is None
 
 
 def test_end_of_generation_stops(target, plain):

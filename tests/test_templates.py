@@ -103,8 +103,10 @@ def render_incremental(smollm2_vocab):
     def render(template, history, new, rendered_history=None):
         fmt = ChatFormat(smollm2_vocab)
         fmt.template, fmt.bos_text, fmt.eos_text = template, "", ""  # as render_chat renders by default
-        full, start = fmt.render_turn(history, new, rendered_history)
-        return Turn(full.text, None if start is None else full.text[start:])
+        full = fmt.render(history + new)
+        if rendered_history is None:  # (many templates index messages[0] unguarded)
+            rendered_history = fmt.render(history, add_generation_prompt=False).text if history else ""
+        return Turn(full.text, full.text[len(rendered_history):] if full.continues(rendered_history) else None)
 
     return render
 
@@ -181,7 +183,7 @@ def test_the_server_remembers_the_tokens_of_several_conversations(smollm2_vocab,
     next turn reuses the tokens its answer was generated as, even when those are not how the text
     would be tokenized afresh, until enough other conversations came after it."""
     from specrun.chat.session import ChatFormat
-    from specrun.server.prompts import ConversationMemory
+    from specrun.chat.session import ConversationMemory
 
     fmt = ChatFormat(smollm2_vocab)
     fmt.template = smollm2_template

@@ -1,8 +1,9 @@
 """A chat session: the model's own template, the conversation, and KV reuse between turns.
 
 The session keeps the exact tokens the target has seen (every prompt and every generated token)
-and the text they spell. A new turn renders the whole conversation with the template; when the
-result starts with that text, only the rest is tokenized and appended, so the decoder's cache
+and the text they spell (ConversationMemory, which the server keeps for several conversations).
+A new turn renders the whole conversation with the template; when the result starts with that
+text, only the rest is tokenized and appended, so the decoder's cache
 (CachedSequence.sync keeps the longest common prefix) prefills just the new message. Templates
 that re-render earlier turns differently fall back to tokenizing the whole conversation, and the
 common-prefix reuse still saves everything before the first difference.
@@ -23,6 +24,7 @@ from typing import Iterator
 from specrun import files
 from specrun.chat import templates
 from specrun.chat.control import ControlTokens, Marked
+from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import stream
 from specrun.errors import ContextFullError, SpecrunError, UsageError
 
@@ -60,22 +62,6 @@ class ChatFormat:
         )
         return self.control.marked(text, shield)
 
-    def render_turn(self, history: list[dict], new: list[dict], rendered_history: str | None) -> tuple[Marked, int | None]:
-        """Return the conversation with the new messages, and where the text they append begins.
-
-        The offset is None when the template renders the history differently once the new turn
-        follows it (or the history ends inside a control token): then `full` must be prefilled again.
-        `rendered_history` is the text already in the context, if the caller tracks it (a reply may
-        stop before the newline the template puts after it)."""
-        full = self.render(history + new)
-        if rendered_history is None:
-            # Many templates index messages[0] unguarded; an empty history renders as nothing.
-            rendered_history = self.render(history, add_generation_prompt=False).text if history else ""
-        start = len(rendered_history)
-        if not full.continues(rendered_history):
-            return full, None
-        return full, start
-
     def tokenize_start(self, prompt: Marked) -> list[int]:
         """Return the tokens of a conversation's first rendered text (BOS included once)."""
         model = self.model
@@ -110,6 +96,44 @@ class ChatFormat:
 
 def _piece(model, token: int) -> str:
     return model.token_to_piece(token, True).decode("utf-8", "replace") if token >= 0 else ""
+
+
+class ConversationMemory:
+    """The text and tokens of the latest chats (prompt + answer), so a conversation's next turn
+    tokenizes only its new part.
+
+    Re-tokenizing the whole conversation could split an earlier answer into other tokens than the
+    model generated, and the cache would then be reused only up to that point: a rendered
+    conversation that starts with a remembered text reuses its tokens, and only the rest is
+    tokenized. `specrun chat` remembers its one conversation; the server several (it answers
+    several clients, each in a lane of the cache of its own), the least recently used forgotten
+    first.
+    """
+
+    def __init__(self, capacity: int = 1) -> None:
+        self.capacity = max(1, capacity)
+        self._chats: list[tuple[str, list[int]]] = []  # (text, tokens), the most recently used last
+
+    def tokens_for(self, fmt, rendered) -> list[int]:
+        """Return the tokens of `rendered` (a chat.control.Marked), reusing those of the longest
+        remembered chat it continues."""
+        found = [i for i, (known, _) in enumerate(self._chats)
+                 if len(rendered.text) > len(known) and rendered.continues(known)]
+        if not found:
+            return fmt.tokenize_start(rendered)
+        best = max(found, key=lambda i: len(self._chats[i][0]))
+        known, tokens = self._chats[best]
+        self._chats.append(self._chats.pop(best))
+        return tokens + fmt.tokenize_more(rendered, len(known))
+
+    def remember(self, text: str, tokens: list[int]) -> None:
+        """Keep a chat's text and tokens, in place of the turns before it (a text it continues)."""
+        self._chats = [(known, t) for known, t in self._chats if not text.startswith(known)]
+        self._chats.append((text, list(tokens)))
+        del self._chats[: -self.capacity]
+
+    def forget(self) -> None:
+        self._chats = []
 
 
 @dataclass
@@ -167,9 +191,8 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays; its cached tokens are reused)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        # The tokens the target has seen, and the text they spell (None: not known exactly).
-        self.tokens: list[int] = []
-        self.text: str | None = None
+        self.tokens: list[int] = []  # the tokens the target has seen
+        self.memory = ConversationMemory()  # and the text they spell
 
     @property
     def n_ctx(self) -> int:
@@ -182,14 +205,8 @@ class ChatSession:
 
     def prompt_for(self, user_text: str) -> tuple[list[int], str]:
         """Return the conversation + the new user message + the generation prompt, as tokens and text."""
-        new = [{"role": "user", "content": user_text}]
-        if self.tokens and self.text is not None:
-            full, start = self.format.render_turn(self.messages, new, rendered_history=self.text)
-            if start is not None:
-                return self.tokens + self.format.tokenize_more(full, start), full.text
-        else:
-            full = self.format.render(self.messages + new)
-        return self.format.tokenize_start(full), full.text
+        full = self.format.render(self.messages + [{"role": "user", "content": user_text}])
+        return self.memory.tokens_for(self.format, full), full.text
 
     # -- one turn --
     def ask(self, user_text: str, params, max_tokens: int | None = None) -> Iterator[str]:
@@ -216,9 +233,11 @@ class ChatSession:
         generated: list[int] = []
         parts: list[str] = []
         finished = False
+        figures = GenerationStats(n_prompt=len(prompt))  # the stream's, from its first chunk on
         t0 = time.perf_counter()
         try:
             for chunk in stream(decoder, self.rt.target, prompt, params, limit):
+                figures = chunk.stats or figures
                 generated.extend(chunk.tokens)
                 parts.append(chunk.text)
                 if chunk.text:
@@ -232,13 +251,13 @@ class ChatSession:
             self.rt.reset_cache()
             raise
         finally:
-            stats.finish_reason = (decoder.stats.finish_reason or "length") if finished else "stopped"
+            stats.finish_reason = (figures.finish_reason or "length") if finished else "stopped"
             if stats.finish_reason == "length" and context_bound:
                 stats.finish_reason = "context"
-            self._record(user_text, prompt, prompt_text, generated, "".join(parts), stats, t0)
+            self._record(user_text, prompt, prompt_text, generated, "".join(parts), stats, figures, t0)
 
-    def _record(self, user_text, prompt, prompt_text, generated, reply, stats: TurnStats, t0) -> None:
-        ds = self.rt.decoder.stats
+    def _record(self, user_text, prompt, prompt_text, generated, reply, stats: TurnStats, ds: GenerationStats,
+                t0) -> None:
         stats.n_tokens = len(generated)
         stats.n_passes = ds.n_passes
         counts = ds.as_dict()
@@ -259,7 +278,7 @@ class ChatSession:
         # The generated tokens spell the reply plus, when the model ended its turn, the
         # end-of-turn token (which the stream does not show).
         ended = generated and generated[-1] in self.rt.decoder.eog
-        self.text = prompt_text + reply + (_piece(self.rt.target, generated[-1]) if ended else "")
+        self.memory.remember(prompt_text + reply + (_piece(self.rt.target, generated[-1]) if ended else ""), self.tokens)
 
     # -- saving --
     def transcript(self) -> dict:

@@ -6,9 +6,9 @@ Jinja's immutable sandbox with the helpers HF templates expect (`raise_exception
 template falls back to ChatML with a warning rather than stopping the chat.
 
 Chat sessions keep the KV cache between turns, so they need only the text a new turn appends:
-`chat.session.ChatFormat.render_turn` renders the whole conversation and checks that the
-already-rendered history is its prefix; templates that re-render earlier turns differently are
-reported, not papered over.
+`chat.session.ConversationMemory` renders the whole conversation and reuses the tokens of a
+remembered text that is its prefix; where a template re-renders earlier turns differently, the
+whole conversation is tokenized again (the cache still keeps the common prefix).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ class Chunk:
     tokens: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the params asked for them
+    # The generation's figures so far (complete on the last chunk): what a reader reports, read
+    # from the chunks it got, never from the decoder, which the next request may have taken.
+    stats: GenerationStats | None = None
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -44,7 +47,8 @@ def stream(
     max_tokens: int = 256,
     stop: Sequence[str] = (),
 ) -> Iterator[Chunk]:
-    """Yield text chunks as the target commits tokens; the last chunk carries finish_reason."""
+    """Yield text chunks as the target commits tokens; the last chunk carries finish_reason, every
+    chunk the generation's stats."""
     if max_tokens < 1:
         raise UsageError("max tokens must be at least 1")
     stops = [s for s in stop if s]
@@ -57,15 +61,15 @@ def stream(
             cut = min((i for i in (pending_text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 decoder.stats.finish_reason = "stop"
-                yield Chunk(pending_text[:cut], step.tokens, "stop", step.logprobs)
+                yield Chunk(pending_text[:cut], step.tokens, "stop", step.logprobs, decoder.stats)
                 return
             hold = _held_back(pending_text, stops)
         else:
             hold = 0
         out, pending_text = pending_text[: len(pending_text) - hold], pending_text[len(pending_text) - hold :]
-        yield Chunk(out, step.tokens, logprobs=step.logprobs)
+        yield Chunk(out, step.tokens, logprobs=step.logprobs, stats=decoder.stats)
     pending_text += detok.flush()
-    yield Chunk(pending_text, [], decoder.stats.finish_reason or "length")
+    yield Chunk(pending_text, [], decoder.stats.finish_reason or "length", stats=decoder.stats)
 
 
 @dataclass
@@ -80,22 +84,24 @@ class Result:
 
 def generate(decoder: Decoder, model, prompt: Sequence[int], params: SamplingParams, max_tokens: int = 256, stop: Sequence[str] = ()) -> Result:
     """Return the whole generation at once."""
-    return collect(stream(decoder, model, prompt, params, max_tokens, stop), decoder, params)
+    return collect(stream(decoder, model, prompt, params, max_tokens, stop), params)
 
 
-def collect(chunks, decoder: Decoder, params: SamplingParams, on_text=None) -> Result:
+def collect(chunks, params: SamplingParams, on_text=None) -> Result:
     """Return the Result of a stream of chunks, calling on_text(text) for each as it comes."""
     texts: list[str] = []
     tokens: list[int] = []
     logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+    stats = None
     for chunk in chunks:
+        stats = chunk.stats
         if on_text is not None:
             on_text(chunk.text)
         texts.append(chunk.text)
         tokens.extend(chunk.tokens)
         if logprobs is not None and chunk.logprobs:
             logprobs.extend(chunk.logprobs)
-    return Result("".join(texts), tokens, decoder.stats, logprobs)
+    return Result("".join(texts), tokens, stats, logprobs)
 
 
 def token_ids(decoder: Decoder, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int | None = None) -> list[int]:

@@ -85,7 +85,7 @@ def run_request(rt, request: Request, text: str | None, on_text=None, lease=None
     decoder = lease.take(prompt) if lease is not None else rt.decoder
     params = request.sampling(request.compile_grammar(rt.target))
     chunks = stream(decoder, rt.target, prompt, params, request.max_tokens, request.stop)
-    return collect(chunks, decoder, params, on_text)
+    return collect(chunks, params, on_text)
 
 
 def logprob_json(model, logprobs: list[TokenLogprob]) -> list[dict]:

@@ -1,45 +1,9 @@
-"""Prompt tokens for a request, what the KV cache already holds of them, and how much room is left."""
+"""What a request's prompt may hold and how much it may generate (the tokens of a conversation's
+next turn: chat.session.ConversationMemory)."""
 
 from __future__ import annotations
 
 from specrun.server.schemas import APIError
-
-
-class ConversationMemory:
-    """The text and tokens of the latest chats (prompt + answer), so a conversation's next turn
-    tokenizes only its new part.
-
-    Re-tokenizing the whole conversation could split an earlier answer into other tokens than the
-    model generated, and the cache would then be reused only up to that point. As in `specrun
-    chat`, a rendered conversation that starts with a remembered text reuses its tokens. Several
-    conversations are remembered (the server answers several clients, each in a lane of the cache
-    of its own), the least recently used forgotten first.
-    """
-
-    def __init__(self, capacity: int = 1) -> None:
-        self.capacity = max(1, capacity)
-        self._chats: list[tuple[str, list[int]]] = []  # (text, tokens), the most recently used last
-
-    def tokens_for(self, fmt, rendered) -> list[int]:
-        """Return the tokens of `rendered` (a chat.control.Marked), reusing those of the longest
-        remembered chat it continues."""
-        found = [i for i, (known, _) in enumerate(self._chats)
-                 if len(rendered.text) > len(known) and rendered.continues(known)]
-        if not found:
-            return fmt.tokenize_start(rendered)
-        best = max(found, key=lambda i: len(self._chats[i][0]))
-        known, tokens = self._chats[best]
-        self._chats.append(self._chats.pop(best))
-        return tokens + fmt.tokenize_more(rendered, len(known))
-
-    def remember(self, text: str, tokens: list[int]) -> None:
-        """Keep a chat's text and tokens, in place of the turns before it (a text it continues)."""
-        self._chats = [(known, t) for known, t in self._chats if not text.startswith(known)]
-        self._chats.append((text, list(tokens)))
-        del self._chats[: -self.capacity]
-
-    def forget(self) -> None:
-        self._chats = []
 
 
 # Roles whose text every chat template writes out in full (earlier assistant turns may be

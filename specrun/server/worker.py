@@ -11,7 +11,7 @@ target's context and of the draft's. Their passes of each model meet in one gate
 batch (decoding.batching), so four requests cost little more than one; everything else a request
 does (its prompt, grammar, drafting, sampling, streaming) is its own. A job takes the idle decoder
 whose cache holds most of its prompt (runtime.pool: a conversation's next turn finds its previous
-turns), and the tokens of the latest conversations are remembered, two per lane (server.prompts:
+turns), and the tokens of the latest conversations are remembered, two per lane (chat.session:
 a next turn tokenizes only its new message).
 
 A job's cancel flag is checked after every decoder step. Closing the text stream between steps
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from specrun import ui
 from specrun.chat import reasoning
 from specrun.chat.reasoning import ChatSettings, ReasoningParser
+from specrun.chat.session import ConversationMemory
 from specrun.chat.tools import ToolFormat, tool_format
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.steps import GenerationStats
@@ -62,11 +63,7 @@ from specrun.server.jobs import (
     shutting_down,
     worker_gone,
 )
-from specrun.server.prompts import (
-    ConversationMemory,
-    refuse_what_cannot_fit,
-    token_budget,
-)
+from specrun.server.prompts import refuse_what_cannot_fit, token_budget
 from specrun.server.schemas import APIError
 
 log = logging.getLogger("specrun.server")
@@ -328,11 +325,12 @@ class GenerationWorker(QueueWorker):
             ui.dim(f"{job.id}: max_tokens {asked} lowered to {limit} to fit the {rt.n_ctx}-token context")
         job.emit(started)
         try:
-            generated, finish = self._decode(job, decoder, prompt, limit, params, parser, hold_text=tools is not None)
+            generated, finish, stats = self._decode(job, decoder, prompt, limit, params, parser,
+                                                    hold_text=tools is not None)
         except GrammarError as e:  # llguidance gave up mid-answer: the answer is no answer
             self._reset(decoder)  # raised inside a step, which may have left half of it behind
             raise APIError(400, str(e), param=shaped_by, code="grammar_failed") from None
-        stats, eog = decoder.stats, decoder.eog
+        eog = decoder.eog
         lease.give_back()  # decoding is over: the next request may take this decoder now
         if job.cancel.is_set():  # (nothing to remember: the client never saw the whole answer)
             if self._stopping.is_set():
@@ -422,17 +420,19 @@ class GenerationWorker(QueueWorker):
         return rt.target.tokenize(prompt.text, add_special=True, parse_special=prompt.parse_special), None
 
     def _decode(self, job: Job, decoder, prompt: list[int], limit: int, params, parser: ReasoningParser | None,
-                hold_text: bool = False) -> tuple[list[int], str | None]:
+                hold_text: bool = False) -> tuple[list[int], str | None, GenerationStats]:
         """Stream the answer's text to the job (thinking apart when a parser splits it; nothing
         while it is held back for tool calls); return the
-        generated tokens and the finish reason."""
+        generated tokens, the finish reason and the stream's figures."""
         rt = self.runtime
         generated: list[int] = []
         finish = None
+        stats = GenerationStats(n_prompt=len(prompt))  # the stream's, from its first chunk on
         eog = decoder.eog
         chunks = stream(decoder, rt.target, prompt, params, limit, job.request.stop)
         try:
             for chunk in chunks:
+                stats = chunk.stats or stats
                 generated.extend(chunk.tokens)
                 logprobs = None
                 if chunk.logprobs:  # the end-of-turn token is no part of the answer
@@ -450,7 +450,7 @@ class GenerationWorker(QueueWorker):
             split = parser.finish()
             if split:
                 job.emit(Piece(split.content, split.reasoning))
-        return generated, finish
+        return generated, finish, stats
 
     def _remember(self, rendered: str | None, finish: str | None, prompt: list[int], generated: list[int]) -> None:
         """Keep a finished chat's text and tokens for its next turn (not after a stop string: the
