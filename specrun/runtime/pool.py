@@ -36,7 +36,8 @@ class DecoderPool:
             if decoder is not last and hasattr(decoder, "swap_drafting"):
                 decoder.swap_drafting(last)
             idle.pop(best)
-        # Its lanes' caches are the request's to edit from here on: no shared pass runs meanwhile.
+        # Its lanes' caches are the request's to edit from here on: no shared pass runs meanwhile,
+        # so a request takes its decoder when all else is ready (its grammar compiled).
         decoder.cache.lane.join()
         return decoder
 

@@ -82,8 +82,8 @@ def run_request(rt, request: Request, text: str | None, on_text=None, lease=None
         prompt = rt.tokenize_messages([{"role": role, "content": content} for role, content in request.messages])
     else:
         prompt = rt.tokenize_prompt(text, request.chat, request.system, request.parse_special)
-    decoder = lease.take(prompt) if lease is not None else rt.decoder
     params = request.sampling(request.compile_grammar(rt.target))
+    decoder = lease.take(prompt) if lease is not None else rt.decoder  # (its grammar compiled first)
     chunks = stream(decoder, rt.target, prompt, params, request.max_tokens, request.stop)
     return collect(chunks, params, on_text)
 

@@ -310,7 +310,6 @@ class GenerationWorker(QueueWorker):
         rt = self.runtime
         tools = self._tool_format(job.prompt)
         prompt, rendered = self._prompt_tokens(job.prompt)
-        decoder = lease.take(prompt)
         parser = None
         if rendered is not None:
             parser = reasoning.parser_for(rt.chat_format.template, rendered,
@@ -319,6 +318,8 @@ class GenerationWorker(QueueWorker):
         asked = job.request.max_tokens
         limit = token_budget(len(prompt), rt.n_ctx, asked, param)
         params, shaped_by = self._params(job, tools)
+        # Last: from here on the other requests' passes wait for this one's first (runtime.pool).
+        decoder = lease.take(prompt)
         started = Started(len(prompt), decoder.cache.reusable(prompt, params.exact_prefill), limit, asked,
                           queue_s=job.started_at - job.queued_at)
         if started.capped:
