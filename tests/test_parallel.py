@@ -165,6 +165,30 @@ def test_a_request_cancelled_in_a_batch_leaves_the_others_whole(server, client):
     assert _content(_ask(client, QUESTIONS[0])) == alone[0]  # and the server goes on answering
 
 
+def test_a_client_that_reads_slowly_stalls_nobody(server, client):
+    """A streaming client that stops reading (its answer decoded on beside the others) holds back
+    no other request's passes: another answer comes whole meanwhile, and the slow client later
+    reads all of its own, the answer it gets alone."""
+    body = {"model": TARGET, "messages": [{"role": "user", "content": QUESTIONS[3]}], "max_tokens": 48,
+            "temperature": 0, "stream": True}
+    slow_alone = _ask(client, QUESTIONS[3], max_tokens=48).choices[0].message.content
+    quick_alone = _content(_ask(client, QUESTIONS[1]))
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            pieces = []
+            for line in lines:  # one piece of text, then nothing read for a while
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    pieces += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+                    if "".join(pieces):
+                        break
+            assert _content(_ask(client, QUESTIONS[1])) == quick_alone
+            for line in lines:
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    pieces += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+    assert "".join(pieces) == slow_alone
+
+
 def test_the_queue_position_counts_only_what_waits(server):
     """With free lanes a request does not wait: X-Queue-Position is 0."""
     body = {"model": TARGET, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4}
