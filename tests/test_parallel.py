@@ -21,6 +21,7 @@ from conftest import MODEL_CACHE
 from pinned_sources import template
 from test_server import API_KEY, TARGET, ServerProcess
 from test_server_structured import ADD, PERSON, WEATHER
+from test_speculative import binned, first_tokens
 from tiny_archs import tiny_arch_model
 
 from specrun import engine
@@ -31,6 +32,7 @@ from specrun.core.tree import DraftTree
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.pay.together import Together
+from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.limits import MAX_SEQ
 from specrun.runtime.plan import RunOptions
@@ -251,7 +253,7 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
     target, draft = load_model(offline_models.smollm2_f32), load_model(offline_models.smollm2_q4)
     shape = TreeShape(budget=12, depth=6, width=4, top_k=4)
     prompts = [target.tokenize(q, add_special=True) for q in QUESTIONS[:3]]
-    n, per = 32, MAX_SEQ // 3
+    n = 32
     owned = []
 
     def context(model, requests: int, batch: int):
@@ -270,14 +272,8 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
             alone.append(tokens(SpeculativeDecoder(target, target_ctx, grower, shape), prompt))
             target_ctx.clear()
             draft_ctx.clear()
-        target_ctx, draft_ctx = context(target, 3, 64), context(draft, 3, 64)
-        gate = PassGate(target_ctx)
-        draft_gate = PassGate(draft_ctx, gate.room, first=True)
-        lanes = [Lane(target_ctx, range(i * per, (i + 1) * per), 256, gate) for i in range(3)]
-        draft_lanes = [Lane(draft_ctx, range(i * per, (i + 1) * per), 256, draft_gate) for i in range(3)]
-        together = Together(window=10**6)  # one turn, the first: drafting with the model
-        decoders = [SpeculativeDecoder(target, target_ctx, TreeGrower(draft, draft_ctx, shape, d), shape, lane=lane,
-                                       together=together) for lane, d in zip(lanes, draft_lanes)]
+        gate, draft_gate, lanes, decoders = _tree_decoders(target, draft, context(target, 3, 64),
+                                                           context(draft, 3, 64), shape, 3)
         assert _together(decoders, lanes, prompts, tokens) == alone
         assert gate.shared_passes > 0 and draft_gate.shared_passes > 0, (gate.shared_passes, draft_gate.shared_passes)
         # Steps whose target pass held other requests' trees drafted with the draft model too.
@@ -336,6 +332,67 @@ def test_a_request_edits_its_lane_only_while_no_pass_runs(offline_models, load_m
     finally:
         release.set()
         ctx.close()
+
+
+def test_sampling_through_draft_trees_in_shared_passes_has_the_plain_distribution(offline_models, load_model):
+    """Chi-square: at T=1 the first tokens two requests sample through draft-model trees, their
+    target passes shared (and their draft passes where they meet), follow plain sampling's
+    distribution (promise 1 holds beside other requests too)."""
+    from scipy.stats import chi2_contingency
+
+    target, draft = load_model(offline_models.smollm2_f32), load_model(offline_models.smollm2_q4)
+    shape = TreeShape(budget=8, depth=4, width=4, top_k=4)
+    params, per_lane = SamplingParams(temperature=1.0), 100
+    prompt = target.tokenize("Once upon a time, in a small village,", add_special=True)
+    owned = []
+
+    def context(model, requests: int, batch: int = 64):
+        ctx = engine.Context(model, n_ctx=256 * requests, n_batch=batch, n_seq_max=MAX_SEQ, threads=1)
+        owned.append(ctx)
+        return ctx
+
+    try:
+        plain = PlainDecoder(target, context(target, 1))
+        rng = make_rng(1)
+        plain_samples = [first_tokens(plain, prompt, params, rng) for _ in range(2 * per_lane)]
+        gate, _, lanes, decoders = _tree_decoders(target, draft, context(target, 2), context(draft, 2), shape, 2)
+        shared_drafted = [0, 0]
+
+        def sample(i: int) -> list:
+            rng, out = make_rng(10 + i), []
+            for _ in range(per_lane):
+                out.append(first_tokens(decoders[i], prompt, params, rng))
+                shared_drafted[i] += sum(s.accepted for s in decoders[i].stats.steps if s.shared > 1)
+            return out
+
+        results = _together(decoders, lanes, [None, None], lambda dec, _: sample(decoders.index(dec)))
+        spec_samples = results[0] + results[1]
+        table = binned(plain_samples, spec_samples)
+        p_value = chi2_contingency(table).pvalue
+        print(f"\n{len(spec_samples)} samples, {table.shape[1]} bins, p = {p_value:.3g}, "
+              f"draft tokens accepted in shared passes {shared_drafted}")
+        assert gate.shared_passes > 0
+        assert sum(shared_drafted) > per_lane / 4, "drafts accepted in shared passes should exercise acceptance"
+        assert table.shape[1] >= 5
+        assert p_value >= 1e-3, f"sampling in shared passes differs from plain sampling (p = {p_value:.2g})\n{table}"
+    finally:
+        for ctx in owned:
+            ctx.close()
+
+
+def _tree_decoders(target, draft, target_ctx, draft_ctx, shape, n: int):
+    """n requests' lanes of one target and one draft context (a gate each, one room), each with a
+    decoder whose draft-model trees are grown in its draft lane, drafting with the model beside the
+    others (one turn, the first); return (gate, draft gate, target lanes, decoders)."""
+    per = MAX_SEQ // n
+    gate = PassGate(target_ctx)
+    draft_gate = PassGate(draft_ctx, gate.room, first=True)
+    lanes = [Lane(target_ctx, range(i * per, (i + 1) * per), 256, gate) for i in range(n)]
+    draft_lanes = [Lane(draft_ctx, range(i * per, (i + 1) * per), 256, draft_gate) for i in range(n)]
+    together = Together(window=10**6)
+    decoders = [SpeculativeDecoder(target, target_ctx, TreeGrower(draft, draft_ctx, shape, d), shape, lane=lane,
+                                   together=together) for lane, d in zip(lanes, draft_lanes)]
+    return gate, draft_gate, lanes, decoders
 
 
 def _together(decoders, lanes, prompts, tokens) -> list:
