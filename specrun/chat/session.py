@@ -237,7 +237,7 @@ class ChatSession:
         t0 = time.perf_counter()
         try:
             for chunk in stream(decoder, self.rt.target, prompt, params, limit):
-                figures = chunk.stats or figures
+                figures = chunk.stats
                 generated.extend(chunk.tokens)
                 parts.append(chunk.text)
                 if chunk.text:

@@ -23,8 +23,9 @@ class Chunk:
     tokens: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the params asked for them
-    # The generation's figures so far (complete on the last chunk): what a reader reports, read
-    # from the chunks it got, never from the decoder, which the next request may have taken.
+    # The generation's figures so far (complete on the last chunk; stream() sets them on every
+    # chunk): what a reader reports, read from the chunks it got, never from the decoder, which
+    # the next request may have taken.
     stats: GenerationStats | None = None
 
 

@@ -433,7 +433,7 @@ class GenerationWorker(QueueWorker):
         chunks = stream(decoder, rt.target, prompt, params, limit, job.request.stop)
         try:
             for chunk in chunks:
-                stats = chunk.stats or stats
+                stats = chunk.stats
                 generated.extend(chunk.tokens)
                 logprobs = None
                 if chunk.logprobs:  # the end-of-turn token is no part of the answer
