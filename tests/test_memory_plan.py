@@ -119,6 +119,12 @@ def test_mtp_plan_counts_the_mtp_context(models):
     without = build_plan(RunOptions(target=str(models["qwen35-mtp"]), ctx_size=4096, no_spec=True, threads=1,
                                     quiet=True), devices=[])
     assert plan.placement.breakdown[0].context > without.placement.breakdown[0].context  # the MTP block's KV
+    # Three requests at once: the MTP context holds a sequence for each, as the target's does.
+    three, allocated = _planned_and_allocated(
+        RunOptions(target=str(models["qwen35-mtp"]), draft="mtp", ctx_size=4096, parallel=3, threads=1, quiet=True))
+    assert three.target_ctx.parallel == 3 and three.tree.drafting.loads_mtp and not three.notes
+    _assert_plan_matches(three, allocated)
+    assert three.placement.breakdown[0].context > plan.placement.breakdown[0].context
 
 
 def test_head_sizes_and_hybrid_layers_count_as_llama_cpp_counts_them(models):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ from tiny_archs import tiny_arch_model
 from specrun import engine
 from specrun.core.sampling import SamplingParams, make_rng, target_probs
 from specrun.core.tree_shapes import TreeShape
+from specrun.decoding.batching import Lane, PassGate
 from specrun.decoding.drafters.mtp import MtpDrafter
+from specrun.decoding.pay.together import Together
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
@@ -76,7 +79,7 @@ def mtp_decoder(model, contexts, chain: int, mtp_batch: int = 512) -> Speculativ
     target_ctx = contexts(model, n_ctx=512, n_batch=64, n_seq_max=1, n_rs_seq=chain)
     engine.enable_target_rows(target_ctx)
     mtp_ctx = contexts(model, mtp=True, n_ctx=512, n_batch=mtp_batch)
-    return SpeculativeDecoder(model, target_ctx, MtpDrafter(mtp_ctx, target_ctx, chain), TreeShape.chain(chain))
+    return SpeculativeDecoder(model, target_ctx, MtpDrafter(mtp_ctx, chain), TreeShape.chain(chain))
 
 
 def test_model_carries_one_mtp_layer(mtp_path, mtp_model):
@@ -137,6 +140,77 @@ def test_seeded_sampling_emits_plain_tokens(mtp_model, contexts, plain, prompts)
     assert compared >= runs * n // 2
 
 
+class _Recorded(MtpDrafter):
+    """An MTP drafter that keeps each proposal by the length of the text it drafted below."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.proposed: dict[int, list[int]] = {}
+
+    def propose(self, committed, root, budget, depth):
+        proposal = super().propose(committed, root, budget, depth)
+        if proposal is not None:
+            self.proposed[len(committed)] = proposal.tree.tokens[1:].tolist()
+        return proposal
+
+
+def test_two_requests_draft_with_mtp_in_shared_passes_as_each_alone(mtp_model, contexts, prompts, references):
+    """Two requests in lanes of one target context and of one MTP context (a sequence each),
+    drafting beside each other: each greedy answer is plain decoding's, their verify passes are
+    shared, and each request's MTP drafts are the ones it proposes alone, which holds only if it
+    reads its own target rows of a shared pass (they sit at its offset in the batch)."""
+    chain = 3
+
+    def drafters(mtp_ctx, n):
+        return [_Recorded(Lane(mtp_ctx, range(i, i + 1)), chain) for i in range(n)]
+
+    alone = []
+    target_ctx = contexts(mtp_model, n_ctx=512, n_batch=64, n_seq_max=1, n_rs_seq=chain)
+    engine.enable_target_rows(target_ctx)
+    mtp_ctx = contexts(mtp_model, mtp=True, n_ctx=512)
+    divergences = []
+    for k, (prompt, ref) in enumerate(zip(prompts, references)):
+        drafter = drafters(mtp_ctx, 1)[0]
+        target_ctx.clear()
+        out = token_ids(SpeculativeDecoder(mtp_model, target_ctx, drafter, TreeShape.chain(chain)), prompt,
+                        GREEDY, N_TOKENS)
+        divergences.append(compare(ref, out, N_TOKENS, f"alone, prompt {k}"))
+        alone.append(drafter.proposed)
+
+    shared_ctx = contexts(mtp_model, n_ctx=1024, n_batch=64, n_seq_max=2, n_rs_seq=chain)
+    engine.enable_target_rows(shared_ctx)
+    shared_mtp = contexts(mtp_model, mtp=True, n_ctx=1024, n_seq_max=2)
+    gate, together = PassGate(shared_ctx), Together(window=10**6)  # one turn: drafting beside each other
+    lanes = [Lane(shared_ctx, range(i, i + 1), 512, gate) for i in range(2)]
+    mtp_drafters = drafters(shared_mtp, 2)
+    decoders = [SpeculativeDecoder(mtp_model, shared_ctx, d, TreeShape.chain(chain), lane=lane, together=together)
+                for d, lane in zip(mtp_drafters, lanes)]
+    results: list = [None, None]
+
+    def run(i: int) -> None:
+        lanes[i].join()
+        try:
+            results[i] = token_ids(decoders[i], prompts[i], GREEDY, N_TOKENS)
+        finally:
+            lanes[i].leave()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    divergences += [compare(ref, out, N_TOKENS, f"together, prompt {k}") for k, (ref, out) in
+                    enumerate(zip(references, results))]
+    check_divergences([d for d in divergences if d], len(divergences), "MTP in shared passes")
+    assert gate.shared_passes > 0
+    drafted_shared = [s for dec in decoders for s in dec.stats.steps if s.shared > 1 and s.tree_nodes > 0]
+    assert drafted_shared, "the requests should have drafted with MTP beside each other"
+    for drafter, proposed_alone in zip(mtp_drafters, alone):
+        common = set(drafter.proposed) & set(proposed_alone)
+        same = sum(drafter.proposed[k] == proposed_alone[k] for k in common)
+        assert len(common) >= N_TOKENS // 2 and same >= 0.9 * len(common), (same, len(common))
+
+
 def test_missing_staging_symbol_is_one_line(monkeypatch):
     """A libllama of another ABI: one EngineError naming the function, no traceback from ctypes."""
     from specrun.engine import mtp
@@ -183,6 +257,25 @@ def test_cli_greedy_mtp_equals_no_spec(mtp_path):
     assert result["text"] == plain.stdout.rstrip("\n")
     shown = run_cli("plan", "--target", str(mtp_path))
     assert shown.returncode == 0 and "drafter  mtp" in shown.stdout and "carries MTP layers" in shown.stdout
+
+
+def test_cli_jsonl_lines_decode_together_with_mtp_as_without_speculation(mtp_path):
+    """`generate --jsonl --parallel 2` on an MTP target: the lines decode together (a sequence of
+    the MTP context each) and every answer is the one decoded without speculation."""
+    lines = "".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in
+                    enumerate(["List the planets.", "Write a haiku about the sea.", "Name three colours."]))
+    common = ["generate", "--target", str(mtp_path), "--jsonl", "-n", "12", "--temp", "0", "--ctx-size", "256"]
+    plain = subprocess.run([sys.executable, "-m", "specrun", *common, "--no-spec"], input=lines,
+                           capture_output=True, text=True, timeout=300)
+    mtp = subprocess.run([sys.executable, "-m", "specrun", *common, "--parallel", "2"], input=lines,
+                         capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and mtp.returncode == 0, plain.stderr + mtp.stderr
+    assert "one at a time" not in mtp.stderr
+    one, many = [json.loads(x) for x in plain.stdout.splitlines()], [json.loads(x) for x in mtp.stdout.splitlines()]
+    assert [r["id"] for r in many] == [0, 1, 2]
+    assert [r["token_ids"] for r in many] == [r["token_ids"] for r in one]
+    assert all(r["drafter"] == "mtp" for r in many)
+    assert sum(r["stats"]["shared_passes"] for r in many) > 0  # lines did decode together
 
 
 def test_cli_draft_mtp_without_mtp_layers_is_one_line(offline_models):

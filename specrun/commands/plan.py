@@ -55,8 +55,9 @@ def plan_lines(plan: Plan) -> list[str]:
     )
     if tctx.parallel > 1:
         lines.append(f"         {tctx.parallel} requests at once: {tctx.cells} KV cells ({tctx.n_ctx} each), "
-                     f"{tctx.n_seq_max // tctx.parallel} sequences each, one target pass for all"
-                     + (", one draft pass for all" if plan.draft_ctx is not None else ""))
+                     f"{_count(tctx.n_seq_max // tctx.parallel, 'sequence')} each, one target pass for all"
+                     + (", one draft pass for all" if plan.draft_ctx is not None else "")
+                     + (", an MTP sequence each" if plan.tree is not None and plan.tree.drafting.loads_mtp else ""))
     if plan.draft_ctx is not None:
         lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
     lines.append(f"threads  {plan.threads}")
@@ -82,6 +83,10 @@ def plan_lines(plan: Plan) -> list[str]:
     for warning in data["warnings"]:
         lines.append(f"warning  {warning}")
     return lines
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _parts(place) -> str:

@@ -65,6 +65,9 @@ class Lane:
         self.whole = gate is None and len(self.seqs) == ctx.n_seq_max
         self.shared = 1  # requests whose tokens the last pass held (1: this lane's alone)
         self.pass_s = 0.0  # seconds llama.cpp took over the last pass (not the wait for it)
+        # The lane's last batch: its first position, its tokens, and where its first token sat in
+        # the pass (the pass's per-token outputs, an MTP drafter's target rows, are in batch order).
+        self.last_batch = (0, 0, 0)
 
     @property
     def sharing(self) -> bool:
@@ -84,8 +87,10 @@ class Lane:
             t0 = time.perf_counter()
             self.ctx.decode(batch)
             self.pass_s, self.shared = time.perf_counter() - t0, 1
+            self.last_batch = (int(batch.positions[0]), batch.n_tokens, 0)
             return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
-        rows, self.shared, self.pass_s = self.gate.decode(self, batch, solo)
+        rows, self.shared, self.pass_s, offset = self.gate.decode(self, batch, solo)
+        self.last_batch = (int(batch.positions[0]), batch.n_tokens, offset)
         return rows
 
     def budget(self, wanted: int, leaves: bool = True) -> int:
@@ -146,6 +151,7 @@ class _Handed:
     rows: np.ndarray | None = None
     shared: int = 0
     seconds: float = 0.0
+    offset: int = 0  # where its first token sat in the pass's batch
     error: BaseException | None = None
     done: bool = False
 
@@ -215,10 +221,10 @@ class PassGate:
             self.room.members.discard(lane.owner)
             self._cond.notify_all()
 
-    def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int, float]:
+    def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int, float, int]:
         """Hand the lane's batch in and wait for its pass; return its logits rows, how many
-        requests the pass held and the seconds it took. A failed pass raises its error in every
-        lane it held."""
+        requests the pass held, the seconds it took and where the batch's first token sat in the
+        pass. A failed pass raises its error in every lane it held."""
         handed = _Handed(batch, solo, self._kind(batch) if self.ctx.has_state else 0)
         room = self.room
         with self._cond:
@@ -232,7 +238,7 @@ class PassGate:
                     self._cond.wait()
         if handed.error is not None:
             raise handed.error
-        return handed.rows, handed.shared, handed.seconds
+        return handed.rows, handed.shared, handed.seconds, handed.offset
 
     # -- the lane whose arrival completed the set runs the pass (holding the condition's lock,
     # which it lets go while llama.cpp decodes) --
@@ -303,9 +309,10 @@ class PassGate:
         self.ctx.decode(big)
         seconds = time.perf_counter() - t0
         logits = self.ctx.logits() if big.want_logits[:n].any() else None
-        row = 0
+        row = offset = 0
         for h in handed:
             wanted = int(h.batch.want_logits[: h.batch.n_tokens].sum())
             h.rows = logits[row: row + wanted] if wanted else None
-            h.shared, h.seconds = len(handed), seconds
+            h.shared, h.seconds, h.offset = len(handed), seconds, offset
             row += wanted
+            offset += h.batch.n_tokens

@@ -205,7 +205,6 @@ class Context(Owner):
         self.n_vocab = model.n_vocab
         self.threads = threads
         self._n_outputs = 0
-        self.last_decode = (0, 0)
         model._contexts.append(self)
 
     def _open(self, params, refusal: str, hint: str):
@@ -260,9 +259,6 @@ class Context(Owner):
                 raise EngineError(f"llama.cpp rejected the batch: {last_llama_error('invalid batch')}")
             raise EngineError(f"decode failed with code {rc}: {last_llama_error('fatal error')}")
         self._n_outputs = int(batch.want_logits[:n].sum())
-        # Where the last batch began and how many tokens it held (an MTP drafter pairs its
-        # per-token hidden rows with positions).
-        self.last_decode = (int(batch.positions[0]), n)
 
     def logits(self) -> np.ndarray:
         """Return the (n_outputs x n_vocab) float32 logits of the last decode, zero-copy.

@@ -207,7 +207,7 @@ def simulate(path: Path, contexts: Sequence[ContextSpec], **load) -> list[Alloca
 
 def _open(model: Model, spec: ContextSpec) -> Context:
     if spec.mtp:
-        return MtpContext(model, spec.n_ctx, n_batch=spec.n_batch, threads=1)
+        return MtpContext(model, spec.n_ctx, n_batch=spec.n_batch, threads=1, n_seq_max=spec.n_seq_max)
     return Context(model, n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max, threads=1,
                    n_rs_seq=spec.n_rs_seq, swa_full=spec.swa_full)
 

@@ -15,13 +15,14 @@ names (Linux and macOS builds), each resolved on first use. A build that does no
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Sequence
 
 import llama_cpp as C
 import numpy as np
 
 from specrun.engine.backend import last_llama_error, recent_errors
-from specrun.engine.context import Context
+from specrun.engine.context import _COMPUTE, Context
 from specrun.engine.model import Model
 from specrun.errors import EngineError
 
@@ -90,10 +91,13 @@ def enable_target_rows(ctx: Context) -> None:
 
 class MtpContext(Context):
     """An MTP context on a model loaded with `load_mtp`: its own small KV cache (the MTP block is
-    attention), fed (token, position, hidden row) triples in sequence 0 by `process` (not
-    `decode`). Closing, seq_rm and clear are a Context's."""
+    attention), fed (token, position, hidden row) triples by `process` (not `decode`), a sequence
+    for each request that drafts with it (`n_seq_max`, one unified cache of `n_ctx` cells).
+    Closing, seq_rm and clear are a Context's. Several requests' threads share it: each holds
+    `lock` over its cache edits and passes."""
 
-    def __init__(self, model: Model, n_ctx: int, n_batch: int = 512, threads: int | None = None, layer: int = 0):
+    def __init__(self, model: Model, n_ctx: int, n_batch: int = 512, threads: int | None = None, layer: int = 0,
+                 n_seq_max: int = 1):
         check_mtp_support()
         if n_layer_nextn(model) < 1:
             raise EngineError(f"{model.path.name} has no MTP layers (llama_model_n_layer_nextn is 0)")
@@ -101,7 +105,9 @@ class MtpContext(Context):
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = 1
+        params.n_seq_max = n_seq_max
+        params.n_outputs_max = max(n_batch, n_seq_max)
+        params.kv_unified = True  # as the target's: a request's text takes the cells it needs
         if threads:
             params.n_threads = params.n_threads_batch = threads
         params.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
@@ -111,15 +117,17 @@ class MtpContext(Context):
         self.n_ctx = min(n_ctx, C.llama_n_ctx(ptr))
         self.n_vocab = model.n_vocab
         self.n_embd = C.llama_model_n_embd_out(model.ptr)
-        self.n_seq_max, self.n_rs_seq, self.has_state, self.threads = 1, 0, False, threads
-        self._n_outputs, self.last_decode = 0, (0, 0)
+        self.n_seq_max, self.n_rs_seq, self.has_state, self.threads = C.llama_n_seq_max(ptr), 0, False, threads
+        self._n_outputs = 0
+        self.lock = threading.Lock()
         set_embeddings_nextn(self, True, True)  # its own row of the token that asks for logits
         if layer:
             set_nextn_layer_offset(self, layer)
         model._contexts.append(self)
 
-    def process(self, tokens: Sequence[int], pos0: int, rows: np.ndarray, want_last: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        """Run the MTP block over tokens at pos0.. in sequence 0, token i paired with rows[i]
+    def process(self, tokens: Sequence[int], pos0: int, rows: np.ndarray, want_last: bool,
+                seq: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
+        """Run the MTP block over tokens at pos0.. in sequence `seq`, token i paired with rows[i]
         (float32, len(tokens) x n_embd). With want_last, return the last token's (logits, own
         nextn row), copies; else None. At most n_batch tokens."""
         n = len(tokens)
@@ -135,7 +143,7 @@ class MtpContext(Context):
         fptr = ctypes.POINTER(ctypes.c_float)
         try:
             for i in range(n):
-                idx = C.llama_batch_ext_add_token(batch, 0, int(tokens[i]))
+                idx = C.llama_batch_ext_add_token(batch, seq, int(tokens[i]))
                 position[0] = pos0 + i
                 C.llama_batch_ext_set_pos(batch, idx, position)
                 embd = C.llama_embd(ctypes.cast(rows.ctypes.data + 4 * self.n_embd * i, fptr), 1, self.n_embd)
@@ -143,7 +151,8 @@ class MtpContext(Context):
                 if want_last and i == n - 1:
                     C.llama_batch_ext_set_output_logits(batch, idx, True)
             recent_errors.clear()
-            rc = C.llama_process(self.ptr, C.LLAMA_PROCESS_TYPE_DECODE, batch)
+            with _COMPUTE:  # one pass at a time in this process (engine.context)
+                rc = C.llama_process(self.ptr, C.LLAMA_PROCESS_TYPE_DECODE, batch)
             if rc != 0:
                 raise EngineError(f"the MTP pass failed (code {rc}): {last_llama_error('llama_process')}")
         finally:

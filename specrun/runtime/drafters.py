@@ -226,8 +226,9 @@ class Mtp(Drafting):
         return replace(tree, shape=tree.shape.resized(budget), lookup=None)
 
     def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
-        draft_ctx.clear()  # a new drafter: its cache starts empty
-        return MtpDrafter(draft_ctx, target_ctx, tree.shape.depth)
+        drafter = MtpDrafter(draft_lane if draft_lane is not None else draft_ctx, tree.shape.depth)
+        drafter.reset()  # a new drafter: its sequence starts empty
+        return drafter
 
 
 BEST_FIRST = DraftModel()

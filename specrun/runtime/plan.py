@@ -321,9 +321,6 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
     # llama.cpp's own figures for the files (not for shapes given in their place)
     parallel = opts.parallel or 1
-    if parallel > 1 and tree is not None and tree.drafting.loads_mtp:
-        notes.append("--parallel: the target's MTP layers draft for one request at a time: answering one at a time")
-        parallel = 1
     measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel)
     try:
         if auto_ctx:
@@ -409,7 +406,8 @@ class ContextMemory:
         target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch, self.parallel)
         target_specs = [_spec(target_ctx)]
         if self.mtp:
-            target_specs.append(engine.ContextSpec(n_ctx, PREFILL_BATCH, mtp=True))  # as Runtime opens it
+            # as Runtime opens it: a sequence of n_ctx cells for each request
+            target_specs.append(engine.ContextSpec(n_ctx * self.parallel, PREFILL_BATCH, self.parallel, mtp=True))
         draft = self._figures(self._draft, [_spec(draft_ctx)]) if draft_ctx is not None else None
         return self._figures(self._target, target_specs), draft
 

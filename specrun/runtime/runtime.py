@@ -92,7 +92,8 @@ class Runtime:
                 elif plan.tree is not None and plan.tree.drafting.loads_mtp:
                     # The target's MTP block drafts in a context of its own, fed the target's rows.
                     engine.enable_target_rows(self.target_ctx)
-                    self.draft_ctx = engine.MtpContext(self.target, plan.target_ctx.n_ctx, threads=plan.threads)
+                    self.draft_ctx = engine.MtpContext(self.target, plan.target_ctx.cells, threads=plan.threads,
+                                                       n_seq_max=plan.target_ctx.parallel)
                     self._owned.append(self.draft_ctx)
             except BaseException:
                 self.close()
@@ -140,7 +141,11 @@ class Runtime:
         decoders = []
         for i in range(n):
             lane = _lane(self.target_ctx, i, n, plan.target_ctx.n_ctx, gate)
-            draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate) if draft_gate else None
+            draft_lane = None
+            if draft_gate is not None:
+                draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
+            elif self.draft_ctx is not None:  # the target's MTP context: a sequence each, passes of their own
+                draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, None)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                          lane=lane, draft_lane=draft_lane, together=together))
         return decoders
@@ -256,7 +261,7 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     return target, draft
 
 
-def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate) -> Lane:
+def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None) -> Lane:
     """Request i's lane of a context n requests share: the i-th nth of its sequences."""
     per = ctx.n_seq_max // n
     return Lane(ctx, range(i * per, (i + 1) * per), n_ctx, gate)

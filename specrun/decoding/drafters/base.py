@@ -71,10 +71,11 @@ class Drafter(ABC):
         wait with that request's target passes (decoding.batching)."""
 
     @property
-    def passes_shared(self) -> bool:
-        """Whether the drafter's model passes go through the gate the other requests' draft passes
-        go through (decoding.batching: one draft pass expands every request's tree), so that it
-        drafts beside them as it does alone."""
+    def drafts_beside_others(self) -> bool:
+        """Whether the drafter may run model passes while other requests decode beside its own
+        (in turns measured against leaning: pay.together): where its passes go through the gate
+        the others' draft passes go through (decoding.batching: one draft pass expands every
+        request's tree), or are small passes of its own (MTP)."""
         return False
 
     def reset(self) -> None:

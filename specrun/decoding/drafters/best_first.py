@@ -77,7 +77,7 @@ class TreeGrower(ModelDrafter):
         self.last_shared = False  # whether a pass of the last proposal held other requests' trees too
 
     @property
-    def passes_shared(self) -> bool:
+    def drafts_beside_others(self) -> bool:
         return self.lane.gate is not None
 
     def attach(self, lane: Lane) -> None:

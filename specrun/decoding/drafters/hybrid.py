@@ -132,8 +132,8 @@ class HybridDrafter(Drafter):
             self.answer_len.add(len(text) - self._n_prompt)
 
     @property
-    def passes_shared(self) -> bool:
-        return self.draft.passes_shared
+    def drafts_beside_others(self) -> bool:
+        return self.draft.drafts_beside_others
 
     def attach(self, lane) -> None:
         self.draft.attach(lane)

@@ -12,6 +12,11 @@ sits at position p, paired with the target's row p-1. Each step:
 3. the drafts' cells are dropped at the next catch-up (they were fed the block's own rows, not the
    target's), what the target accepted is fed again with the target's rows.
 
+Several requests draft in one MTP context, each drafter in a sequence of its own (its lane of
+the MTP context), their passes one after another under the context's lock. The target rows a
+drafter reads are its request's: in a target pass other requests share, its tokens start at its
+lane's offset in the batch (decoding.batching.Lane.last_batch).
+
 The drafts are only proposals: the target verifies every token (one chain per step), so the
 output is exactly the target's whatever the MTP block proposes. Where a target row is not at hand
 (the part of a long prompt prefilled in an earlier batch, a prefix reused from an earlier
@@ -26,8 +31,9 @@ from typing import Sequence
 import numpy as np
 
 from specrun.core.tree import DraftTree
+from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
-from specrun.engine import Context, MtpContext, embeddings_nextn_row
+from specrun.engine import MtpContext, embeddings_nextn_row
 
 # Tokens compared with the text before trusting the MTP cache to hold a prefix of it.
 _TAIL_CHECK = 16
@@ -38,13 +44,16 @@ DEFAULT_CHAIN = 3
 class MtpDrafter(Drafter):
     """Proposes a chain of MTP drafts below the root; its MTP cache follows the committed text."""
 
-    def __init__(self, mtp_ctx: MtpContext, target_ctx: Context, chain: int = DEFAULT_CHAIN):
-        self.mtp = mtp_ctx
-        self.target = target_ctx
+    def __init__(self, mtp: MtpContext | Lane, chain: int = DEFAULT_CHAIN):
+        """`mtp`: the MTP context, or this drafter's lane of it (a sequence of its own)."""
+        self.lane = mtp if isinstance(mtp, Lane) else Lane(mtp)
+        self.mtp: MtpContext = self.lane.ctx
+        self.seq = self.lane.base
+        self.target: Lane | None = None  # the target lane whose passes give the rows (attach)
         self.chain = chain
-        self.n_embd = mtp_ctx.n_embd
+        self.n_embd = self.mtp.n_embd
         self.fed: list[int] = []  # tokens in the MTP cache with the target's rows (positions 0..)
-        self._zero = np.zeros(mtp_ctx.n_embd, dtype=np.float32)
+        self._zero = np.zeros(self.n_embd, dtype=np.float32)
 
     def _kept(self, text: Sequence[int]) -> int:
         """How many leading tokens of the MTP cache stay valid for `text`."""
@@ -57,20 +66,21 @@ class MtpDrafter(Drafter):
         return keep
 
     def _target_rows(self, first: int, last: int) -> np.ndarray:
-        """The target's rows of positions first..last-1 (zero rows where its last pass has none)."""
-        start, n = self.target.last_decode
+        """The target's rows of positions first..last-1 (zero rows where its request's last pass
+        has none): the request's tokens of that pass lie at `offset`.. of its batch, in order."""
+        start, n, offset = self.target.last_batch if self.target is not None else (0, 0, 0)
         rows = np.zeros((max(0, last - first), self.n_embd), dtype=np.float32)
         for p in range(max(first, start), min(last, start + n)):
-            rows[p - first] = embeddings_nextn_row(self.target, p - start, self.n_embd)
+            rows[p - first] = embeddings_nextn_row(self.target.ctx, offset + p - start, self.n_embd)
         return rows
 
     def _catch_up(self, text: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Feed text[keep:] (the root last) with the target's rows; return the root's (logits, row)."""
         keep = self._kept(text)
-        self.mtp.seq_rm(0, keep)  # also the drafts of the last step
+        self.mtp.seq_rm(self.seq, keep)  # also the drafts of the last step
         if keep == len(text):  # the root is already in (nothing was committed since): feed it again
             keep -= 1
-            self.mtp.seq_rm(0, keep)
+            self.mtp.seq_rm(self.seq, keep)
         rows = self._target_rows(keep - 1, len(text) - 1)  # token p pairs with row p - 1
         if keep == 0:
             rows = np.vstack([self._zero, rows])  # the first token has no row before it
@@ -78,7 +88,7 @@ class MtpDrafter(Drafter):
         out = None
         for a in range(keep, len(text), step):
             b = min(len(text), a + step)
-            out = self.mtp.process(text[a:b], a, rows[a - keep : b - keep], want_last=b == len(text))
+            out = self.mtp.process(text[a:b], a, rows[a - keep : b - keep], want_last=b == len(text), seq=self.seq)
         self.fed = list(text)
         return out
 
@@ -87,18 +97,31 @@ class MtpDrafter(Drafter):
         if k < 1:
             return None
         t0 = time.perf_counter()
-        logits, row = self._catch_up([*committed, root])
         tokens = []
-        pos = len(committed)
-        for i in range(k):
-            tokens.append(int(np.argmax(logits)))  # a chain: no scores to rank branches by
-            if i + 1 < k:
-                logits, row = self.mtp.process([tokens[-1]], pos + 1 + i, row[None, :], want_last=True)
+        with self.mtp.lock:  # other requests' drafters share the context
+            logits, row = self._catch_up([*committed, root])
+            pos = len(committed)
+            for i in range(k):
+                tokens.append(int(np.argmax(logits)))  # a chain: no scores to rank branches by
+                if i + 1 < k:
+                    logits, row = self.mtp.process([tokens[-1]], pos + 1 + i, row[None, :], want_last=True,
+                                                   seq=self.seq)
         return Proposal(DraftTree.chain(root, tokens), draft_s=time.perf_counter() - t0, draft_passes=k)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         pass  # the next catch-up feeds what was accepted, with the verify pass's rows
 
+    def attach(self, lane: Lane) -> None:
+        self.target = lane
+
+    @property
+    def drafts_beside_others(self) -> bool:
+        # Its passes are its own (one request's chain, under the context's lock), small next to
+        # a target pass: whether they pay beside other requests is measured in turns as shared
+        # draft passes are (pay.together).
+        return True
+
     def reset(self) -> None:
-        self.mtp.clear()
+        with self.mtp.lock:
+            self.lane.clear()
         self.fed.clear()

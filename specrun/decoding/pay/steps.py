@@ -64,7 +64,7 @@ class StepSizer:
         self._turn = None
         if not lane.sharing:
             return True
-        if not drafter.passes_shared or self.together is None:
+        if not drafter.drafts_beside_others or self.together is None:
             return False
         requests = lane.gate.room.active
         drafting = self.together.drafts(requests)
