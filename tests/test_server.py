@@ -640,3 +640,25 @@ def test_cors_only_when_asked_for():
     with TestClient(create_app(_BrokenWorker(), ServerSettings()), base_url="http://127.0.0.1") as http:
         response = http.get("/health", headers={"Origin": origin})
         assert "access-control-allow-origin" not in response.headers and response.status_code == 403
+
+
+def test_the_vocabulary_is_read_before_the_server_is_ready(offline_models):
+    """What the first chat and the first schema would read of the vocabulary (its longest token,
+    its control tokens, llguidance's tokenizer: seconds on a 262k vocabulary) is read while the
+    server loads, so the first requests' first token does not wait for it."""
+    from specrun.engine import grammar
+    from specrun.runtime.plan import RunOptions
+    from specrun.server.worker import GenerationWorker
+
+    ready = threading.Event()
+    worker = GenerationWorker(RunOptions(ctx_size=512, no_spec=True, parallel=1, quiet=True), 4,
+                              lambda w, description: ready.set(), lambda e: ready.set())
+    worker.start()
+    try:
+        assert ready.wait(120) and worker.state == "ready", worker.load_error
+        rt = worker.runtime
+        assert "max_token_bytes" in vars(rt.target) and "control" in vars(rt.chat_format)
+        assert grammar._tokenizers.get(id(rt.target), (None,))[0] is rt.target
+    finally:
+        worker.stop()
+        worker.join(60)

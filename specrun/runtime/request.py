@@ -1,17 +1,28 @@
 """One generation request (sampling settings, limits and what the answer must follow) and running
 it on a loaded Runtime. Every front end builds one: `generate` and `chat` from their options, the
 server's OpenAI and Ollama APIs from a request's fields (server/schemas.py, server/ollama.py); its
-sampling settings and its grammar are made here and nowhere else."""
+sampling settings and its grammar (a schema's, a grammar's, the tool calls the server allows) are
+made here and nowhere else."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from specrun.chat.tools import ToolFormat
 from specrun.core.sampling import SamplingParams, TokenLogprob
 from specrun.decoding.stream import collect, stream
 from specrun.engine.grammar import Grammar, schema_grammar, text_grammar
 from specrun.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools an answer may call, written as the model's chat template writes calls."""
+
+    format: ToolFormat
+    functions: tuple[dict, ...]  # OpenAI function objects (name, description, parameters)
+    forced: bool = False  # the answer is one call of one of them, whatever it would say in words
 
 
 @dataclass(frozen=True)
@@ -63,9 +74,20 @@ class Request:
         """Return the JSON schema the answer must satisfy (None: none)."""
         return None if self.json_schema is None else json.loads(self.json_schema)
 
-    def compile_grammar(self, model) -> Grammar | None:
-        """Return the request's grammar compiled for `model`'s vocabulary (None: unconstrained)."""
+    def compile_grammar(self, model, tools: ToolUse | None = None) -> Grammar | None:
+        """Return the grammar the answer follows, compiled for `model`'s vocabulary (None:
+        unconstrained). With `tools`: a forced call's grammar (the answer is that call, whatever
+        a schema asks of an answer in words, as with the OpenAI API), or a call allowed in place
+        of the schema's answer."""
+        def marker(text: str) -> str:  # a fixed piece of a call: the special token it is, if any
+            return Grammar.literal(model, text)
+
+        if tools is not None and tools.forced:
+            return Grammar.from_lark(model, tools.format.grammar(list(tools.functions), marker))
         if self.json_schema is not None:
+            if tools is not None:
+                return Grammar.from_lark(model, tools.format.call_or_answer(list(tools.functions), marker,
+                                                                            self.schema()))
             return Grammar.from_schema(model, self.schema())
         if self.grammar is not None:
             return Grammar.from_text(model, self.grammar)

@@ -40,16 +40,15 @@ from specrun import ui
 from specrun.chat import reasoning
 from specrun.chat.reasoning import ChatSettings, ReasoningParser
 from specrun.chat.session import ConversationMemory
-from specrun.chat.tools import ToolFormat, tool_format
+from specrun.chat.tools import tool_format
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import stream
-from specrun.engine import rpc
-from specrun.engine.grammar import Grammar
+from specrun.engine import grammar, rpc
 from specrun.errors import GrammarError, SpecrunError, UsageError
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.pool import DecoderPool, Lease
-from specrun.runtime.request import logprob_json
+from specrun.runtime.request import ToolUse, logprob_json
 from specrun.runtime.runtime import Runtime
 from specrun.server.jobs import (
     POLL_S,
@@ -263,6 +262,13 @@ class GenerationWorker(QueueWorker):
             if self.chat.template is not None:
                 rt.chat_format.template = self.chat.template
             self.model = _model_info(rt)
+            # What the first requests would read of the vocabulary is read before the server is
+            # ready: its longest token (the limit on a message's size), its control tokens and
+            # llguidance's tokenizer (Gemma 3's 262k tokens: 0.5, 0.5 and 2.2 s, which were the
+            # first chat's and the first schema's time to first token).
+            rt.target.max_token_bytes
+            rt.chat_format.control
+            grammar.prepare(rt.target)
         except BaseException:
             rt.close()
             raise
@@ -308,7 +314,7 @@ class GenerationWorker(QueueWorker):
 
     def _answer(self, job: Job, lease: Lease) -> None:
         rt = self.runtime
-        tools = self._tool_format(job.prompt)
+        tools = self._tools(job.prompt)
         prompt, rendered = self._prompt_tokens(job.prompt)
         parser = None
         if rendered is not None:
@@ -345,7 +351,7 @@ class GenerationWorker(QueueWorker):
         content, calls = None, None
         if tools is not None:  # the answer was held back: its calls become tool_calls
             answer = rt.target.detokenize([t for t in generated if t not in eog], special=True)
-            content, calls = tools.parse(answer)
+            content, calls = tools.format.parse(answer)
             if calls:
                 reason = "tool_calls"
             else:
@@ -355,17 +361,23 @@ class GenerationWorker(QueueWorker):
         job.emit(Finished(reason, len(generated), stats, content, calls or None))
         _log_job(job, started, stats, finish or "length")
 
-    def _tool_format(self, prompt: ChatPrompt | TextPrompt) -> ToolFormat | None:
-        """Return how the model writes tool calls, when this request's answer may hold one."""
+    def _tools(self, prompt: ChatPrompt | TextPrompt) -> ToolUse | None:
+        """Return the tools this request's answer may call, as the model writes calls (None: it
+        calls none)."""
         if not isinstance(prompt, ChatPrompt) or not prompt.tools:
             return None
         fmt = tool_format(self.runtime.chat_format.template)
         if fmt is None:
             raise APIError(400, "the model's chat template has no tool support, so it cannot be given tools",
                            param="tools", code="unsupported_parameter")
-        return None if prompt.tool_choice == "none" else fmt
+        if prompt.tool_choice == "none":
+            return None
+        functions = [t["function"] for t in prompt.tools]
+        if prompt.tool_choice.startswith("function:"):
+            functions = [f for f in functions if f["name"] == prompt.tool_choice.removeprefix("function:")]
+        return ToolUse(fmt, tuple(functions), forced=prompt.tool_choice != "auto")
 
-    def _params(self, job: Job, tools: ToolFormat | None) -> tuple[SamplingParams, str]:
+    def _params(self, job: Job, tools: ToolUse | None) -> tuple[SamplingParams, str]:
         """Return the job's sampling settings with its grammar compiled for the target's vocabulary,
         and the request field that asked for the grammar (named if it fails)."""
         model = self.runtime.target
@@ -373,35 +385,12 @@ class GenerationWorker(QueueWorker):
             if token >= model.n_vocab:
                 raise APIError(400, f"logit_bias: token id {token} is not below the vocabulary size {model.n_vocab}",
                                param="logit_bias", code="invalid_value")
-        forced = tools is not None and job.prompt.tool_choice not in ("auto", "none")
-        field = "tool_choice" if forced else job.constraint_field
+        field = "tool_choice" if tools is not None and tools.forced else job.constraint_field
         try:
-            grammar = self._call_grammar(job.prompt, tools) if forced else self._answer_grammar(job, tools)
+            compiled = job.request.compile_grammar(model, tools)
         except UsageError as e:
             raise APIError(400, str(e), param=field, code="invalid_value") from None
-        return job.request.sampling(grammar), field
-
-    def _call_grammar(self, prompt: ChatPrompt, tools: ToolFormat) -> Grammar:
-        """Return the grammar of a forced call (tool_choice required or named). The answer is that
-        call, whatever response_format asks of an answer in words (as with the OpenAI API)."""
-        chosen = [t["function"] for t in prompt.tools]
-        if prompt.tool_choice.startswith("function:"):
-            chosen = [f for f in chosen if f["name"] == prompt.tool_choice.removeprefix("function:")]
-        return Grammar.from_lark(self.runtime.target, tools.grammar(chosen, self._marker))
-
-    def _answer_grammar(self, job: Job, tools: ToolFormat | None) -> Grammar | None:
-        """Return the grammar the request asks the answer to follow (None: free text); with tools
-        the model may call, a call is allowed in place of a response_format answer."""
-        request = job.request
-        if request.json_schema is not None and tools is not None:
-            functions = [t["function"] for t in job.prompt.tools]
-            grammar = tools.call_or_answer(functions, self._marker, request.schema())
-            return Grammar.from_lark(self.runtime.target, grammar)
-        return request.compile_grammar(self.runtime.target)
-
-    def _marker(self, text: str) -> str:
-        """Return text as a grammar literal: the special token it is, if the vocabulary has one."""
-        return Grammar.literal(self.runtime.target, text)
+        return job.request.sampling(compiled), field
 
     def _prompt_tokens(self, prompt: ChatPrompt | TextPrompt) -> tuple[list[int], str | None]:
         """Return the prompt's tokens, and for a chat the rendered text they spell."""
