@@ -142,10 +142,8 @@ class Runtime:
         for i in range(n):
             lane = _lane(self.target_ctx, i, n, plan.target_ctx.n_ctx, gate)
             draft_lane = None
-            if draft_gate is not None:
+            if self.draft_ctx is not None:  # (the target's MTP context has no gate: passes of their own)
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
-            elif self.draft_ctx is not None:  # the target's MTP context: a sequence each, passes of their own
-                draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, None)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                          lane=lane, draft_lane=draft_lane, together=together))
         return decoders
