@@ -24,6 +24,7 @@ from tiny_archs import tiny_arch_model
 from specrun import engine
 from specrun.engine.memory import Allocation
 from specrun.hardware import placement
+from specrun.models.shapes import nbytes
 from specrun.models.synthetic import real_shapes as shapes
 from specrun.runtime.plan import RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
@@ -174,12 +175,15 @@ def test_a_model_not_downloaded_is_planned_from_its_header_alone(offline_models,
 
 
 def test_a_model_not_downloaded_offline_without_its_header_is_one_clear_line(cli, tmp_path, monkeypatch):
+    """A file the registry states no shape for (a Hugging Face reference of the user's): offline,
+    with no header cached, it cannot be planned before its download, and the error says why."""
     monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = cli("plan", "--target", "qwen3.5-27b")
+    target = "hf:someone/Some-Model-GGUF/some-model-q4_k_m.gguf"
+    result = cli("plan", "--target", target)
     assert result.exit_code != 0
     message = result.output.strip()
-    assert "cannot plan qwen3.5-27b before its download" in message and "HF_HUB_OFFLINE" in message
+    assert f"cannot plan {target} before its download" in message and "HF_HUB_OFFLINE" in message
     assert "Traceback" not in message and len(message.splitlines()) == 1
 
 
@@ -212,7 +216,7 @@ def test_pull_warns_before_a_download_that_will_not_fit(offline_models, cli, tmp
 def _moe_size(name: str):
     """The planner's view of a registry MoE shape at Q4_K_M, from its exact tensor list."""
     shape = shapes.SHAPES[name]
-    tensors = {name: shapes._nbytes(dims, kind) for name, dims, kind in shapes.tensor_plan(shape)}
+    tensors = {name: nbytes(dims, kind) for name, dims, kind in shapes.tensor_plan(shape)}
     return placement.size_from_tensors(
         tensors, sum(tensors.values()), shape.n_layer, n_embd=shape.n_embd, n_vocab=shape.n_vocab,
         n_head=shape.n_head, n_head_kv=shape.n_head_kv, n_ff=shape.n_ff, n_ctx_train=32768,
@@ -293,7 +297,8 @@ def test_big_models_on_consumer_cards_never_exceed_the_card(name):
 
 def test_models_fit_says_how_each_would_run_here_downloaded_or_not(offline_models, cli, tmp_path, monkeypatch):
     """`specrun models --fit`: a downloaded model, one not downloaded (planned from its header,
-    fetched from the fake hub) and one whose header cannot be had (another repo, offline)."""
+    fetched from the fake hub), one whose header cannot be had (another repo) and one planned from
+    the shape the registry states for it."""
     import os
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -306,7 +311,9 @@ def test_models_fit_says_how_each_would_run_here_downloaded_or_not(offline_model
     repo = f"fake/smol-{uuid.uuid4().hex[:12]}"  # a repo of its own: no header of it is cached yet
     (config / "models.toml").write_text(
         f'[models."remote-smol"]\nfamily = "smollm2"\ndraft = false\n'
-        f'[[models."remote-smol".source]]\nhf = "{repo}"\nfile = "{real.name}"\n')
+        f'[[models."remote-smol".source]]\nhf = "{repo}"\nfile = "{real.name}"\n'
+        f'[models."remote-gone"]\nfamily = "smollm2"\ndraft = false\n'
+        f'[[models."remote-gone".source]]\nhf = "{repo}-gone"\nfile = "{real.name}"\n')
     with FakeHub() as hub:
         hub.add_file(repo, real.name, real.read_bytes())
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
@@ -321,5 +328,7 @@ def test_models_fit_says_how_each_would_run_here_downloaded_or_not(offline_model
     assert 0 < fetched < 0.05 * real.stat().st_size  # its header only
     demo = rows["smollm2-135m-f32"]["fit"]
     assert demo["fits"] is True and demo["drafter"] == "hybrid"
-    unknown = rows["qwen3.5-27b"]["fit"]  # another repo: the fake hub does not have it
-    assert unknown["fits"] is None and unknown["text"] == "?" and "qwen3.5-27b" in unknown["why"]
+    unknown = rows["remote-gone"]["fit"]  # a repo the fake hub does not have, and no published shape
+    assert unknown["fits"] is None and unknown["text"] == "?" and "remote-gone" in unknown["why"]
+    shaped = rows["qwen3.5-27b"]["fit"]  # not on the fake hub either: planned from its published shape
+    assert shaped["fits"] is not None and shaped["n_ctx"] >= 4096

@@ -213,6 +213,14 @@ def test_malformed_user_toml_names_file_and_line():
         ('[models.mine]\nfamily = "qwen3"\ndraft = "qwen2.5-0.5b"\n[[models.mine.source]]\npath = "a.gguf"\n', 3, "of another family"),
         ('[models.mine]\nfamily = "x"\n[[models.mine.source]]\nderived = "qwen2.5-15b"\n', 4, "did you mean 'qwen2.5-1.5b'"),
         ('[models.mine]\nfamily = "x"\naliases = ["QWEN-14B"]\n[[models.mine.source]]\npath = "a.gguf"\n', 1, "used by both"),
+        ('[models.mine]\nfamily = "qwen3"\nshape = { n_layers = 2 }\n[[models.mine.source]]\npath = "a.gguf"\n', 3,
+         "shape: unknown shape key 'n_layers'"),
+        ('[models.mine]\nfamily = "qwen3"\nshape = { like = "qwen3-8b", n_head = "many" }\n[[models.mine.source]]\n'
+         'path = "a.gguf"\n', 3, "shape key 'n_head' must be int"),
+        ('[models.mine]\nfamily = "qwen3"\nshape = "qwen3-9b"\n[[models.mine.source]]\npath = "a.gguf"\n', 3,
+         "it is like unknown model 'qwen3-9b'"),
+        ('[models.mine]\nfamily = "x"\nshape = { n_layer = 2 }\n[[models.mine.source]]\npath = "a.gguf"\n', 3,
+         "shape has no 'n_embd'"),
     ],
 )
 def test_schema_errors_point_at_the_line(text, line, problem):

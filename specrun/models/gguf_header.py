@@ -4,8 +4,7 @@ A GGUF file is a header (magic, version, tensor count, key/value count, the key/
 tensor infos) followed, at the next multiple of `general.alignment` (32 by default), by the tensor
 data. Only the header says how long it is, so a reader given the file's first bytes either finds
 the end or says that it needs more bytes. Used to fetch a model's header without its weights
-(models.headers); the gguf package cannot help there: it maps a whole file and is a dev-only
-dependency.
+(models.headers); the gguf package cannot help there: its reader maps a whole file.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import difflib
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from specrun.models.specs import (
     shard_names,
     shorten,
 )
+from specrun.models.shapes import Shape
 from specrun.models.toml_file import TomlFile, read_toml, validate_file
 
 SHIPPED_TOML = Path(__file__).with_name("models.toml")
@@ -146,9 +147,32 @@ def _build_spec(alias, raw, families, models, building) -> ModelSpec:
         origin=str(toml.path),
         arch=entry.get("arch", families.get(family, {}).get("arch")),
         mtp=entry.get("mtp", False),
+        shape=_build_shape(alias, entry, toml, raw, families, models, (*building, alias)),
     )
     models[alias] = spec
     return spec
+
+
+def _build_shape(alias, entry, toml, raw, families, models, building) -> Shape | None:
+    """The model's published shape: its own table, or another model's (`like` in the table, or
+    the alias alone), with the table's keys changed."""
+    table = entry.get("shape")
+    if table is None:
+        return None
+    table = {"like": table} if isinstance(table, str) else dict(table)
+    like = table.pop("like", None)
+    arch = entry.get("arch", families.get(entry["family"], {}).get("arch"))
+    try:
+        if like is None:
+            return Shape.from_table(table, arch)
+        if like not in raw:
+            raise ValueError(f"it is like unknown model '{like}'")
+        base = _build_spec(like, raw, families, models, building).shape
+        if base is None:
+            raise ValueError(f"it is like model '{like}', which states no shape")
+        return Shape.from_table({**asdict(base), **table})
+    except ValueError as e:
+        raise toml.error(f"model '{alias}': shape: {e}", alias, "shape") from None
 
 
 def _build_source(alias, src, toml, raw, families, models, building) -> Source:

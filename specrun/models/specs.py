@@ -11,6 +11,7 @@ from typing import Any, Union
 from specrun.errors import RegistryError
 from specrun.files import human_size
 from specrun.architectures import Speculation
+from specrun.models.shapes import Shape
 
 # Split GGUFs name their shards NAME-00001-of-00003.gguf; llama.cpp is given the first one.
 SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -130,6 +131,7 @@ class ModelSpec:
     origin: str = ""  # the models.toml that defined it, or "command line"
     arch: str | None = None  # GGUF general.architecture, when the registry knows it
     mtp: bool = False  # the file carries MTP (next-token-prediction) layers
+    shape: Shape | None = None  # its published shape, when the registry states it (models.shapes)
 
 
 @dataclass(frozen=True)

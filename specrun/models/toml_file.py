@@ -73,7 +73,7 @@ def read_toml(path: Path) -> TomlFile:
 
 
 _TOP_KEYS = {"defaults", "families", "models"}
-_MODEL_KEYS = {"family", "params", "quant", "size", "draft", "aliases", "notes", "source", "arch", "mtp"}
+_MODEL_KEYS = {"family", "params", "quant", "size", "draft", "aliases", "notes", "source", "arch", "mtp", "shape"}
 _FAMILY_KEYS = {"draft", "arch", "notes"}
 _SOURCE_KEYS = {
     "hf": {"hf", "file", "files", "revision", "sha256", "sizes", "verified"},
@@ -201,6 +201,9 @@ def _validate_model(toml: TomlFile, alias: str, entry: Any) -> None:
         _check_type(toml, entry["draft"], str, f"model '{alias}': draft (an alias or false)", alias, "draft")
     if "aliases" in entry:
         _string_list(toml, entry["aliases"], f"model '{alias}': aliases", alias, "aliases")
+    if "shape" in entry and not isinstance(entry["shape"], (str, dict)):
+        raise toml.error(f"model '{alias}': shape must be a table of the model's facts or another model's alias",
+                         alias, "shape")
     if "source" in entry:
         if not isinstance(entry["source"], list):
             raise toml.error(f"model '{alias}': write sources as [[models.{alias}.source]] tables", alias, "source")

@@ -31,14 +31,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specrun import architectures, engine, ui
+from specrun import architectures, engine, sysinfo, ui
 from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.pay.rules import PROFILE_DRIFT, profile_holds
 from specrun.engine import rpc
 from specrun.errors import EngineError, UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
-from specrun.models import headers, hub, pairing, registry
+from specrun.models import headers, hub, pairing, registry, shapes
 from specrun.runtime.options import ModelFiles, RunOptions
 from specrun.runtime.drafters import BEST_FIRST
 from specrun.runtime.trees import (
@@ -257,6 +257,10 @@ def build_plan(
         devices = engine.list_devices()
     elif opts.rpc:  # GPUs given for another machine, beside the workers
         devices = [*devices, *engine.remote_devices()]
+    if ram_free_bytes is None:
+        # Read once: the context search and the final check must hold the plan to the same RAM (the
+        # simulated loads in between take memory of this process that the run will not).
+        ram_free_bytes = sysinfo.ram_bytes()[1]
     if opts.parallel is not None:
         return _build(opts, files, shape, devices, ram_free_bytes, sizes, detailed, use_profile=True)
     # As many requests at once as fit at the context one request gets alone (at most DEFAULT_PARALLEL).
@@ -290,10 +294,11 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
     else:
         tree, why, untuned, pass_s = choose_tree(opts, files, use_profile)
     notes = []
-    # A model not downloaded yet is planned from its real header (a sparse copy: models.headers),
+    # A model not downloaded yet is planned from its real header (a sparse copy: models.headers), or
+    # from the shape the registry states for it (models.shapes),
     # unless shapes are given in its place.
-    target_file = files.target_path or (None if sizes else _header_copy(files.target_name))
-    draft_file = files.draft_path or (None if sizes or files.draft_name is None else _header_copy(files.draft_name))
+    target_file = files.target_path or (None if sizes else _header_copy(files.target_name, notes))
+    draft_file = files.draft_path or (None if sizes or files.draft_name is None else _header_copy(files.draft_name, notes))
     target_arch = engine.gguf_architecture(target_file) if target_file is not None else None
     draft_arch = engine.gguf_architecture(draft_file) if draft_file is not None else None
     if tree is not None and target_arch is not None:
@@ -442,12 +447,22 @@ def _loads_target_alike(plan: Plan, other: Plan) -> bool:
             == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads))
 
 
-def _header_copy(name: str) -> Path:
-    """Return a header-only copy of a registry model that is not downloaded (UsageError where none
-    can be had: offline without one cached, not on Hugging Face, ...)."""
-    copy, reason = headers.header_copy(registry.resolve(name))
-    if copy is None:
+def _header_copy(name: str, notes: list[str]) -> Path:
+    """Return a header-only copy of a registry model that is not downloaded: of its real header,
+    or where that cannot be had (offline without one cached, the hub unreachable) one written from
+    the shape the registry states for it, with a note (UsageError where neither can be had)."""
+    spec = registry.resolve(name)
+    copy, reason = headers.header_copy(spec)
+    if copy is not None:
+        return copy
+    if spec.shape is None:
         raise UsageError(f"cannot plan {name} before its download: {reason}")
+    try:
+        copy = shapes.shape_copy(spec.name, spec.shape, spec.quant)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot plan {name} before its download: {reason}; nor from its published shape ({e})") from None
+    notes.append(f"{name} is planned from the shape the registry states for it, not its file's header, "
+                 "which could not be fetched: weights within a few percent")
     return copy
 
 

@@ -5,7 +5,7 @@
 - `write_shape_model`: a real model's architecture and tensor shapes at Q4_K_M, full size or
   scaled down (real_shapes; `write_derived` builds the registry's "shape" models).
 
-Writing needs the `gguf` package (the `dev` extra); importing this package does not.
+Writing needs the `gguf` package (imported only when a model is written).
 """
 
 from specrun.models.synthetic.real_shapes import (

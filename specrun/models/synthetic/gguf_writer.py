@@ -1,7 +1,7 @@
 """What every synthetic model's writing shares: a real model's tokenizer copied field by field, and
 a file that appears whole or not at all.
 
-Needs the `gguf` package (the `dev` extra), imported only when a model is written.
+Needs the `gguf` package, imported only when a model is written.
 """
 
 from __future__ import annotations

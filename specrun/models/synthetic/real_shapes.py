@@ -7,20 +7,20 @@ depend on the values: it comes from real small pairs.) The quantized blocks are 
 random bytes with small finite scales, streamed tensor by tensor: a 14B file takes about as long
 as writing 9 GB. The tokenizer is copied from a real model so prompts tokenize as they would.
 
-Q4_K_M as llama.cpp's quantizer makes it: Q4_K everywhere, Q6_K for the output matrix and for
-attn_v and ffn_down in the first and last eighth of the layers and every third layer between.
+The shapes, tensor layouts and Q4_K_M types are models.shapes' (the ones specrun plans a model
+from before its download); this module fills them with bytes.
 
 Needs the `gguf` package.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from specrun.errors import UsageError
+from specrun.models.shapes import Shape, add_key, layout, leave_data_hole, nbytes, tensor_plan, weights_bytes
 from specrun.models.synthetic.gguf_writer import (
     add_tokenizer,
     atomic_path,
@@ -31,46 +31,10 @@ from specrun.models.synthetic.gguf_writer import (
 # block_q4_K, block_q6_K, block_q5_0, block_q8_0). Every other byte (packed quants, sub-block
 # scales) is valid whatever its value.
 BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)), "Q5_0": (32, 22, (0,)), "Q8_0": (32, 34, (0,))}
-# Rows not a multiple of 256 weights cannot hold k-quant blocks: llama.cpp's quantizer falls back.
-K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
-QK_K = 256
 # A dequantized weight is at most ~scale * 63 * 15: this keeps activations far from f16 limits.
 BLOCK_SCALE = np.float16(2e-5)
 # Random bytes are drawn once in a pool of this size and reused: values do not change speed.
 POOL_BYTES = 16 * 1024 * 1024
-CONTEXT_LENGTH = 32768
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A model's architecture and sizes as its GGUF metadata states them."""
-
-    arch: str  # "qwen2", "qwen3", "qwen3moe" or "llama"
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    n_ff: int
-    n_vocab: int
-    rope_theta: float = 1_000_000.0
-    tied_output: bool = False
-    head_dim: int = 0  # 0: n_embd // n_head
-    n_expert: int = 0  # mixture of experts (qwen3moe): experts per layer, used per token, their FFN width
-    n_expert_used: int = 0
-    n_ff_exp: int = 0
-
-    @property
-    def n_embd_head(self) -> int:
-        return self.head_dim or self.n_embd // self.n_head
-
-    def scaled(self, n_layer: int, n_embd: int, n_ff: int, n_vocab: int | None = None) -> Shape:
-        """Return the same architecture shrunk (tests build these in seconds); experts too."""
-        heads = max(1, min(self.n_head, n_embd // 64))
-        kv = max(1, heads // max(1, self.n_head // self.n_head_kv))
-        experts = {"n_expert": min(self.n_expert, 8), "n_expert_used": min(self.n_expert_used, 2),
-                   "n_ff_exp": n_ff} if self.n_expert else {}
-        return replace(self, n_layer=n_layer, n_embd=n_embd, n_head=heads, n_head_kv=kv, n_ff=n_ff, head_dim=0,
-                       n_vocab=n_vocab or self.n_vocab, **experts)
 
 
 # Real shapes (config.json of each model family). qwen2.5-14b-shape ~ Qwen2.5-14B-Instruct;
@@ -87,57 +51,9 @@ SHAPES = {
 }
 
 
-def more_bits(layer: int, n_layer: int) -> bool:
-    """Whether Q4_K_M keeps this layer's attn_v and ffn_down at Q6_K (llama.cpp's use_more_bits)."""
-    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
-
-
-def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
-    """Return (name, ggml dims, type) for every tensor, in file order. Norms and biases are F32."""
-    s = shape
-    q, kv = s.n_head * s.n_embd_head, s.n_head_kv * s.n_embd_head
-    # a tied embedding doubles as the output matrix and gets the output's type
-    out = [("token_embd.weight", (s.n_embd, s.n_vocab), "Q6_K" if s.tied_output else "Q4_K")]
-    for i in range(s.n_layer):
-        blk, v = f"blk.{i}", "Q6_K" if more_bits(i, s.n_layer) else "Q4_K"
-        out += [(f"{blk}.attn_norm.weight", (s.n_embd,), "F32"),
-                (f"{blk}.attn_q.weight", (s.n_embd, q), "Q4_K"),
-                (f"{blk}.attn_k.weight", (s.n_embd, kv), "Q4_K"),
-                (f"{blk}.attn_v.weight", (s.n_embd, kv), v),
-                (f"{blk}.attn_output.weight", (q, s.n_embd), "Q4_K"),
-                (f"{blk}.ffn_norm.weight", (s.n_embd,), "F32")]
-        if s.n_expert:
-            out += [(f"{blk}.ffn_gate_inp.weight", (s.n_embd, s.n_expert), "F32"),
-                    (f"{blk}.ffn_gate_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), "Q4_K"),
-                    (f"{blk}.ffn_up_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), "Q4_K"),
-                    (f"{blk}.ffn_down_exps.weight", (s.n_ff_exp, s.n_embd, s.n_expert), v)]
-        else:
-            out += [(f"{blk}.ffn_gate.weight", (s.n_embd, s.n_ff), "Q4_K"),
-                    (f"{blk}.ffn_up.weight", (s.n_embd, s.n_ff), "Q4_K"),
-                    (f"{blk}.ffn_down.weight", (s.n_ff, s.n_embd), v)]
-        if s.arch == "qwen2":
-            out += [(f"{blk}.attn_q.bias", (q,), "F32"), (f"{blk}.attn_k.bias", (kv,), "F32"),
-                    (f"{blk}.attn_v.bias", (kv,), "F32")]
-        if s.arch in ("qwen3", "qwen3moe"):
-            out += [(f"{blk}.attn_q_norm.weight", (s.n_embd_head,), "F32"),
-                    (f"{blk}.attn_k_norm.weight", (s.n_embd_head,), "F32")]
-    out.append(("output_norm.weight", (s.n_embd,), "F32"))
-    if not s.tied_output:
-        out.append(("output.weight", (s.n_embd, s.n_vocab), "Q6_K"))
-    return [(name, dims, K_QUANT_FALLBACK.get(kind, kind) if dims[0] % QK_K else kind) for name, dims, kind in out]
-
-
 def file_bytes(shape: Shape) -> int:
     """Return about how big the file is (tensor data only)."""
-    return sum(_nbytes(dims, kind) for _, dims, kind in tensor_plan(shape))
-
-
-def _nbytes(dims: tuple[int, ...], kind: str) -> int:
-    count = int(np.prod(dims))
-    if kind == "F32":
-        return 4 * count
-    weights, nbytes, _ = BLOCKS[kind]
-    return count // weights * nbytes
+    return weights_bytes(shape, "Q4_K_M")
 
 
 def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int = 0,
@@ -161,14 +77,14 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
         types = {kind: getattr(gguf.GGMLQuantizationType, kind) for kind in ("F32", *BLOCKS)}
         for name, dims, kind in plan:
             # numpy's (reversed) element shape; with raw_dtype given, float32 only says "not bytes"
-            writer.add_tensor_info(name, tuple(reversed(dims)), np.dtype(np.float32), _nbytes(dims, kind),
+            writer.add_tensor_info(name, tuple(reversed(dims)), np.dtype(np.float32), nbytes(dims, kind),
                                    raw_dtype=types[kind])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         if header_only:
             writer.close()
-            _leave_data_hole(Path(tmp), plan, writer.data_alignment)
+            leave_data_hole(Path(tmp), [nbytes(dims, kind) for _, dims, kind in plan], writer.data_alignment)
             return
         rng = np.random.default_rng(seed)
         pool = rng.integers(0, 256, POOL_BYTES, dtype=np.uint8)
@@ -177,39 +93,13 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
         writer.close()
 
 
-def _leave_data_hole(path: Path, plan, alignment: int) -> None:
-    """Extend a GGUF that ends after its tensor infos to its full size: the data a hole."""
-    def padded(n: int) -> int:
-        return (n + alignment - 1) // alignment * alignment
-
-    start = padded(path.stat().st_size)
-    with open(path, "r+b") as f:
-        f.truncate(start + sum(padded(_nbytes(dims, kind)) for _, dims, kind in plan))
-
-
 def _write_metadata(writer, shape: Shape, tokenizer: dict, seed: int) -> None:
     import gguf
 
     writer.add_name(f"specrun random {shape.arch} shape {shape.n_layer}x{shape.n_embd} (seed {seed})")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    writer.add_context_length(CONTEXT_LENGTH)
-    writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
-    writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(shape.rope_theta)
-    if shape.head_dim:
-        writer.add_key_length(shape.head_dim)
-        writer.add_value_length(shape.head_dim)
-    if shape.n_expert:
-        writer.add_expert_count(shape.n_expert)
-        writer.add_expert_used_count(shape.n_expert_used)
-        writer.add_expert_feed_forward_length(shape.n_ff_exp)
-    if shape.arch == "llama":
-        writer.add_rope_dimension_count(shape.n_embd_head)
-        writer.add_vocab_size(shape.n_vocab)
+    for key, value in layout(shape)[0].items():
+        add_key(writer, key, value)
     add_tokenizer(writer, tokenizer)
 
 

@@ -13,7 +13,7 @@ global attention layers of different head sizes, shared KV layers, per-layer emb
 `jamba` (Mamba + attention, cannot roll back), `nemotron_h` (Mamba-2, attention and MLP-only
 blocks, can roll back) and `mamba` (pure recurrent).
 
-Needs the `gguf` package (the `dev` extra).
+Needs the `gguf` package.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specrun.models.shapes import add_key
 from specrun.models.synthetic.gguf_writer import (
     add_tokenizer,
     read_tokenizer,
@@ -59,7 +60,7 @@ def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0, mtp: 
     files carry it (qwen35 only). The same arguments give a byte-identical file; the file appears
     atomically.
     """
-    import gguf  # dev-only dependency
+    import gguf
 
     if arch not in _LAYOUTS:
         raise ValueError(f"no tiny layout for architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
@@ -77,7 +78,7 @@ def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0, mtp: 
         writer.add_uint32(f"{arch}.vocab_size", n_vocab)
         writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", RMS_NORM_EPS)
         for key, value in layout.keys.items():
-            _add_key(writer, key, value)
+            add_key(writer, key, value)
         add_tokenizer(writer, tokenizer)
         for name, array, qtype in _fill(layout, seed):
             if qtype is None:
@@ -86,19 +87,6 @@ def write_arch_model(arch: str, base_gguf: Path, dst: Path, seed: int = 0, mtp: 
                 writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
 
     write_gguf(dst, arch, fill)
-
-
-def _add_key(writer, key: str, value: object) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, (list, tuple)):
-        writer.add_array(key, list(value))
-    else:
-        writer.add_string(key, str(value))
 
 
 def _fill(layout: _Layout, seed: int) -> Iterator[tuple[str, np.ndarray, object]]:

@@ -5,7 +5,7 @@ speculative loop exercises rejection, bonus tokens and short accepted paths. A p
 real model agrees too often; a 2-layer model with random weights and the base model's tokenizer
 copied verbatim disagrees almost always, loads in llama.cpp in milliseconds and is a few tens of MB.
 
-Needs the `gguf` package (the `dev` extra).
+Needs the `gguf` package.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def write_random_model(
     All weights are F32 drawn from `np.random.default_rng(seed)`, so the same arguments give a
     byte-identical file. The file appears atomically: it is written beside `dst` and renamed.
     """
-    import gguf  # dev-only dependency: imported when a model is written
+    import gguf  # imported when a model is written
 
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError(f"n_embd={n_embd}, n_head={n_head}, n_head_kv={n_head_kv} don't divide")

@@ -1,0 +1,113 @@
+"""Published shapes: a registry model planned before its download with no network (models.shapes).
+
+The registry states each model's shape; a header-only GGUF written from it must be what llama.cpp
+reads in the real file: checked tensor for tensor against a real model shipped on PyPI, by the
+published file sizes of every registry model, by llama.cpp's own loader and allocation simulation
+for each architecture, and through `specrun plan` offline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import pytest
+
+from specrun.engine.memory import ContextSpec, Simulation
+from specrun.models import registry
+from specrun.models.shapes import Shape, tensor_plan, weights_bytes, write_header
+
+F16 = 2  # bytes per KV value (llama.cpp's default cache type)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return registry.load(user_toml=Path("/nonexistent/models.toml"))
+
+
+def test_a_published_shape_is_its_real_file_tensor_for_tensor(offline_models, shipped, tmp_path):
+    """Gemma-3-270M at Q4_K_M from PyPI: every tensor's name, dims and type as the registry's
+    shape lays it out (the quantizer's fallbacks for 640-wide rows included), and llama.cpp
+    allocates the same for the header-only copy as for the real file."""
+    spec = shipped.models["gemma3-270m-q4"]
+    real = gguf.GGUFReader(offline_models.gemma_q4)
+    want = {t.name: (tuple(int(d) for d in t.shape), t.tensor_type.name) for t in real.tensors}
+    planned = {name: (dims, kind) for name, dims, kind in tensor_plan(spec.shape, spec.quant)}
+    assert planned == want
+    assert weights_bytes(spec.shape, spec.quant) == sum(int(t.n_bytes) for t in real.tensors)
+
+    copy = tmp_path / "gemma3-270m-shape.gguf"
+    write_header(spec.shape, spec.quant, copy)
+    assert copy.stat().st_blocks * 512 < 0.05 * copy.stat().st_size  # the weights are a hole
+    contexts = [ContextSpec(4096, 512, 1, 0, swa_full=False), ContextSpec(8192, 512, 4, 0)]
+    for spec_ in contexts:
+        with Simulation(offline_models.gemma_q4) as a, Simulation(copy) as b:
+            assert a.context(spec_).to_dict() == b.context(spec_).to_dict()
+
+
+def test_every_published_shape_adds_up_to_its_files_size(shipped):
+    """The shapes' weights against the sizes the publishers list (the facts and the quantizer's
+    types both checked): within 5% under (unsloth's files keep some tensors at more bits) and 8%
+    over (Qwen's own 72B file has smaller fallbacks than llama.cpp's quantizer gives today)."""
+    ratios = {alias: weights_bytes(spec.shape, spec.quant) / spec.size for alias, spec in shipped.models.items()
+              if spec.shape is not None and spec.size}
+    assert len(ratios) >= 40
+    off = {alias: round(r, 3) for alias, r in ratios.items() if not 0.95 <= r <= 1.08}
+    assert not off, off
+    assert sum(0.99 <= r <= 1.01 for r in ratios.values()) >= 25  # most are the file to 1%
+
+
+def _attention_layers(shape: Shape) -> int:
+    if shape.layer_kinds:
+        return shape.layer_kinds.count("attn")
+    if shape.full_attention_interval:
+        return shape.n_layer // shape.full_attention_interval
+    return shape.n_layer
+
+
+# One registry model of each architecture with a layout; qwen3.5-4b-mtp loads its MTP block too.
+ARCHES = ["qwen2.5-0.5b", "qwen3-0.6b", "llama3.2-1b", "mistral-small-3.2-24b", "gemma3-1b", "gpt-oss-20b",
+          "qwen3.5-0.8b", "qwen3.5-35b-a3b", "qwen3.5-4b-mtp", "lfm2.5-350m"]
+
+
+@pytest.mark.parametrize("alias", ARCHES)
+def test_llama_cpp_loads_each_architecture_from_its_published_shape(alias, shipped, tmp_path):
+    """llama.cpp's loader accepts every tensor of the header-only copy (it checks each name and
+    dims against its own layout), and the KV cache it allocates is the one the published head
+    sizes and layer kinds give; hybrids keep a recurrent state beside it."""
+    spec = shipped.models[alias]
+    shape = replace(spec.shape, n_vocab=min(spec.shape.n_vocab, 32000))  # a smaller vocabulary loads faster
+    copy = tmp_path / f"{alias}.gguf"
+    write_header(shape, spec.quant, copy)
+    n_ctx = 4096
+    with Simulation(copy, load_mtp=spec.mtp) as simulation:
+        allocation = simulation.context(ContextSpec(n_ctx, 512, 1, 0, swa_full=True))
+        kv_heads = shape.n_head_kv * shape.n_embd_head
+        assert allocation.kv == _attention_layers(shape) * n_ctx * 2 * kv_heads * F16
+        assert (allocation.state > 0) == (shape.arch in ("qwen35", "qwen35moe", "lfm2"))
+        if spec.mtp:
+            mtp = simulation.context(ContextSpec(n_ctx, 512, 1, mtp=True))
+            assert mtp.kv == spec.shape.n_mtp * n_ctx * 2 * kv_heads * F16
+
+
+def test_plan_offline_of_a_model_never_fetched_uses_its_published_shape(cli, tmp_path, monkeypatch):
+    """No network, no cached header: `specrun plan` still plans Qwen3.5-27B (its weights to the
+    published size within 5%, llama.cpp's own figures for its contexts) and says how it knows."""
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = cli("plan", "--json", "--no-spec", "--target", "qwen3.5-27b", "--ctx-size", "8192",
+                 "--gpu", "Test=24GiB", "--ram-free", "16GiB")
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.stdout)
+    assert planned["target"]["path"] is None
+    assert planned["target"]["gpu_layers"] == planned["target"]["layer_slots"]  # 17 GB fit a 24 GiB card
+    assert planned["memory"]["figures"] == "llama.cpp"
+    model = sum(device["model"] for device in planned["memory"]["breakdown"])
+    assert 0.95 < model / registry.resolve("qwen3.5-27b").size < 1.05
+    assert any("published shape" in w or "shape the registry states" in w for w in planned["warnings"])
+    # a smaller card keeps some layers in RAM
+    small = json.loads(cli("plan", "--json", "--no-spec", "--target", "qwen3.5-27b", "--ctx-size", "8192",
+                           "--gpu", "Test=8GiB", "--ram-free", "16GiB").stdout)
+    assert 0 < small["target"]["gpu_layers"] < small["target"]["layer_slots"]
