@@ -53,23 +53,30 @@ def test_every_published_shape_adds_up_to_its_files_size(shipped):
     over (Qwen's own 72B file has smaller fallbacks than llama.cpp's quantizer gives today)."""
     ratios = {alias: weights_bytes(spec.shape, spec.quant) / spec.size for alias, spec in shipped.models.items()
               if spec.shape is not None and spec.size}
-    assert len(ratios) >= 40
+    assert len(ratios) >= 50
     off = {alias: round(r, 3) for alias, r in ratios.items() if not 0.95 <= r <= 1.08}
     assert not off, off
     assert sum(0.99 <= r <= 1.01 for r in ratios.values()) >= 25  # most are the file to 1%
 
 
-def _attention_layers(shape: Shape) -> int:
+def _kv_bytes_per_cell(shape: Shape) -> int:
+    """Keys and values of one cell over every layer that keeps them, from the published facts."""
+    if shape.arch == "gemma4":  # window and global layers of their own widths; shared layers keep none
+        return sum(2 * F16 * (shape.n_head_kv_swa * shape.head_dim_swa if (i + 1) % shape.global_every
+                              else shape.n_head_kv * shape.n_embd_head)
+                   for i in range(shape.n_layer - shape.shared_kv_layers))
     if shape.layer_kinds:
-        return shape.layer_kinds.count("attn")
-    if shape.full_attention_interval:
-        return shape.n_layer // shape.full_attention_interval
-    return shape.n_layer
+        layers = shape.layer_kinds.count("attn")
+    elif shape.full_attention_interval:
+        layers = shape.n_layer // shape.full_attention_interval
+    else:
+        layers = shape.n_layer
+    return layers * 2 * F16 * shape.n_head_kv * shape.n_embd_head
 
 
 # One registry model of each architecture with a layout; qwen3.5-4b-mtp loads its MTP block too.
 ARCHES = ["qwen2.5-0.5b", "qwen3-0.6b", "llama3.2-1b", "mistral-small-3.2-24b", "gemma3-1b", "gpt-oss-20b",
-          "qwen3.5-0.8b", "qwen3.5-35b-a3b", "qwen3.5-4b-mtp", "lfm2.5-350m"]
+          "qwen3.5-0.8b", "qwen3.5-35b-a3b", "qwen3.5-4b-mtp", "lfm2.5-350m", "gemma4-e2b", "gemma4-26b-a4b"]
 
 
 @pytest.mark.parametrize("alias", ARCHES)
@@ -84,12 +91,11 @@ def test_llama_cpp_loads_each_architecture_from_its_published_shape(alias, shipp
     n_ctx = 4096
     with Simulation(copy, load_mtp=spec.mtp) as simulation:
         allocation = simulation.context(ContextSpec(n_ctx, 512, 1, 0, swa_full=True))
-        kv_heads = shape.n_head_kv * shape.n_embd_head
-        assert allocation.kv == _attention_layers(shape) * n_ctx * 2 * kv_heads * F16
+        assert allocation.kv == n_ctx * _kv_bytes_per_cell(shape)
         assert (allocation.state > 0) == (shape.arch in ("qwen35", "qwen35moe", "lfm2"))
         if spec.mtp:
             mtp = simulation.context(ContextSpec(n_ctx, 512, 1, mtp=True))
-            assert mtp.kv == spec.shape.n_mtp * n_ctx * 2 * kv_heads * F16
+            assert mtp.kv == spec.shape.n_mtp * n_ctx * 2 * F16 * shape.n_head_kv * shape.n_embd_head
 
 
 def test_plan_offline_of_a_model_never_fetched_uses_its_published_shape(cli, tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specrun.engine.backend import captured_log, llama_version_info
@@ -176,6 +176,15 @@ class Simulation:
         return self._known[spec]
 
     def _simulate(self, spec: ContextSpec) -> Allocation:
+        if spec.n_rs_seq and not spec.mtp:
+            # llama.cpp allocates and zeroes a hybrid's recurrent state for real even in a simulated
+            # load (llama-memory-recurrent.cpp has no no_alloc path): Qwen3.5-27B's chains keep 36
+            # copies, 5 GB and ten seconds of page faults. Each rollback snapshot is one more copy of
+            # every sequence's state and changes nothing else (the compute buffer, the KV cache), so
+            # the context is simulated without them and its state counted once per snapshot.
+            # tests/test_memory_plan.py holds the plans made so to real loads.
+            base = self._simulate(replace(spec, n_rs_seq=0))
+            return replace(base, state=base.state * (1 + spec.n_rs_seq))
         if self._model is None:
             with captured_log(quiet=True):
                 self._model = Model(self.path, n_gpu_layers=self._load["n_gpu_layers"],

@@ -31,14 +31,14 @@ K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 # Quantizations the registry names whose tensor types are laid out here (unsloth's "UD" files
 # raise some tensors' bits: planned as the plain mix, a few percent under).
 QUANTS = ("Q4_K_M", "UD-Q4_K_M", "Q8_0", "MXFP4", "F16", "BF16", "F32")
-LAYER_KINDS = ("attn", "conv")
+LAYER_KINDS = ("attn", "conv", "window")
 
 
 @dataclass(frozen=True)
 class Shape:
     """A model's architecture and sizes, as its GGUF metadata states them (llama.cpp's names)."""
 
-    arch: str  # llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss, qwen35, qwen35moe, lfm2
+    arch: str  # llama, qwen2, qwen3, qwen3moe, gemma3, gemma4, gpt-oss, qwen35, qwen35moe, lfm2
     n_layer: int  # blocks of the trunk (MTP blocks apart: n_mtp)
     n_embd: int
     n_head: int
@@ -59,9 +59,19 @@ class Shape:
     ssm_groups: int = 0
     ssm_heads: int = 0
     ssm_conv: int = 4
-    layer_kinds: tuple[str, ...] = ()  # lfm2: "conv" or "attn" per layer
+    layer_kinds: tuple[str, ...] = ()  # per layer: lfm2 "conv" or "attn"; gemma4 "window" or "attn" (global)
     conv_cache: int = 3  # lfm2's short convolutions
     n_mtp: int = 0  # MTP (next-token prediction) blocks after the trunk
+    # gemma4: window layers' head size and KV heads (head_dim, n_head_kv: the global layers'), the
+    # last layers reading an earlier layer's KV (with MLPs n_ff_shared wide where not 0), per-layer
+    # token embeddings of this width, global layers whose values are their keys (no V projection)
+    global_every: int = 0  # every k-th layer global, the others a window (when layer_kinds are not given)
+    head_dim_swa: int = 0
+    n_head_kv_swa: int = 0
+    shared_kv_layers: int = 0
+    n_ff_shared: int = 0
+    n_embd_per_layer: int = 0
+    kv_equal: bool = False
 
     @property
     def n_embd_head(self) -> int:
@@ -329,16 +339,79 @@ def _lfm2(lay: _Layout) -> _Layout:
     return lay
 
 
+def _gemma4(lay: _Layout) -> _Layout:
+    """Gemma 4 (src/models/gemma4.cpp): window layers of narrow heads and global layers of wide
+    ones, the last shared_kv_layers keeping no KV of their own, per-layer token embeddings (E2B,
+    E4B), routed experts beside the dense MLP (26B-A4B)."""
+    s = lay.shape
+    kinds = s.layer_kinds or tuple("attn" if (i + 1) % s.global_every == 0 else "window" for i in range(s.n_layer))
+    window = [kind == "window" for kind in kinds]
+    n_kv_layers = s.n_layer - s.shared_kv_layers
+    kv_heads = [s.n_head_kv_swa if w else s.n_head_kv for w in window]
+    n_ff = [s.n_ff_shared if s.n_ff_shared and i >= n_kv_layers else s.n_ff for i in range(s.n_layer)]
+    lay.key("feed_forward_length", n_ff if s.n_ff_shared else s.n_ff)
+    lay.key("attention.head_count", s.n_head)
+    lay.key("attention.head_count_kv", kv_heads)
+    for suffix, head in (("", s.n_embd_head), ("_swa", s.head_dim_swa)):
+        lay.key(f"attention.key_length{suffix}", head)
+        lay.key(f"attention.value_length{suffix}", head)
+        lay.key(f"rope.dimension_count{suffix}", head)
+    lay.key("attention.sliding_window", s.sliding_window)
+    lay.key("attention.sliding_window_pattern", window)
+    lay.key("attention.shared_kv_layers", s.shared_kv_layers)
+    lay.key("embedding_length_per_layer_input", s.n_embd_per_layer)
+    lay.key("rope.freq_base_swa", 10000.0)
+    lay.key("final_logit_softcapping", 30.0)
+    if s.n_expert:
+        _expert_keys(lay)
+    _embeddings(lay)
+    if s.n_embd_per_layer:
+        width = s.n_embd_per_layer * s.n_layer
+        lay.tensor("per_layer_token_embd.weight", width, s.n_vocab)
+        lay.tensor("per_layer_model_proj.weight", s.n_embd, width)
+        lay.norm("per_layer_proj_norm.weight", s.n_embd_per_layer)
+    lay.norm("rope_freqs.weight", s.n_embd_head // 2)  # the global layers' rope factors, one for all
+    for i in range(s.n_layer):
+        blk, head = f"blk.{i}", s.head_dim_swa if window[i] else s.n_embd_head
+        lay.norm(f"{blk}.attn_norm.weight")
+        lay.tensor(f"{blk}.attn_q.weight", s.n_embd, s.n_head * head)
+        lay.norm(f"{blk}.attn_q_norm.weight", head)
+        if i < n_kv_layers:  # a shared layer reads an earlier layer's keys and values
+            lay.tensor(f"{blk}.attn_k.weight", s.n_embd, kv_heads[i] * head)
+            if window[i] or not s.kv_equal:
+                lay.tensor(f"{blk}.attn_v.weight", s.n_embd, kv_heads[i] * head)
+            lay.norm(f"{blk}.attn_k_norm.weight", head)
+        lay.tensor(f"{blk}.attn_output.weight", s.n_head * head, s.n_embd)
+        lay.norm(f"{blk}.post_attention_norm.weight")
+        lay.norm(f"{blk}.ffn_norm.weight")
+        _ffn(lay, blk, n_ff[i])
+        lay.norm(f"{blk}.post_ffw_norm.weight")
+        if s.n_expert:
+            _experts(lay, blk)
+            lay.tensor(f"{blk}.ffn_gate_inp.scale", s.n_embd)
+            for norm in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+                lay.norm(f"{blk}.{norm}.weight")
+        if s.n_embd_per_layer:
+            lay.tensor(f"{blk}.inp_gate.weight", s.n_embd, s.n_embd_per_layer)
+            lay.tensor(f"{blk}.proj.weight", s.n_embd_per_layer, s.n_embd)
+            lay.norm(f"{blk}.post_norm.weight")
+        lay.norm(f"{blk}.layer_output_scale.weight", 1)
+    return lay
+
+
 LAYOUTS = {
     "llama": _transformer, "qwen2": _transformer, "qwen3": _transformer, "qwen3moe": _transformer,
     "gemma3": _gemma3, "gpt-oss": _gpt_oss, "qwen35": _qwen35, "qwen35moe": _qwen35, "lfm2": _lfm2,
+    "gemma4": _gemma4,
 }
 
 
 def layout(shape: Shape) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
     """Return the shape's metadata keys and its tensors as (name, ggml dims), in file order."""
-    if shape.arch == "lfm2" and len(shape.layer_kinds) != shape.n_layer:
-        raise ValueError(f"lfm2 needs layer_kinds for each of its {shape.n_layer} layers")
+    if shape.arch == "gemma4" and not shape.layer_kinds and not shape.global_every:
+        raise ValueError("gemma4 needs global_every or layer_kinds")
+    if (shape.arch == "lfm2" or shape.layer_kinds) and len(shape.layer_kinds) != shape.n_layer:
+        raise ValueError(f"{shape.arch} needs layer_kinds for each of its {shape.n_layer} layers")
     lay = LAYOUTS[shape.arch](_Layout(shape))
     return lay.keys, lay.tensors
 
@@ -347,7 +420,8 @@ def layout(shape: Shape) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
 # Tensor types as llama.cpp's quantizer picks them (llama_tensor_get_type).
 
 # Never quantized: 1-D tensors, and these 2-D ones (llama-quant.cpp, tensor_allows_quantization)
-_KEPT = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d", "shortconv.conv.weight", "attn_sinks")
+_KEPT = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d", "shortconv.conv.weight", "attn_sinks",
+         "per_layer_model_proj", "_norm_1.weight", "_norm_2.weight", "layer_output_scale")
 
 
 def more_bits(layer: int, n_layer: int) -> bool:
@@ -388,8 +462,8 @@ def _type(shape: Shape, quant: str, name: str, dims: tuple[int, ...], n_layer: i
         return "Q6_K" if more_bits(i_v, n_v) else "Q4_K"
     if "ffn_down" in name:
         return "Q6_K" if more_bits(layer, n_layer) else "Q4_K"
-    if name.endswith("attn_qkv.weight"):
-        return "Q5_K"
+    if name.endswith("attn_qkv.weight") or name == "per_layer_token_embd.weight":
+        return "Q5_K"  # the second as the publishers' Gemma 4 files have it (their sizes say so)
     return "Q4_K"
 
 
