@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,21 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
         os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_path(dst: Path) -> Iterator[str]:
+    """Yield a temporary file's name beside `dst` for a writer that opens it itself: renamed to
+    `dst` (mode 0644) when the block completes, removed when it fails (nothing left behind)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
+        os.replace(tmp, dst)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

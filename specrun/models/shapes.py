@@ -17,11 +17,11 @@ layouts.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from specrun import paths
+from specrun.files import atomic_path
 
 # Raise when the written file changes for the same facts: cached copies are then rewritten.
 WRITER_VERSION = 1
@@ -492,8 +492,6 @@ def write_header(shape: Shape, quant: str, dst: Path, name: str = "") -> None:
     placeholder vocabulary of n_vocab tokens, tensor infos; the data a hole of its size."""
     import gguf
 
-    from specrun.models.synthetic.gguf_writer import atomic_path
-
     keys, _ = layout(shape)
     plan = tensor_plan(shape, quant)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -567,5 +565,4 @@ def shape_copy(alias: str, shape: Shape, quant: str | None) -> Path:
     path = copy_path(alias, shape, quant)
     if not path.is_file():
         write_header(shape, quant, path, name=f"{alias} (published shape)")
-        os.utime(path)
     return path

@@ -1,5 +1,5 @@
 """What every synthetic model's writing shares: a real model's tokenizer copied field by field, and
-a file that appears whole or not at all.
+a file that appears whole or not at all (files.atomic_path).
 
 Needs the `gguf` package, imported only when a model is written.
 """
@@ -7,31 +7,15 @@ Needs the `gguf` package, imported only when a model is written.
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from specrun.files import atomic_path
+
 TOKENIZER_PREFIX = "tokenizer."
-
-
-@contextmanager
-def atomic_path(dst: Path) -> Iterator[str]:
-    """Yield a temporary file's name beside `dst`: renamed to `dst` (mode 0644) when the block
-    completes, removed when it fails (a failure leaves nothing behind)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_gguf(dst: Path, arch: str, fill: Callable[[Any], None]) -> None:

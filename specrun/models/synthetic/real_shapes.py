@@ -21,11 +21,8 @@ import numpy as np
 
 from specrun.errors import UsageError
 from specrun.models.shapes import Shape, add_key, layout, leave_data_hole, nbytes, tensor_plan, weights_bytes
-from specrun.models.synthetic.gguf_writer import (
-    add_tokenizer,
-    atomic_path,
-    read_tokenizer,
-)
+from specrun.files import atomic_path
+from specrun.models.synthetic.gguf_writer import add_tokenizer, read_tokenizer
 
 # Per type: weights per block, bytes per block and where its f16 scales sit (ggml-common.h
 # block_q4_K, block_q6_K, block_q5_0, block_q8_0). Every other byte (packed quants, sub-block
