@@ -183,7 +183,7 @@ class Simulation:
             # every sequence's state and changes nothing else (the compute buffer, the KV cache), so
             # the context is simulated without them and its state counted once per snapshot.
             # tests/test_memory_plan.py holds the plans made so to real loads.
-            base = self._simulate(replace(spec, n_rs_seq=0))
+            base = self.context(replace(spec, n_rs_seq=0))  # kept too: plain runs of the model ask for it
             return replace(base, state=base.state * (1 + spec.n_rs_seq))
         if self._model is None:
             with captured_log(quiet=True):

@@ -421,7 +421,7 @@ def layout(shape: Shape) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
 
 # Never quantized: 1-D tensors, and these 2-D ones (llama-quant.cpp, tensor_allows_quantization)
 _KEPT = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d", "shortconv.conv.weight", "attn_sinks",
-         "per_layer_model_proj", "_norm_1.weight", "_norm_2.weight", "layer_output_scale")
+         "per_layer_model_proj")
 
 
 def more_bits(layer: int, n_layer: int) -> bool:
@@ -431,9 +431,12 @@ def more_bits(layer: int, n_layer: int) -> bool:
 
 def tensor_plan(shape: Shape, quant: str = "Q4_K_M") -> list[tuple[str, tuple[int, ...], str]]:
     """Return (name, ggml dims, type name) for every tensor of the shape quantized as `quant`."""
+    return _typed(shape, quant, layout(shape)[1])
+
+
+def _typed(shape: Shape, quant: str, tensors: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...], str]]:
     if quant not in QUANTS:
         raise ValueError(f"no tensor types for quantization {quant!r} (one of {', '.join(QUANTS)})")
-    _, tensors = layout(shape)
     n_layer = shape.n_layer + shape.n_mtp
     n_v = sum(1 for name, _ in tensors if name.endswith("attn_v.weight"))
     i_v = 0
@@ -492,8 +495,7 @@ def write_header(shape: Shape, quant: str, dst: Path, name: str = "") -> None:
     placeholder vocabulary of n_vocab tokens, tensor infos; the data a hole of its size."""
     import gguf
 
-    keys, _ = layout(shape)
-    plan = tensor_plan(shape, quant)
+    keys, tensors = layout(shape)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, arch=shape.arch)
@@ -502,20 +504,26 @@ def write_header(shape: Shape, quant: str, dst: Path, name: str = "") -> None:
         for key, value in keys.items():
             add_key(writer, key, value)
         _add_placeholder_vocab(writer, shape.n_vocab)
-        for tensor, dims, kind in plan:
-            writer.add_tensor_info(tensor, tuple(reversed(dims)), _np_float32(), nbytes(dims, kind),
-                                   raw_dtype=gguf.GGMLQuantizationType[kind])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        sizes = write_head(writer, _typed(shape, quant, tensors))
         writer.close()
-        leave_data_hole(Path(tmp), [nbytes(dims, kind) for _, dims, kind in plan], writer.data_alignment)
+        leave_data_hole(Path(tmp), sizes, writer.data_alignment)
 
 
-def _np_float32():
+def write_head(writer, plan: list[tuple[str, tuple[int, ...], str]]) -> list[int]:
+    """Add every tensor's info (tensor_plan's) to a GGUF writer holding the metadata, and write
+    the file up to the tensor data; return the tensors' sizes."""
+    import gguf
     import numpy as np
 
-    return np.dtype(np.float32)  # with raw_dtype given, only says "not bytes"
+    sizes = [nbytes(dims, kind) for _, dims, kind in plan]
+    for (name, dims, kind), size in zip(plan, sizes):
+        # numpy's (reversed) element shape; with raw_dtype given, float32 only says "not bytes"
+        writer.add_tensor_info(name, tuple(reversed(dims)), np.dtype(np.float32), size,
+                               raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    return sizes
 
 
 def leave_data_hole(path: Path, sizes: list[int], alignment: int) -> None:

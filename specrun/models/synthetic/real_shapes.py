@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from specrun.errors import UsageError
-from specrun.models.shapes import Shape, add_key, layout, leave_data_hole, nbytes, tensor_plan, weights_bytes
+from specrun.models.shapes import Shape, add_key, layout, leave_data_hole, tensor_plan, weights_bytes, write_head
 from specrun.files import atomic_path
 from specrun.models.synthetic.gguf_writer import add_tokenizer, read_tokenizer
 
@@ -71,17 +71,10 @@ def write_shape_model(shape: Shape, tokenizer_gguf: Path, dst: Path, seed: int =
         writer = gguf.GGUFWriter(tmp, arch=shape.arch)
         _write_metadata(writer, shape, tokenizer, seed)
         plan = tensor_plan(shape)
-        types = {kind: getattr(gguf.GGMLQuantizationType, kind) for kind in ("F32", *BLOCKS)}
-        for name, dims, kind in plan:
-            # numpy's (reversed) element shape; with raw_dtype given, float32 only says "not bytes"
-            writer.add_tensor_info(name, tuple(reversed(dims)), np.dtype(np.float32), nbytes(dims, kind),
-                                   raw_dtype=types[kind])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        sizes = write_head(writer, plan)
         if header_only:
             writer.close()
-            leave_data_hole(Path(tmp), [nbytes(dims, kind) for _, dims, kind in plan], writer.data_alignment)
+            leave_data_hole(Path(tmp), sizes, writer.data_alignment)
             return
         rng = np.random.default_rng(seed)
         pool = rng.integers(0, 256, POOL_BYTES, dtype=np.uint8)
