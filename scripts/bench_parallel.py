@@ -13,7 +13,9 @@ to its first token (p50, p95). Answers of specrun with several requests at once 
 against the same prompts answered one at a time.
 
 Servers: `specrun-1` is `specrun serve --parallel 1` (one request at a time), `specrun-N` is
-`--parallel N` with N the most clients (either with `-plain`: --no-spec, plain decoding); `peer-draft` is llama.cpp's `llama-server -np N` with the
+`--parallel N` with N the most clients (either with `-plain`: --no-spec, plain decoding); `base-1`,
+`base-N`, `base-N-plain` are the same from the checkout --baseline names (`git worktree add
+/tmp/base HEAD~1`), to measure a change in turns with its parent; `peer-draft` is llama.cpp's `llama-server -np N` with the
 same draft model, `peer-ngram` with its `ngram-mod` drafts (both need --peer-bin, llama.cpp built
 from the pinned sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release
 && cmake --build build -j2 --target llama-server`). --rounds repeats the whole sweep, servers in
@@ -91,6 +93,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--draft", default="smollm2-135m-q4")
     parser.add_argument("--peer-bin", type=Path, help="llama.cpp's build/bin, with llama-server")
     parser.add_argument("--servers", default="specrun-1,specrun-N,peer-draft,peer-ngram")
+    parser.add_argument("--baseline", type=Path, help="another checkout of specrun (an earlier commit): the servers "
+                        "base-1, base-N and base-N-plain run its code, to compare with this one's in turns")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     return parser.parse_args()
@@ -229,9 +233,13 @@ class _Server:
 
 def _start(name: str, args, parallel: int) -> _Server | None:
     threads = ["--threads", str(args.threads)] if args.threads else []
-    if name.startswith("specrun"):
-        n = 1 if name.startswith("specrun-1") else parallel
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    if name.startswith(("specrun", "base")):
+        if name.startswith("base") and args.baseline is None:
+            print(f"{name}: skipped (no --baseline)", file=sys.stderr)
+            return None
+        n = 1 if name.split("-")[1] == "1" else parallel
+        repo = args.baseline if name.startswith("base") else REPO
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
                    NO_COLOR="1")
         argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
                 "--target", args.target, "--draft", args.draft, "--parallel", str(n), *threads]

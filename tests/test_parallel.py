@@ -31,6 +31,8 @@ from specrun.decoding.batching import Lane, PassGate
 from specrun.core.tree import DraftTree
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.lookup import LookupDrafter
+from specrun.decoding.pay.rules import ALONE, Beside
 from specrun.decoding.pay.together import Together
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
@@ -281,6 +283,60 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
     finally:
         for ctx in owned:
             ctx.close()
+
+
+class _Recording(LookupDrafter):
+    """Lookup as the server's requests lean on it beside others, noting what the decoder told it
+    the other requests put into each pass it proposed for."""
+
+    def __init__(self, budget: int):
+        super().__init__(budget)
+        self.besides: list[Beside] = []
+
+    def propose(self, committed, root, budget, depth):
+        self.besides.append(self.beside)
+        return super().propose(committed, root, budget, depth)
+
+
+def test_requests_together_size_their_trees_by_what_the_others_put_into_the_pass(offline_models, load_model):
+    """One budget across requests (pay.rules.best_size): each request posts what its steps put
+    into a pass and emitted from it; one decoding beside others sizes its tree against the pass
+    they share, as the others posted it; and each greedy answer is the one decoded alone."""
+    target = load_model(offline_models.smollm2_f32)
+    shape = TreeShape(budget=16, depth=8, width=4, top_k=4)
+    texts = ["Repeat this line twice: the quick brown fox jumps over the lazy dog, the quick brown fox",
+             QUESTIONS[1], QUESTIONS[3]]
+    prompts = [target.tokenize(q, add_special=True) for q in texts]
+    n, per = 40, MAX_SEQ // len(prompts)
+
+    def tokens(dec, prompt):
+        return [t for step in dec.steps(prompt, SamplingParams(), n, make_rng(0)) for t in step.tokens]
+
+    ctx = engine.Context(target, n_ctx=256 * len(prompts), n_batch=64, n_seq_max=MAX_SEQ, threads=2)
+    try:
+        alone = []
+        for prompt in prompts:
+            ctx.clear()
+            alone.append(tokens(SpeculativeDecoder(target, ctx, _Recording(16), shape), prompt))
+        ctx.clear()
+        gate = PassGate(ctx)
+        lanes = [Lane(ctx, range(i * per, (i + 1) * per), 256, gate) for i in range(len(prompts))]
+        decoders = [SpeculativeDecoder(target, ctx, _Recording(16), shape, lane=lane) for lane in lanes]
+        assert _together(decoders, lanes, prompts, tokens) == alone
+        assert gate.shared_passes > 0
+        posts = gate.room.posts
+        assert set(posts) == set(lanes)
+        for lane, dec in zip(lanes, decoders):
+            put, emitted = posts[lane]
+            assert put >= emitted >= 1.0, posts[lane]
+            # Proposals made beside others were weighed against the others' tokens in the pass:
+            # at least one plain step (one token each) per other request decoding then.
+            beside = [b for b in dec.drafter.besides if b.tokens > 0]
+            assert beside and all(b.tokens >= 1.0 and b.emitted >= 1.0 for b in beside), dec.drafter.besides
+        # A request alone is sized alone.
+        assert decoders[0].sizer.beside(lanes[0]) == ALONE
+    finally:
+        ctx.close()
 
 
 def test_a_request_edits_its_lane_only_while_no_pass_runs(offline_models, load_model):

@@ -84,6 +84,31 @@ def test_a_drafter_gets_the_size_that_pays_and_none_where_a_tree_only_breaks_eve
     assert rules.best_size(_watched(1), passes(0.020 / (1 + margin / 2)), 4) == 0
 
 
+def test_beside_other_requests_a_tree_pays_for_what_it_adds_to_their_shared_pass():
+    """One budget across requests: a request's tree is sized by the rate of the pass it shares
+    (every request's tokens over the pass's seconds), the others' tokens in it as they posted."""
+    # A CPU's pass: the first extra token is dear (the batched kernels take over), the next cheap.
+    # One token accepted a step does not pay alone, but does beside three plain steps, which
+    # have paid that jump already.
+    jump = lambda nodes: np.where(np.asarray(nodes) < 1.5, 0.010, 0.020 + 0.0005 * (np.asarray(nodes) - 1))
+    alone = lambda nodes: jump(np.asarray(nodes) + 1)  # the root and the tree
+    assert rules.best_size(_watched(1), alone, 4) == 0
+    assert rules.best_size(_watched(1), alone, 4, rules.Beside(tokens=3, emitted=3)) == 1
+    # A pass whose every token costs alike: two tokens accepted of four pay alone (3 tokens for
+    # 1.8 plain passes' time), but beside seven plain steps each node slows eight requests' tokens
+    # and gains one request's: within the step margin, a plain step.
+    line = lambda nodes: 0.010 + 0.004 * np.asarray(nodes)
+    assert rules.best_size(_watched(2), line, 4) == 2
+    assert rules.best_size(_watched(2), line, 4, rules.Beside(tokens=7, emitted=7)) == 0
+    # The budget goes where acceptance is likeliest, whichever request it belongs to: beside a
+    # copy (its whole 4-token chain accepted each pass), a free-text request's one-token bets stop
+    # paying, while the copy keeps its whole chain beside the other's plain steps.
+    line = lambda nodes: 0.010 + 0.003 * np.asarray(nodes)
+    assert rules.best_size(_watched(1), line, 4) == 1
+    assert rules.best_size(_watched(1), line, 4, rules.Beside(tokens=5, emitted=5)) == 0
+    assert rules.best_size(_watched(4), line, 4, rules.Beside(tokens=1, emitted=1)) == 4
+
+
 def _step(tokens: int, seconds: float, nodes: int) -> Step:
     return Step(list(range(tokens)), target_s=seconds, total_s=seconds, tree_nodes=nodes)
 

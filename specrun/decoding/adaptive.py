@@ -240,11 +240,13 @@ class Hindsight:
         weight += doubt * average.keep ** (average.count + sum(w.fed > 0 for w in self._open))
         return total / weight if weight else total
 
-    def best(self, step_seconds: Callable[[np.ndarray], np.ndarray], margin: float = 0.0) -> tuple[int, float]:
+    def best(self, step_seconds: Callable[[np.ndarray], np.ndarray], margin: float = 0.0,
+             emitted_beside: float = 0.0) -> tuple[int, float]:
         """Return (budget, tokens/s) with the most tokens per second, given the seconds of a step
         that verifies n nodes: `step_seconds(n)` (vectorised). A tree must beat no tree (budget
-        0) by `margin`: a bet that only breaks even on estimates loses to their noise."""
-        rates = (self.accepted() + 1.0) / step_seconds(self.nodes())
+        0) by `margin`: a bet that only breaks even on estimates loses to their noise.
+        `emitted_beside`: tokens other requests emit from the same pass (its rate is theirs too)."""
+        rates = (self.accepted() + 1.0 + emitted_beside) / step_seconds(self.nodes())
         i = int(np.argmax(rates))
         if i and rates[i] < rates[0] * (1.0 + margin):
             i = 0

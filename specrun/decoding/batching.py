@@ -165,11 +165,21 @@ class Room:
         self.members: set[object] = set()
         self.gates: list[PassGate] = []  # in the order they are served: draft gates first
         self.running = False
+        # What each request put into its latest passes and took out of them, recent steps
+        # weighing most (pay.steps.StepSizer posts it): (tokens a pass, tokens emitted a pass).
+        self.posts: dict[object, tuple[float, float]] = {}
 
     @property
     def active(self) -> int:
         """Requests decoding now."""
         return len(self.members)
+
+    def beside(self, owner: object) -> tuple[float, float]:
+        """Tokens a pass and tokens emitted a pass, summed over the requests decoding now but
+        `owner` (one that has posted nothing yet counts as a plain step: one and one)."""
+        with self.cond:
+            others = [self.posts.get(m, (1.0, 1.0)) for m in self.members if m is not owner]
+        return sum(t for t, _ in others), sum(e for _, e in others)
 
     def ready(self) -> bool:
         """Whether a pass may run now: none runs and every member waits at a gate (holding the lock)."""

@@ -135,6 +135,7 @@ class SpeculativeDecoder:
                 # Beside other requests (their passes shared), only proposals that cost no model
                 # pass, unless the step sizer says the draft model drafts (pay.together).
                 propose = self.drafter.propose if self.sizer.model_drafts(self.lane, self.drafter) else self.drafter.propose_free
+                self.drafter.beside = self.sizer.beside(self.lane)
                 proposal = propose(cache.tokens, pending, budget, depth)
             # Where a grammar allows one continuation only, that run is a path of the tree: grafted
             # where the drafter's tree leaves it (free drafts), or the whole tree without a drafter's.
@@ -164,6 +165,7 @@ class SpeculativeDecoder:
         drafters' cost curves, they grew the demo pair's trees threefold for the same accepted
         tokens afterwards (40 tokens/s one request at a time, against 56)."""
         self.sizer.record_together(step)
+        self.sizer.post(self.lane, step)
         if self.lane.shared > 1:
             return
         self.drafter.observe(step)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specrun.core.tree import DraftTree
+from specrun.decoding.pay.rules import ALONE, Beside
 
 
 @dataclass
@@ -47,6 +48,11 @@ class Drafter(ABC):
     a drafter overrides those it uses, and the decoder calls them all without asking which kind
     of drafter it holds.
     """
+
+    # What the other requests decoding together put into the target pass this step shares with
+    # them (the decoder sets it before each proposal): drafters that size their trees by what
+    # pays (lookup, hybrid) weigh their nodes against that pass (pay.rules.best_size).
+    beside: Beside = ALONE
 
     @abstractmethod
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:

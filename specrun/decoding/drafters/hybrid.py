@@ -207,7 +207,7 @@ class HybridDrafter(Drafter):
         beside the target's pass."""
         if not self.adapt or not hindsight.known:
             return budget
-        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget)
+        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget, self.beside)
 
     def _lean_record(self, record: Hindsight) -> Hindsight:
         """The record that prices and sizes a lookup step alone: the kind's own (`record`), or,

@@ -143,7 +143,7 @@ class LookupDrafter(Drafter):
     def best_budget(self, hindsight: Hindsight, budget: int) -> int:
         """The budget with the most tokens per second this kind of proposal has measured."""
         overhead = float(self.step_s.mean) if self.step_s.known else 0.0
-        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget)
+        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget, self.beside)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         pass  # the next propose reads what was accepted from the committed text

@@ -22,6 +22,7 @@ tuning.cost_model (predictions).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -127,10 +128,36 @@ def lost_to(rate: float, than: float, margin: float) -> bool:
     return rate < than * (1.0 - margin)
 
 
-def best_size(hindsight: Hindsight, step_seconds: Callable[[np.ndarray], np.ndarray], budget: int) -> int:
+@dataclass(frozen=True)
+class Beside:
+    """What the other requests decoding together put into the target passes a step shares with
+    them, as they measured it lately (decoding.batching.Room.beside): tokens each pass, and
+    tokens they emit from each."""
+
+    tokens: float = 0.0
+    emitted: float = 0.0
+
+
+ALONE = Beside()
+# Steps after which a request's step weighs half in what it is said to put into a shared pass
+# (Beside): a request's kind of text (a copy, free chat) changes within a few dozen tokens.
+POST_HALF_LIFE = 8
+
+
+def best_size(hindsight: Hindsight, step_seconds: Callable[[np.ndarray], np.ndarray], budget: int,
+              beside: Beside = ALONE) -> int:
     """The budget (at most `budget`) with the most tokens per second by `hindsight`, a step that
-    verifies n nodes taking `step_seconds(n)`; 0 (no tree) unless a tree beats it by STEP_MARGIN."""
-    best, _ = hindsight.best(step_seconds, STEP_MARGIN)
+    verifies n nodes taking `step_seconds(n)`; 0 (no tree) unless a tree beats it by STEP_MARGIN.
+
+    Beside other requests (one budget across them, SpecExec's selection spread over requests):
+    the rate is that of the shared pass, every request's tokens over its seconds, the pass
+    holding the others' tokens too. A request's nodes then cost what they add to that pass
+    (on a CPU, a pass's first extra token is dear and the next ones cheap, so a tree can pay
+    beside others where it would not alone) and they slow every request's tokens, not only its
+    own (so a tree that pays alone may not pay beside others). Each request answers what the
+    others put in lately; as they do the same, the budget goes where acceptance is likeliest,
+    down to plain steps for all where no tree pays for what it costs the pass."""
+    best, _ = hindsight.best(lambda nodes: step_seconds(nodes + beside.tokens), STEP_MARGIN, beside.emitted)
     return min(best, budget)
 
 

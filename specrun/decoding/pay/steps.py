@@ -4,7 +4,8 @@ A step may verify at most what the plan's tree, the room left in the context and
 lane allow (the decoder's capacity); `StepSizer` cuts that to what pays: the speed guard of this
 kind of request (greedy or sampled) caps it, down to plain steps, and now and then asks for a
 plain step to measure plain decoding; reproducible sampling decodes plainly. Within the size it
-gives, a drafter proposes the tree its own hindsight says pays (rules.best_size).
+gives, a drafter proposes the tree its own hindsight says pays (rules.best_size), beside other
+requests the tree that pays for what it adds to the pass they share (`beside`, `post`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import logging
 
 from specrun.core.sampling import SamplingParams
+from specrun.decoding.adaptive import Average
 from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.pay.rules import ALONE, POST_HALF_LIFE, Beside
 from specrun.decoding.pay.together import Together
 from specrun.decoding.steps import Step
 
@@ -36,6 +39,8 @@ class StepSizer:
         # The turns of the requests decoding together (shared by their decoders' sizers).
         self.together = together
         self._turn: tuple[int, bool] | None = None  # (requests, drafting) of the step under way
+        # This decoder's steps lately: [tokens each put into its pass, tokens it emitted] (post).
+        self._mine = Average(POST_HALF_LIFE, 2)
 
     def start(self, params: SamplingParams) -> None:
         """A request begins: its kind's guard (a cut cap grows back: SpeedGuard.new_request)."""
@@ -56,6 +61,20 @@ class StepSizer:
         if self.guard is None:
             return capacity
         return 0 if self.guard.wants_plain_step() else min(capacity, self.guard.cap)
+
+    def beside(self, lane) -> Beside:
+        """What the other requests decoding beside this one put into the passes it shares with
+        them lately (ALONE while none does): its drafter weighs its tree against that pass."""
+        if not lane.sharing:
+            return ALONE
+        return Beside(*lane.gate.room.beside(lane.owner))
+
+    def post(self, lane, step: Step) -> None:
+        """Tell the requests decoding beside this one what its steps put into a pass (the root
+        and its tree) and took out of it (the tokens they emitted), recent steps weighing most."""
+        self._mine.add([step.tree_nodes + 1, len(step.tokens)])
+        if lane.gate is not None:
+            lane.gate.room.posts[lane.owner] = (float(self._mine.mean[0]), float(self._mine.mean[1]))
 
     def model_drafts(self, lane, drafter) -> bool:
         """Whether this step's proposal may cost model passes: alone, yes; beside other requests,
