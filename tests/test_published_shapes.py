@@ -15,6 +15,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from specrun.engine import memory
 from specrun.engine.memory import ContextSpec, Simulation
 from specrun.models import registry
 from specrun.models.shapes import Shape, tensor_plan, weights_bytes, write_header
@@ -117,3 +118,53 @@ def test_plan_offline_of_a_model_never_fetched_uses_its_published_shape(cli, tmp
     small = json.loads(cli("plan", "--json", "--no-spec", "--target", "qwen3.5-27b", "--ctx-size", "8192",
                            "--gpu", "Test=8GiB", "--ram-free", "16GiB").stdout)
     assert 0 < small["target"]["gpu_layers"] < small["target"]["layer_slots"]
+
+
+def test_a_default_drafter_that_does_not_fit_gives_way_to_the_lightest_that_does(cli, tmp_path, monkeypatch):
+    """Qwen3.5-27B's default drafting (its 0.8B draft model, four chains each with rollback copies
+    of the recurrent state) does not fit beside it in 22 GiB of RAM, even at the smallest default
+    context: the plan drops the draft model and drafts from the session's text; in 20 GiB the
+    chains' state copies do not fit either, and it decodes plainly with a far longer context. Each
+    says why. A drafter the user names is planned as named, fitting or not."""
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path / "specrun"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def plan(*args: str) -> dict:
+        result = cli("plan", "--json", "--target", "qwen3.5-27b", *args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    roomy = plan("--ram-free", "40GiB")
+    assert roomy["memory"]["fits"] and roomy["draft"]["name"] == "qwen3.5-0.8b"
+    assert not any("does not fit beside" in w for w in roomy["warnings"])
+    lookup = plan("--ram-free", "22GiB")
+    assert lookup["memory"]["fits"] and lookup["drafter"] == "lookup" and lookup["draft"] is None
+    assert any("the draft model qwen3.5-0.8b does not fit beside qwen3.5-27b" in w and "lookup trees alone" in w
+               for w in lookup["warnings"]), lookup["warnings"]
+    plain = plan("--ram-free", "20GiB")
+    assert plain["memory"]["fits"] and plain["drafter"] == "none" and plain["tree"] is None
+    assert any("planned with plain decoding" in w for w in plain["warnings"]), plain["warnings"]
+    assert plain["context"]["n_ctx"] > 4 * lookup["context"]["n_ctx"]  # no state copies for chains
+    named = plan("--ram-free", "20GiB", "--draft", "qwen3.5-0.8b")
+    assert not named["memory"]["fits"] and named["draft"]["name"] == "qwen3.5-0.8b"
+
+
+def test_a_large_recurrent_states_snapshots_are_counted_as_llama_cpp_allocates_them(shipped, tmp_path, monkeypatch):
+    """A hybrid's chains keep (1 + n_rs_seq) copies of every sequence's recurrent state; a state
+    large enough is simulated once without them and counted once per copy (zeroing 36 copies of
+    Qwen3.5-27B's state took ten seconds), which must be what llama.cpp allocates with them. The
+    compute buffer is then the graph's without snapshots: smaller than with them (here 72 MB
+    against 91), a known gap of the plans of large hybrids' chains."""
+    spec = shipped.models["qwen3.5-0.8b"]
+    copy = tmp_path / "qwen3.5-0.8b.gguf"
+    write_header(replace(spec.shape, n_vocab=32000), spec.quant, copy)
+    chains = ContextSpec(4096, 512, 4, 8, swa_full=True)
+    with Simulation(copy) as simulation:
+        scaled = simulation.context(chains)
+        assert simulation.context(replace(chains, n_rs_seq=0)).state >= memory.SCALED_STATE_BYTES
+    monkeypatch.setattr(memory, "SCALED_STATE_BYTES", 1 << 62)  # simulated with every snapshot
+    with Simulation(copy) as simulation:
+        whole = simulation._simulate(chains)
+    assert whole.state > 0 and abs(scaled.state - whole.state) <= 0.005 * whole.state, (scaled.state, whole.state)
+    assert scaled.kv == whole.kv
+    assert 0.5 * whole.compute_total < scaled.compute_total <= whole.compute_total

@@ -148,6 +148,12 @@ class ContextSpec:
     swa_full: bool = True  # sliding-window layers keep every cell (engine.Context)
 
 
+# A hybrid's recurrent state at least this large (simulated without rollback snapshots) is counted
+# once per snapshot rather than simulated with them (Simulation._simulate): below it, llama.cpp's
+# log figures, in hundredths of a MiB, are too coarse to multiply, and zeroing the copies costs nothing.
+SCALED_STATE_BYTES = 16 << 20
+
+
 class Simulation:
     """llama.cpp's simulated load of one model file (loaded as given), asked for the contexts a
     run may open; each answer is kept on disk per file version, so later runs do not load the
@@ -179,12 +185,17 @@ class Simulation:
         if spec.n_rs_seq and not spec.mtp:
             # llama.cpp allocates and zeroes a hybrid's recurrent state for real even in a simulated
             # load (llama-memory-recurrent.cpp has no no_alloc path): Qwen3.5-27B's chains keep 36
-            # copies, 5 GB and ten seconds of page faults. Each rollback snapshot is one more copy of
-            # every sequence's state and changes nothing else (the compute buffer, the KV cache), so
-            # the context is simulated without them and its state counted once per snapshot.
-            # tests/test_memory_plan.py holds the plans made so to real loads.
+            # copies, 5 GB and ten seconds of page faults, for every context the plan's search tries.
+            # Each rollback snapshot is one more copy of every sequence's state, so the context is
+            # simulated without them and its state counted once per snapshot: the state and the
+            # KV cache as llama.cpp allocates them. The compute buffer is the graph's without
+            # snapshots, which is smaller (Qwen3.5-27B, 4 chains of 8 at 4k: 143 MB against 225;
+            # tests/test_published_shapes.py measures it).
             base = self.context(replace(spec, n_rs_seq=0))  # kept too: plain runs of the model ask for it
-            return replace(base, state=base.state * (1 + spec.n_rs_seq))
+            if base.state >= SCALED_STATE_BYTES:
+                return replace(base, state=base.state * (1 + spec.n_rs_seq))
+            # A small state is cheap to zero, and its log line's 0.01 MiB would be multiplied too
+            # (a tiny model's 5.7 kB a copy logged as 10.5: its chains' state planned 1.8x over).
         if self._model is None:
             with captured_log(quiet=True):
                 self._model = Model(self.path, n_gpu_layers=self._load["n_gpu_layers"],

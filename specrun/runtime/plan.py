@@ -39,7 +39,7 @@ from specrun.errors import EngineError, UsageError
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
 from specrun.models import headers, hub, pairing, registry, shapes
-from specrun.runtime.options import ModelFiles, RunOptions
+from specrun.runtime.options import LOOKUP, ModelFiles, RunOptions
 from specrun.runtime.drafters import BEST_FIRST
 from specrun.runtime.trees import (
     MAX_CHAINS,
@@ -261,6 +261,28 @@ def build_plan(
         # Read once: the context search and the final check must hold the plan to the same RAM (the
         # simulated loads in between take memory of this process that the run will not).
         ram_free_bytes = sysinfo.ram_bytes()[1]
+    plan = _requests_at_once(opts, files, shape, devices, ram_free_bytes, sizes, detailed)
+    if plan.placement.fits or shape is not None or opts.draft is not None or opts.no_spec or plan.tree is None:
+        return plan  # (a drafter the user chose is planned as chosen, fitting or not)
+    # The default drafter does not fit beside the target (a draft model, a hybrid's state copies for
+    # chains): the lightest drafting that does, down to plain decoding, rather than a plan that
+    # would run from disk.
+    bare = replace(files, draft_name=None, draft_path=None, mtp=False, mtp_why="")
+    lighter = [(replace(opts, draft=LOOKUP), "lookup trees alone (no draft model)")] if plan.draft_loaded or files.mtp else []
+    for other_opts, what in [*lighter, (replace(opts, no_spec=True), "plain decoding")]:
+        other = _requests_at_once(other_opts, bare, None, devices, ram_free_bytes, sizes, detailed)
+        if other.placement.fits:
+            drafting = f"the draft model {files.draft_name}" if plan.draft_loaded else f"{plan.drafter} drafting"
+            note = (f"{drafting} does not fit beside {files.target_name} on this machine, even with a "
+                    f"{plan.target_ctx.n_ctx}-token context: planned with {what}")
+            return replace(other, notes=(*other.notes, note))
+    return plan
+
+
+def _requests_at_once(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices: list,
+                      ram_free_bytes: int, sizes, detailed: bool) -> Plan:
+    """The plan for --parallel as given, or for as many requests at once as fit (build_plan's
+    arguments)."""
     if opts.parallel is not None:
         return _build(opts, files, shape, devices, ram_free_bytes, sizes, detailed, use_profile=True)
     # As many requests at once as fit at the context one request gets alone (at most DEFAULT_PARALLEL).
