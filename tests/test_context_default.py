@@ -38,9 +38,12 @@ def test_little_ram_lowers_the_context_to_what_fits():
     assert 4096 < n_ctx < TRAINED and n_ctx % placement.AUTO_CTX_STEP == 0
     assert plan.placement.ram_fits and "lowered to what memory holds" in plan.ctx_why
     assert f"{TRAINED} tokens would not fit" in plan.ctx_why
-    # one step more would not have fitted
-    more = _plan(replace(AUTO, ctx_size=n_ctx + placement.AUTO_CTX_STEP), [], 13)
-    assert not more.placement.ram_fits
+    # one step more would not have fitted with the draft model: asked for, the plan drafts without it
+    wider = replace(AUTO, ctx_size=n_ctx + placement.AUTO_CTX_STEP)
+    assert not _plan(replace(wider, draft=plan.files.draft_name), [], 13).placement.ram_fits
+    more = _plan(wider, [], 13)
+    assert more.placement.ram_fits and not more.draft_loaded
+    assert any(f"the draft model {plan.files.draft_name} does not fit beside" in note for note in more.notes)
 
 
 def test_the_context_never_costs_gpu_layers():

@@ -154,6 +154,11 @@ class ContextSpec:
 SCALED_STATE_BYTES = 16 << 20
 
 
+# How a record's figures were made: a change to Simulation._simulate's arithmetic leaves records of
+# the old one unread (a hybrid's small state scaled per snapshot, kept on disk, outlived its fix).
+RECORD_METHOD = 2
+
+
 class Simulation:
     """llama.cpp's simulated load of one model file (loaded as given), asked for the contexts a
     run may open; each answer is kept on disk per file version, so later runs do not load the
@@ -233,7 +238,8 @@ def _open(model: Model, spec: ContextSpec) -> Context:
 
 
 def _record_key(path: Path, spec: ContextSpec, load: dict) -> dict:
-    return {"file": file_key(path), "context": asdict(spec), "load": load, "llama": llama_version_info()}
+    return {"file": file_key(path), "context": asdict(spec), "load": load, "llama": llama_version_info(),
+            "method": RECORD_METHOD}
 
 
 def _record_path(path: Path, spec: ContextSpec, load: dict) -> Path | None:
