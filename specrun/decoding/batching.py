@@ -166,13 +166,18 @@ class Room:
         self.gates: list[PassGate] = []  # in the order they are served: draft gates first
         self.running = False
         # What each request put into its latest passes and took out of them, recent steps
-        # weighing most (pay.steps.StepSizer posts it): (tokens a pass, tokens emitted a pass).
+        # weighing most (`post`, from pay.steps.StepSizer): (tokens a pass, tokens emitted a pass).
         self.posts: dict[object, tuple[float, float]] = {}
 
     @property
     def active(self) -> int:
         """Requests decoding now."""
         return len(self.members)
+
+    def post(self, owner: object, tokens: float, emitted: float) -> None:
+        """Say what `owner`'s steps put into a pass and emitted from it lately (for `beside`)."""
+        with self.cond:
+            self.posts[owner] = (tokens, emitted)
 
     def beside(self, owner: object) -> tuple[float, float]:
         """Tokens a pass and tokens emitted a pass, summed over the requests decoding now but

@@ -268,7 +268,9 @@ def build_plan(
     # chains): the lightest drafting that does, down to plain decoding, rather than a plan that
     # would run from disk.
     bare = replace(files, draft_name=None, draft_path=None, mtp=False, mtp_why="")
-    lighter = [(replace(opts, draft=LOOKUP), "lookup trees alone (no draft model)")] if (plan.draft_loaded or files.mtp) and opts.lookup is not False else []
+    lighter = []
+    if (plan.draft_loaded or files.mtp) and opts.lookup is not False:
+        lighter.append((replace(opts, draft=LOOKUP), "lookup trees alone (no draft model)"))
     for other_opts, what in [*lighter, (replace(opts, no_spec=True), "plain decoding")]:
         other = _requests_at_once(other_opts, bare, None, devices, ram_free_bytes, sizes, detailed)
         if other.placement.fits:

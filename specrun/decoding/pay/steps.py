@@ -74,7 +74,8 @@ class StepSizer:
         and its tree) and took out of it (the tokens they emitted), recent steps weighing most."""
         self._mine.add([step.tree_nodes + 1, len(step.tokens)])
         if lane.gate is not None:
-            lane.gate.room.posts[lane.owner] = (float(self._mine.mean[0]), float(self._mine.mean[1]))
+            tokens, emitted = self._mine.mean
+            lane.gate.room.post(lane.owner, float(tokens), float(emitted))
 
     def model_drafts(self, lane, drafter) -> bool:
         """Whether this step's proposal may cost model passes: alone, yes; beside other requests,
