@@ -25,11 +25,15 @@ from specrun.chat import templates
 from specrun.core.sampling import SamplingParams, make_rng, target_probs
 from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.base import Drafter
+from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import generate, token_ids
 from specrun.errors import ContextFullError
+from tiny_archs import tiny_arch_model
+
+from conftest import MODEL_CACHE
 
 GREEDY = SamplingParams()
 
@@ -692,3 +696,49 @@ def test_step_stats_describe_each_pass(spec_decoders, prompts):
     assert summary["tokens_per_s"] > 0 and summary["target_s"] > 0 and summary["draft_s"] > 0
     assert summary["decode_s"] == pytest.approx(stats.total("total_s"), rel=1e-3, abs=1e-3)
     assert summary["mean_tree_nodes"] > 1
+
+
+
+class WidenedGrower(TreeGrower):
+    """A draft tree with one more leaf beside its first token (one no child of the root holds):
+    every pass has two tree colours, however sure the draft is."""
+
+    def propose(self, committed, root, budget, depth):
+        grown = super().propose(committed, root, budget - 1, depth)
+        tree, taken = grown.tree.copy(), {int(grown.tree.tokens[c]) for c in grown.tree.children(0)}
+        tree.add(0, next(t for t in range(self.model.n_vocab - 1, 0, -1) if t not in taken), -30.0)
+        grown.tree = tree
+        return grown
+
+
+def test_trees_on_a_window_sized_cache_give_back_the_cells_behind_the_window(load_model):
+    """Issue 33: a sliding-window target's trees run on llama.cpp's window-sized cache (a window
+    per sequence and a batch), not one of every cell. Tree colours hold the committed text in
+    several sequences, whose cells llama.cpp never reuses: without giving back the cells behind
+    the window, accepted tokens fill such a cache long before the context (here, gpt-oss's layout
+    with a 128-token window and three sequences: 512 cells, full after about 500 tokens of a
+    2,048-token context). The answer is the one trees give on a cache of every cell, token for
+    token, and plain decoding's but for near-ties (random weights have some)."""
+    model = load_model(tiny_arch_model(MODEL_CACHE, "gpt-oss"))
+    prompt = model.tokenize("One two three four five six seven eight nine ten")
+    n = 1500
+    with engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=1, swa_full=False) as plain_ctx:
+        reference = plain_reference(PlainDecoder(model, plain_ctx), prompt, n)
+    assert len(reference.tokens) == n  # (an answer that long: the window's cells are passed many times over)
+    shape = TreeShape(budget=6, depth=5, width=1, top_k=1)
+    answers = {}
+    for swa_full in (False, True):
+        with engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=3, swa_full=swa_full) as ctx, \
+                engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=64) as draft_ctx:
+            assert ctx.window == (0 if swa_full else model.n_swa) and model.n_swa == 128
+            spec = SpeculativeDecoder(model, ctx, WidenedGrower(model, draft_ctx, shape), shape, lane=Lane(ctx, range(2)))
+            answers[swa_full] = token_ids(spec, prompt, GREEDY, n)
+            # every token but the first and the last from a pass over two colours
+            assert sum(len(step.tokens) for step in spec.stats.steps if step.tree_leaves == 2) == n - 2
+            if not swa_full:
+                assert spec.cache.compacted > 0  # the cells behind the window were given back, and the
+                # window layers hold the window and at most the tokens since they last gave back
+                assert len(prompt) + n - 3 * 128 < ctx.seq_pos_min(0) <= len(prompt) + n - 128
+    assert answers[False] == answers[True]
+    divergence = compare(reference, answers[False], n, "trees on a window-sized cache")
+    check_divergences([divergence] if divergence else [], 1, "trees on a window-sized cache")

@@ -47,6 +47,8 @@ class CachedSequence:
         self.n_exact = 0
         # Where the last prefill ended: the tokens after it were written by decoding steps.
         self.prompt_end = 0
+        # The text's length when a window-sized cache last gave back the cells behind its window.
+        self.compacted = 0
 
     @property
     def n_cached(self) -> int:
@@ -144,6 +146,20 @@ class CachedSequence:
     def _forget_from(self, n: int) -> None:
         self.n_exact = min(self.n_exact, n)
         self.prompt_end = min(self.prompt_end, n)
+        self.compacted = min(self.compacted, n)
+
+    def share_window(self) -> None:
+        """Make room in a window-sized cache before the text is shared with tree colours.
+
+        While the text is in several sequences, llama.cpp reuses none of its cells, so each tree
+        step's accepted tokens take new ones and the cells behind the window stay taken. llama.cpp
+        sizes such a cache at a window per sequence (and a batch): the lane's window and its tokens
+        since the cells behind it were last given back must fit its sequences' share, one window
+        each, so they are given back before they would not (engine.Context.compact_window)."""
+        window = self.ctx.window
+        if window and self.n_cached - self.compacted > (len(self.lane.seqs) - 1) * window:
+            self.ctx.compact_window(self.seq)
+            self.compacted = self.n_cached
 
     def extend(self, tokens: Sequence[int], want_last_logits: bool = False) -> None:
         """Decode tokens into the sequence in batches that end at multiples of n_batch (counted from

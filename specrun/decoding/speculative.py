@@ -188,6 +188,8 @@ class SpeculativeDecoder:
         layout = tree.colour_batch(len(lane.seqs))
         base = lane.base  # colour c is the lane's sequence base + c; colour 0 holds the committed text
         # Every colour must see the committed prefix: copy it into colours 1.. before the pass.
+        if layout.n_colours > 1:
+            cache.share_window()
         for colour in range(1, layout.n_colours):
             ctx.seq_cp(base, base + colour, -1, -1)
         if layout.n_colours == 1:

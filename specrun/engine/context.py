@@ -156,8 +156,8 @@ class Context(Owner):
         state can roll back that many tokens of its last decode (llama.cpp keeps 0 for models that
         cannot; `self.n_rs_seq` says what it kept).
 
-        `swa_full`: sliding-window layers keep every cell, as tree verification needs (see
-        `window`); False keeps only their window and a batch, llama.cpp's own default."""
+        `swa_full`: sliding-window layers keep every cell; False keeps llama.cpp's own default, a
+        window per sequence and a batch (see `window`, and `compact_window` for tree colours)."""
         if n_seq_max > MAX_SEQ:
             raise EngineError(f"n_seq_max {n_seq_max} exceeds llama.cpp's limit of {MAX_SEQ}")
         self.model = model
@@ -180,9 +180,9 @@ class Context(Owner):
             "on": C.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             "off": C.LLAMA_FLASH_ATTN_TYPE_DISABLED,
         }[flash_attn]
-        # A window-sized cache reuses the cells its window has passed. Tree colours copy the
-        # committed text into several sequences, and llama.cpp reuses only cells of one sequence:
-        # a tree pass finds no room once the text filled the cache. Trees need every cell.
+        # A window-sized cache reuses the cells its window has passed, only where one sequence
+        # holds them: tree colours, which copy the committed text into several, give them back
+        # first (compact_window), or no room is left once the text filled the cache.
         params.swa_full = swa_full
         # A split-per-sequence cache cannot hold tokens shared by several tree colours.
         params.kv_unified = kv_unified
@@ -314,6 +314,25 @@ class Context(Owner):
         if not self.window:
             return True
         return self.seq_pos_min(seq) <= max(0, n - self.window)
+
+    def compact_window(self, seq: int) -> None:
+        """Free the cells a window-sized cache holds for seq behind its window, keeping the window.
+
+        llama.cpp reuses such a cell for new tokens only while it belongs to one sequence; tree
+        colours copy the committed text into several (decoding.speculative), so the cells that text
+        passed stay taken and a cache of llama.cpp's window size fills. Saving the sequence's
+        window-layer cells (llama.cpp writes only those its window still sees) and loading them back
+        into the sequence frees the others; the full-attention layers' cells are not touched."""
+        if not self.window:
+            return
+        flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = C.llama_state_seq_get_size_ext(self.ptr, seq, flags)
+        data = (ctypes.c_uint8 * size)()
+        if C.llama_state_seq_get_data_ext(self.ptr, data, size, seq, flags) != size:
+            raise EngineError(f"{self.model.path.name}: could not read the window of sequence {seq}")
+        if C.llama_state_seq_set_data_ext(self.ptr, data, size, seq, flags) != size:
+            raise EngineError(f"{self.model.path.name}: could not put back the window of sequence {seq}: "
+                              f"{last_llama_error('its cache is full')}")
 
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)

@@ -69,9 +69,12 @@ class ContextPlan:
     # Requests decoding together in this context, each in a range of its sequences with n_ctx
     # cells of its own (decoding.batching).
     parallel: int = 1
-    # Sliding-window layers keep every cell (tree colours share the committed text, and llama.cpp
-    # reuses a cell its window has passed only when one sequence holds it); plain decoding keeps
-    # their window only, as llama.cpp does (Gemma 3 27B at 32k: about 3 GiB of KV in place of 15.5).
+    # Sliding-window layers keep every cell: a draft model's context (each tree node a sequence
+    # holding the whole text, and llama.cpp reuses a cell its window has passed only when one
+    # sequence holds it) and chains (a hybrid's state and window cells are not given back apart).
+    # A target's plain decoding and trees keep their window only, as llama.cpp does (Gemma 3 27B at
+    # 32k, plain: about 3 GiB of KV in place of 15.5); trees give back the cells behind the window
+    # before they share the text with their colours (decoding.kv.CachedSequence.share_window).
     swa_full: bool = True
 
     @property
@@ -406,7 +409,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
                                  tree.verified.depth, parallel=parallel)
     else:
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)), MAX_SEQ,
-                                 parallel=parallel)
+                                 parallel=parallel, swa_full=False)
     draft_ctx = None
     if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
