@@ -156,10 +156,12 @@ def _row(name: str, clients: int, round_: int, results: list[dict], wall: float)
 
 def _check_same(rows: list[dict]) -> None:
     """Mark specrun's rows whose answers differ from those specrun gives one at a time (the same
-    decoding: speculative or plain) for the same prompts."""
+    decoding: speculative or plain) for the same prompts: a specrun-1 server's, or any specrun
+    server's with one client."""
     alone: dict[bool, dict] = {True: {}, False: {}}
     for row in rows:
-        if row["server"].startswith("specrun-1") and "texts" in row:
+        one_at_a_time = row["server"].startswith("specrun-1") or row["clients"] == 1
+        if row["server"].startswith("specrun") and one_at_a_time and "texts" in row:
             alone[row["server"].endswith("-plain")].update(row["texts"])
     for row in rows:
         reference = alone[row["server"].endswith("-plain")]
