@@ -212,9 +212,16 @@ def test_plain_decoding_plans_and_opens_the_window_only(offline_models, cli):
     plain, trees = planned("--no-spec"), planned("--draft", "lookup")  # the target's contexts alone
     assert plain["contexts"]["target"]["swa_full"] is False and trees["contexts"]["target"]["swa_full"] is False
     kv = {name: plan["memory"]["breakdown"][0]["context"] for name, plan in (("plain", plain), ("trees", trees))}
-    # 18 window layers of 1,024 cells and one global layer of 8,192, against 19 layers of 8,192:
-    # llama.cpp gives a window-sized cache a window per sequence, and trees open 256 of them.
+    # Window layers of 1,024 cells against 8,192 for trees: llama.cpp gives a window-sized cache a
+    # window per sequence, and trees open one per leaf of their largest tree (64 + the text's).
     assert kv["plain"] < kv["trees"] / 3, kv
+    assert trees["contexts"]["target"]["n_seq_max"] == trees["tree"]["verified_budget"] + 1 == 65, trees["contexts"]
+    # Past 65 windows (33,792 cells) trees keep no more: at 64k the 15 window layers hold 33,792
+    # cells, not 65,536 (256 sequences' windows would have filled the context).
+    wide = {name: planned(*args, "--ctx-size", "65536")["memory"]["breakdown"][0]["context"]
+            for name, args in (("plain", ("--no-spec",)), ("trees", ("--draft", "lookup")))}
+    full = 18 * 65536 / (3 * 65536 + 15 * 1024)  # every layer's cells, over plain's
+    assert wide["trees"] / wide["plain"] < 0.65 * full, (wide, full)
     # The run opens what was planned (a load compares llama.cpp's allocation with the plan and
     # warns past 5%), and answers as a cache of every cell does on a text that fits the window.
     run = cli("generate", "--target", "gemma3-270m-f32", "--no-spec", "--ctx-size", "8192", "--max-tokens", "24",

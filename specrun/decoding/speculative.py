@@ -50,8 +50,6 @@ class SpeculativeDecoder:
         self.n_chains = len(lane.seqs) if self.chain_only else 0
         if self.chain_only and target_ctx.n_rs_seq < 1:
             raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")
-        if lane.whole and target_ctx.n_seq_max < MAX_SEQ and not self.chain_only:
-            raise ValueError("speculative contexts need n_seq_max = 256 (one sequence per tree leaf)")
         self.model = target_model
         self.ctx = target_ctx
         self.shape = shape

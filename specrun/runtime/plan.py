@@ -408,8 +408,11 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), min(MAX_SEQ, n_chains * parallel),
                                  tree.verified.depth, parallel=parallel)
     else:
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)), MAX_SEQ,
-                                 parallel=parallel, swa_full=False)
+        # A sequence per leaf of the largest tree (and the text's), for each request: llama.cpp
+        # gives a window-sized cache a window per sequence, so no more are opened than trees use.
+        per_request = tree.verified.budget + 1
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, per_request)),
+                                 min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False)
     draft_ctx = None
     if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
