@@ -18,6 +18,7 @@ from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter, SessionText
 from specrun.decoding.lookup_index import graft
 from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.pay.rules import ALONE, Beside
 from specrun.decoding.steps import Step
 
 
@@ -419,6 +420,34 @@ def test_the_hybrid_prices_plain_steps_and_one_token_catch_ups_as_they_were_meas
     fast = lambda n: 0.0101 if n == 1 else 0.0101 + 0.003 * (n - 1)
     per_token, plain, _ = _measured_pair_run(fast)
     assert per_token <= 1.03 * plain, f"{1e3 * per_token:.1f} ms a token against {1e3 * plain:.1f} plain"
+
+
+def test_beside_other_requests_the_hybrid_prices_its_draft_in_the_pass_they_share():
+    """The slow host of the test above, where the draft's chain pays alone (0.9x plain's time a
+    token). Beside seven requests that each put a token into the target pass and emit one, the
+    chain's five nodes and its draft passes (about 33 ms, every request waiting) slow eight
+    requests' tokens: the pass gives 8 tokens in 30 ms leaning, 12 in 78 ms drafting. So the
+    same hybrid leans beside them (the draft runs only to refresh its figures), and drafts
+    again alone."""
+    slow = lambda n: 0.0135 if n == 1 else 0.0135 + 0.0023 * (n - 1)
+    _, _, hybrid = _measured_pair_run(slow)
+    draft, rng = hybrid.draft, np.random.default_rng(13)
+
+    def draft_calls(beside: Beside) -> tuple[int, int]:
+        text = [int(t) for t in rng.integers(100, 30000, 200)]
+        draft.text = text
+        draft.reset()
+        hybrid.start(49, 151)
+        hybrid.beside = beside
+        calls = draft.calls
+        steps = simulate(hybrid, text, prompt_len=49, seconds=slow,
+                         overhead=lambda drafted: 0.0025 if drafted else 0.0005)
+        return draft.calls - calls, len(steps)
+
+    calls, steps = draft_calls(Beside(tokens=7.0, emitted=7.0))
+    assert calls <= steps // 4, f"beside seven requests the draft ran in {calls} of {steps} steps"
+    calls, steps = draft_calls(ALONE)
+    assert calls >= steps // 2, f"alone the draft ran in only {calls} of {steps} steps"
 
 
 def test_without_a_profile_a_draft_that_could_not_pay_even_accepted_whole_never_runs():

@@ -26,6 +26,7 @@ from specrun.decoding.adaptive import (
 from specrun.decoding.drafters.base import Drafter, ModelDrafter, Proposal
 from specrun.decoding.drafters.lookup import IdleSchedule, SessionText, lookup_proposal
 from specrun.decoding.pay.rules import (
+    ALONE,
     DEFER_STEPS,
     LEAN_HALF_LIFE,
     LEAN_REFRESH,
@@ -34,6 +35,7 @@ from specrun.decoding.pay.rules import (
     REFRESH_DEBT,
     SHORT_DEBT,
     THIN_KIND,
+    Beside,
     assumed_prior,
     best_size,
     draft_could_pay,
@@ -224,10 +226,12 @@ class HybridDrafter(Drafter):
             return record
         return self.alone_on_drafts if self._lean_rate(self.alone_on_drafts) > self._lean_rate(record) else record
 
-    def _lean_rate(self, record: Hindsight) -> float:
-        """Tokens per second of lookup steps alone sized by `record` (a leaning step's overhead)."""
-        lean_s = self._overhead_s("lean")
-        return record.best(lambda nodes: self.cost(nodes + 1) + lean_s)[1]
+    def _lean_rate(self, record: Hindsight, beside: Beside | None = None) -> float:
+        """Tokens per second of lookup steps alone sized by `record` (a leaning step's overhead):
+        beside other requests (`beside`, by default what the decoder said), of the pass they
+        share (their tokens in it, and emitted from it)."""
+        lean_s, beside = self._overhead_s("lean"), self.beside if beside is None else beside
+        return record.best(lambda nodes: self.cost(nodes + 1 + beside.tokens) + lean_s, 0.0, beside.emitted)[1]
 
     def _overhead_s(self, kind: str) -> float:
         """Seconds of a step beyond its passes, a leaning or a drafting one (`kind`), as measured;
@@ -276,6 +280,11 @@ class HybridDrafter(Drafter):
         is spread over the tokens this answer is expected to still have (answers so far in this
         session, at most what max_tokens leaves). While the text repeats, lookup carries on and
         the draft model is brought up only when it pays.
+
+        Beside other requests (`beside`) both are rates of the pass they share: its seconds with
+        the others' tokens in it, and the tokens every request emits from it. A drafting step's
+        nodes and its draft passes slow the others' tokens too, so a draft that pays alone may not
+        beside others (pay.rules.best_size weighs lookup trees the same way).
         """
         if not self.adapt or (proposed and not alone.known):
             return False
@@ -284,23 +293,24 @@ class HybridDrafter(Drafter):
         debt = self.draft.debt(committed, root)
         if not proposed and self.with_draft.watched < MIN_DRAFTED:
             return False
+        beside = self.beside
         if proposed:
             lean = self._lean_rate(alone)
         else:
-            lean = 1.0 / (float(self.cost(np.array([1]))[0]) + self._overhead_s("lean"))
+            lean = (1.0 + beside.emitted) / (float(self.cost(np.array([1.0 + beside.tokens]))[0]) + self._overhead_s("lean"))
         ahead = self._tokens_ahead(len(committed) + 1, debt)
         draft_s = self._draft_step_s(self._steady_debt())
         catch_up_s = max(0.0, self._draft_step_s(debt) - draft_s)  # beyond a drafting step's usual catch-up
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
-        seconds = self.cost(nodes + 1) + self._overhead_s("draft") + draft_s + catch_up_s * accepted / ahead
+        seconds = self.cost(nodes + 1 + beside.tokens) + self._overhead_s("draft") + draft_s + catch_up_s * accepted / ahead
         if self._lean_steps >= LEAN_REFRESH and not long_run and debt <= REFRESH_DEBT:
             # The draft's own tree accepted whole: its deepest path, the catch-up spread as ever.
             tokens = self._deepest + 1.0
-            whole = tokens / (float(seconds[0]) + catch_up_s * (tokens - float(accepted[0])) / ahead)
+            whole = (tokens + beside.emitted) / (float(seconds[0]) + catch_up_s * (tokens - float(accepted[0])) / ahead)
             if not self._refreshed or faster(whole, lean):
                 self._refreshed = True
                 return False
-        return lean > float(np.max(accepted / seconds))
+        return lean > float(np.max((accepted + beside.emitted) / seconds))
 
     def _lean_by_prior(self, alone: Hindsight, proposed: bool, committed: Sequence[int], root: int) -> bool:
         """Before this process has run the draft model, decide from the profile's figures (or,
@@ -338,7 +348,7 @@ class HybridDrafter(Drafter):
                 return True
         lean = plain_rate
         if proposed and self.cost.known:
-            lean = max(lean, self._lean_rate(alone))
+            lean = max(lean, self._lean_rate(alone, ALONE))  # (the profile's draft rate is one request's)
         if self._lean.known:
             # What leaning has made of this answer's recent steps, plain and lookup steps
             # together: the rest of an answer that copied is expected to go on much as it went
