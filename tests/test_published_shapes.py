@@ -153,18 +153,23 @@ def test_a_large_recurrent_states_snapshots_are_counted_as_llama_cpp_allocates_t
     """A hybrid's chains keep (1 + n_rs_seq) copies of every sequence's recurrent state; a state
     large enough is simulated once without them and counted once per copy (zeroing 36 copies of
     Qwen3.5-27B's state took ten seconds), which must be what llama.cpp allocates with them. The
-    compute buffer is then the graph's without snapshots: smaller than with them (here 72 MB
-    against 91), a known gap of the plans of large hybrids' chains."""
+    compute buffer is the graph's without snapshots (72 MB at 4 chains of 8, against 91 with
+    them) or the snapshots' peak, where that is larger: never below what llama.cpp allocates, at
+    most a tenth over, whichever chains, snapshots, context and ubatch."""
     spec = shipped.models["qwen3.5-0.8b"]
     copy = tmp_path / "qwen3.5-0.8b.gguf"
     write_header(replace(spec.shape, n_vocab=32000), spec.quant, copy)
-    chains = ContextSpec(4096, 512, 4, 8, swa_full=True)
+    runs = [ContextSpec(4096, 512, 4, 8, swa_full=True), ContextSpec(4096, 512, 8, 8, swa_full=True),
+            ContextSpec(4096, 512, 4, 4, swa_full=True), ContextSpec(32768, 512, 4, 8, swa_full=True),
+            ContextSpec(4096, 256, 4, 8, swa_full=True), ContextSpec(4096, 512, 2, 8, swa_full=True)]
     with Simulation(copy) as simulation:
-        scaled = simulation.context(chains)
-        assert simulation.context(replace(chains, n_rs_seq=0)).state >= memory.SCALED_STATE_BYTES
+        scaled = [simulation.context(chains) for chains in runs]
+        assert simulation.context(replace(runs[0], n_rs_seq=0)).state >= memory.SCALED_STATE_BYTES
     monkeypatch.setattr(memory, "SCALED_STATE_BYTES", 1 << 62)  # simulated with every snapshot
     with Simulation(copy) as simulation:
-        whole = simulation._simulate(chains)
-    assert whole.state > 0 and abs(scaled.state - whole.state) <= 0.005 * whole.state, (scaled.state, whole.state)
-    assert scaled.kv == whole.kv
-    assert 0.5 * whole.compute_total < scaled.compute_total <= whole.compute_total
+        wholes = [simulation._simulate(chains) for chains in runs]
+    for chains, planned, whole in zip(runs, scaled, wholes):
+        assert whole.state > 0 and abs(planned.state - whole.state) <= 0.005 * whole.state, (planned.state, whole.state)
+        assert planned.kv == whole.kv
+        assert whole.compute_total <= planned.compute_total <= 1.1 * whole.compute_total, (chains, planned.compute,
+                                                                                         whole.compute)

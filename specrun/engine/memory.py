@@ -154,9 +154,15 @@ class ContextSpec:
 SCALED_STATE_BYTES = 16 << 20
 
 
+# What else the graph holds at the snapshots' peak, of its largest compute buffer without them:
+# measured 0.76-0.82 on Qwen3.5 shapes (contexts of 1k to 32k, 2 to 8 chains of 4 to 8, ubatches
+# of 256 and 512), so with a margin (tests/test_published_shapes.py).
+SNAPSHOT_PEAK_BESIDE = 0.85
+
+
 # How a record's figures were made: a change to Simulation._simulate's arithmetic leaves records of
 # the old one unread (a hybrid's small state scaled per snapshot, kept on disk, outlived its fix).
-RECORD_METHOD = 2
+RECORD_METHOD = 3
 
 
 class Simulation:
@@ -193,12 +199,14 @@ class Simulation:
             # copies, 5 GB and ten seconds of page faults, for every context the plan's search tries.
             # Each rollback snapshot is one more copy of every sequence's state, so the context is
             # simulated without them and its state counted once per snapshot: the state and the
-            # KV cache as llama.cpp allocates them. The compute buffer is the graph's without
-            # snapshots, which is smaller (Qwen3.5-27B, 4 chains of 8 at 4k: 143 MB against 225;
-            # tests/test_published_shapes.py measures it).
+            # KV cache as llama.cpp allocates them. The graph with snapshots also holds, at its
+            # peak, a layer's state of every sequence for each snapshot, beside most of what its
+            # other peak holds (SNAPSHOT_PEAK_BESIDE); where that is the larger peak depends on the
+            # model (Qwen3.5-0.8B's shape, 4 chains of 8: 19 MB more at 4k, 0 with 2 chains;
+            # Qwen3.5-27B at 4k: none, its logits' 544 MB peak is larger; planned 567).
             base = self.context(replace(spec, n_rs_seq=0))  # kept too: plain runs of the model ask for it
             if base.state >= SCALED_STATE_BYTES:
-                return replace(base, state=base.state * (1 + spec.n_rs_seq))
+                return _with_snapshots(base, spec.n_seq_max, spec.n_rs_seq)
             # A small state is cheap to zero, and its log line's 0.01 MiB would be multiplied too
             # (a tiny model's 5.7 kB a copy logged as 10.5: its chains' state planned 1.8x over).
         if self._model is None:
@@ -221,6 +229,19 @@ class Simulation:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _with_snapshots(base: Allocation, n_seq: int, n_rs_seq: int) -> Allocation:
+    """A hybrid context's figures with n_rs_seq rollback snapshots per sequence, from its figures
+    without (Simulation._simulate): the state once per copy, the compute buffer's snapshot term."""
+    # (llama.cpp's log counts every layer of the model; the attention ones hold no state)
+    recurrent = base.state_layers - base.kv_layers if base.state_layers > base.kv_layers else base.state_layers
+    layer_state = base.state / max(1, n_seq * recurrent)
+    compute = dict(base.compute) or {"CPU": 0}
+    largest = max(compute, key=compute.__getitem__)
+    peak = SNAPSHOT_PEAK_BESIDE * compute[largest] + n_seq * n_rs_seq * layer_state
+    compute[largest] = max(compute[largest], round(peak))
+    return replace(base, state=base.state * (1 + n_rs_seq), compute=compute)
 
 
 def simulate(path: Path, contexts: Sequence[ContextSpec], **load) -> list[Allocation]:
