@@ -320,3 +320,33 @@ def test_the_plan_over_two_workers_is_what_they_are_given(offline_models, tmp_pa
     finally:
         first.kill()
         second.kill()
+
+
+def test_a_worker_that_says_it_has_a_small_card_is_given_no_more_than_it(offline_models, tmp_path):
+    """A worker's device is planned by the free memory it reports. scripts/fit_compare.py shows
+    llama.cpp's own fit an emulated card so (a proxy that answers the device-memory question with
+    the card's size, every other message passed through): the plan puts on such a card no more
+    than it holds, the rest of the layers in RAM, and the run loads as planned."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from fit_compare import CardProxy
+
+    card = 900 * 1024**2
+    worker = Worker(tmp_path)
+    proxy = CardProxy(("127.0.0.1", worker.port), card)
+    try:
+        args = ["--target", "smollm2-135m-f32", "--no-spec", "--ctx-size", "1024", "--rpc", f"127.0.0.1:{proxy.port}"]
+        planned = _specrun(tmp_path, "plan", "--json", *args)
+        assert planned.returncode == 0, planned.stderr
+        plan = json.loads(planned.stdout)
+        (device,) = plan["memory"]["devices"]
+        place = next(p for p in plan["memory"]["breakdown"] if p["name"] == device["name"])
+        assert 0 < place["model"] and place["total"] <= card, (place, device)
+        assert 0 < plan["target"]["gpu_layers"] < plan["target"]["layer_slots"]
+        loaded = _specrun(tmp_path, "generate", "--verbose", "--max-tokens", "2", *args, "hello")
+        assert loaded.returncode == 0, loaded.stderr
+        given = _model_buffers(loaded.stderr, "model")
+        size = next(size for buffer, size in given.items() if buffer.endswith(f"[127.0.0.1:{proxy.port}]"))
+        assert place["model"] == pytest.approx(size, rel=0.03), given
+    finally:
+        proxy.close()
+        worker.kill()
