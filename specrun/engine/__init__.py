@@ -31,6 +31,7 @@ from specrun.engine.devices import (
 from specrun.engine.gguf import architecture as gguf_architecture
 from specrun.engine.gguf import data_bytes as gguf_data_bytes
 from specrun.engine.gguf import has_mtp_layers as gguf_has_mtp_layers
+from specrun.engine.gguf import has_sliding_window as gguf_has_sliding_window
 from specrun.engine.gguf import header_facts as gguf_header_facts
 from specrun.engine.memory import Allocation, ContextSpec, Simulation
 from specrun.engine.model import Model, quantize
@@ -46,5 +47,5 @@ from specrun.limits import MAX_SEQ
 __all__ = [
     "GGUF_MAGIC", "MAX_SEQ", "Allocation", "Batch", "captured_log", "ContextSpec", "Simulation", "Context", "Detokenizer", "DeviceInfo", "Model", "MtpContext", "backend_names", "check_mtp_support",
     "embeddings_nextn_row", "enable_target_rows", "n_layer_nextn",
-    "check_gguf_file", "default_threads", "gguf_architecture", "gguf_data_bytes", "gguf_has_mtp_layers", "gguf_header_facts", "list_devices", "llama_version_info", "remote_devices", "quantize", "system_info",
+    "check_gguf_file", "default_threads", "gguf_architecture", "gguf_data_bytes", "gguf_has_mtp_layers", "gguf_has_sliding_window", "gguf_header_facts", "list_devices", "llama_version_info", "remote_devices", "quantize", "system_info",
 ]

@@ -110,6 +110,22 @@ def header_facts(path: Path) -> tuple[str | None, dict[str, int]]:
         lib.gguf_free(handle)
 
 
+def has_sliding_window(path: Path) -> bool:
+    """Whether a GGUF's header gives its attention a sliding window (`<arch>.attention.sliding_window`)."""
+    lib = _gguf_lib()
+    arch = architecture(path) if lib is not None else None
+    if arch is None:
+        return False
+    handle = lib.gguf_init_from_file(str(path).encode(), _InitParams(True, None))
+    recent_errors.clear()
+    if not handle:
+        return False
+    try:
+        return lib.gguf_find_key(handle, f"{arch}.attention.sliding_window".encode()) >= 0
+    finally:
+        lib.gguf_free(handle)
+
+
 def architecture(path: Path) -> str | None:
     """Return a GGUF's general.architecture from its header (None where it cannot be read)."""
     return header_facts(path)[0]

@@ -367,7 +367,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
                          f"using {n_ctx - 1}")
             tree = fit_tree(tree, n_ctx - 1)
             measure.tree = tree
-        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel)
+        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed)
         if target_size is None:
             measured = measure(n_ctx)
             placed = placement.cpu_only([p for p in (target_file, draft_path) if p is not None], ram_free_bytes,
@@ -394,10 +394,10 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
 
 
 def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
-              parallel: int = 1) -> tuple[ContextPlan, ContextPlan | None]:
+              parallel: int = 1, windowed: bool = False) -> tuple[ContextPlan, ContextPlan | None]:
     """Return the target's and the draft's contexts (None: no draft model) for requests of n_ctx
     tokens, `parallel` of them decoding together (each context's sequences and cells split between
-    them)."""
+    them); `windowed`: the target has sliding-window layers."""
     if tree is None:
         return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False), None
     if tree.verify in (architectures.CHAINS, architectures.CHAIN):
@@ -408,10 +408,12 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), min(MAX_SEQ, n_chains * parallel),
                                  tree.verified.depth, parallel=parallel)
     else:
-        # A sequence per leaf of the largest tree (and the text's), for each request: llama.cpp
-        # gives a window-sized cache a window per sequence, so no more are opened than trees use.
-        per_request = tree.verified.budget + 1
-        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, per_request)),
+        # llama.cpp gives a window-sized cache a window per sequence: a sliding-window target
+        # opens one per leaf of the largest tree (and the text's), for each request. Others keep
+        # every sequence (no memory of their own), so a plan with a tuning profile and the one
+        # without it open the same target context (Plan.check loads either on it).
+        per_request = tree.verified.budget + 1 if windowed else MAX_SEQ
+        target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)),
                                  min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False)
     draft_ctx = None
     if tree.drafting.loads_draft_model:
@@ -432,13 +434,14 @@ class ContextMemory:
     def __init__(self, target_path: Path | None, draft_path: Path | None, tree: TreePlan | None,
                  draft_arch: str | None, parallel: int = 1):
         self.tree, self.draft_arch, self.parallel = tree, draft_arch, parallel
+        self.windowed = target_path is not None and engine.gguf_has_sliding_window(target_path)
         self.mtp = tree is not None and tree.drafting.loads_mtp
         self.notes: list[str] = []
         self._target = engine.Simulation(target_path, load_mtp=self.mtp) if target_path is not None else None
         self._draft = engine.Simulation(draft_path) if draft_path is not None else None
 
     def __call__(self, n_ctx: int) -> tuple[offload.ContextBytes | None, offload.ContextBytes | None]:
-        target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch, self.parallel)
+        target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch, self.parallel, self.windowed)
         target_specs = [_spec(target_ctx)]
         if self.mtp:
             # as Runtime opens it: a sequence of n_ctx cells for each request
