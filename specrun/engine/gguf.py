@@ -9,6 +9,7 @@ declarations do.
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from pathlib import Path
 
 from specrun.engine.backend import check_gguf_file, recent_errors
@@ -88,42 +89,48 @@ def _data_span(path: Path) -> tuple[int, int] | None:
         lib.gguf_free(handle)
 
 
+@contextmanager
+def _header(path: Path):
+    """Yield libggml's GGUF reader and a handle on the file's header, metadata only (the handle
+    None where the reader is not available here or the header cannot be read)."""
+    lib = _gguf_lib()
+    if lib is None:
+        yield None, None
+        return
+    handle = lib.gguf_init_from_file(str(path).encode(), _InitParams(True, None))
+    recent_errors.clear()
+    if not handle:
+        yield lib, None
+        return
+    try:
+        yield lib, handle
+    finally:
+        lib.gguf_free(handle)
+
+
+def _architecture(lib, handle) -> str | None:
+    key = lib.gguf_find_key(handle, b"general.architecture")
+    return lib.gguf_get_val_str(handle, key).decode("utf-8", "replace") if key >= 0 else None
+
+
 def header_facts(path: Path) -> tuple[str | None, dict[str, int]]:
     """Return (general.architecture, {tensor name: bytes}) from a GGUF header; no weights are read.
 
     Returns (None, {}) where libggml's reader is not available or the header cannot be read.
     """
-    lib = _gguf_lib()
-    if lib is None:
-        return None, {}
-    handle = lib.gguf_init_from_file(str(path).encode(), _InitParams(True, None))
-    recent_errors.clear()
-    if not handle:
-        return None, {}
-    try:
-        key = lib.gguf_find_key(handle, b"general.architecture")
-        arch = lib.gguf_get_val_str(handle, key).decode("utf-8", "replace") if key >= 0 else None
+    with _header(path) as (lib, handle):
+        if handle is None:
+            return None, {}
         tensors = {lib.gguf_get_tensor_name(handle, i).decode("utf-8", "replace"): lib.gguf_get_tensor_size(handle, i)
                    for i in range(lib.gguf_get_n_tensors(handle))}
-        return arch, tensors
-    finally:
-        lib.gguf_free(handle)
+        return _architecture(lib, handle), tensors
 
 
 def has_sliding_window(path: Path) -> bool:
     """Whether a GGUF's header gives its attention a sliding window (`<arch>.attention.sliding_window`)."""
-    lib = _gguf_lib()
-    arch = architecture(path) if lib is not None else None
-    if arch is None:
-        return False
-    handle = lib.gguf_init_from_file(str(path).encode(), _InitParams(True, None))
-    recent_errors.clear()
-    if not handle:
-        return False
-    try:
-        return lib.gguf_find_key(handle, f"{arch}.attention.sliding_window".encode()) >= 0
-    finally:
-        lib.gguf_free(handle)
+    with _header(path) as (lib, handle):
+        arch = _architecture(lib, handle) if handle is not None else None
+        return arch is not None and lib.gguf_find_key(handle, f"{arch}.attention.sliding_window".encode()) >= 0
 
 
 def architecture(path: Path) -> str | None:
