@@ -44,12 +44,12 @@ WORKER_START_S = 60.0
 # The delay proxy
 
 
-class DelayProxy:
-    """Listens on a free loopback port and forwards each connection to `upstream`, every byte
-    delivered `delay_s` after it arrived and no faster than `bytes_per_s` (per direction)."""
+class LoopbackProxy:
+    """Listens on a free loopback port and forwards each connection to `upstream`, as `_forward`
+    says (a thread or two of its own for each)."""
 
-    def __init__(self, upstream: tuple[str, int], delay_s: float, bytes_per_s: float):
-        self.upstream, self.delay_s, self.bytes_per_s = upstream, delay_s, bytes_per_s
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream = upstream
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -67,8 +67,26 @@ class DelayProxy:
                 continue
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._pipe(client, server)
-            self._pipe(server, client)
+            self._forward(client, server)
+
+    def _forward(self, client: socket.socket, server: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+class DelayProxy(LoopbackProxy):
+    """Forwards each connection to `upstream`, every byte delivered `delay_s` after it arrived and
+    no faster than `bytes_per_s` (per direction)."""
+
+    def __init__(self, upstream: tuple[str, int], delay_s: float, bytes_per_s: float):
+        self.delay_s, self.bytes_per_s = delay_s, bytes_per_s
+        super().__init__(upstream)
+
+    def _forward(self, client: socket.socket, server: socket.socket) -> None:
+        self._pipe(client, server)
+        self._pipe(server, client)
 
     def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         """Start one direction: a reader stamping chunks as they arrive, a writer delivering them."""
@@ -101,9 +119,6 @@ class DelayProxy:
 
         threading.Thread(target=read, daemon=True).start()
         threading.Thread(target=write, daemon=True).start()
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 def _sleep_until(deadline: float) -> None:

@@ -32,8 +32,9 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
+
+from bench_rpc import LoopbackProxy, _close, _worker
 
 from specrun.models import registry, shapes
 
@@ -47,29 +48,19 @@ _ANSWERED = {0, 1, 2, 3, 7, 8, 9, 11, 13, 14, 15}  # ALLOC_BUFFER .. DEVICE_COUN
 _GET_DEVICE_MEMORY = 11
 
 
-class CardProxy:
+class CardProxy(LoopbackProxy):
     """Passes an RPC connection through to `upstream`, answering the device-memory question with
     `card` bytes free and total."""
 
     def __init__(self, upstream: tuple[str, int], card: int):
-        self.upstream, self.card = upstream, card
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen()
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.card = card
+        super().__init__(upstream)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            pending: list[int] = []  # commands sent whose answers are due, in order
-            lock = threading.Condition()
-            threading.Thread(target=self._requests, args=(client, server, pending, lock), daemon=True).start()
-            threading.Thread(target=self._answers, args=(server, client, pending, lock), daemon=True).start()
+    def _forward(self, client: socket.socket, server: socket.socket) -> None:
+        pending: list[int] = []  # commands sent whose answers are due, in order
+        lock = threading.Condition()
+        threading.Thread(target=self._requests, args=(client, server, pending, lock), daemon=True).start()
+        threading.Thread(target=self._answers, args=(server, client, pending, lock), daemon=True).start()
 
     @staticmethod
     def _requests(client, server, pending, lock) -> None:
@@ -84,7 +75,7 @@ class CardProxy:
                         lock.notify()
                 server.sendall(head + data)
         except OSError:
-            _hang_up(server)  # (shutdown wakes the thread reading it; the server takes one client at a time)
+            _close(server)  # (shutdown wakes the thread reading it; the server takes one client at a time)
 
     def _answers(self, server, client, pending, lock) -> None:
         try:
@@ -98,18 +89,7 @@ class CardProxy:
                     data = struct.pack("<QQ", self.card, self.card)
                 client.sendall(head + data)
         except OSError:
-            _hang_up(client)
-
-    def close(self) -> None:
-        self.listener.close()
-
-
-def _hang_up(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
+            _close(client)
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
@@ -120,27 +100,6 @@ def _read(sock: socket.socket, n: int) -> bytes:
             raise OSError("closed")
         out += chunk
     return bytes(out)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker() -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specrun", "worker", "--port", str(port), "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, port
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the RPC worker did not start")
 
 
 def header_copy(alias: str) -> Path:
@@ -188,9 +147,8 @@ def main() -> None:
                         help="MiB llama.cpp's fit leaves free on the card (-fitt; its default 1024, specrun's 512)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    worker, port = _worker()
     rows = []
-    try:
+    with _worker(1) as port:
         for alias in args.models.split(","):
             path = header_copy(alias)
             for gib in (int(c) for c in args.cards.split(",")):
@@ -203,8 +161,6 @@ def main() -> None:
                 rows.append({"model": alias, "card_gib": gib, "specrun": ours, "llama_fit": peer})
                 if not args.json:
                     print(_line(rows[-1]), file=sys.stderr, flush=True)
-    finally:
-        worker.kill()
     if args.json:
         print(json.dumps(rows, indent=1))
         return
