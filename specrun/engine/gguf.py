@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 from specrun.engine.backend import check_gguf_file, recent_errors
@@ -127,8 +128,19 @@ def header_facts(path: Path) -> tuple[str | None, dict[str, int]]:
 
 
 def has_sliding_window(path: Path) -> bool:
-    """Whether a GGUF's header gives its attention a sliding window (`<arch>.attention.sliding_window`)."""
-    with _header(path) as (lib, handle):
+    """Whether a GGUF's header gives its attention a sliding window (`<arch>.attention.sliding_window`).
+    Read once per version of the file in a process: a plan asks for every context it tries, and a
+    large vocabulary's header takes 20 ms to read."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return False
+    return _has_sliding_window(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=64)
+def _has_sliding_window(path: str, _mtime_ns: int, _size: int) -> bool:
+    with _header(Path(path)) as (lib, handle):
         arch = _architecture(lib, handle) if handle is not None else None
         return arch is not None and lib.gguf_find_key(handle, f"{arch}.attention.sliding_window".encode()) >= 0
 
