@@ -19,7 +19,7 @@ from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
 from specrun.experiments.workloads import WORKLOADS
 from specrun.decoding.pay import rules as pay_rules
-from specrun.runtime.plan import RunOptions
+from specrun.runtime.plan import RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
 from specrun.runtime.trees import DEFAULT_SHAPE
 from specrun.tuning import profiles
@@ -122,9 +122,12 @@ def test_without_a_profile_a_long_copy_prompt_is_not_read_by_the_draft_before_lo
         assert token_ids(plain.decoder, plain.tokenize_prompt(REWRITE, chat=True), SamplingParams(), 48) == out
 
 
-def store_measured(offline_models, choice: Choice, pass_s: float, threads: int | None = OPTS.threads) -> None:
-    """A profile with what tune measures, its target's one-token pass taking `pass_s`."""
-    key = profiles.profile_key(offline_models.smollm2_f32, offline_models.smollm2_q4, threads=threads)
+def store_measured(offline_models, choice: Choice, pass_s: float, threads: int | None = OPTS.threads,
+                   pair: tuple | None = None) -> None:
+    """A profile with what tune measures, its target's one-token pass taking `pass_s` (`pair`:
+    the target's and draft's paths, by default the demo pair)."""
+    target, draft = pair or (offline_models.smollm2_f32, offline_models.smollm2_q4)
+    key = profiles.profile_key(target, draft, threads=threads)
     profiles.save({
         "key": key, "config": choice.to_dict(), "best_tree": choice.to_dict(), "workloads": {},
         "predicted_speedup": 1.0, "measured_speedup": 1.0,
@@ -167,3 +170,20 @@ def test_a_profile_whose_timing_holds_decides_the_run(offline_models, monkeypatc
         prompt = rt.tokenize_prompt(REWRITE, chat=True)
         token_ids(rt.decoder, prompt, SamplingParams(), 48)
         assert sum(step.lookup_tokens for step in rt.decoder.stats.steps) > 0
+
+
+def test_a_sliding_window_target_with_a_profile_keeps_its_check(offline_models):
+    """A sliding-window target opens a sequence per leaf of its largest tree. The profile's tree
+    (12 nodes) and the default's it falls back to differ, so both plans open the target context
+    for the larger: the fallback loads on the same context and the profile's check stays offered."""
+    store_measured(offline_models, SPECEXEC, pass_s=0.01, pair=(offline_models.gemma_f32, offline_models.gemma_q4))
+    opts = RunOptions(target="gemma3-270m-f32", draft="gemma3-270m-q4", ctx_size=1024, threads=1, quiet=True,
+                      lookup=False)
+    plan = build_plan(opts)
+    assert plan.check is not None
+    fallback = plan.check.fallback
+    assert plan.tree.verified.budget == SPECEXEC.budget != fallback.tree.verified.budget
+    widest = max(plan.tree.verified.budget, fallback.tree.verified.budget)
+    assert plan.target_ctx == fallback.target_ctx and plan.target_ctx.n_seq_max == widest + 1
+    untuned = build_plan(opts, shape=DEFAULT_SHAPE)  # (the default alone sizes for itself)
+    assert untuned.check is None and untuned.target_ctx.n_seq_max == DEFAULT_SHAPE.budget + 1

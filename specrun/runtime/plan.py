@@ -312,9 +312,10 @@ def connect_workers(opts: RunOptions) -> None:
 
 
 def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices: list,
-           ram_free_bytes: int | None, sizes, detailed: bool, use_profile: bool) -> Plan:
+           ram_free_bytes: int | None, sizes, detailed: bool, use_profile: bool, seq_budget: int = 0) -> Plan:
     """Return the plan for resolved files (build_plan's arguments); `use_profile=False` decides
-    as without a tuning profile: the plan a profile's check falls back to."""
+    as without a tuning profile: the plan a profile's check falls back to. `seq_budget`: a tree
+    budget the target context's sequences are opened for if larger than this plan's tree."""
     pass_s = None
     if shape is not None:
         tree, why, untuned = TreePlan(shape, BEST_FIRST, "flags"), "tree given by the caller", False
@@ -328,12 +329,13 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
     draft_file = files.draft_path or (None if sizes or files.draft_name is None else _header_copy(files.draft_name, notes))
     target_arch = engine.gguf_architecture(target_file) if target_file is not None else None
     draft_arch = engine.gguf_architecture(draft_file) if draft_file is not None else None
-    if tree is not None and target_arch is not None:
-        tree, why, note = fit_tree_to_target(tree, why, target_arch)
-        if note:
-            notes.append(note)
-    if tree is not None and draft_arch and architectures.has_state(draft_arch):
-        tree = tree.drafting.for_recurrent_draft(tree)
+    tree, why = _tree_for_models(tree, why, target_arch, draft_arch, notes)
+    if pass_s is not None:
+        # The profile's check may fall back to the untuned plan on the target context loaded for
+        # this one: both open sequences for the larger of their trees (_contexts).
+        fallback_tree = _tree_for_models(choose_tree(opts, files, use_profile=False)[0], "", target_arch,
+                                         draft_arch, [])[0]
+        seq_budget = max(seq_budget, fallback_tree.verified.budget if fallback_tree is not None else 0)
     threads, cores = opts.threads or engine.default_threads(), engine.default_threads()
     if threads > cores:
         # More threads than cores only makes them wait for each other (and 999 would start 999).
@@ -353,7 +355,8 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
     # llama.cpp's own figures for the files (not for shapes given in their place)
     parallel = opts.parallel or 1
-    measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel)
+    measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel,
+                            seq_budget)
     try:
         if auto_ctx:
             widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
@@ -367,7 +370,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
                          f"using {n_ctx - 1}")
             tree = fit_tree(tree, n_ctx - 1)
             measure.tree = tree
-        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed)
+        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed, seq_budget)
         if target_size is None:
             measured = measure(n_ctx)
             placed = placement.cpu_only([p for p in (target_file, draft_path) if p is not None], ram_free_bytes,
@@ -385,7 +388,8 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             round_trips=tuple((host, rpc.round_trip_s(host) or 0.0) for host in dict.fromkeys(d.host for d in gpus if d.host)),
         )
         if pass_s is not None:
-            fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False)
+            fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False,
+                              seq_budget=max(seq_budget, tree.verified.budget if tree is not None else 0))
             if fallback.placement.fits and _loads_target_alike(plan, fallback):
                 plan = replace(plan, check=ProfileCheck(pass_s, fallback))
         return plan
@@ -393,11 +397,24 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         measure.close()
 
 
+def _tree_for_models(tree: TreePlan | None, why: str, target_arch: str | None, draft_arch: str | None,
+                     notes: list[str]) -> tuple[TreePlan | None, str]:
+    """The tree as the target can verify it and the draft can draft it (notes: what changed)."""
+    if tree is not None and target_arch is not None:
+        tree, why, note = fit_tree_to_target(tree, why, target_arch)
+        if note:
+            notes.append(note)
+    if tree is not None and draft_arch and architectures.has_state(draft_arch):
+        tree = tree.drafting.for_recurrent_draft(tree)
+    return tree, why
+
+
 def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
-              parallel: int = 1, windowed: bool = False) -> tuple[ContextPlan, ContextPlan | None]:
+              parallel: int = 1, windowed: bool = False, seq_budget: int = 0) -> tuple[ContextPlan, ContextPlan | None]:
     """Return the target's and the draft's contexts (None: no draft model) for requests of n_ctx
     tokens, `parallel` of them decoding together (each context's sequences and cells split between
-    them); `windowed`: the target has sliding-window layers."""
+    them); `windowed`: the target has sliding-window layers, whose sequences are opened for the
+    larger of the tree's budget and `seq_budget`."""
     if tree is None:
         return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False), None
     if tree.verify in (architectures.CHAINS, architectures.CHAIN):
@@ -410,9 +427,9 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
     else:
         # llama.cpp gives a window-sized cache a window per sequence: a sliding-window target
         # opens one per leaf of the largest tree (and the text's), for each request. Others keep
-        # every sequence (no memory of their own), so a plan with a tuning profile and the one
-        # without it open the same target context (Plan.check loads either on it).
-        per_request = tree.verified.budget + 1 if windowed else MAX_SEQ
+        # every sequence (no memory of their own). A plan with a tuning profile and the one
+        # without it open the same target context (Plan.check loads either on it): `seq_budget`.
+        per_request = max(tree.verified.budget, seq_budget) + 1 if windowed else MAX_SEQ
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)),
                                  min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False)
     draft_ctx = None
@@ -432,8 +449,8 @@ class ContextMemory:
     context included. A file it cannot simulate is estimated by the planner, with a note."""
 
     def __init__(self, target_path: Path | None, draft_path: Path | None, tree: TreePlan | None,
-                 draft_arch: str | None, parallel: int = 1):
-        self.tree, self.draft_arch, self.parallel = tree, draft_arch, parallel
+                 draft_arch: str | None, parallel: int = 1, seq_budget: int = 0):
+        self.tree, self.draft_arch, self.parallel, self.seq_budget = tree, draft_arch, parallel, seq_budget
         self.windowed = target_path is not None and engine.gguf_has_sliding_window(target_path)
         self.mtp = tree is not None and tree.drafting.loads_mtp
         self.notes: list[str] = []
@@ -441,7 +458,8 @@ class ContextMemory:
         self._draft = engine.Simulation(draft_path) if draft_path is not None else None
 
     def __call__(self, n_ctx: int) -> tuple[offload.ContextBytes | None, offload.ContextBytes | None]:
-        target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch, self.parallel, self.windowed)
+        target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch, self.parallel, self.windowed,
+                                          self.seq_budget)
         target_specs = [_spec(target_ctx)]
         if self.mtp:
             # as Runtime opens it: a sequence of n_ctx cells for each request
