@@ -2,11 +2,14 @@
 
 Neither tool needs the weights or a GPU for this: both simulate the load (llama.cpp's no_alloc
 path) of a header-only copy of a registry model's published shape (the weights a hole of their
-size, models/shapes.py). specrun is shown a card with `--gpu Card=SIZE`. llama.cpp's fit asks its
-devices for their free memory, so it is shown the same card as an RPC device: a `specrun worker`
-on 127.0.0.1 behind a small proxy that passes the RPC protocol through and answers the
-device-memory question with the card's size (`CardProxy`). Plain decoding (llama-fit-params knows
-no draft model); RAM is not the limit for either (llama.cpp's fit does not weigh it).
+size, models/shapes.py). llama.cpp's fit asks its devices for their free memory, so it is shown the
+card as an RPC device: a `specrun worker` on 127.0.0.1 behind a small proxy that passes the RPC
+protocol through and answers the device-memory question with the card's size (`CardProxy`).
+specrun is shown the card twice: as a local GPU (`--gpu Card=SIZE`), where it keeps room for the
+weights llama.cpp copies to a GPU for big-batch matmuls (op offload), and as that same RPC
+device (`--rpc`), which runs no op offload, as llama.cpp's fit sees it. Plain decoding
+(llama-fit-params knows no draft model); RAM is not the limit for either (llama.cpp's fit does
+not weigh it).
 
 For each model and card: the context each picks by default and the layers it puts on the card
 (llama.cpp: `-c`, `-ngl`, the layers whose experts it sends to RAM with `-ot`; specrun: `plan
@@ -123,15 +126,18 @@ def llama_fit(llama_bin: Path, model: Path, rpc_port: int, margin_mib: int | Non
     return {"n_ctx": int(found.group(1)), "gpu_layers": int(found.group(2)), "experts_in_ram_layers": experts}
 
 
-def specrun_plan(model: Path, card_gib: int) -> dict:
+def specrun_plan(model: Path, card_gib: int, rpc_port: int | None = None) -> dict:
+    """specrun's plan on the card: a local GPU (`--gpu`), or with `rpc_port` the RPC device behind
+    the proxy that llama.cpp's fit is shown (`--rpc`)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    card = ["--rpc", f"127.0.0.1:{rpc_port}"] if rpc_port else ["--gpu", f"Card={card_gib}GiB"]
     run = subprocess.run([sys.executable, "-m", "specrun", "plan", "--json", "--no-spec", "--target", str(model),
-                          "--gpu", f"Card={card_gib}GiB", "--ram-free", "512GiB"],
+                          *card, "--ram-free", "512GiB"],
                          capture_output=True, text=True, timeout=1800, env=env)
     if run.returncode != 0:
         return {"error": (run.stderr.strip().splitlines() or ["?"])[-1]}
     plan = json.loads(run.stdout)
-    card = next((d for d in plan["memory"]["breakdown"] if d["name"] == "Card"), {"total": 0})
+    card = next((d for d in plan["memory"]["breakdown"] if d["name"] != "RAM"), {"total": 0})
     target = plan["target"]
     return {"n_ctx": plan["contexts"]["target"]["n_ctx"], "gpu_layers": target["gpu_layers"],
             "layer_slots": target["layer_slots"], "experts_in_ram_layers": target["experts_in_ram_layers"],
@@ -155,30 +161,35 @@ def main() -> None:
                 proxy = CardProxy(("127.0.0.1", port), gib * GIB)
                 try:
                     peer = llama_fit(args.llama_bin, path, proxy.port, args.fit_margin)
+                    ours_rpc = specrun_plan(path, gib, proxy.port)
                 finally:
                     proxy.close()
                 ours = specrun_plan(path, gib)
-                rows.append({"model": alias, "card_gib": gib, "specrun": ours, "llama_fit": peer})
+                rows.append({"model": alias, "card_gib": gib, "specrun": ours, "specrun_rpc": ours_rpc,
+                             "llama_fit": peer})
                 if not args.json:
                     print(_line(rows[-1]), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
     print("| model | card | specrun context | specrun layers on the card | specrun card use | "
-          "llama.cpp fit context | llama.cpp fit layers |")
-    print("|---|---|---|---|---|---|---|")
+          "specrun over RPC: context | layers | card use | llama.cpp fit context | llama.cpp fit layers |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(_line(row))
 
 
-def _line(row: dict) -> str:
-    ours, peer = row["specrun"], row["llama_fit"]
+def _cells(ours: dict) -> list[str]:
     if "error" in ours:
-        mine = [f"error: {ours['error']}", "", ""]
-    else:
-        experts = f", experts of {ours['experts_in_ram_layers']} in RAM" if ours["experts_in_ram_layers"] else ""
-        mine = [str(ours["n_ctx"]), f"{ours['gpu_layers']}/{ours['layer_slots']}{experts}",
-                f"{ours['card_bytes'] / GIB:.1f} GiB"]
+        return [f"error: {ours['error']}", "", ""]
+    experts = f", experts of {ours['experts_in_ram_layers']} in RAM" if ours["experts_in_ram_layers"] else ""
+    return [str(ours["n_ctx"]), f"{ours['gpu_layers']}/{ours['layer_slots']}{experts}",
+            f"{ours['card_bytes'] / GIB:.1f} GiB"]
+
+
+def _line(row: dict) -> str:
+    peer = row["llama_fit"]
+    mine = _cells(row["specrun"]) + _cells(row["specrun_rpc"])
     if "error" in peer:
         theirs = [f"error: {peer['error']}", ""]
     else:
