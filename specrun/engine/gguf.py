@@ -127,15 +127,22 @@ def header_facts(path: Path) -> tuple[str | None, dict[str, int]]:
         return _architecture(lib, handle), tensors
 
 
+def _version(path: Path) -> tuple[str, int, int] | None:
+    """A file's path, modification time and size: what a header read once is kept under (None:
+    the file cannot be read)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return str(path), stat.st_mtime_ns, stat.st_size
+
+
 def has_sliding_window(path: Path) -> bool:
     """Whether a GGUF's header gives its attention a sliding window (`<arch>.attention.sliding_window`).
     Read once per version of the file in a process: a plan asks for every context it tries, and a
     large vocabulary's header takes 20 ms to read."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return False
-    return _has_sliding_window(str(path), stat.st_mtime_ns, stat.st_size)
+    version = _version(path)
+    return version is not None and _has_sliding_window(*version)
 
 
 @lru_cache(maxsize=64)
@@ -146,8 +153,16 @@ def _has_sliding_window(path: str, _mtime_ns: int, _size: int) -> bool:
 
 
 def architecture(path: Path) -> str | None:
-    """Return a GGUF's general.architecture from its header (None where it cannot be read)."""
-    return header_facts(path)[0]
+    """Return a GGUF's general.architecture from its header (None where it cannot be read), read
+    once per version of the file in a process (every plan asks, for the target and the draft)."""
+    version = _version(path)
+    return _architecture_of(*version) if version is not None else None
+
+
+@lru_cache(maxsize=64)
+def _architecture_of(path: str, _mtime_ns: int, _size: int) -> str | None:
+    with _header(Path(path)) as (lib, handle):
+        return _architecture(lib, handle) if handle is not None else None
 
 
 def check_complete_gguf(path: Path) -> Path:
