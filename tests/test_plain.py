@@ -10,6 +10,7 @@ from specrun.core.sampling import SamplingParams
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import generate, stream, token_ids
+from specrun.runtime.plan import WINDOW_LEAVES
 
 PROMPTS = [
     "<|im_start|>user\nWrite a short poem about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",
@@ -213,15 +214,18 @@ def test_plain_decoding_plans_and_opens_the_window_only(offline_models, cli):
     assert plain["contexts"]["target"]["swa_full"] is False and trees["contexts"]["target"]["swa_full"] is False
     kv = {name: plan["memory"]["breakdown"][0]["context"] for name, plan in (("plain", plain), ("trees", trees))}
     # Window layers of 1,024 cells against 8,192 for trees: llama.cpp gives a window-sized cache a
-    # window per sequence, and trees open one per leaf of their largest tree (64 + the text's).
+    # window per sequence, and trees open one per leaf, at most WINDOW_LEAVES (64-token lookup
+    # trees are verified in their best part of 16 leaves) and the text's.
     assert kv["plain"] < kv["trees"] / 3, kv
-    assert trees["contexts"]["target"]["n_seq_max"] == trees["tree"]["verified_budget"] + 1 == 65, trees["contexts"]
-    # Past 65 windows (33,792 cells) trees keep no more: at 64k the 15 window layers hold 33,792
-    # cells, not 65,536 (256 sequences' windows would have filled the context).
+    assert trees["tree"]["verified_budget"] == 64 > WINDOW_LEAVES, trees["tree"]
+    assert trees["contexts"]["target"]["n_seq_max"] == WINDOW_LEAVES + 1 == 17, trees["contexts"]
+    # Past 17 windows and a batch (9,216 cells) trees keep no more: at 64k the 15 window layers
+    # hold 9,216 cells, not 65,536 (256 sequences' windows would have filled the context).
     wide = {name: planned(*args, "--ctx-size", "65536")["memory"]["breakdown"][0]["context"]
             for name, args in (("plain", ("--no-spec",)), ("trees", ("--draft", "lookup")))}
     full = 18 * 65536 / (3 * 65536 + 15 * 1024)  # every layer's cells, over plain's
-    assert wide["trees"] / wide["plain"] < 0.65 * full, (wide, full)
+    windows = (3 * 65536 + 15 * 9216) / (3 * 65536 + 15 * 1024)  # 17 windows and a batch, over plain's
+    assert wide["trees"] / wide["plain"] < 1.05 * windows < 0.3 * full, (wide, windows, full)
     # The run opens what was planned (a load compares llama.cpp's allocation with the plan and
     # warns past 5%), and answers as a cache of every cell does on a text that fits the window.
     run = cli("generate", "--target", "gemma3-270m-f32", "--no-spec", "--ctx-size", "8192", "--max-tokens", "24",

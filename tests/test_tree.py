@@ -111,6 +111,42 @@ def test_prune_keeps_the_best_nodes_as_a_tree(tree, budget):
         assert tree.children(new) == [new_id[c] for c in old_children[old] if c in new_id]
 
 
+@PROPERTY_SETTINGS
+@given(random_trees(max_nodes=200), st.integers(1, 40))
+def test_with_leaves_keeps_the_best_subtree_within_the_leaves(tree, max_leaves):
+    before = (tree.tokens.copy(), tree.parents.copy(), tree.logps.copy())
+    sub, kept = tree.with_leaves(max_leaves)
+    for array, old in zip((tree.tokens, tree.parents, tree.logps), before):
+        np.testing.assert_array_equal(array, old)  # the proposal's own tree is left as it was
+    leaves = len(tree.leaves())
+    if leaves <= max_leaves:
+        assert sub is tree and kept.tolist() == list(range(len(tree)))
+        return
+    assert len(sub.leaves()) <= max_leaves and sub.colour_batch(max_leaves).n_colours <= max_leaves
+    assert kept[0] == 0 and kept.tolist() == sorted(set(kept.tolist()))
+    np.testing.assert_array_equal(sub.tokens, tree.tokens[kept])
+    np.testing.assert_array_equal(sub.logps, tree.logps[kept])
+    for new in range(1, len(sub)):  # a node's parent here is its parent there
+        assert kept[sub.parents[new]] == tree.parents[kept[new]]
+    # the best node is in, and no node left out merely extends a kept leaf (it would cost no leaf)
+    assert int(1 + np.argmax(tree.logps[1:])) in kept.tolist()
+    kept_set = set(kept.tolist())
+    kept_leaves = {int(kept[leaf]) for leaf in sub.leaves().tolist()}
+    assert not [v for v in range(1, len(tree)) if v not in kept_set and int(tree.parents[v]) in kept_leaves]
+
+
+def test_with_leaves_prefers_deeper_paths_to_more_leaves():
+    tree = DraftTree(9)
+    a = tree.add(0, 1, -0.1)
+    tree.add(0, 2, -0.5)  # a second leaf: a branch of its own
+    b = tree.add(a, 3, -0.2)
+    tree.add(b, 4, -0.9)
+    sub, kept = tree.with_leaves(1)
+    assert kept.tolist() == [0, 1, 3, 4] and sub.tokens.tolist() == [9, 1, 3, 4]
+    with pytest.raises(ValueError):
+        tree.with_leaves(0)
+
+
 def test_prune_breaks_ties_by_lower_id():
     tree = DraftTree(7)
     a = tree.add(0, 1, -1.0)

@@ -207,6 +207,45 @@ class DraftTree:
         n_children = np.bincount(self.parents[1:], minlength=self._n)
         return np.flatnonzero(n_children == 0)
 
+    def with_leaves(self, max_leaves: int) -> tuple[DraftTree, np.ndarray]:
+        """Return the best subtree with at most `max_leaves` leaves (this tree where it has no more)
+        and the id each of its nodes has here (new id -> old id); this tree is left as it is.
+
+        Nodes join best first by logp (ties to the lower id), each with its ancestors, unless it
+        would add a leaf past the limit (one that extends a leaf adds none): a target pass gives
+        each leaf a sequence of its own, and a sliding-window target keeps a window per sequence.
+        """
+        n = self._n
+        parents = self._parents[:n]
+        if n == 1 or int(np.count_nonzero(np.bincount(parents[1:], minlength=n) == 0)) <= max_leaves:
+            return self, np.arange(n)
+        if max_leaves < 1:
+            raise ValueError(f"a tree keeps at least one leaf, not {max_leaves}")
+        keep = np.zeros(n, bool)
+        keep[0] = True
+        kept_children = np.zeros(n, np.int32)
+        leaves = 1  # the root alone
+        for node in (1 + np.argsort(-self._logps[1:n], kind="stable")).tolist():
+            if keep[node]:
+                continue  # (joined as an ancestor of a better node)
+            chain, above = [node], int(parents[node])
+            while not keep[above]:
+                chain.append(above)
+                above = int(parents[above])
+            added = 1 if kept_children[above] else 0  # a kept leaf extended stays one leaf
+            if leaves + added > max_leaves:
+                continue
+            leaves += added
+            keep[chain] = True
+            kept_children[chain[1:]] += 1
+            kept_children[above] += 1
+        kept = np.flatnonzero(keep)
+        new_id = np.cumsum(keep) - 1
+        tree = DraftTree(int(self._tokens[0]), capacity=len(kept))
+        for old in kept[1:].tolist():
+            tree.add(int(new_id[parents[old]]), int(self._tokens[old]), float(self._logps[old]))
+        return tree, kept
+
     def path(self, i: int) -> list[int]:
         """Node ids from the root down to node i."""
         self._check_node(i)

@@ -93,11 +93,11 @@ class Lane:
         self.last_batch = (int(batch.positions[0]), batch.n_tokens, offset)
         return rows
 
-    def budget(self, wanted: int, leaves: bool = True) -> int:
+    def budget(self, wanted: int) -> int:
         """Tree nodes this lane may verify per pass: what it wants, within its share of the batch
-        among the lanes decoding now, and (`leaves`: a tree, one sequence per leaf) within its
-        sequence ids."""
-        cap = min(wanted, len(self.seqs)) if leaves and len(self.seqs) < MAX_SEQ else wanted
+        among the lanes decoding now. (Its sequence ids, one per leaf, cap a tree's leaves, not
+        its nodes: SpeculativeDecoder verifies the best part of a tree that has more.)"""
+        cap = wanted
         if self.gate is not None:
             cap = min(cap, self.gate.share())
         return max(0, cap)

@@ -127,7 +127,7 @@ class SpeculativeDecoder:
             depth = min(shape.depth, remaining - 1, room - 1)
             if self.chain_only:
                 depth = min(depth, self.ctx.n_rs_seq)
-            budget = self.sizer.size(self.lane.budget(min(shape.budget, room - 1), leaves=not self.chain_only), params)
+            budget = self.sizer.size(self.lane.budget(min(shape.budget, room - 1)), params)
             proposal = None
             if depth >= 1 and budget >= 1:
                 # Beside other requests (their passes shared), only proposals that cost no model
@@ -182,7 +182,9 @@ class SpeculativeDecoder:
             return self._plain_step(pending, params, rng, rules)
         if self.chain_only:
             return self._verify_chain(proposal, params, rng, remaining, rules, forced)
-        tree = proposal.tree
+        # A leaf takes a sequence: a tree with more leaves than the lane has is verified in its
+        # best part that fits them (the plan opens fewer sequences on a sliding-window target).
+        tree, kept = proposal.tree.with_leaves(len(lane.seqs))
         layout = tree.colour_batch(len(lane.seqs))
         base = lane.base  # colour c is the lane's sequence base + c; colour 0 holds the committed text
         # Every colour must see the committed prefix: copy it into colours 1.. before the pass.
@@ -200,8 +202,9 @@ class SpeculativeDecoder:
         acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
         keep_tree_path(lane, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
+        nodes = [int(kept[n]) for n in acceptance.nodes]  # the accepted path in the drafter's ids
         if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
-            self.drafter.commit(proposal, acceptance.nodes)
+            self.drafter.commit(proposal, nodes)
         n_tokens = len(acceptance.tokens)
         step = Step(
             list(acceptance.tokens),
@@ -211,11 +214,11 @@ class SpeculativeDecoder:
             tree_depth=tree.max_depth,
             tree_leaves=layout.n_colours if len(tree) > 1 else 0,
             draft_passes=proposal.draft_passes,
-            path_ranks=proposal.path_ranks(acceptance.nodes),
-            child_ranks=_child_ranks(tree, acceptance),
+            path_ranks=proposal.path_ranks(nodes),
+            child_ranks=_child_ranks(tree, acceptance.nodes, acceptance.bonus),
             accepted=len(acceptance.nodes) - 1,
-            lookup_tokens=proposal.lookup_tokens(acceptance.nodes),
-            forced_tokens=proposal.forced_tokens(acceptance.nodes),
+            lookup_tokens=proposal.lookup_tokens(nodes),
+            forced_tokens=proposal.forced_tokens(nodes),
         )
         if params.logprobs is not None:  # token i was drawn from node i's row: no extra pass
             rows = logits[list(acceptance.nodes[:n_tokens])]
@@ -281,7 +284,7 @@ class SpeculativeDecoder:
             tree_leaves=len(paths) if length > 1 else 0,
             draft_passes=proposal.draft_passes,
             path_ranks=proposal.path_ranks(nodes),
-            child_ranks=_child_ranks(trie, acceptance),
+            child_ranks=_child_ranks(trie, acceptance.nodes, acceptance.bonus),
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(nodes),
             forced_tokens=proposal.forced_tokens(nodes),
@@ -371,15 +374,16 @@ def keep_tree_path(lane: Lane, layout, nodes: Sequence[int], p0: int) -> None:
         lane.keep(base, used=layout.n_colours)
 
 
-def _child_ranks(tree, acceptance) -> tuple[int, ...]:
-    """For each visited node: 1 + position of the chosen child among its children, 0 if none.
+def _child_ranks(tree, nodes: list[int], bonus) -> tuple[int, ...]:
+    """For each visited node (the accepted path `nodes`, then a `bonus` token drawn past it, if
+    any): 1 + position of the chosen child among its children, 0 if none.
 
     Children are stored best-first and pruning keeps a prefix of them, so position = draft rank.
     """
     ranks = []
-    for depth, node in enumerate(acceptance.nodes):
-        if depth + 1 < len(acceptance.nodes):
-            ranks.append(tree.children(node).index(acceptance.nodes[depth + 1]) + 1)
-        elif acceptance.bonus is not None and tree.children(node):
+    for depth, node in enumerate(nodes):
+        if depth + 1 < len(nodes):
+            ranks.append(tree.children(node).index(nodes[depth + 1]) + 1)
+        elif bonus is not None and tree.children(node):
             ranks.append(0)
     return tuple(ranks)

@@ -56,6 +56,9 @@ PREFILL_BATCH = 512
 # Requests a server decodes together unless --parallel says otherwise, where that many fit at the
 # context one request gets (the measured 2x of four clients over one on the 2-core test host).
 DEFAULT_PARALLEL = 4
+# The leaves a request's tree may have on a sliding-window target, whose cache keeps a window of
+# cells per sequence (one per leaf): a larger tree is verified in its best part with this many.
+WINDOW_LEAVES = 16
 
 
 @dataclass(frozen=True)
@@ -429,7 +432,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
         # opens one per leaf of the largest tree (and the text's), for each request. Others keep
         # every sequence (no memory of their own). A plan with a tuning profile and the one
         # without it open the same target context (Plan.check loads either on it): `seq_budget`.
-        per_request = max(tree.verified.budget, seq_budget) + 1 if windowed else MAX_SEQ
+        per_request = min(max(tree.verified.budget, seq_budget), WINDOW_LEAVES) + 1 if windowed else MAX_SEQ
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)),
                                  min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False)
     draft_ctx = None
