@@ -106,6 +106,28 @@ def test_speculative_plan_is_what_llama_cpp_allocates(models, arch):
         assert plan.target_ctx.n_rs_seq > 0 and allocated.state > 0
 
 
+def test_a_tree_pass_grows_the_output_buffer_to_the_rows_the_plan_counts(models):
+    """llama.cpp opens a context's output buffer for n_seq_max rows of logits and grows it at the
+    first pass that asks for more. Lookup trees of 64 tokens on a sliding-window target open 17
+    sequences (WINDOW_LEAVES and the text's) and ask for 65 rows: the plan counts 65."""
+    import numpy as np
+
+    plan = build_plan(RunOptions(target=str(models["gemma3"]), draft="lookup", ctx_size=1024, threads=1,
+                                 quiet=True), devices=[])
+    ctx_plan = plan.target_ctx
+    assert ctx_plan.n_outputs == plan.tree.verified.budget + 1 == 65 > ctx_plan.n_seq_max == 17
+    opened = engine.Simulation(models["gemma3"]).context(engine.ContextSpec(
+        ctx_plan.cells, ctx_plan.n_batch, ctx_plan.n_seq_max, swa_full=ctx_plan.swa_full)).output
+    (ram,) = plan.placement.breakdown
+    assert opened > 0 and abs(ram.output - opened * 65 / 17) <= 1
+    with Runtime(plan) as rt:
+        _assert_plan_matches(plan, rt.allocation)
+        batch = engine.Batch(65, 1)
+        batch.set_arrays(np.full(65, 2, np.int32), np.arange(65, dtype=np.int32), np.zeros(65, np.int32), True)
+        rt.target_ctx.decode(batch)
+        assert rt.target_ctx.logits().shape == (65, rt.target.n_vocab)  # 65 rows, where 17 were opened
+
+
 def test_draft_model_plan_counts_the_draft_and_its_sequences(offline_models):
     plan, allocated = _planned_and_allocated(RunOptions(ctx_size=4096, threads=1, quiet=True))
     assert plan.draft_loaded and plan.draft_ctx.n_seq_max > 1

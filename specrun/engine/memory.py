@@ -135,6 +135,14 @@ class Allocation:
                 "output": self.output, "total": self.total, "compute_by_buffer": dict(self.compute),
                 "flash_attn": self.flash_attn}
 
+    def with_outputs(self, n_outputs: int, n_seq_max: int) -> Allocation:
+        """These figures once a pass has asked for `n_outputs` rows of logits: llama.cpp sizes its
+        output buffer for n_seq_max rows when it opens a context and grows it, at the first pass
+        that asks for more, to that pass's rows (llama_context::output_reserve)."""
+        if n_outputs <= n_seq_max or n_seq_max < 1:
+            return self
+        return replace(self, output=round(self.output * n_outputs / n_seq_max))
+
 
 @dataclass(frozen=True)
 class ContextSpec:
@@ -146,6 +154,7 @@ class ContextSpec:
     n_rs_seq: int = 0
     mtp: bool = False  # an MTP context on the same model (engine.MtpContext)
     swa_full: bool = True  # sliding-window layers keep every cell (engine.Context)
+    n_outputs: int = 0  # the most rows of logits one pass asks for (Allocation.with_outputs)
 
 
 # A hybrid's recurrent state at least this large (simulated without rollback snapshots) is counted
@@ -178,7 +187,10 @@ class Simulation:
         self._known: dict[ContextSpec, Allocation] = {}
 
     def context(self, spec: ContextSpec) -> Allocation:
-        """Return what llama.cpp would allocate for this context (raises EngineError where it refuses)."""
+        """Return what llama.cpp would allocate for this context (raises EngineError where it
+        refuses), its output buffer grown to the rows its passes ask for."""
+        if spec.n_outputs:
+            return self.context(replace(spec, n_outputs=0)).with_outputs(spec.n_outputs, spec.n_seq_max)
         if spec not in self._known:
             record = _record_path(self.path, spec, self._load)
             cached = read_json(record, dict, "memory record") if record else None

@@ -79,6 +79,7 @@ class ContextPlan:
     # 32k, plain: about 3 GiB of KV in place of 15.5); trees give back the cells behind the window
     # before they share the text with their colours (decoding.kv.CachedSequence.share_window).
     swa_full: bool = True
+    n_outputs: int = 0  # the most rows of logits one pass asks for (every request's tree or chains)
 
     @property
     def n_ubatch(self) -> int:
@@ -426,7 +427,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
         n_chains = MAX_CHAINS if tree.verify == architectures.CHAINS else 1
         chain_tokens = n_chains * (tree.verified.depth + 1)
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, chain_tokens)), min(MAX_SEQ, n_chains * parallel),
-                                 tree.verified.depth, parallel=parallel)
+                                 tree.verified.depth, parallel=parallel, n_outputs=chain_tokens * parallel)
     else:
         # llama.cpp gives a window-sized cache a window per sequence: a sliding-window target
         # opens one per leaf of the largest tree (and the text's), for each request. Others keep
@@ -434,7 +435,8 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
         # without it open the same target context (Plan.check loads either on it): `seq_budget`.
         per_request = min(max(tree.verified.budget, seq_budget), WINDOW_LEAVES) + 1 if windowed else MAX_SEQ
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)),
-                                 min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False)
+                                 min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False,
+                                 n_outputs=(max(tree.verified.budget, seq_budget) + 1) * parallel)
     draft_ctx = None
     if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
@@ -490,7 +492,8 @@ class ContextMemory:
 
 
 def _spec(ctx: ContextPlan):
-    return engine.ContextSpec(ctx.cells, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq, swa_full=ctx.swa_full)
+    return engine.ContextSpec(ctx.cells, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq, swa_full=ctx.swa_full,
+                              n_outputs=ctx.n_outputs)
 
 
 def _loads_target_alike(plan: Plan, other: Plan) -> bool:

@@ -8,6 +8,7 @@ Commands use it as a context manager so contexts are closed before their models.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from specrun import engine, ui
 from specrun.chat.session import ChatFormat
@@ -81,7 +82,8 @@ class Runtime:
         with engine.captured_log() as lines:  # what llama.cpp says it allocated, checked below
             try:
                 self.target = self._load(plan.files.target_path, **target_load)
-                self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"], plan.threads)
+                with engine.captured_log() as target_lines:
+                    self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"], plan.threads)
                 if plan.check is not None:
                     plan = self._checked(plan, quiet)
                 _, draft_load = load_arguments(plan)
@@ -98,7 +100,11 @@ class Runtime:
             except BaseException:
                 self.close()
                 raise
-        self.allocation = engine.Allocation.read(lines)
+        # The target's output buffer grows to its trees' rows of logits at their first pass, as planned.
+        opened = engine.Allocation.read(target_lines)
+        grown = opened.with_outputs(plan.target_ctx.n_outputs, plan.target_ctx.n_seq_max)
+        allocated = engine.Allocation.read(lines)
+        self.allocation = replace(allocated, output=allocated.output + grown.output - opened.output)
         check_allocation(plan, self.allocation)
         self.plan = plan
         self.models = plan.files
