@@ -8,11 +8,12 @@ leniently: unreadable or of the wrong shape counts as empty, with a warning that
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,35 @@ def file_key(path: Path) -> dict:
     real = Path(path).resolve()
     st = real.stat()
     return {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+_RAISE = object()
+
+
+def once_per_version(maxsize: int = 64, missing: Any = _RAISE) -> Callable:
+    """Decorate fn(path) to read each version of a file (the path as given, its size and mtime)
+    once per process; a file that cannot be stat'ed gives `missing` where one is given (else the
+    OSError). The path is not resolved: a split model's shards are found by its file name, which
+    a cache's symlink keeps and its blob does not."""
+
+    def decorate(fn: Callable[[Path], Any]) -> Callable[[Path], Any]:
+        @functools.lru_cache(maxsize=maxsize)
+        def read(path: str, _size: int, _mtime_ns: int) -> Any:
+            return fn(Path(path))
+
+        @functools.wraps(fn)
+        def cached(path: Path) -> Any:
+            try:
+                stat = Path(path).stat()
+            except OSError:
+                if missing is _RAISE:
+                    raise
+                return missing
+            return read(str(path), stat.st_size, stat.st_mtime_ns)
+
+        return cached
+
+    return decorate
 
 
 def human_size(n_bytes: int | None) -> str:

@@ -217,7 +217,7 @@ class DraftTree:
         """
         n = self._n
         parents = self._parents[:n]
-        if n == 1 or int(np.count_nonzero(np.bincount(parents[1:], minlength=n) == 0)) <= max_leaves:
+        if n == 1 or len(self.leaves()) <= max_leaves:
             return self, np.arange(n)
         if max_leaves < 1:
             raise ValueError(f"a tree keeps at least one leaf, not {max_leaves}")

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import ctypes
 from contextlib import contextmanager
-from functools import lru_cache
 from pathlib import Path
 
 from specrun.engine.backend import check_gguf_file, recent_errors
 from specrun.engine.devices import ggml_lib
 from specrun.errors import EngineError, ModelFileError
-from specrun.files import human_size
+from specrun.files import human_size, once_per_version
 
 
 class _InitParams(ctypes.Structure):
@@ -127,41 +126,21 @@ def header_facts(path: Path) -> tuple[str | None, dict[str, int]]:
         return _architecture(lib, handle), tensors
 
 
-def _version(path: Path) -> tuple[str, int, int] | None:
-    """A file's path, modification time and size: what a header read once is kept under (None:
-    the file cannot be read)."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return str(path), stat.st_mtime_ns, stat.st_size
-
-
+@once_per_version(missing=False)
 def has_sliding_window(path: Path) -> bool:
     """Whether a GGUF's header gives its attention a sliding window (`<arch>.attention.sliding_window`).
     Read once per version of the file in a process: a plan asks for every context it tries, and a
     large vocabulary's header takes 20 ms to read."""
-    version = _version(path)
-    return version is not None and _has_sliding_window(*version)
-
-
-@lru_cache(maxsize=64)
-def _has_sliding_window(path: str, _mtime_ns: int, _size: int) -> bool:
-    with _header(Path(path)) as (lib, handle):
+    with _header(path) as (lib, handle):
         arch = _architecture(lib, handle) if handle is not None else None
         return arch is not None and lib.gguf_find_key(handle, f"{arch}.attention.sliding_window".encode()) >= 0
 
 
+@once_per_version(missing=None)
 def architecture(path: Path) -> str | None:
     """Return a GGUF's general.architecture from its header (None where it cannot be read), read
     once per version of the file in a process (every plan asks, for the target and the draft)."""
-    version = _version(path)
-    return _architecture_of(*version) if version is not None else None
-
-
-@lru_cache(maxsize=64)
-def _architecture_of(path: str, _mtime_ns: int, _size: int) -> str | None:
-    with _header(Path(path)) as (lib, handle):
+    with _header(path) as (lib, handle):
         return _architecture(lib, handle) if handle is not None else None
 
 

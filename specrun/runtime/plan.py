@@ -26,7 +26,6 @@ drafter times both models itself. It is offered only where it loads the target t
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.pay.rules import PROFILE_DRIFT, profile_holds
 from specrun.engine import rpc
 from specrun.errors import EngineError, UsageError
+from specrun.files import once_per_version
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
 from specrun.models import headers, hub, pairing, registry, shapes
@@ -433,10 +433,11 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
         # opens one per leaf of the largest tree (and the text's), for each request. Others keep
         # every sequence (no memory of their own). A plan with a tuning profile and the one
         # without it open the same target context (Plan.check loads either on it): `seq_budget`.
-        per_request = min(max(tree.verified.budget, seq_budget), WINDOW_LEAVES) + 1 if windowed else MAX_SEQ
+        widest = max(tree.verified.budget, seq_budget)
+        per_request = min(widest, WINDOW_LEAVES) + 1 if windowed else MAX_SEQ
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)),
                                  min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False,
-                                 n_outputs=(max(tree.verified.budget, seq_budget) + 1) * parallel)
+                                 n_outputs=(widest + 1) * parallel)
     draft_ctx = None
     if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
@@ -526,15 +527,14 @@ def _header_copy(name: str, notes: list[str]) -> Path:
 def _model_size(name: str, path: Path | None) -> offload.ModelSize:
     if path is None:
         raise UsageError(f"{name} is not on this machine, so its layers cannot be planned: run `specrun pull {name}`")
-    stat = path.stat()
-    return _read_model_size(str(path), stat.st_size, stat.st_mtime_ns)
+    return _read_model_size(path)
 
 
-@functools.lru_cache(maxsize=8)
-def _read_model_size(path: str, size: int, mtime_ns: int) -> offload.ModelSize:
+@once_per_version(maxsize=8)
+def _read_model_size(path: Path) -> offload.ModelSize:
     """The planner's view of a model file, read once per file version (a plan with a profile
     check plans twice; reading a large vocabulary takes seconds)."""
-    return placement.model_size(Path(path))
+    return placement.model_size(path)
 
 
 def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
