@@ -9,6 +9,7 @@ the reason; they never skip.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,18 @@ class OfflineModels:
     smollm2_random: Path
     gemma_q4: Path
     gemma_f32: Path
+
+
+def specrun_argv(*args: str) -> list[str]:
+    """argv running `specrun ARGS` in a child that Ctrl-C (SIGINT) stops as in a terminal.
+
+    A test run started in the background (`pytest &` in a script, or CI's runner) ignores SIGINT,
+    and so would its children: Python keeps an ignored SIGINT ignored. The child gets Python's
+    Ctrl-C handler back before specrun starts.
+    """
+    program = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               f"sys.argv = ['specrun', *{list(args)!r}]; runpy.run_module('specrun', run_name='__main__')")
+    return [sys.executable, "-c", program]
 
 
 def _prepare(alias: str) -> Path:

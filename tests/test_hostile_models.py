@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import specrun_argv  # noqa: E402
 from test_hostile import BUG, ROOT, run, user_toml  # noqa: E402
 
 FAMILY = 'family = "smollm2"\n'
@@ -99,12 +100,7 @@ def test_a_disk_that_fills_during_a_conversion_says_so(fresh_home):
 
 def test_ctrl_c_stops_a_conversion(fresh_home):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1", "SPECRUN_HOME": str(fresh_home)}
-    # A test run started in the background (`pytest &` in a script) ignores SIGINT, and so would
-    # its children: Python keeps an ignored SIGINT ignored. The pull gets Ctrl-C back, as in a
-    # terminal.
-    pull = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "sys.argv = ['specrun', 'pull', 'smollm2-135m-f32']; runpy.run_module('specrun', run_name='__main__')")
-    proc = subprocess.Popen([sys.executable, "-c", pull], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(specrun_argv("pull", "smollm2-135m-f32"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     models = fresh_home / "models"
     deadline = time.monotonic() + 120
     while not any(p.name.endswith(".partial") for p in models.iterdir()):  # the conversion has begun

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL_CACHE
+from conftest import MODEL_CACHE, specrun_argv
 from test_offload import LLAMA31_70B_Q4KM, QWEN25_05B_Q4KM
 from test_server import ServerProcess
 from tiny_archs import tiny_arch_model
@@ -74,7 +74,7 @@ class Worker:
         self.start()
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "specrun", "worker", "--port", str(self.port), "--threads", "1"]
+        argv = specrun_argv("worker", "--port", str(self.port), "--threads", "1")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=_env(self.home))
         self.stderr_lines: list[str] = []
