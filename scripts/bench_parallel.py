@@ -251,13 +251,15 @@ def _start(name: str, args, parallel: int) -> _Server | None:
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
+    from specrun import sysinfo
     from specrun.runtime.plan import RunOptions, resolve_models
 
     files = resolve_models(RunOptions(target=args.target, draft=args.draft, quiet=True))
     target, draft = files.target_path, files.draft_path
     port = _free_port()
     argv = [str(args.peer_bin / "llama-server"), "-m", str(target), "--port", str(port), "-np", str(parallel),
-            "-c", str(args.ctx_size * parallel), "-t", str(args.threads or os.cpu_count()), "--no-webui"]
+            "-c", str(args.ctx_size * parallel), "-t", str(args.threads or os.cpu_count()), "--no-webui",
+            *(["--no-repack"] if sysinfo.repacking_crashes() else [])]
     if name == "peer-draft":
         argv += ["-md", str(draft), "--spec-draft-n-max", "5"]
     elif name == "peer-ngram":

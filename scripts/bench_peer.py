@@ -28,6 +28,7 @@ from pathlib import Path
 # scripts/ is this script's own directory, first on sys.path.
 from bench_fresh import _run
 
+from specrun import sysinfo
 from specrun.experiments.workloads import WORKLOADS
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
@@ -63,7 +64,8 @@ def _llama(mode: str, rendered: str, tokens: int, paths: dict, binaries: Path, t
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(rendered)
     common = ["-m", paths["target"], "-f", f.name, "-n", str(tokens), "--temp", "0", "--top-k", "1",
-              "-t", str(threads), "-tb", str(threads), "-c", "4096", "--seed", "1"]
+              "-t", str(threads), "-tb", str(threads), "-c", "4096", "--seed", "1",
+              *(["--no-repack"] if sysinfo.repacking_crashes() else [])]
     if mode == "cpp-plain":
         argv = [str(binaries / "llama-completion"), *common, "-no-cnv", "--no-display-prompt"]
     else:

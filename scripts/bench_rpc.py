@@ -256,9 +256,11 @@ def _rate(runs: list[tuple[int, float] | None]) -> float | None:
 
 def _speculative_simple(llama_bin: Path, target: str, draft: str, rpc: str, prompt: str,
                         args) -> tuple[int, float] | None:
+    from specrun import sysinfo
+
     cmd = [str(llama_bin / "llama-speculative-simple"), "-m", target, "-md", draft, "--rpc", rpc, "-ngl", "99",
            "-ngld", "0", "--spec-type", "draft-simple", "-t", str(args.threads), "-n", str(args.max_tokens),
-           "-p", prompt, "--temp", "0"]
+           "-p", prompt, "--temp", "0", *(["--no-repack"] if sysinfo.repacking_crashes() else [])]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     match = re.search(r"decoded +(\d+) tokens in +([\d.]+) seconds", result.stderr + result.stdout)
     return (int(match.group(1)), float(match.group(2))) if match else None

@@ -37,6 +37,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def repacking_crashes() -> bool:
+    """Whether llama.cpp's weight repacking (its "extra buffer types") must stay off here: on a CPU
+    with AMX, ggml's AMX matmul of the vendored llama.cpp crashes on multi-token batches of Q4_1
+    weights (specrun loads without it; llama.cpp's own tools need `--no-repack`)."""
+    return "amx_int8" in cpu_flags()
+
+
 def ram_bytes() -> tuple[int, int]:
     """Return (total, available) system RAM; available falls back to free pages; (0, 0) if unknown."""
     fields: dict[str, int] = {}

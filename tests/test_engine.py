@@ -341,3 +341,60 @@ def test_owners_close_once_and_in_order(offline_models):
     ctx.close()
     with pytest.raises(EngineError):
         _ = model.n_layer
+
+
+def test_passes_from_many_threads_run_in_one_thread_of_the_process(offline_models, load_model):
+    """The server's requests decode in threads of their own. Every pass runs in the process's one
+    compute thread (engine.compute): ggml's OpenMP keeps a team of CPU threads for each thread
+    that ever ran a pass, and more teams than cores slow every pass down (the module's figures).
+    So threads that decoded add no OS threads of their own, and each gets the logits a pass from
+    the main thread gives; a rejected batch is still an error in the thread that sent it."""
+    import os
+    import threading
+
+    model = load_model(offline_models.smollm2_q4)
+    with engine.Context(model, n_ctx=256, n_batch=32, threads=2) as ctx:
+        batch = engine.Batch(32)
+
+        def one_pass() -> np.ndarray:
+            ctx.clear()
+            batch.set_sequence(list(range(100, 120)), 0, 0, "last")
+            ctx.decode(batch)
+            return ctx.logits()[-1].copy()
+
+        expected = one_pass()
+        before = len(os.listdir("/proc/self/task"))
+        results: list[np.ndarray] = []
+        turn, hold = threading.Lock(), threading.Event()
+
+        def request() -> None:
+            with turn:
+                results.append(one_pass())
+            hold.wait(60)  # alive while the threads are counted
+
+        threads = [threading.Thread(target=request) for _ in range(4)]
+        for t in threads:
+            t.start()
+        while len(results) < len(threads):
+            threads[0].join(0.01)
+        during = len(os.listdir("/proc/self/task"))
+        hold.set()
+        for t in threads:
+            t.join()
+        assert during <= before + len(threads), (before, during)
+        assert all(np.array_equal(r, expected) for r in results)
+
+        errors: list[BaseException] = []
+
+        def bad_request() -> None:
+            batch.set_sequence([model.n_vocab + 5], 0, 0, "last")  # no such token
+            try:
+                ctx.decode(batch)
+            except EngineError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=bad_request)
+        t.start()
+        t.join()
+        assert len(errors) == 1 and "rejected" in str(errors[0])
+        assert np.array_equal(one_pass(), expected)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
-import threading
 from typing import Iterable, Sequence
 
 import llama_cpp as C
 import numpy as np
 
+from specrun.engine import compute
 from specrun.engine.backend import Owner, last_llama_error, recent_errors
 from specrun.engine.model import Model
 from specrun.errors import ContextFullError, EngineError
@@ -122,10 +122,19 @@ class Batch:
 # Context
 
 
-# llama.cpp's CPU threads spin while they wait for work: two decodes at once on the same cores run
-# many times slower than one after the other. Every decode of this process takes this lock, so
-# requests decoding in threads of their own (the server's) take turns with their passes.
-_COMPUTE = threading.Lock()
+
+
+def _decode(ctx_ptr, batch_struct) -> int:
+    """llama_decode, waited for (in the compute thread: engine.compute)."""
+    rc = C.llama_decode(ctx_ptr, batch_struct)
+    if rc == 0:
+        # llama_decode returns once the pass is queued: on a GPU or an RPC worker it runs, and
+        # its logits come back, after that. Waiting here makes a pass's time the time of the
+        # pass, wherever it runs (the cost curves of trees are built on it: timed without the
+        # wait, a pass over an RPC worker looked free and lookup trees grew until the rewrites
+        # of the demo pair ran at 0.82x plain).
+        C.llama_synchronize(ctx_ptr)
+    return rc
 
 
 def default_threads() -> int:
@@ -241,15 +250,7 @@ class Context(Owner):
         if n > self.n_batch:
             raise EngineError(f"batch of {n} tokens exceeds the context's n_batch {self.n_batch}")
         batch.struct.n_tokens = n
-        with _COMPUTE:
-            rc = C.llama_decode(self.ptr, batch.struct)
-            if rc == 0:
-                # llama_decode returns once the pass is queued: on a GPU or an RPC worker it runs,
-                # and its logits come back, after that. Waiting here makes a pass's time the
-                # time of the pass, wherever it runs (the cost curves of trees are built on it:
-                # timed without the wait, a pass over an RPC worker looked free and lookup trees
-                # grew until the rewrites of the demo pair ran at 0.82x plain).
-                C.llama_synchronize(self.ptr)
+        rc = compute.run(_decode, self.ptr, batch.struct)
         if rc != 0:
             if rc == 1:
                 raise ContextFullError(f"the context ({self.n_ctx} tokens) has no room for {n} more tokens")

@@ -90,9 +90,7 @@ class Model(Owner):
         if main_gpu is not None:
             params.split_mode = C.LLAMA_SPLIT_MODE_NONE
             params.main_gpu = main_gpu
-        if "amx_int8" in sysinfo.cpu_flags():
-            # ggml's AMX matmul (an "extra buffer type") crashes on multi-token batches of Q4_1
-            # weights in the vendored llama.cpp; the plain CPU kernels are exact and safe.
+        if sysinfo.repacking_crashes():  # the plain CPU kernels are exact and safe
             params.use_extra_bufts = False
         recent_errors.clear()
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)

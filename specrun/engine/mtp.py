@@ -21,8 +21,9 @@ from typing import Sequence
 import llama_cpp as C
 import numpy as np
 
+from specrun.engine import compute
 from specrun.engine.backend import last_llama_error, recent_errors
-from specrun.engine.context import _COMPUTE, Context
+from specrun.engine.context import Context
 from specrun.engine.model import Model
 from specrun.errors import EngineError
 
@@ -151,8 +152,7 @@ class MtpContext(Context):
                 if want_last and i == n - 1:
                     C.llama_batch_ext_set_output_logits(batch, idx, True)
             recent_errors.clear()
-            with _COMPUTE:  # one pass at a time in this process (engine.context)
-                rc = C.llama_process(self.ptr, C.LLAMA_PROCESS_TYPE_DECODE, batch)
+            rc = compute.run(C.llama_process, self.ptr, C.LLAMA_PROCESS_TYPE_DECODE, batch)
             if rc != 0:
                 raise EngineError(f"the MTP pass failed (code {rc}): {last_llama_error('llama_process')}")
         finally:
