@@ -75,7 +75,7 @@ def main() -> None:
                 rows.append({"server": name, "clients": n if "n" in locals() else 0, "round": round_,
                              "failed": f"{type(e).__name__}: {e}; exit code {server.proc.poll()}; "
                                        + " | ".join(server.last_lines[-3:])})
-                print(f"{name}: {rows[-1]['failed']}", file=sys.stderr, flush=True)
+                print(f"{name}: {rows[-1]['failed']}", *server.last_lines, sep="\n", file=sys.stderr, flush=True)
             finally:
                 server.stop()
     _check_same(rows)
@@ -167,8 +167,21 @@ def _check_same(rows: list[dict]) -> None:
         reference = alone[row["server"].endswith("-plain")]
         if row["server"].startswith("specrun") and reference and "texts" in row:
             row["same_as_alone"] = all(reference.get(i, text) == text for i, text in row["texts"].items())
+            for i, text in row["texts"].items():
+                if reference.get(i, text) != text:
+                    _say_where_they_part(row, i, reference[i], text)
     for row in rows:
         row.pop("texts", None)
+
+
+def _say_where_they_part(row: dict, index: int, alone: str, together: str) -> None:
+    """Print on stderr where an answer given beside others parts from the one given alone (a
+    near-tie of the target's two best tokens rounds either way in batches of other sizes:
+    docs/exactness.md)."""
+    at = next((k for k, (a, b) in enumerate(zip(alone, together)) if a != b), min(len(alone), len(together)))
+    print(f"{row['server']} {row['clients']} clients, round {row['round']}: request {index} parts from its answer "
+          f"alone after {at} characters: {alone[max(0, at - 40):at]!r} then alone {alone[at:at + 30]!r}, "
+          f"beside others {together[at:at + 30]!r}", file=sys.stderr)
 
 
 def _line(row: dict) -> str:
