@@ -398,3 +398,24 @@ def test_passes_from_many_threads_run_in_one_thread_of_the_process(offline_model
         t.join()
         assert len(errors) == 1 and "rejected" in str(errors[0])
         assert np.array_equal(one_pass(), expected)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # forking a process that has threads
+def test_a_forked_child_runs_passes_in_a_compute_thread_of_its_own():
+    """The parent's compute thread is not in a forked child: the child starts its own rather
+    than waiting forever on a thread that is not there."""
+    import os
+    import threading
+
+    from specrun.engine import compute
+
+    assert compute.run(threading.get_ident) != threading.get_ident()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if a job ran, in a thread other than this one
+        try:
+            os._exit(0 if compute.run(threading.get_ident) != threading.get_ident() else 3)
+        finally:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

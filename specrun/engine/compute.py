@@ -18,6 +18,7 @@ never edited under a pass that is still running).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any, Callable, TypeVar
@@ -57,6 +58,16 @@ def _compute_thread() -> threading.Thread:
             _thread = threading.Thread(target=_serve, name="specrun-compute", daemon=True)
             _thread.start()
         return _thread
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: it starts a compute thread of its own."""
+    global _jobs, _thread, _start
+    _jobs, _thread, _start = queue.SimpleQueue(), None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def run(fn: Callable[..., T], *args: Any) -> T:
