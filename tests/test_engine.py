@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -349,9 +352,6 @@ def test_passes_from_many_threads_run_in_one_thread_of_the_process(offline_model
     that ever ran a pass, and more teams than cores slow every pass down (the module's figures).
     So threads that decoded add no OS threads of their own, and each gets the logits a pass from
     the main thread gives; a rejected batch is still an error in the thread that sent it."""
-    import os
-    import threading
-
     model = load_model(offline_models.smollm2_q4)
     with engine.Context(model, n_ctx=256, n_batch=32, threads=2) as ctx:
         batch = engine.Batch(32)
@@ -400,14 +400,11 @@ def test_passes_from_many_threads_run_in_one_thread_of_the_process(offline_model
         assert np.array_equal(one_pass(), expected)
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # forking a process that has threads
 def test_a_forked_child_runs_passes_in_a_compute_thread_of_its_own():
     """The parent's compute thread is not in a forked child: the child starts its own rather
     than waiting forever on a thread that is not there."""
-    import os
-    import threading
-
     from specrun.engine import compute
 
     assert compute.run(threading.get_ident) != threading.get_ident()

@@ -13,7 +13,9 @@ Two reasons, both measured on a 2-core CPU:
 
 `run(fn, *args)` hands a pass to that thread and waits for it. A Ctrl-C that lands meanwhile is
 raised once the pass has ended, as when the pass ran in the caller's own thread (the caches are
-never edited under a pass that is still running).
+never edited under a pass that is still running). The thread is a daemon, not a
+ThreadPoolExecutor's worker, which interpreter exit joins: a pass that never returns (an RPC
+worker that stopped answering) must not keep the process from exiting.
 """
 
 from __future__ import annotations

@@ -122,8 +122,6 @@ class Batch:
 # Context
 
 
-
-
 def _decode(ctx_ptr, batch_struct) -> int:
     """llama_decode, waited for (in the compute thread: engine.compute)."""
     rc = C.llama_decode(ctx_ptr, batch_struct)
