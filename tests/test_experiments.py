@@ -8,7 +8,7 @@ import time
 import pytest
 
 from specrun.core.tree_shapes import TreeShape
-from specrun.experiments.runner import Modes, by_mode, decode_in_turn, merged
+from specrun.experiments.runner import Modes, by_mode, decode_halves, decode_in_turn, merged
 from specrun.runtime import drafters
 from specrun.runtime.drafters import BEST_FIRST
 from specrun.runtime.plan import RunOptions
@@ -55,6 +55,18 @@ def test_past_the_deadline_no_prompt_starts_but_the_first(rt):
     runs = decode_in_turn(modes, prompts, 4, deadline=time.monotonic() - 1.0)
 
     assert [(run.mode, run.prompt) for run in runs] == [("plain", 0), ("chain", 0)]
+
+
+def test_past_the_deadline_halves_stop_at_a_pair_so_both_hold_as_many_prompts(rt):
+    prompts = [rt.tokenize_prompt(t, chat=True) for t in TEXTS]
+    modes = Modes(rt, {"plain": None}, fresh=True)
+
+    first, second = decode_halves(modes, (prompts[:2], prompts[1:]), 4, deadline=time.monotonic() - 1.0)
+    assert [run.prompt for run in first] == [0] and [run.prompt for run in second] == [0]
+
+    first, second = decode_halves(modes, (prompts[:2], prompts[1:]), 4, deadline=time.monotonic() + 600)
+    assert [run.prompt for run in first] == [0, 1] and [run.prompt for run in second] == [0, 1]
+    assert first[0].tokens == decode_in_turn(modes, prompts[:1], 4)[0].tokens
 
 
 def test_a_decode_stops_once_its_seconds_have_passed(rt):

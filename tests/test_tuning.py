@@ -219,15 +219,17 @@ def test_plot_is_a_png(tmp_path):
 
 @pytest.mark.slow
 def test_quick_tune_of_the_demo_pair(offline_models, capsys):
-    """`specrun tune --quick --json` on the demo pair at the default thread count (~3 min)."""
-    t0 = time.monotonic()
+    """`specrun tune --quick --json` on the demo pair at the default thread count (~3 min). How
+    long it takes is for docs/benchmarks.md to say: every phase has its time budget, whose keeping
+    is tested phase by phase, not by timing this run on a machine of unknown speed."""
     tune_command.run_tune(RunOptions(quiet=True), quick=True, show=False, as_json=True, plot=None)
-    elapsed = time.monotonic() - t0
     profile = json.loads(capsys.readouterr().out)
 
     assert {"config", "predicted_speedup", "measured_speedup"} <= set(profile)
     assert profile["check"]["identical_output"] is True
-    assert elapsed < 600, f"--quick took {elapsed:.0f} s"
+    assert set(profile["workloads"]) == set(WORKLOADS)
+    assert all(2 <= w["prompts"] <= tune_command.QUICK.workload_prompts for w in profile["workloads"].values())
+    assert profile["seconds"] > 0
 
 
 def test_busy_machine_is_detected_from_current_cpu_use_not_past_load():
@@ -408,3 +410,18 @@ def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(decodes)
     for half in (predicting, held_out):
         assert set(half) == {"tuned", "untuned"} and half["tuned"].plain is half["untuned"].plain
         assert all(len(h.plain) == len(h.default) == 2 and h.speedup > 0 for h in half.values())
+
+
+def test_the_default_per_workload_keeps_to_its_time_and_says_where_it_ran_out(capsys):
+    """Past its seconds no further pair of prompts starts: each workload is measured on the pair
+    it started with (a predicting and a held-out prompt of one kind), and the run says so."""
+    chain3 = tune_command.tuner.Choice("specexec", 3, 3, 1, 1, 0.0, 0.0)
+    with Runtime(RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", threads=1, ctx_size=512)) as rt:
+        with report.progress() as progress:
+            kept, out = tune_workloads.measure_default(rt, chain3, None, 32, 4, progress, seconds=0.0)
+
+    assert kept is chain3 and set(out) == set(WORKLOADS)
+    assert all(w["prompts"] == 2 and w["measured_speedup"] > 0 for w in out.values())
+    said = capsys.readouterr().err
+    assert "the time for the default per workload ran out" in said
+    assert all(f"{name} on 2 of 32 prompts" in said for name in WORKLOADS)

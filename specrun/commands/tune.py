@@ -50,6 +50,7 @@ class TuneSettings(PairSettings):
     check_seconds: float
     workload_tokens: int = 96  # tokens per answer when measuring the default per workload
     workload_prompts: int = 16  # prompts per workload (half predict, half measure)
+    workload_seconds: float | None = None  # for all workloads; fewer prompts past it (None: no limit)
 
 
 # --quick fits about 3 minutes for a ~100M-parameter pair on 2 CPU cores.
@@ -57,11 +58,12 @@ QUICK = TuneSettings(
     max_budget=64, depth=12, width=4, top_k=4, curve_repeats=3, curve_seconds=25,
     calibration_prompts=3, calibration_tokens=48, calibration_seconds=50,
     check_prompts=3, check_tokens=48, check_seconds=50, workload_tokens=64, workload_prompts=32,
+    workload_seconds=90,
 )
 FULL = TuneSettings(
     max_budget=512, depth=16, width=4, top_k=4, curve_repeats=5, curve_seconds=120,
     calibration_prompts=6, calibration_tokens=96, calibration_seconds=420,
-    check_prompts=3, check_tokens=128, check_seconds=300, workload_tokens=128, workload_prompts=32,
+    check_prompts=3, check_tokens=128, check_seconds=300, workload_tokens=128, workload_prompts=32, workload_seconds=600,
 )
 
 
@@ -106,7 +108,7 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
         with report.progress() as progress:
             kept, profile["workloads"] = workloads.measure_default(
                 rt, choice, profiles.facts_of(profile), settings.workload_prompts, settings.workload_tokens, progress,
-                untuned=untuned)
+                untuned=untuned, seconds=settings.workload_seconds)
         if kept is not choice:
             _keep_untuned(profile, kept, check)
     profile["seconds"] = round(time.monotonic() - t_start, 1)

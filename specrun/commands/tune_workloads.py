@@ -24,6 +24,7 @@ chat, though 17% faster than it alone).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,9 +41,12 @@ _Z95 = 1.96
 
 
 def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress,
-                   untuned: Choice | None = None) -> tuple[Choice, dict]:
+                   untuned: Choice | None = None, seconds: float | None = None) -> tuple[Choice, dict]:
     """Return (the choice kept, {workload: {"drafter", "predicted_speedup", "measured_speedup", ...}})
-    and print a line each. `untuned`: the untuned default's tuner choice (None: `choice` is it)."""
+    and print a line each. `untuned`: the untuned default's tuner choice (None: `choice` is it).
+    `seconds`: the time all workloads may take (None: every prompt); each workload gets an equal
+    share of what is left when it starts, and past it no further pair of prompts starts, so on a
+    slow machine each workload is measured on fewer prompts (its expected range widens)."""
     candidates = {"tuned": _fitted(rt, tuned_default(choice, facts))}
     if untuned is not None:
         candidates["untuned"] = _fitted(rt, tuned_default(untuned, facts))
@@ -53,8 +57,16 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
     task = progress.add_task("the default, per workload", total=total)
     advance = lambda: progress.advance(task)
     predicting, held_out = {}, {}
-    for name, halves in prompts.items():
-        predicting[name], held_out[name] = _decode_halves(rt, candidates, halves, max_tokens, advance)
+    end = time.monotonic() + seconds if seconds is not None else None
+    for left, (name, halves) in zip(range(len(prompts), 0, -1), prompts.items()):
+        deadline = None if end is None else time.monotonic() + max(0.0, end - time.monotonic()) / left
+        predicting[name], held_out[name] = _decode_halves(rt, candidates, halves, max_tokens, advance, deadline)
+    ran = {name: len(halves["tuned"].plain) for name, halves in predicting.items()}  # prompts of each half
+    progress.update(task, total=sum(ran.values()) * 2 * (1 + len(candidates)))  # done, where the time ran out
+    short = {name: n for name, n in ran.items() if n < len(per_half[0])}
+    if short:
+        ui.dim("the time for the default per workload ran out: " + ", ".join(
+            f"{name} on {2 * n} of {2 * len(per_half[0])} prompts" for name, n in short.items()))
     kept, slower = "tuned", _slower_workloads(predicting)
     if slower:
         kept = "untuned"
@@ -168,13 +180,13 @@ def _speedup(plain: tuple[int, float], default: tuple[int, float]) -> float:
     return (dn / ds) / (pn / ps) if ds and ps and pn else 0.0
 
 
-def _decode_halves(rt, trees: dict, halves: tuple[list, list], max_tokens: int, advance
-                   ) -> tuple[dict[str, _Half], dict[str, _Half]]:
+def _decode_halves(rt, trees: dict, halves: tuple[list, list], max_tokens: int, advance,
+                   deadline: float | None = None) -> tuple[dict[str, _Half], dict[str, _Half]]:
     """Decode both halves' prompts plainly and with a fresh decoder of each tree, in turn
-    (runner.decode_halves); return each half's {tree: _Half}, whose plain runs are its prompts'
-    plain decoding."""
+    (runner.decode_halves, no pair of prompts starting past the `deadline`); return each half's
+    {tree: _Half}, whose plain runs are its prompts' plain decoding."""
     modes = Modes(rt, {"plain": None, **trees}, fresh=True)
-    halves_runs = decode_halves(modes, halves, max_tokens, after_each=lambda run: advance())
+    halves_runs = decode_halves(modes, halves, max_tokens, deadline, after_each=lambda run: advance())
     return tuple(_halves_of(by_mode(runs), trees) for runs in halves_runs)
 
 
