@@ -331,8 +331,9 @@ def test_keeping_the_untuned_default_stores_the_chain_with_its_checked_figures()
     assert "the tuned tree ran slower than the untuned default on chat: the untuned default is stored" in text
     assert "tuned tree x1.40, untuned default x1.70 on the predicting prompts\n" in text
     assert "chat (hybrid): predicted x1.70, measured x1.60 on held-out prompts" in text
-    profile["workloads"]["chat"]["predicted_range"] = [1.4, 2.05]
-    assert "chat (hybrid): predicted x1.70 (x1.40 to x2.05 expected), measured x1.60" in "\n".join(report.report_lines(profile))
+    profile["workloads"]["chat"].update(predicted_range=[1.4, 2.05], prompts=12)
+    assert ("chat (hybrid): predicted x1.70 (x1.40 to x2.05 expected), measured x1.60 on 6 held-out prompts"
+            in "\n".join(report.report_lines(profile)))
     # With held-out figures of both, and where the tune chose lookup alone.
     profile["workloads"]["chat"].update(tuned_drafter="lookup", tuned_measured_speedup=1.3, untuned_measured_speedup=1.6)
     text = "\n".join(report.report_lines(profile))

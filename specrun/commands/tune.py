@@ -58,7 +58,7 @@ QUICK = TuneSettings(
     max_budget=64, depth=12, width=4, top_k=4, curve_repeats=3, curve_seconds=25,
     calibration_prompts=3, calibration_tokens=48, calibration_seconds=50,
     check_prompts=3, check_tokens=48, check_seconds=50, workload_tokens=64, workload_prompts=32,
-    workload_seconds=90,
+    workload_seconds=150,
 )
 FULL = TuneSettings(
     max_budget=512, depth=16, width=4, top_k=4, curve_repeats=5, curve_seconds=120,

@@ -90,8 +90,9 @@ def report_lines(profile: dict) -> list[str]:
             each = f" (x{spread[0]:.2f} to x{spread[1]:.2f} each)" if spread else ""
             expected = w.get("predicted_range")
             expected = f" (x{expected[0]:.2f} to x{expected[1]:.2f} expected)" if expected else ""
+            held_out = f"{w['prompts'] // 2} held-out prompts" if w.get("prompts") else "held-out prompts"
             lines.append(f"  {name:>8} ({w['drafter']}): predicted x{w['predicted_speedup']:.2f}{expected}, "
-                         f"measured x{w['measured_speedup']:.2f} on held-out prompts{each}")
+                         f"measured x{w['measured_speedup']:.2f} on {held_out}{each}")
             if "untuned_speedup" in w:
                 held = ("" if "untuned_measured_speedup" not in w else
                         f" (held-out: x{w['tuned_measured_speedup']:.2f} and x{w['untuned_measured_speedup']:.2f})")
