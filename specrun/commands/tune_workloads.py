@@ -53,16 +53,17 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
     per_half = _half_rounds(n_prompts)
     prompts = {name: [[rt.tokenize_prompt(texts[i], chat=True) for i in indexes] for indexes in per_half]
                for name, texts in WORKLOADS.items()}
-    total = len(WORKLOADS) * 2 * len(per_half[0]) * (1 + len(candidates))
-    task = progress.add_task("the default, per workload", total=total)
+    runs_a_pair = 2 * (1 + len(candidates))  # a prompt of each half, plainly and by every candidate
+    task = progress.add_task("the default, per workload", total=len(WORKLOADS) * len(per_half[0]) * runs_a_pair)
     advance = lambda: progress.advance(task)
     predicting, held_out = {}, {}
     end = time.monotonic() + seconds if seconds is not None else None
     for left, (name, halves) in zip(range(len(prompts), 0, -1), prompts.items()):
-        deadline = None if end is None else time.monotonic() + max(0.0, end - time.monotonic()) / left
+        now = time.monotonic()
+        deadline = None if end is None else now + max(0.0, end - now) / left
         predicting[name], held_out[name] = _decode_halves(rt, candidates, halves, max_tokens, advance, deadline)
     ran = {name: len(halves["tuned"].plain) for name, halves in predicting.items()}  # prompts of each half
-    progress.update(task, total=sum(ran.values()) * 2 * (1 + len(candidates)))  # done, where the time ran out
+    progress.update(task, total=sum(ran.values()) * runs_a_pair)  # done, where the time ran out
     short = {name: n for name, n in ran.items() if n < len(per_half[0])}
     if short:
         ui.dim("the time for the default per workload ran out: " + ", ".join(
