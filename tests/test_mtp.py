@@ -157,12 +157,14 @@ class _Recorded(MtpDrafter):
 def test_two_requests_draft_with_mtp_in_shared_passes_as_each_alone(mtp_model, contexts, prompts, references):
     """Two requests in lanes of one target context and of one MTP context (a sequence each),
     drafting beside each other: each greedy answer is plain decoding's, their verify passes are
-    shared, and each request's MTP drafts are the ones it proposes alone, which holds only if it
-    reads its own target rows of a shared pass (they sit at its offset in the batch)."""
+    shared, their MTP passes too (the MTP context's gate in the target gate's room, as serve
+    --parallel opens them), and each request's MTP drafts are the ones it proposes alone, which
+    holds only if it reads its own rows of a shared pass (the target's and the MTP block's sit at
+    its offset in each batch)."""
     chain = 3
 
-    def drafters(mtp_ctx, n):
-        return [_Recorded(Lane(mtp_ctx, range(i, i + 1)), chain) for i in range(n)]
+    def drafters(mtp_ctx, n, gate=None):
+        return [_Recorded(Lane(mtp_ctx, range(i, i + 1), gate=gate), chain) for i in range(n)]
 
     alone = []
     target_ctx = contexts(mtp_model, n_ctx=512, n_batch=64, n_seq_max=1, n_rs_seq=chain)
@@ -181,8 +183,9 @@ def test_two_requests_draft_with_mtp_in_shared_passes_as_each_alone(mtp_model, c
     engine.enable_target_rows(shared_ctx)
     shared_mtp = contexts(mtp_model, mtp=True, n_ctx=1024, n_seq_max=2)
     gate, together = PassGate(shared_ctx), Together(window=10**6)  # one turn: drafting beside each other
+    mtp_gate = PassGate(shared_mtp, gate.room, first=True)
     lanes = [Lane(shared_ctx, range(i, i + 1), 512, gate) for i in range(2)]
-    mtp_drafters = drafters(shared_mtp, 2)
+    mtp_drafters = drafters(shared_mtp, 2, mtp_gate)
     decoders = [SpeculativeDecoder(mtp_model, shared_ctx, d, TreeShape.chain(chain), lane=lane, together=together)
                 for d, lane in zip(mtp_drafters, lanes)]
     results: list = [None, None]
@@ -202,7 +205,7 @@ def test_two_requests_draft_with_mtp_in_shared_passes_as_each_alone(mtp_model, c
     divergences += [compare(ref, out, N_TOKENS, f"together, prompt {k}") for k, (ref, out) in
                     enumerate(zip(references, results))]
     check_divergences([d for d in divergences if d], len(divergences), "MTP in shared passes")
-    assert gate.shared_passes > 0
+    assert gate.shared_passes > 0 and mtp_gate.shared_passes > 0
     drafted_shared = [s for dec in decoders for s in dec.stats.steps if s.shared > 1 and s.tree_nodes > 0]
     assert drafted_shared, "the requests should have drafted with MTP beside each other"
     for drafter, proposed_alone in zip(mtp_drafters, alone):

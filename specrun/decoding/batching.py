@@ -24,7 +24,9 @@ The rules of the gate:
   for a pass that runs to end: llama.cpp's cache must not be edited while a pass reads it, and a
   request between two of its passes edits it (trims a prompt, keeps a tree's accepted branch).
 - The draft model's context is shared the same way (one draft context, a lane of it for each
-  request, its own gate): one draft pass expands every drafting request's tree. The gates of one
+  request, its own gate): one draft pass expands every drafting request's tree; so is a target's
+  MTP context (a batch of its carries a hidden row per token: `Context.new_batch`), one pass
+  for the next draft of every drafting request's chain. The gates of one
   set of requests meet in a `Room`: a pass of either context runs only when every request waits
   at one gate or the other, the draft's first (a request still drafting is on its way to the
   target's gate, and its tree should join that pass). One pass runs at a time, whichever the
@@ -208,7 +210,7 @@ class PassGate:
             self.room.gates.insert(0, self)
         else:
             self.room.gates.append(self)
-        self._batch = Batch(ctx.n_batch, MAX_SEQ)
+        self._batch = ctx.new_batch(ctx.n_batch, MAX_SEQ)
         self._cond = self.room.cond
         self._waiting: dict[Lane, _Handed] = {}
         self._last_solo = False
@@ -312,13 +314,8 @@ class PassGate:
         self.shared_passes += 1
         big, n = self._batch, 0
         for h in handed:
-            b, k = h.batch, h.batch.n_tokens
-            big.tokens[n: n + k] = b.tokens[:k]
-            big.positions[n: n + k] = b.positions[:k]
-            big.n_seq[n: n + k] = b.n_seq[:k]
-            big.seq_ids[n: n + k, : b.n_seq_max] = b.seq_ids[:k]
-            big.want_logits[n: n + k] = b.want_logits[:k]
-            n += k
+            h.batch.copy_to(big, n)
+            n += h.batch.n_tokens
         big.n_tokens = n
         t0 = time.perf_counter()
         self.ctx.decode(big)

@@ -111,6 +111,15 @@ class Batch:
         self.want_logits[:n] = logits
         self.n_tokens = n
 
+    def copy_to(self, big: "Batch", at: int) -> None:
+        """Write this batch's tokens into `big` from its token `at` on (a shared pass's batch)."""
+        k = self.n_tokens
+        big.tokens[at: at + k] = self.tokens[:k]
+        big.positions[at: at + k] = self.positions[:k]
+        big.n_seq[at: at + k] = self.n_seq[:k]
+        big.seq_ids[at: at + k, : self.n_seq_max] = self.seq_ids[:k]
+        big.want_logits[at: at + k] = self.want_logits[:k]
+
     def __enter__(self) -> "Batch":
         return self
 
@@ -240,6 +249,10 @@ class Context(Owner):
                 self.model._contexts.remove(self)
 
     # -- decode --
+    def new_batch(self, capacity: int, n_seq_max: int = 1) -> Batch:
+        """A batch this context decodes (an MTP context's carries a hidden row per token)."""
+        return Batch(capacity, n_seq_max)
+
     def decode(self, batch: Batch) -> None:
         """Run the model over the batch; raise on failure (the KV cache is then unchanged)."""
         n = batch.n_tokens

@@ -23,7 +23,7 @@ import numpy as np
 
 from specrun.engine import compute
 from specrun.engine.backend import last_llama_error, recent_errors
-from specrun.engine.context import Context
+from specrun.engine.context import Batch, Context
 from specrun.engine.model import Model
 from specrun.errors import EngineError
 
@@ -121,46 +121,79 @@ class MtpContext(Context):
         self.n_seq_max, self.n_rs_seq, self.has_state, self.threads = C.llama_n_seq_max(ptr), 0, False, threads
         self._n_outputs = 0
         self.lock = threading.Lock()
+        self._batch: MtpBatch | None = None  # process()'s
         set_embeddings_nextn(self, True, True)  # its own row of the token that asks for logits
         if layer:
             set_nextn_layer_offset(self, layer)
         model._contexts.append(self)
+
+    def new_batch(self, capacity: int, n_seq_max: int = 1) -> "MtpBatch":
+        return MtpBatch(capacity, self.n_embd, n_seq_max)
+
+    def decode(self, batch: "MtpBatch") -> None:
+        """Run the MTP block over the batch's (token, position, row) triples, each in its first
+        sequence id (several requests' tokens in one pass). The outputs' logits are `logits()`'s
+        rows and their own rows `embeddings_nextn_row(self, i, ...)` (i: the token's place in the
+        batch), until the next pass."""
+        n = batch.n_tokens
+        if not 0 < n <= self.n_batch:
+            raise EngineError(f"an MTP batch of {n} tokens (this context takes 1..{self.n_batch})")
+        ext = C.llama_batch_ext_init(self.ptr)
+        if not ext:
+            raise EngineError("llama.cpp could not make an MTP batch")
+        position = (C.llama_pos * 4)()
+        fptr = ctypes.POINTER(ctypes.c_float)
+        row_bytes = 4 * self.n_embd
+        try:
+            for i in range(n):
+                idx = C.llama_batch_ext_add_token(ext, int(batch.seq_ids[i, 0]), int(batch.tokens[i]))
+                position[0] = int(batch.positions[i])
+                C.llama_batch_ext_set_pos(ext, idx, position)
+                embd = C.llama_embd(ctypes.cast(batch.rows.ctypes.data + row_bytes * i, fptr), 1, self.n_embd)
+                C.llama_batch_ext_set_embd_token(ext, idx, embd)
+                if batch.want_logits[i]:
+                    C.llama_batch_ext_set_output_logits(ext, idx, True)
+            recent_errors.clear()
+            rc = compute.run(C.llama_process, self.ptr, C.LLAMA_PROCESS_TYPE_DECODE, ext)
+            if rc != 0:
+                raise EngineError(f"the MTP pass failed (code {rc}): {last_llama_error('llama_process')}")
+        finally:
+            C.llama_batch_ext_free(ext)
+        self._n_outputs = int(batch.want_logits[:n].sum())
 
     def process(self, tokens: Sequence[int], pos0: int, rows: np.ndarray, want_last: bool,
                 seq: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
         """Run the MTP block over tokens at pos0.. in sequence `seq`, token i paired with rows[i]
         (float32, len(tokens) x n_embd). With want_last, return the last token's (logits, own
         nextn row), copies; else None. At most n_batch tokens."""
-        n = len(tokens)
-        if not 0 < n <= self.n_batch:
-            raise EngineError(f"an MTP batch of {n} tokens (this context takes 1..{self.n_batch})")
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
-        if rows.shape != (n, self.n_embd):
-            raise EngineError(f"MTP rows of shape {rows.shape}, expected ({n}, {self.n_embd})")
-        batch = C.llama_batch_ext_init(self.ptr)
-        if not batch:
-            raise EngineError("llama.cpp could not make an MTP batch")
-        position = (C.llama_pos * 4)()
-        fptr = ctypes.POINTER(ctypes.c_float)
-        try:
-            for i in range(n):
-                idx = C.llama_batch_ext_add_token(batch, seq, int(tokens[i]))
-                position[0] = pos0 + i
-                C.llama_batch_ext_set_pos(batch, idx, position)
-                embd = C.llama_embd(ctypes.cast(rows.ctypes.data + 4 * self.n_embd * i, fptr), 1, self.n_embd)
-                C.llama_batch_ext_set_embd_token(batch, idx, embd)
-                if want_last and i == n - 1:
-                    C.llama_batch_ext_set_output_logits(batch, idx, True)
-            recent_errors.clear()
-            rc = compute.run(C.llama_process, self.ptr, C.LLAMA_PROCESS_TYPE_DECODE, batch)
-            if rc != 0:
-                raise EngineError(f"the MTP pass failed (code {rc}): {last_llama_error('llama_process')}")
-        finally:
-            C.llama_batch_ext_free(batch)
+        if self._batch is None:
+            self._batch = self.new_batch(self.n_batch)
+        self._batch.set_rows(tokens, pos0, rows, seq, want_last)
+        self.decode(self._batch)
         if not want_last:
             return None
-        ptr = C.llama_get_logits_ith(self.ptr, -1)
-        if not ptr:
-            raise EngineError("the MTP pass gave no logits")
-        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-        return logits, embeddings_nextn_row(self, -1, self.n_embd)
+        return self.logits()[-1].copy(), embeddings_nextn_row(self, len(tokens) - 1, self.n_embd)
+
+
+class MtpBatch(Batch):
+    """A batch for an MTP context: each token with the hidden row it is paired with."""
+
+    def __init__(self, capacity: int, n_embd: int, n_seq_max: int = 1):
+        super().__init__(capacity, n_seq_max)
+        self.n_embd = n_embd
+        self.rows = np.zeros((self.capacity, n_embd), dtype=np.float32)
+
+    def set_rows(self, tokens: Sequence[int], pos0: int, rows: np.ndarray, seq: int, want_last: bool) -> None:
+        """Fill the batch: tokens at pos0.. in sequence `seq`, token i paired with rows[i]; the
+        last one asks for logits (and its own row) with want_last."""
+        n = len(tokens)
+        if not 0 < n <= self.capacity:
+            raise EngineError(f"an MTP batch of {n} tokens (this context takes 1..{self.capacity})")
+        if np.shape(rows) != (n, self.n_embd):
+            raise EngineError(f"MTP rows of shape {np.shape(rows)}, expected ({n}, {self.n_embd})")
+        self.set_sequence(tokens, pos0, seq, "last" if want_last else "none")
+        self.rows[:n] = rows
+
+    def copy_to(self, big: "MtpBatch", at: int) -> None:
+        super().copy_to(big, at)
+        big.rows[at: at + self.n_tokens] = self.rows[: self.n_tokens]

@@ -141,14 +141,15 @@ class Runtime:
         if n == 1:
             return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx)]
         gate = PassGate(self.target_ctx)
-        draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft is not None else None
+        # The draft model's context, or the target's MTP context: one pass drafts for every request.
+        draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft_ctx is not None else None
         # Whether they draft with the draft model beside one another, in measured turns (pay.together).
         together = Together() if rules.draft_together(plan.target_gpu_layers > 0) else None
         decoders = []
         for i in range(n):
             lane = _lane(self.target_ctx, i, n, plan.target_ctx.n_ctx, gate)
             draft_lane = None
-            if self.draft_ctx is not None:  # (the target's MTP context has no gate: passes of their own)
+            if self.draft_ctx is not None:
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                          lane=lane, draft_lane=draft_lane, together=together))

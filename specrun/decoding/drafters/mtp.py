@@ -13,7 +13,10 @@ sits at position p, paired with the target's row p-1. Each step:
    target's), what the target accepted is fed again with the target's rows.
 
 Several requests draft in one MTP context, each drafter in a sequence of its own (its lane of
-the MTP context), their passes one after another under the context's lock. The target rows a
+the MTP context). With --parallel N the lanes share the context's passes through a gate, as the
+draft model's do (decoding.batching): the catch-ups of the requests drafting now run as one
+pass, then each further draft of every chain; lanes of their own take turns under the context's
+lock. The target rows a
 drafter reads are its request's: in a target pass other requests share, its tokens start at its
 lane's offset in the batch (decoding.batching.Lane.last_batch).
 
@@ -25,6 +28,7 @@ request), a zero row stands in: those positions draft worse, nothing else change
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Sequence
 
@@ -54,6 +58,7 @@ class MtpDrafter(Drafter):
         self.n_embd = self.mtp.n_embd
         self.fed: list[int] = []  # tokens in the MTP cache with the target's rows (positions 0..)
         self._zero = np.zeros(self.n_embd, dtype=np.float32)
+        self.batch = self.mtp.new_batch(self.mtp.n_batch)
 
     def _kept(self, text: Sequence[int]) -> int:
         """How many leading tokens of the MTP cache stay valid for `text`."""
@@ -88,9 +93,19 @@ class MtpDrafter(Drafter):
         out = None
         for a in range(keep, len(text), step):
             b = min(len(text), a + step)
-            out = self.mtp.process(text[a:b], a, rows[a - keep : b - keep], want_last=b == len(text), seq=self.seq)
+            out = self._pass(text[a:b], a, rows[a - keep : b - keep], want_last=b == len(text))
         self.fed = list(text)
         return out
+
+    def _pass(self, tokens: Sequence[int], pos0: int, rows: np.ndarray, want_last: bool):
+        """One MTP pass of this drafter's tokens (through its lane: with other requests' where the
+        lane shares the context's passes); with want_last, the last token's (logits, own row)."""
+        self.batch.set_rows(tokens, pos0, rows, self.seq, want_last)
+        logits = self.lane.run(self.batch)
+        if not want_last:
+            return None
+        _, n, offset = self.lane.last_batch  # the row of its last token, by its place in the pass's batch
+        return logits[-1].copy(), embeddings_nextn_row(self.mtp, offset + n - 1, self.n_embd)
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         k = min(self.chain, budget, depth)
@@ -98,14 +113,13 @@ class MtpDrafter(Drafter):
             return None
         t0 = time.perf_counter()
         tokens = []
-        with self.mtp.lock:  # other requests' drafters share the context
+        with self._exclusive():
             logits, row = self._catch_up([*committed, root])
             pos = len(committed)
             for i in range(k):
                 tokens.append(int(np.argmax(logits)))  # a chain: no scores to rank branches by
                 if i + 1 < k:
-                    logits, row = self.mtp.process([tokens[-1]], pos + 1 + i, row[None, :], want_last=True,
-                                                   seq=self.seq)
+                    logits, row = self._pass([tokens[-1]], pos + 1 + i, row[None, :], want_last=True)
         return Proposal(DraftTree.chain(root, tokens), draft_s=time.perf_counter() - t0, draft_passes=k)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
@@ -113,6 +127,7 @@ class MtpDrafter(Drafter):
 
     def attach(self, lane: Lane) -> None:
         self.target = lane
+        self.lane.owner = lane.owner  # one member of the gates' room with its request's target lane
 
     @property
     def drafts_beside_others(self) -> bool:
@@ -121,7 +136,13 @@ class MtpDrafter(Drafter):
         # draft passes are (pay.together).
         return True
 
+    def _exclusive(self):
+        """Hold the context while this drafter edits its cache and runs its passes: through a gate
+        no pass runs while its request is busy (decoding.batching), else under the context's lock
+        (requests whose lanes run their own passes)."""
+        return contextlib.nullcontext() if self.lane.gate is not None else self.mtp.lock
+
     def reset(self) -> None:
-        with self.mtp.lock:
+        with self._exclusive():
             self.lane.clear()
         self.fed.clear()
