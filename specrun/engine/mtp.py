@@ -92,10 +92,10 @@ def enable_target_rows(ctx: Context) -> None:
 
 class MtpContext(Context):
     """An MTP context on a model loaded with `load_mtp`: its own small KV cache (the MTP block is
-    attention), fed (token, position, hidden row) triples by `process` (not `decode`), a sequence
-    for each request that drafts with it (`n_seq_max`, one unified cache of `n_ctx` cells).
-    Closing, seq_rm and clear are a Context's. Several requests' threads share it: each holds
-    `lock` over its cache edits and passes."""
+    attention), fed (token, position, hidden row) triples in `MtpBatch`es, a sequence for each
+    request that drafts with it (`n_seq_max`, one unified cache of `n_ctx` cells). Closing,
+    seq_rm and clear are a Context's. Several requests' threads share it: through a gate
+    (decoding.batching), or each holding `lock` over its cache edits and passes."""
 
     def __init__(self, model: Model, n_ctx: int, n_batch: int = 512, threads: int | None = None, layer: int = 0,
                  n_seq_max: int = 1):
@@ -121,7 +121,6 @@ class MtpContext(Context):
         self.n_seq_max, self.n_rs_seq, self.has_state, self.threads = C.llama_n_seq_max(ptr), 0, False, threads
         self._n_outputs = 0
         self.lock = threading.Lock()
-        self._batch: MtpBatch | None = None  # process()'s
         set_embeddings_nextn(self, True, True)  # its own row of the token that asks for logits
         if layer:
             set_nextn_layer_offset(self, layer)
@@ -160,19 +159,6 @@ class MtpContext(Context):
         finally:
             C.llama_batch_ext_free(ext)
         self._n_outputs = int(batch.want_logits[:n].sum())
-
-    def process(self, tokens: Sequence[int], pos0: int, rows: np.ndarray, want_last: bool,
-                seq: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
-        """Run the MTP block over tokens at pos0.. in sequence `seq`, token i paired with rows[i]
-        (float32, len(tokens) x n_embd). With want_last, return the last token's (logits, own
-        nextn row), copies; else None. At most n_batch tokens."""
-        if self._batch is None:
-            self._batch = self.new_batch(self.n_batch)
-        self._batch.set_rows(tokens, pos0, rows, seq, want_last)
-        self.decode(self._batch)
-        if not want_last:
-            return None
-        return self.logits()[-1].copy(), embeddings_nextn_row(self, len(tokens) - 1, self.n_embd)
 
 
 class MtpBatch(Batch):
