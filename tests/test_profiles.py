@@ -207,6 +207,19 @@ def _measured_profile(best_tree: dict, accepted_per_pass: float) -> dict:
     }
 
 
+def test_the_check_at_load_compares_with_the_pass_tune_timed_as_a_run_does():
+    """A run times the target's one-token pass at load as the least of a few; tune times it so
+    too and the check compares like with like. Plain decoding's mean pass (slower, through RPC
+    workers by more than the check's drift) stands in only for profiles made before."""
+    chain = {"kind": "sequoia", "budget": 4, "depth": 4, "width": 1, "top_k": 1}
+    profile = _measured_profile(chain, 4.7)
+    assert profiles.facts_of(profile).pass_s == pytest.approx(0.027)
+    profile["plain"]["load_pass_s"] = 0.0242
+    facts = profiles.facts_of(profile)
+    assert facts.pass_s == pytest.approx(0.0242)
+    assert facts.plain_s == pytest.approx(0.028)  # plain decoding's rate is still its own
+
+
 def test_the_draft_prior_of_the_checked_tree_takes_the_tokens_per_pass_the_check_measured():
     """A chain of 7 from a draft that nearly always agrees passed 7.8 tokens in the check; the
     calibration's best-first trees of 7 pass 4.8. Priced with the latter, drafting looked slower

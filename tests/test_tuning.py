@@ -117,6 +117,8 @@ def test_tune_stores_a_checked_profile_that_runs_find(offline_models, capsys):
     assert profile["check"]["default_tokens_per_s"] > 0 or chain5
     assert profile["calibration"]["n_steps"] > 0
     assert profile["curves"]["target"]["sizes"][0] == 1
+    # The one-token pass as a run times it at load, for its check against this profile.
+    assert 0 < profile["plain"]["load_pass_s"] < 1
     # What runs by default, predicted on half of each workload's prompts and measured on the rest.
     assert set(profile["workloads"]) == {"chat", "code", "rewrite"}
     for row in profile["workloads"].values():

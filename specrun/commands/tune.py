@@ -26,7 +26,7 @@ from specrun.errors import SpecrunError, UsageError
 from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn
 from specrun.hardware.machine import probe_hardware
 from specrun.runtime.plan import RunOptions, connect_workers, resolve_models
-from specrun.runtime.runtime import Runtime
+from specrun.runtime.runtime import Runtime, target_pass_s
 from specrun.runtime.trees import DEFAULT_SHAPE, tree_of_choice
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import measure as profiler
@@ -85,6 +85,11 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             f"tuning {rt.models.target_name} with draft {rt.models.draft_name} on {hardware.cpu}, "
             f"{rt.target_ctx.threads} threads" + report.gpu_note(hardware)
         )
+        # The one-token pass as a run times it at load (runtime.target_pass_s: the least of a
+        # few, the cache empty), for the run's check against this profile: plain decoding's mean
+        # pass, taken below, is a slower statistic (over RPC workers by more than the check's
+        # drift: a profile made for the network was set aside by two runs of three).
+        load_pass_s = target_pass_s(rt.target_ctx)
         held_out = [rt.tokenize_prompt(text, chat=True) for _, text in profiler.HELD_OUT_PROMPTS]
         with report.progress() as progress:
             measured = measure_pair(rt, settings, calibration_shape, progress)
@@ -103,7 +108,7 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             rt.models.target_path, rt.models.draft_path, hardware.fingerprint(), rt.target_ctx.threads,
             gpu_memory=opts.gpu_memory,
         )
-        profile = _profile(key, rt, hardware, settings, measured, choice, best_tree, check)
+        profile = _profile(key, rt, hardware, settings, measured, choice, best_tree, check, load_pass_s)
         untuned = _untuned_default(choice, max_budget)
         with report.progress() as progress:
             kept, profile["workloads"] = workloads.measure_default(
@@ -260,7 +265,8 @@ def _same_start(tokens: list[int], plain: list[int]) -> bool:
     return tokens[:common] == plain[:common]
 
 
-def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree, check: CheckResult) -> dict:
+def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree, check: CheckResult,
+             load_pass_s: float | None = None) -> dict:
 
     cal = measured.calibration
     chosen_tree = choice.kind != "plain"
@@ -299,7 +305,8 @@ def _profile(key, rt, hardware, settings, measured: Measured, choice, best_tree,
         },
         "overhead_s": measured.overhead_s,
         "overhead_per_pass_s": measured.overhead_per_pass_s,
-        "plain": {"target_s": measured.plain.target_s, "overhead_s": measured.plain.overhead_s},
+        "plain": {"target_s": measured.plain.target_s, "overhead_s": measured.plain.overhead_s,
+                  **({"load_pass_s": load_pass_s} if load_pass_s else {})},
         "acceptance": {
             "tau": {str(b): round(t, 4) for b, t in cal.tau(budgets).items()},
             "accept_probs": [round(a, 5) for a in cal.accept_probs()],

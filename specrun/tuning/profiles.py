@@ -196,7 +196,9 @@ class Facts:
     # calibration's best-first tau says of other trees of its size does not hold for it (a chain
     # of 7 from a draft that agrees 97% of the time passes ~7.8 tokens; best-first trees of 7, ~4.8).
     checked: tuple[int, int, float] | None = None
-    pass_s: float | None = None  # the target's one-token pass in plain decoding (a run re-times it at load)
+    # The target's one-token pass as a run times it at load, to check the profile still holds
+    # (profiles made before tune timed it so: plain decoding's mean pass).
+    pass_s: float | None = None
 
     @property
     def catch_up_s(self) -> float:
@@ -235,7 +237,7 @@ def facts_of(profile: dict) -> Facts | None:
             tau={int(b): float(t) for b, t in profile["acceptance"]["tau"].items()},
             tree_speedup=float(check["tree_measured_speedup"]) if "tree_measured_speedup" in check else None,
             checked=_checked_tree(profile.get("best_tree"), check),
-            pass_s=float(plain["target_s"]),
+            pass_s=float(plain.get("load_pass_s") or plain["target_s"]),
         )
     except (KeyError, TypeError, ValueError) as e:
         log.debug("the tuning profile's measurements are not usable: %s", e)
