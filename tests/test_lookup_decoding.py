@@ -280,7 +280,11 @@ def test_speed_guard_turns_a_losing_draft_tree_into_plain_steps_and_says_so_once
     plain steps, logs that once at info level, and the output stays the target's."""
     shape = TreeShape(budget=4, depth=4, width=1, top_k=1)
     grower = TreeGrower(tiny, contexts(tiny, n_ctx=N_CTX, n_batch=64), shape)
-    guard = SpeedGuard(shape.budget, plain_s=1e-6, window=4)
+    # The margin asks trees to beat plain steps by half, not by 3%: a tree of 2 nodes that is
+    # almost never accepted costs only a few percent more a token than a plain step on this CPU,
+    # less than one plain step's seconds vary on a busy machine (it once judged it level in the
+    # full suite). This way the guard's cuts do not hang on that noise.
+    guard = SpeedGuard(shape.budget, plain_s=1e-6, window=4, margin=-0.5)
     spec = SpeculativeDecoder(target, contexts(target, n_ctx=N_CTX, n_batch=64), grower, shape, guard=guard)
     prompt = prompts["free"][0]
     ref = references(prompt, 64)
