@@ -27,14 +27,15 @@ TOLERANCE = 1e-3
 # with them; on random tokens rounding alone flips a few near-ties.
 TREE_TOLERANCE = {"smollm2_f32": 0.05, "smollm2_q4": 2.5}
 TOP_TOKEN_AGREEMENT = 0.9
+PATHS_PER_BATCH = 48  # paths checked side by side in one padded batch (_paths_logits)
 
 
 def _check_tree_against_paths(which, tree, logits, path_ctx, p0, leaves):
     """Compare every node on the given leaves' paths with the path decoded as a sequence."""
     worst, agree, rows = 0.0, 0, 0
-    for leaf in leaves:
-        path = tree.path(leaf)
-        expected = _path_logits(path_ctx, [int(tree.tokens[n]) for n in path], p0, pad_to=len(tree))
+    paths = [tree.path(leaf) for leaf in leaves]
+    expected_rows = _paths_logits(path_ctx, [[int(tree.tokens[n]) for n in path] for path in paths], p0, pad_to=len(tree))
+    for path, expected in zip(paths, expected_rows):
         worst = max(worst, float(np.abs(logits[path] - expected).max()))
         agree += int((logits[path].argmax(axis=1) == expected.argmax(axis=1)).sum())
         rows += len(path)
@@ -62,7 +63,7 @@ def tree_ctx(tree_model):
 
 @pytest.fixture(scope="module")
 def path_ctx(tree_model):
-    ctx = engine.Context(tree_model, n_ctx=4096, n_batch=1024, n_seq_max=2)
+    ctx = engine.Context(tree_model, n_ctx=4096, n_batch=1024, n_seq_max=PATHS_PER_BATCH + 1)
     yield ctx
     ctx.close()
 
@@ -127,6 +128,46 @@ def _path_logits(ctx, tokens, p0, pad_to: int = 0) -> np.ndarray:
     """
     ctx.seq_rm(0, p0, -1)
     return _append_padded(ctx, tokens, p0, pad_to)
+
+
+def _paths_logits(ctx, paths, p0, pad_to: int) -> list[np.ndarray]:
+    """Decode root-to-node paths as ordinary causal sequences after the prefix, each in a sequence
+    of its own (a copy of seq 0's prefix), as many to a batch as fit in `pad_to` tokens.
+
+    Every batch is padded with filler tokens in a sequence of its own up to `pad_to` tokens, the
+    tree's batch size (llama.cpp's kernels change with a batch's size): the comparison isolates the
+    tree attention layout. Sharing batches this way keeps each path's tokens its own (no cell is
+    shared between paths) and decodes a tree's sampled paths in a few passes, not one each.
+    """
+    out: list[np.ndarray] = []
+    start = 0
+    while start < len(paths):
+        group, n_tokens = [], 0
+        while (start + len(group) < len(paths) and len(group) < PATHS_PER_BATCH
+               and n_tokens + len(paths[start + len(group)]) <= max(pad_to, len(paths[start]))):
+            n_tokens += len(paths[start + len(group)])
+            group.append(paths[start + len(group)])
+        filler = len(group) + 1
+        for seq in range(1, filler + 1):
+            ctx.seq_rm(seq, -1, -1)
+        ctx.seq_rm(0, p0, -1)
+        n_pad = max(0, pad_to - n_tokens)
+        batch = engine.Batch(n_tokens + n_pad, 1)
+        for seq, tokens in enumerate(group, start=1):
+            ctx.seq_cp(0, seq, -1, -1)
+            for i, token in enumerate(tokens):
+                batch.add(token, p0 + i, (seq,), True)
+        for i in range(n_pad):
+            batch.add(100 + i % 1000, i, (filler,), False)
+        ctx.decode(batch)
+        logits, at = ctx.logits(), 0
+        for tokens in group:
+            out.append(logits[at:at + len(tokens)].copy())
+            at += len(tokens)
+        start += len(group)
+    for seq in range(1, PATHS_PER_BATCH + 1):
+        ctx.seq_rm(seq, -1, -1)
+    return out
 
 
 def _append_padded(ctx, tokens, p0, pad_to: int = 0) -> np.ndarray:

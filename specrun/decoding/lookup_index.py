@@ -151,9 +151,20 @@ class LookupIndex:
         self._live[self._n_live : self._n_live + len(tokens)] = tokens
         self._n_live += len(tokens)
 
+    def add_text(self, tokens: Sequence[int]) -> None:
+        """Index `tokens` as a stretch of their own, apart from the current sequence (which the
+        next `extend` continues in a stretch of its own too)."""
+        tokens = self._as_tokens(tokens)
+        if len(tokens) == 0:
+            return
+        self._append(np.array([_SEPARATOR], np.int32), indexed=False)
+        self._append(tokens, indexed=True)
+        self._live_at_end = False
+
     # --- proposing -----------------------------------------------------------------------------
 
-    def propose(self, context: Sequence[int], budget: int, depth: int, token_logp: float = TOKEN_LOGP, max_leaves: int = MAX_LEAVES) -> DraftTree | None:
+    def propose(self, context: Sequence[int], budget: int, depth: int, token_logp: float = TOKEN_LOGP,
+                max_leaves: int = MAX_LEAVES, memory=None) -> DraftTree | None:
         """Return a draft tree below context[-1] built from earlier occurrences, or None.
 
         `context` is the committed text ending in the pending root token; only its last
@@ -164,22 +175,31 @@ class LookupIndex:
         depth * token_logp, where an occurrence found at order n weighs ORDER_WEIGHT**(n-1). It
         falls along every path, so the tree keeps the `budget` best nodes (and at most
         `max_leaves` leaves), as `DraftTree.prune_to_best` would. None when nothing matched.
+
+        `memory` (decoding.memory.OutputMemory): earlier answers of other requests, whose
+        continuations (`memory.continuations`) join this index's in the same trie, weighed on the
+        same scale.
         """
         self.last_order = 0
         if budget < 1 or depth < 1 or len(context) == 0:
             return None
         query = np.asarray(context[-self.orders[0] :], np.int64)
         positions, orders = self._matches(query)
-        if len(positions) == 0:
-            return None
-        self.last_order = int(orders.max())
-        weights = ORDER_WEIGHT ** (orders - 1)
-        rows, weights = self._continuations(positions, weights, depth)
+        rows = np.empty((0, depth), np.int64)
+        weights = np.empty(0)
+        if len(positions):
+            self.last_order = int(orders.max())
+            rows, weights = self.continuations(positions, ORDER_WEIGHT ** (orders - 1), depth)
+        if memory is not None:
+            more, more_weights, order = memory.continuations(context, depth)
+            if len(more):
+                rows, weights = np.concatenate([rows, more]), np.concatenate([weights, more_weights])
+                self.last_order = max(self.last_order, order)
         if len(rows) == 0:
             return None
         parents, tokens, scores = _trie(rows, weights, token_logp)
         keep = _best_nodes(parents, scores, budget, max_leaves)
-        return _build_tree(int(query[-1]), parents, tokens, scores, keep)
+        return _build_tree(int(context[-1]), parents, tokens, scores, keep)
 
     def match_order(self, context: Sequence[int], at_least: int = 1) -> int:
         """The longest order, `at_least` or more, at which the n-gram ending `context` occurred
@@ -220,7 +240,21 @@ class LookupIndex:
                 yield position
             position = int(prev[position])
 
-    def _continuations(self, positions: np.ndarray, weights: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    def occurrences(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Return the history positions (with a token after them) where a suffix of `context`
+        ended earlier, and the longest order that matched at each (what `propose` reads)."""
+        return self._matches(np.asarray(context[-self.orders[0] :], np.int64))
+
+    def match_lengths(self, positions: np.ndarray, context: Sequence[int], longest: int) -> np.ndarray:
+        """Return, per history position, how many tokens ending there equal the end of `context`
+        (at most `longest`; never across a stretch's start)."""
+        back = np.arange(min(longest, len(context)))
+        tail = np.asarray(context[len(context) - len(back) :], np.int64)[::-1]
+        index = positions[:, None] - back
+        same = (index >= 0) & (self._hist[np.maximum(index, 0)] == tail)
+        return np.logical_and.accumulate(same, axis=1).sum(axis=1)
+
+    def continuations(self, positions: np.ndarray, weights: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
         """Return the tokens that followed each position [m, depth] (-1 past the end) and their
         weights, leaving out positions nothing followed."""
         index = positions[:, None] + 1 + np.arange(depth)

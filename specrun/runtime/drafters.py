@@ -77,10 +77,11 @@ class Drafting(ABC):
         return tree
 
     @abstractmethod
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
         """The drafter of a loaded run: `draft` and `draft_ctx` are the draft model and its context
         (the MTP context for MTP chains), `target_ctx` the target's; `draft_lane` the request's
-        share of a draft context several requests draft in (decoding.batching), else all of it."""
+        share of a draft context several requests draft in (decoding.batching), else all of it;
+        `memory` the answers of the process's other requests (decoding.memory), which lookup reads."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class DraftModel(Drafting):
         # Such a draft's context keeps few sequences: best-first trees of the template's size.
         return replace(tree, drafting=DraftModel()) if self.template is not None else tree
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
         if self.template is not None:
             model_drafter = StaticTreeGrower(draft, draft_ctx, self.template, draft_lane)
         else:
@@ -158,7 +159,7 @@ class DraftModel(Drafting):
             if tree.source == "default":
                 best_case = _best_case(tree.shape, draft_passes, target_ctx)
         hybrid = HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
-                               prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case)
+                               prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case, memory=memory)
         if not hybrid.could_pay():
             log.info("the draft model stays off: its tree would run at %.2fx plain decoding at best (every draft "
                      "token accepted, passes timed now); lookup and plain steps decode. `specrun tune` measures "
@@ -195,8 +196,8 @@ class Lookup(Drafting):
     def with_lookup(self, tree, lookup: TreeShape):
         return replace(tree, shape=lookup, lookup=lookup)
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
-        return LookupDrafter(tree.shape.budget)
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
+        return LookupDrafter(tree.shape.budget, memory=memory)
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ class Mtp(Drafting):
     def cut(self, tree, budget: int):
         return replace(tree, shape=tree.shape.resized(budget), lookup=None)
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
         drafter = MtpDrafter(draft_lane if draft_lane is not None else draft_ctx, tree.shape.depth)
         drafter.reset()  # a new drafter: its sequence starts empty
         return drafter

@@ -14,6 +14,7 @@ from specrun import engine, ui
 from specrun.chat.session import ChatFormat
 from specrun.decoding.batching import Lane, PassGate
 from specrun.decoding.kv import probe_context
+from specrun.decoding.memory import OutputMemory
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.pay import rules
@@ -111,6 +112,8 @@ class Runtime:
         self.shape = plan.tree.shape if plan.tree else None
         # The tokens one request may hold (the target's context holds this for each of `parallel`).
         self.n_ctx = plan.target_ctx.n_ctx
+        # The answers of every request this runtime serves, read by each request's lookup.
+        self.memory = OutputMemory()
         try:
             self.decoders = self._decoders(plan)
         except BaseException:
@@ -139,7 +142,8 @@ class Runtime:
         gate per context, the two gates meeting in one room."""
         n = plan.target_ctx.parallel
         if n == 1:
-            return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx)]
+            return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
+                                 memory=self.memory)]
         gate = PassGate(self.target_ctx)
         # The draft model's context, or the target's MTP context: one pass drafts for every request.
         draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft_ctx is not None else None
@@ -152,7 +156,7 @@ class Runtime:
             if self.draft_ctx is not None:
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
-                                         lane=lane, draft_lane=draft_lane, together=together))
+                                         lane=lane, draft_lane=draft_lane, together=together, memory=self.memory))
         return decoders
 
     def _checked(self, plan: Plan, quiet: bool) -> Plan:
@@ -273,17 +277,20 @@ def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None) -> Lane:
 
 
 def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True,
-                 lane: Lane | None = None, draft_lane: Lane | None = None, together: Together | None = None):
+                 lane: Lane | None = None, draft_lane: Lane | None = None, together: Together | None = None,
+                 memory: OutputMemory | None = None):
     """Return the decoder for a tree plan: plain decoding (None), or speculative decoding with the
     drafter the plan names. With `guard`, a speed guard shrinks the tree (down to plain steps)
     while speculation measures slower than plain decoding (bench and tune measure trees as given).
     The drafter lives as long as the decoder: a lookup index learns from every request it serves.
     `lane`: the decoder's share of the target's context (decoding.batching), by default all of it;
-    `draft_lane` its share of the draft's; `together` the turns of the requests decoding together.
+    `draft_lane` its share of the draft's; `together` the turns of the requests decoding together;
+    `memory` the answers of every request the runtime served, which lookup reads (None: the
+    drafter's own session text only, as `bench` and `tune` measure a fresh process).
     """
     if tree is None:
         return PlainDecoder(target, target_ctx, lane)
     shape = tree.verified
     speed_guard = SpeedGuard(shape.budget, plain_s=tree.plain_s) if guard else None
-    drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx, draft_lane)
+    drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx, draft_lane, memory)
     return SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane, together=together)

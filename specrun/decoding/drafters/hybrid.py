@@ -16,7 +16,6 @@ import numpy as np
 
 from specrun.core.tree import MAX_LEAVES
 from specrun.decoding.adaptive import (
-    STRONG_ORDER,
     Average,
     DraftPrior,
     Hindsight,
@@ -42,6 +41,7 @@ from specrun.decoding.pay.rules import (
     faster,
 )
 from specrun.decoding.lookup_index import LookupIndex, cut, graft, new_by_rank
+from specrun.decoding.memory import OutputMemory
 
 _UNMEASURED = DraftPrior(plain_s=0.0, tree_s=0.0, step_s=0.0, catch_up_s=0.0, accepted=0.0)
 
@@ -56,7 +56,7 @@ class HybridDrafter(Drafter):
     def __init__(self, draft: ModelDrafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
                  cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None,
                  prior: DraftPrior | None = None, catch_up_s: float | None = None,
-                 best_case: DraftPrior | None = None):
+                 best_case: DraftPrior | None = None, memory: OutputMemory | None = None):
         self.draft = draft
         # What the tuning profile measured for the draft model: decides the steps before this
         # process has run it (None: an assumed prior from what this process measured, see
@@ -73,7 +73,7 @@ class HybridDrafter(Drafter):
         self.draft_budget = draft_budget
         self.draft_depth = draft_depth  # the draft model's tree stays as deep as planned (None: any)
         self.lookup_budget = lookup_budget
-        self.text = SessionText(index, max_step=draft_budget + lookup_budget + 1)
+        self.text = SessionText(index, max_step=draft_budget + lookup_budget + 1, memory=memory)
         self.adapt = adapt
         self.with_draft = Hindsight(lookup_budget)  # lookup nodes grafted onto the draft tree
         self.alone = HindsightByKind(lookup_budget)  # the lookup tree alone, per kind of match
@@ -116,6 +116,7 @@ class HybridDrafter(Drafter):
     def start(self, n_prompt: int, max_tokens: int) -> None:
         """A generation begins: a prompt of n_prompt tokens, at most max_tokens to generate."""
         self._n_prompt, self._max_tokens = n_prompt, max_tokens
+        self.text.start(n_prompt)
         # The first drafting step of an answer catches up with its prompt: that is no steady
         # step's debt, whatever the last answer's last step was (counted as one, a 45-token chat
         # prompt priced every later drafting step at 420 ms where it took 60, and the demo pair's
@@ -129,7 +130,7 @@ class HybridDrafter(Drafter):
         """Index a finished generation's text (prompt + answer) and finish watching its proposals.
         An answer the model ended (`complete`) tells how long answers run in this session; one cut
         by a token limit would have run longer, by how much nobody knows."""
-        self.text.read(text[:-1], text[-1], self.with_draft, self.alone, self.alone_on_drafts)
+        self.text.learn(text, self.with_draft, self.alone, self.alone_on_drafts)
         if complete:
             self.answer_len.add(len(text) - self._n_prompt)
 
@@ -160,9 +161,9 @@ class HybridDrafter(Drafter):
         # what lookup alone's does (a tree proposed each step made them 0.16 ms dearer, 2% of
         # the demo pair's plain passes).
         idle = not self.drafted and self._lean_proposal is None and not self.alone.run()
-        look = self.idle.looks(idle, idle and self.index.match_order(self.index.live, STRONG_ORDER) > 0)
-        branches = self.index.propose(self.index.live, lookup_budget, depth) if lookup_budget and look else None
-        kind = self.alone.kind(self.index.last_order if look else 0)
+        look = self.idle.looks(idle, idle and self.text.strong())
+        branches = self.text.propose(lookup_budget, depth) if lookup_budget and look else None
+        kind = self.alone.kind(self.text.last_order if look else 0)
         if look:
             self.alone[kind].watch(branches)
         proposed = look and branches is not None
@@ -182,7 +183,7 @@ class HybridDrafter(Drafter):
             return self._lean_proposal
         self._lean_steps = 0
         if lookup_budget and not look:
-            branches = self.index.propose(self.index.live, lookup_budget, depth)
+            branches = self.text.propose(lookup_budget, depth)
         grown = self.draft.propose(committed, root, min(self.draft_budget, budget), min(self.draft_depth or depth, depth))
         self._observe_draft(grown)
         if after_draft:

@@ -18,6 +18,7 @@ from specrun.decoding.adaptive import (
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.pay.rules import best_size
 from specrun.decoding.lookup_index import LookupIndex, cut
+from specrun.decoding.memory import OutputMemory
 
 # Tokens compared with the index's copy of the text before indexing a step's tokens: a cheap
 # check that the caller's text only grew; anything else is compared in full (LookupIndex.sync).
@@ -62,11 +63,41 @@ class IdleSchedule:
 
 
 class SessionText:
-    """The lookup index of a drafter's session, told what the caller's text became each step."""
+    """The lookup index of a drafter's session, told what the caller's text became each step, and
+    the memory of other requests' answers (decoding.memory; None: none) read beside it."""
 
-    def __init__(self, index: LookupIndex | None = None, max_step: int = 2048):
+    def __init__(self, index: LookupIndex | None = None, max_step: int = 2048, memory: OutputMemory | None = None):
         self.index = index if index is not None else LookupIndex()  # (an empty index is falsy)
         self.max_step = max_step
+        self.memory = memory
+        self._n_prompt = 0  # where the answer under way starts in its text
+
+    def start(self, n_prompt: int) -> None:
+        """A generation begins after a prompt of `n_prompt` tokens."""
+        self._n_prompt = n_prompt
+
+    def propose(self, budget: int, depth: int):
+        """The lookup tree below the latest token: from the session's text and the memory."""
+        return self.index.propose(self.index.live, budget, depth, memory=self.memory)
+
+    @property
+    def last_order(self) -> int:
+        """The longest n-gram order the last proposal matched (0: none)."""
+        return self.index.last_order
+
+    def strong(self) -> bool:
+        """Whether the latest tokens match an earlier n-gram of STRONG_ORDER tokens or more, in
+        the session's text or among the memory's answers."""
+        live = self.index.live
+        if self.index.match_order(live, STRONG_ORDER) > 0:
+            return True
+        return self.memory is not None and self.memory.match_order(live, STRONG_ORDER) > 0
+
+    def learn(self, text: Sequence[int], *watchers) -> None:
+        """A generation ended (`text`: prompt + answer): `read` it, and remember its answer."""
+        self.read(text[:-1], text[-1], *watchers)
+        if self.memory is not None:
+            self.memory.remember(text, self._n_prompt)
 
     def catch_up(self, committed: Sequence[int], root: int) -> list[int] | None:
         """Index committed + [root]; return the tokens emitted since the last root, or None when
@@ -102,8 +133,9 @@ class LookupDrafter(Drafter):
     no target pass, so learning is free and a new session starts with plain steps.
     """
 
-    def __init__(self, max_budget: int, index: LookupIndex | None = None, cost: TargetCost | None = None, adapt: bool = True):
-        self.text = SessionText(index, max_step=max_budget + 1)
+    def __init__(self, max_budget: int, index: LookupIndex | None = None, cost: TargetCost | None = None, adapt: bool = True,
+                 memory: OutputMemory | None = None):
+        self.text = SessionText(index, max_step=max_budget + 1, memory=memory)
         self.max_budget = max_budget
         self.adapt = adapt
         self.seen = HindsightByKind(max_budget)
@@ -116,9 +148,13 @@ class LookupDrafter(Drafter):
     def index(self) -> LookupIndex:
         return self.text.index
 
+    def start(self, n_prompt: int, max_tokens: int) -> None:
+        self.text.start(n_prompt)
+
     def learn(self, text: Sequence[int], complete: bool = True) -> None:
-        """Index a finished generation's text (prompt + answer) and finish watching its proposals."""
-        self.text.read(text[:-1], text[-1], self.seen)
+        """Index a finished generation's text (prompt + answer), remember its answer, and finish
+        watching its proposals."""
+        self.text.learn(text, self.seen)
 
     def propose_free(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         return self.propose(committed, root, budget, depth)  # lookup runs no model pass
@@ -126,13 +162,13 @@ class LookupDrafter(Drafter):
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         self.text.read(committed, root, self.seen)
         if not self.adapt:
-            tree = self.index.propose(self.index.live, budget, depth)
+            tree = self.text.propose(budget, depth)
             return lookup_proposal(tree) if tree is not None else None
         idle = self.chosen == 0 and not self.seen.run()
-        if not self.idle.looks(idle, idle and self.index.match_order(self.index.live, STRONG_ORDER) > 0):
+        if not self.idle.looks(idle, idle and self.text.strong()):
             return None
-        tree = self.index.propose(self.index.live, budget, depth)
-        kind = self.seen.kind(self.index.last_order)
+        tree = self.text.propose(budget, depth)
+        kind = self.seen.kind(self.text.last_order)
         self.seen[kind].watch(tree)
         self.chosen = self.best_budget(self.seen.record(kind), budget) if tree is not None else 0
         if self.chosen == 0:

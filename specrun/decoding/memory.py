@@ -1,0 +1,100 @@
+"""A memory of what was written: the answers of every request a process served, for lookup.
+
+A request's own lookup index (decoding.lookup_index, a drafter's session text) holds its prompt,
+its answer so far and what its drafter served before. Requests decoding in other lanes (`serve
+--parallel`, `generate --jsonl --parallel`) each draft with a drafter of their own, so what one
+answered the others never saw. Agents and scripts repeat themselves (the same tool call with
+other arguments, a file rewritten again, a retried step, a sibling task): one memory per loaded
+target (runtime.Runtime), shared by the drafters of all its requests, holds every answer, and
+lookup and the hybrid read it beside the request's own index (LookupIndex.propose), without a flag.
+
+How a continuation is scored (after SuffixDecoding, arXiv 2411.04975, which keeps a suffix tree
+of earlier outputs beside the request's own): occurrences of the latest tokens are found by
+n-gram (MEMORY_ORDERS), then each is measured backward against the request's text, up to
+LONGEST tokens. An occurrence weighs ORDER_WEIGHT**(match - 1) with its match capped at
+STRONGEST, as an n-gram of that order weighs in the request's own index, times a recency factor
+that halves every HALF_LIFE tokens remembered since; continuations that followed more often sum
+their weights in the trie. A match of L tokens proposes at most max(MIN_REACH, REACH_PER_TOKEN *
+L) tokens: a long match drafts far, a weak one little. The tree the target verifies is sized as
+any lookup tree is (decoding.adaptive), and its output stays the target's own.
+
+Bounded: at most `max_tokens` tokens are kept (the oldest quarter forgotten when full), in
+C * (5 + 8 * len(MEMORY_ORDERS)) bytes and 4 KiB, C the power of two >= max_tokens (LookupIndex's
+bound): `nbytes()`.
+Thread-safe: requests decoding in threads of their own (decoding.batching) propose and remember
+under one lock.
+
+Why not ArcticInference's suffix tree (PyPI `arctic-inference`, the C++ library vLLM calls for
+SuffixDecoding): its sdist's setup.py imports torch, its build requires torch==2.10 and protobuf,
+and its package is a vLLM plugin; the suffix tree itself is a nanobind module (C++20) that would
+need a compiler and a build step of specrun's own. The index here is numpy, bounded in bytes, and
+its per-request cost is a few hash-chain walks (checked 2026-11-25, sdist 0.3.0).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from specrun.decoding.lookup_index import ORDER_WEIGHT, ORDERS, LookupIndex
+
+# 2**19 tokens (the answers of ~2,600 requests of 200 tokens): 14.5 MiB of index.
+MEMORY_TOKENS = 1 << 19
+MEMORY_ORDERS = (8, 4, 2)  # n-grams looked up: a long one finds long matches among many answers
+LEAD = 8  # prompt tokens remembered before each answer: its first tokens followed them
+LONGEST = 64  # tokens a match is measured over, backward
+STRONGEST = 8  # a match longer than this weighs no more: it is as good as certain
+HALF_LIFE = 1 << 16  # tokens remembered after an occurrence that halve its weight
+REACH_PER_TOKEN = 2.0  # tokens a match may propose per token matched
+MIN_REACH = 2
+
+
+class OutputMemory:
+    """Earlier answers of every request of a process, for lookup (see the module doc)."""
+
+    def __init__(self, max_tokens: int = MEMORY_TOKENS):
+        self.index = LookupIndex(MEMORY_ORDERS, max_tokens)
+        self.answers = 0  # answers remembered
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Tokens kept (separators included)."""
+        return len(self.index)
+
+    def nbytes(self) -> int:
+        """Return the bytes the memory's arrays hold."""
+        with self._lock:
+            return self.index.nbytes()
+
+    def remember(self, text: Sequence[int], n_prompt: int) -> None:
+        """Keep an answer: `text` is prompt + answer, the answer starting at `n_prompt`."""
+        if len(text) <= n_prompt:
+            return
+        with self._lock:
+            self.index.add_text(text[max(0, n_prompt - LEAD) :])
+            self.answers += 1
+
+    def continuations(self, context: Sequence[int], depth: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Return what followed earlier occurrences of the end of `context` ([m, depth] tokens,
+        -1 past each one's reach), their weights, and the longest match's order as a proposal
+        reports it (at most the request index's longest order; 0: none)."""
+        with self._lock:
+            positions, _ = self.index.occurrences(context)
+            if len(positions) == 0:
+                return np.empty((0, depth), np.int64), np.empty(0), 0
+            matched = self.index.match_lengths(positions, context, LONGEST)
+            age = len(self.index) - positions
+            weights = ORDER_WEIGHT ** (np.minimum(matched, STRONGEST) - 1.0) * 0.5 ** (age / HALF_LIFE)
+            rows, kept = self.index.continuations(positions, np.arange(len(positions)), depth)
+        reach = np.maximum(MIN_REACH, np.ceil(REACH_PER_TOKEN * matched[kept]))
+        rows[np.arange(depth)[None, :] >= reach[:, None]] = -1
+        return rows, weights[kept], int(min(matched.max(), ORDERS[0]))
+
+    def match_order(self, context: Sequence[int], at_least: int) -> int:
+        """The longest order (`at_least` or more) at which the end of `context` occurred among
+        the answers, as LookupIndex.match_order (0: none)."""
+        with self._lock:
+            return self.index.match_order(context, at_least)
+
