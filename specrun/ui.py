@@ -121,6 +121,8 @@ def stats_line(stats: dict, prefill: bool = True) -> str:
         parts.append(f"{stats['accepted_per_pass']:.2f} accepted/pass")
     if stats.get("lookup_tokens"):
         parts.append(f"drafts accepted: {stats['lookup_tokens']} from lookup, {stats.get('draft_tokens', 0)} from the draft model")
+    if stats.get("near_ties"):  # (docs/exactness.md; --verbose names them)
+        parts.append(f"{stats['near_ties']} near-tie{'s' if stats['near_ties'] > 1 else ''}")
     if prefill and stats.get("n_prefilled") is not None:
         parts.append(f"prefill {stats['n_prefilled']} tokens in {stats['prefill_s']:.2f}s")
     return " · ".join(parts)

@@ -249,7 +249,7 @@ def _text(page: str) -> str:
 def _quoted_figures() -> list[tuple[str, str]]:
     """(page, a phrase built from the constant it quotes)."""
     from specrun.commands.tune import FULL, QUICK
-    from specrun.core.sampling import SamplingParams
+    from specrun.core.sampling import NEAR_TIE_NATS, SamplingParams
     from specrun.decoding.adaptive import STRONG_ORDER
     from specrun.decoding.pay.rules import CHECK_FLOOR, DEFAULT_MARGIN, PROFILE_DRIFT, STEP_MARGIN, UNTUNED_MARGIN
     from specrun.experiments.workloads import KINDS, ROUNDS
@@ -290,6 +290,7 @@ def _quoted_figures() -> list[tuple[str, str]]:
         ("docs/how-it-works.md", f"up to {WORDS[MAX_CHAINS]} of the proposal's best paths (at most {MAX_CHAIN} drafts each)"),
         ("docs/how-it-works.md", f"a match of {WORDS[STRONG_ORDER]} tokens or more is watched at once"),
         ("docs/how-it-works.md", f"a chain ({MTP_CHAIN} drafts by default"),
+        ("docs/exactness.md", f"less than `NEAR_TIE_NATS` = {NEAR_TIE_NATS:g} nats"),
     ]
 
 

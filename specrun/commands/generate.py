@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from specrun import ui
+from specrun.decoding.steps import GenerationStats
 from specrun.engine import rpc
 from specrun.errors import SpecrunError, UsageError
 from specrun.inputs import decode_utf8
@@ -65,10 +66,22 @@ def _answer(rt: Runtime, request: Request, text: str, show_stats: bool, as_json:
     if stats["finish_reason"] == "context":
         ui.warn(f"the context is full ({rt.target_ctx.n_ctx} tokens): the answer stops after "
                 f"{stats['n_tokens']} tokens; a larger --ctx-size gives it room")
+    if log.isEnabledFor(logging.INFO):  # --verbose
+        _say_near_ties(rt, result.stats)
     if show_stats:
         ui.dim(ui.stats_line(stats) + f" · finished: {stats['finish_reason']}")
     if log.isEnabledFor(logging.INFO) and (network := rpc.round_trips_now()):
         log.info("%s", network)  # a slow worker's link shows here
+
+
+def _say_near_ties(rt: Runtime, stats: GenerationStats) -> None:
+    """Log one line per token the answer chose at a near-tie (docs/exactness.md)."""
+    def text(token: int) -> str:
+        return repr(rt.target.token_to_piece(token, special=True).decode("utf-8", "replace"))
+
+    for tie in stats.near_ties:
+        log.info("near-tie at token %d: %s over %s by %.4f nats; a pass of another shape may choose the other",
+                 tie.at, text(tie.token), text(tie.runner_up), tie.gap)
 
 
 def _result_json(result, rt: Runtime) -> dict:

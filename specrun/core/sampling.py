@@ -31,6 +31,14 @@ _DRAW_BLOCK = 512
 # The OpenAI API's limit on top_logprobs.
 MAX_TOP_LOGPROBS = 20
 
+# A greedy token chosen over a runner-up less than this far behind it (in nats: the gap between
+# their log-probs, which is the gap between their logits, on the row the choice was made from) is
+# a near-tie, and the answer says so (docs/exactness.md). llama.cpp's kernels round differently
+# with the number of tokens a pass holds: one position's log-probs moved by up to ~5e-3 between a
+# tree pass and a one-token pass of the same text, so the gap between two of them by up to ~1e-2,
+# and a gap below that can flip with the shape of the pass. 0.02 covers that twice over.
+NEAR_TIE_NATS = 0.02
+
 # log_softmax_topk exponentiates a logit matrix in row blocks of about this many elements, so a
 # 2048 x 262144 matrix needs a 32 MB scratch buffer rather than a 2 GB temporary.
 _LSE_BLOCK_ELEMENTS = 1 << 23
@@ -257,6 +265,37 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
     if params.greedy:
         return int(np.argmax(logits))  # first maximum on ties, like llama.cpp's greedy sampler
     return draw(target_probs(logits, params), rng)
+
+
+@dataclass(frozen=True)
+class NearTie:
+    """A greedy choice whose runner-up trailed it by less than NEAR_TIE_NATS."""
+
+    at: int  # the token's index: in its step's tokens (decoding.steps.Step), in the answer (GenerationStats)
+    token: int  # the token chosen (the row's first maximum)
+    runner_up: int  # the best of the others
+    gap: float  # nats: the chosen token's logit minus the runner-up's, >= 0
+
+
+def near_tie(row: np.ndarray, token: int, at: int = 0) -> NearTie | None:
+    """Return the near-tie at which greedy decoding chose `token` from `row` (its first maximum,
+    as `choose_token` picks it), or None where the runner-up trails by NEAR_TIE_NATS or more.
+
+    `row` is the row the choice was made from: after penalties, logit_bias and a grammar's mask.
+    One pass over the row, without a copy: the best token before `token` and the best after it.
+    """
+    runner_up, second = -1, -math.inf
+    if token > 0:
+        runner_up = int(np.argmax(row[:token]))
+        second = float(row[runner_up])
+    if token + 1 < len(row):
+        after = token + 1 + int(np.argmax(row[token + 1:]))
+        if float(row[after]) > second:  # equal: the lower id, as argmax would rank them
+            runner_up, second = after, float(row[after])
+    gap = float(row[token]) - second
+    if runner_up < 0 or not gap < NEAR_TIE_NATS:  # (a grammar that allows one token: an infinite gap)
+        return None
+    return NearTie(at, int(token), runner_up, gap)
 
 
 def log_softmax_topk(logits_2d: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

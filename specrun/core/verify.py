@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrun.core.rules import PathRules
-from specrun.core.sampling import SamplingParams, choose_token
+from specrun.core.sampling import NearTie, SamplingParams, choose_token, near_tie
 from specrun.core.tree import DraftTree
 
 
@@ -33,6 +33,7 @@ class Acceptance:
     bonus: int | None  # target token no child carried: next step's root, not in the KV cache;
     # None when the walk stopped on a tree node (end-of-generation or max_tokens reached there)
     end_of_generation: bool  # tokens[-1] ends generation
+    near_ties: tuple[NearTie, ...] = ()  # greedy: tokens chosen at a near-tie (`at`: index in tokens)
 
     @property
     def accepted_depth(self) -> int:
@@ -55,7 +56,8 @@ def accept_path(
     rows on the walked path are read. The walk stops after an end-of-generation token (which is
     emitted; the caller decides whether to print it) and never emits more than `max_tokens`.
     tokens[i] is drawn from row nodes[i]. `rules`, if given, shape every row the walk reads and
-    follow every token it emits.
+    follow every token it emits. A greedy walk notes each token chosen at a near-tie
+    (sampling.near_tie): a pass of another shape may have chosen the other token there.
     """
     if target_logits.ndim != 2 or target_logits.shape[0] < len(tree):
         raise ValueError(f"need one logit row per tree node ({len(tree)}), got shape {target_logits.shape}")
@@ -63,19 +65,21 @@ def accept_path(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     is_eog = eog_ids if callable(eog_ids) else eog_ids.__contains__
     limit = len(tree) if max_tokens is None else max_tokens
-    node, nodes, tokens = 0, [0], []
+    node, nodes, tokens, ties = 0, [0], [], []
     while True:
-        if rules is None:
-            token = choose_token(target_logits[node], params, rng)
-        else:  # the rules have seen exactly this node's path: the row is shaped as plain decoding would
-            token = choose_token(rules.shape(target_logits[node]), params, rng)
+        # the rules have seen exactly this node's path: the row is shaped as plain decoding would
+        row = target_logits[node] if rules is None else rules.shape(target_logits[node])
+        token = choose_token(row, params, rng)
+        if rules is not None:
             rules.accept(token)
+        if params.greedy and (tie := near_tie(row, token, len(tokens))) is not None:
+            ties.append(tie)
         tokens.append(token)
         # The target drew `token` itself; the draft is right iff a child carries it: descend, else stop.
         child = tree.find_child(node, token)
         if child is None:
-            return Acceptance(tuple(nodes), tuple(tokens), token, bool(is_eog(token)))
+            return Acceptance(tuple(nodes), tuple(tokens), token, bool(is_eog(token)), tuple(ties))
         node = child
         nodes.append(child)
         if is_eog(token) or len(tokens) >= limit:
-            return Acceptance(tuple(nodes), tuple(tokens), None, bool(is_eog(token)))
+            return Acceptance(tuple(nodes), tuple(tokens), None, bool(is_eog(token)), tuple(ties))

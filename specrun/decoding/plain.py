@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specrun.core.rules import PathRules
-from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
+from specrun.core.sampling import SamplingParams, choose_token, near_tie, token_logprobs
 from specrun.decoding.batching import Lane
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.steps import GenerationStats, Step
@@ -55,12 +55,16 @@ class PlainDecoder:
                 logits = self.lane.run(one, solo=params.reproducible)[-1]
                 cache.tokens.append(pending)
             t1 = time.perf_counter()
-            token = choose_token(logits if rules is None else rules.shape(logits), params, rng)
+            row = logits if rules is None else rules.shape(logits)
+            token = choose_token(row, params, rng)
             if rules is not None:
                 rules.accept(token)
+            tie = near_tie(row, token) if params.greedy else None
             # llama.cpp's time for the pass, not the wait for other requests' batches
             step = Step([token], target_s=self.lane.pass_s if i else t1 - t0,
                         total_s=time.perf_counter() - t0, shared=self.lane.shared if i else 1)
+            if tie is not None:
+                step.near_ties = (tie,)
             if params.logprobs is not None:
                 step.logprobs = token_logprobs(logits, [token], params.logprobs)
             stats.steps.append(step)

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specrun.core.rules import PathRules
-from specrun.core.sampling import SamplingParams, choose_token, token_logprobs
+from specrun.core.sampling import SamplingParams, choose_token, near_tie, token_logprobs
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
 from specrun.core.verify import accept_path
@@ -219,6 +219,7 @@ class SpeculativeDecoder:
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(nodes),
             forced_tokens=proposal.forced_tokens(nodes),
+            near_ties=acceptance.near_ties,
         )
         if params.logprobs is not None:  # token i was drawn from node i's row: no extra pass
             rows = logits[list(acceptance.nodes[:n_tokens])]
@@ -288,6 +289,7 @@ class SpeculativeDecoder:
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(nodes),
             forced_tokens=proposal.forced_tokens(nodes),
+            near_ties=acceptance.near_ties,
         )
         if params.logprobs is not None:  # the trie's rows are its node ids
             rows = logits[list(acceptance.nodes[: len(acceptance.tokens)])]
@@ -306,10 +308,13 @@ class SpeculativeDecoder:
 
 def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules | None, target_s: float = 0.0) -> Step:
     """Return a one-token step drawn from one logit row, as plain decoding draws it."""
-    token = choose_token(row if rules is None else rules.shape(row), params, rng)
+    shaped = row if rules is None else rules.shape(row)
+    token = choose_token(shaped, params, rng)
     if rules is not None:
         rules.accept(token)
     step = Step([token], target_s=target_s)
+    if params.greedy and (tie := near_tie(shaped, token)) is not None:
+        step.near_ties = (tie,)
     if params.logprobs is not None:
         step.logprobs = token_logprobs(row, [token], params.logprobs)
     return step

@@ -6,12 +6,12 @@ everything above the step level (text streams, chat, the server, the tuner) is s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from specrun.core.sampling import SamplingParams, TokenLogprob
+from specrun.core.sampling import NearTie, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -30,6 +30,8 @@ class Step:
     lookup_tokens: int = 0  # of those, how many came from text lookup rather than the draft model
     forced_tokens: int = 0  # of those, how many a grammar forced (free drafts: nobody proposed them)
     shared: int = 1  # requests whose tokens the step's target pass held (decoding.batching; 1: this one's alone)
+    # Greedy: the tokens chosen at a near-tie (core.sampling.near_tie; `at`: index in `tokens`).
+    near_ties: tuple[NearTie, ...] = ()
     # One per token when the request asked for log-probs (params.logprobs), else None.
     logprobs: list[TokenLogprob] | None = None
     # Calibration data for the tuner: best-first rank of each accepted tree node, and for each
@@ -67,6 +69,15 @@ class GenerationStats:
     def accepted_per_pass(self) -> float:
         return self.n_generated / self.n_passes if self.n_passes else 0.0
 
+    @property
+    def near_ties(self) -> list[NearTie]:
+        """Return the greedy choices made at a near-tie, each `at` its token's index in the answer."""
+        ties, n_before = [], 0
+        for step in self.steps:
+            ties.extend(replace(tie, at=n_before + tie.at) for tie in step.near_ties)
+            n_before += len(step.tokens)
+        return ties
+
     def total(self, attr: str) -> float:
         return float(sum(getattr(s, attr) for s in self.steps))
 
@@ -90,6 +101,8 @@ class GenerationStats:
             "mean_tree_nodes": round(float(np.mean([s.tree_nodes for s in self.steps])), 2) if self.steps else 0.0,
             # passes that also held other requests' tokens (several decoding at once)
             "shared_passes": sum(1 for s in self.steps if s.shared > 1),
+            # greedy tokens chosen at a near-tie, which a pass of another shape may choose otherwise
+            "near_ties": sum(len(s.near_ties) for s in self.steps),
             "finish_reason": self.finish_reason,
         }
 

@@ -498,5 +498,8 @@ def _log_job(job: Job, started: Started, stats: GenerationStats, finish: str) ->
     if stats.n_passes:
         line += f" · {stats.accepted_per_pass:.2f} accepted/pass"
     ui.dim(f"{line} · {finish}")
+    if ties := stats.near_ties:
+        ui.dim(f"{job.id}: {len(ties)} near-tie{'s' if len(ties) > 1 else ''}, the closest by "
+               f"{min(tie.gap for tie in ties):.4f} nats: greedy tokens a pass of another shape may choose otherwise")
     if log.isEnabledFor(logging.INFO) and (network := rpc.round_trips_now()):
         log.info("%s: %s", job.id, network)  # a slow worker's link shows here

@@ -1,0 +1,195 @@
+"""Greedy tokens chosen at a near-tie are reported: the decoders count them, `generate --verbose`
+names them on stderr, the server logs them (docs/exactness.md#near-ties-reported).
+
+The tiny random-weight model with SmolLM2's tokenizer has many near-ties as a target: its logits
+are nearly flat. The F32 demo target answers the capital question without one.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import httpx
+import pytest
+
+from specrun import engine
+from specrun.core.sampling import NEAR_TIE_NATS, SamplingParams, make_rng
+from specrun.core.tree_shapes import TreeShape
+from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.plain import PlainDecoder
+from specrun.decoding.speculative import SpeculativeDecoder
+from test_server import running_server
+
+# A raw prompt whose greedy continuation by the tiny random model meets near-ties.
+TINY_PROMPT = "The history of the printing press begins"
+N_TOKENS = 48
+# Where the target's two best tokens are this far from the threshold, a one-token pass and a tree
+# pass agree on which side of it they lie (the cross-shape noise, docs/exactness.md, with margin).
+SHAPE_NOISE = 0.01
+TREE = TreeShape(budget=8, depth=4, width=2, top_k=2)
+# The F32 demo target's answer to this question has no near-tie (its closest gap is far above).
+QUESTION = "What is the capital of France?"
+PLAIN_F32 = ["--target", "smollm2-135m-f32", "--no-spec", "--threads", "1", "--ctx-size", "512"]
+TIE_LINE = re.compile(r"near-tie at token (\d+): (.+) over (.+) by ([0-9.]+) nats; "
+                      r"a pass of another shape may choose the other$")
+
+
+@pytest.fixture(scope="module")
+def tiny(offline_models, load_model):
+    return load_model(offline_models.smollm2_random)
+
+
+@pytest.fixture(scope="module")
+def contexts():
+    owned: list[engine.Context] = []
+
+    def make(model, n_batch=64, n_seq_max=engine.MAX_SEQ):
+        owned.append(engine.Context(model, n_ctx=512, n_batch=n_batch, n_seq_max=n_seq_max))
+        return owned[-1]
+
+    yield make
+    for ctx in owned:
+        ctx.close()
+
+
+def _decode(decoder, prompt, params, n=N_TOKENS):
+    """Return the generated tokens, the steps, and the generation's near-ties."""
+    steps = list(decoder.steps(prompt, params, n, make_rng(0)))
+    return [t for s in steps for t in s.tokens], steps, decoder.stats.near_ties
+
+
+def _top_two(step_logprobs):
+    """Return each token's two best alternatives as {id: log-prob}, from plain's --logprobs 2."""
+    return [dict(lp.top) for lp in step_logprobs]
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny, contexts):
+    """Plain greedy decoding of TINY_PROMPT by the tiny model: tokens, each row's two best
+    log-probs (from the one-token pass the token was chosen from), and the reported near-ties."""
+    plain = PlainDecoder(tiny, contexts(tiny, n_seq_max=1))
+    prompt = tiny.tokenize(TINY_PROMPT)
+    tokens, steps, ties = _decode(plain, prompt, SamplingParams(logprobs=2))
+    tops = _top_two(lp for s in steps for lp in s.logprobs)
+    return prompt, tokens, tops, ties, plain
+
+
+def test_plain_greedy_decoding_reports_each_near_tie_with_its_gap(plain_reference):
+    prompt, tokens, tops, ties, _ = plain_reference
+    expected = []
+    for i, top in enumerate(tops):
+        (best, lp_best), (second, lp_second) = top.items()
+        assert best == tokens[i]  # greedy: the best token
+        if lp_best - lp_second < NEAR_TIE_NATS:
+            expected.append((i, best, second, lp_best - lp_second))
+    assert expected, "the tiny model should meet near-ties on this prompt"
+    assert [(t.at, t.token, t.runner_up) for t in ties] == [e[:3] for e in expected]
+    for tie, (*_, gap) in zip(ties, expected):
+        assert tie.gap == pytest.approx(gap, abs=1e-5)
+        assert 0 <= tie.gap < NEAR_TIE_NATS
+
+
+def test_speculative_greedy_decoding_reports_the_near_ties_of_tree_passes(plain_reference, tiny, contexts):
+    """The tiny model drafts for itself, so most tokens come from tree passes; where the tree pass
+    and plain's one-token pass choose differently, a near-tie was reported there."""
+    prompt, plain_tokens, tops, _, _ = plain_reference
+    spec = SpeculativeDecoder(tiny, contexts(tiny), TreeGrower(tiny, contexts(tiny), TREE), TREE)
+    tokens, steps, ties = _decode(spec, prompt, SamplingParams())
+    assert sum(s.accepted for s in steps) > N_TOKENS // 4, "the trees should have been accepted"
+    at = {tie.at: tie for tie in ties}
+    assert len(at) == len(ties) == spec.stats.as_dict()["near_ties"]
+    n_both = min(len(tokens), len(plain_tokens))
+    same = next((i for i in range(n_both) if tokens[i] != plain_tokens[i]), n_both)
+    if same < n_both:
+        assert same in at, f"the answer parted from plain decoding's at token {same} without a near-tie"
+    for i in range(min(same + 1, n_both)):
+        top = tops[i]
+        plain_gap = list(top.values())[0] - list(top.values())[1]
+        if i in at:
+            tie = at[i]
+            assert tie.token == tokens[i] and {tie.token, tie.runner_up} == set(top)
+            # the same two tokens, and the gap plain decoding's pass measured, up to the shape's noise
+            assert tie.gap == pytest.approx(top[tie.token] - top[tie.runner_up], abs=SHAPE_NOISE)
+            assert 0 <= tie.gap < NEAR_TIE_NATS
+        else:
+            assert plain_gap > NEAR_TIE_NATS - SHAPE_NOISE, f"token {i}: a near-tie went unreported"
+    from_trees = [tie for s in steps if s.tree_nodes for tie in s.near_ties]
+    assert from_trees, "no near-tie was met in a tree pass"
+
+
+def test_sampled_tokens_are_not_judged(plain_reference):
+    """A sampled token is no greedy choice: nothing is reported, near-ties or not."""
+    prompt, _, _, _, plain = plain_reference
+    _, _, ties = _decode(plain, prompt, SamplingParams(temperature=1.0, seed=3))
+    assert ties == [] and plain.stats.as_dict()["near_ties"] == 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "speculative"])
+def test_a_near_tie_is_judged_on_the_row_after_logit_bias(kind, offline_models, load_model, contexts):
+    """logit_bias brings the F32 target's runner-up within 0.005 nats of its best token, or 0.005
+    past it: the token chosen from the biased row is reported at that gap, over the other."""
+    target = load_model(offline_models.smollm2_f32)
+    if kind == "plain":
+        decoder = PlainDecoder(target, contexts(target, n_seq_max=1))
+    else:
+        decoder = SpeculativeDecoder(target, contexts(target), TreeGrower(target, contexts(target), TREE), TREE)
+    prompt = target.tokenize("The capital of France is")
+    _, steps, ties = _decode(decoder, prompt, SamplingParams(logprobs=2), n=1)
+    assert ties == []
+    (best, lp_best), (second, lp_second) = steps[0].logprobs[0].top
+    gap = lp_best - lp_second
+    assert gap > 10 * NEAR_TIE_NATS
+    for shift, chosen, runner_up in ((-0.005, best, second), (0.005, second, best)):
+        params = SamplingParams(logit_bias=((second, gap + shift),))
+        tokens, _, ties = _decode(decoder, prompt, params, n=1)
+        assert tokens == [chosen]
+        assert [(t.at, t.token, t.runner_up) for t in ties] == [(0, chosen, runner_up)]
+        assert ties[0].gap == pytest.approx(0.005, abs=1e-4)
+
+
+def test_generate_verbose_names_each_near_tie_on_stderr_only(cli, offline_models, tiny):
+    tiny_args = ["--target", str(offline_models.smollm2_random), "--no-spec", "--raw", "--threads", "1",
+                 "--ctx-size", "512", "-n", str(N_TOKENS)]
+    result = cli("generate", TINY_PROMPT, "--json", "--verbose", *tiny_args)
+
+    assert result.exit_code == 0, result.output
+    assert "near-tie" not in result.stdout
+    out = json.loads(result.stdout)
+    lines = [m for m in (TIE_LINE.search(line) for line in result.stderr.splitlines()) if m]
+    assert len(lines) == out["stats"]["near_ties"] > 0, result.stderr
+    for m in lines:
+        index, chosen, gap = int(m[1]), ast.literal_eval(m[2]), float(m[4])
+        assert chosen == tiny.token_to_piece(out["token_ids"][index], special=True).decode("utf-8", "replace")
+        assert isinstance(ast.literal_eval(m[3]), str)
+        assert 0 <= gap < NEAR_TIE_NATS
+
+    quiet = cli("generate", TINY_PROMPT, "--stats", *tiny_args)
+    assert quiet.exit_code == 0, quiet.output
+    assert "near-tie" not in quiet.stdout and not TIE_LINE.search(quiet.stderr)
+    assert f"{out['stats']['near_ties']} near-tie" in quiet.stderr  # the count in the --stats line
+
+
+def test_an_answer_without_near_ties_reports_none(cli):
+    result = cli("generate", QUESTION, "-n", "12", "--json", "--verbose", *PLAIN_F32)
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["near_ties"] == 0
+    assert "near-tie" not in result.stderr
+    stats = cli("generate", QUESTION, "-n", "12", "--stats", *PLAIN_F32)
+    assert stats.exit_code == 0 and "tok/s" in stats.stderr and "near-tie" not in stats.stderr
+
+
+def test_the_server_logs_a_request_s_near_ties(offline_models, tmp_path):
+    body = {"model": "tiny", "prompt": TINY_PROMPT, "max_tokens": N_TOKENS, "temperature": 0}
+    with running_server(tmp_path / "home", "--target", str(offline_models.smollm2_random), "--no-spec") as srv:
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            tied = http.post("/v1/completions", json=body).json()
+            sampled = http.post("/v1/completions", json={**body, "temperature": 1.0, "seed": 3}).json()
+    # (the server has stopped: its stderr is all there)
+    lines = [line for line in srv.stderr_lines if "near-tie" in line]
+    assert len(lines) == 1, srv.stderr
+    match = re.fullmatch(rf"{tied['id']}: (\d+) near-ties?, the closest by ([0-9.]+) nats: .*", lines[0])
+    assert match and int(match[1]) > 0 and 0 <= float(match[2]) < NEAR_TIE_NATS, lines[0]
+    assert any(line.startswith(f"{sampled['id']}: prompt") for line in srv.stderr_lines), srv.stderr
