@@ -60,6 +60,7 @@ BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2
 DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help="Maximum draft tree depth.")]
 NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no draft model.")]
 LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="Add lookup branches (continuations of earlier occurrences in the session's text) to the draft model's trees  [default: on with a draft model; --lookup also drafts from the text where no draft model runs].", show_default=False)]
+MemoryOpt = Annotated[bool, typer.Option("--memory", help="Keep the memory of answers (earlier answers draft later ones) in the cache folder: loaded at start, saved at the end, per target model (and API key).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
 ParallelOpt = Annotated[Optional[int], typer.Option("--parallel", min=1, max=64, help="Requests decoded together, their target passes shared (default: as many as fit at the context one request gets, 4 at most).")]
 RpcOpt = Annotated[Optional[list[str]], typer.Option("--rpc", metavar="HOST:PORT[,...]", envvar="SPECRUN_RPC", show_envvar=True, help="Spread the target's layers over these RPC workers too (`specrun worker` on each machine); the draft stays here.")]
@@ -94,7 +95,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
-                 gpu_memory=None, rpc=None, parallel: int | None = 1):
+                 gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -112,7 +113,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
     return RunOptions(
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
-        parallel=parallel,
+        parallel=parallel, memory=memory, memory_scope=memory_scope,
     )
 
 
@@ -190,6 +191,7 @@ def generate(
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
     lookup: LookupOpt = None,
+    memory: MemoryOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Generate text for a prompt (argument, --file or stdin), streaming it to stdout.
@@ -211,7 +213,7 @@ def generate(
             raise UsageError("--system needs chat mode (drop --raw)")
         if parallel > 1 and not jsonl:
             raise UsageError("--parallel needs --jsonl: only JSONL requests are decoded together")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
@@ -271,6 +273,7 @@ def chat(
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
     lookup: LookupOpt = None,
+    memory: MemoryOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Chat with a model in the terminal, using its own chat template; answers stream as they are made."""
@@ -279,7 +282,7 @@ def chat(
         from specrun.commands import chat as chat_command
         from specrun.runtime.request import Request
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, memory=memory)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
         chat_command.chat(opts, request, max_tokens, _chat_settings(reasoning_format, chat_template))
 
@@ -322,6 +325,7 @@ def serve(
     depth: DepthOpt = None,
     no_spec: NoSpecOpt = False,
     lookup: LookupOpt = None,
+    memory: MemoryOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat UIs, editors, scripts)."""
@@ -334,7 +338,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose,

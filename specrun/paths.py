@@ -38,6 +38,12 @@ def profiles_dir() -> Path:
     return Path(env).expanduser() if env else cache_dir() / "profiles"
 
 
+def memory_dir() -> Path:
+    """Return the directory for saved memories of answers (`--memory`; SPECRUN_MEMORY overrides)."""
+    env = os.environ.get("SPECRUN_MEMORY")
+    return Path(env).expanduser() if env else cache_dir() / "memory"
+
+
 def user_models_toml() -> Path:
     """Return the path of the user's own models.toml (may not exist)."""
     return config_dir() / "models.toml"

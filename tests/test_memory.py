@@ -9,6 +9,7 @@ tokens per target pass than in a fresh process, and its output is plain decoding
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -244,3 +245,84 @@ def test_the_server_shares_the_memory_across_its_lanes(offline_models, tmp_path)
           f"({after['lookup_n_accepted']} of {after['predicted_n']} tokens from lookup)")
     assert after["lookup_n_accepted"] > after["predicted_n"] / 2
     assert after["accepted_per_pass"] > 1.5 * before["accepted_per_pass"]
+
+
+# ------------------------------------------------------------------------------------------------
+# --memory: kept across runs
+
+
+def test_a_saved_memory_comes_back_whole(tmp_path):
+    memory = OutputMemory()
+    memory.remember([1, 2, 3] + ANSWER, 3)
+    memory.remember([4, 5] + ANSWER[:30], 2)
+    path = tmp_path / "memory" / "m.bin"
+    memory.save(path, "model A")
+    back = OutputMemory()
+    assert back.restore(path, "model A", 2000) is None
+    assert back.answers == 2 and len(back) == len(memory)
+    assert back.continuations(ANSWER[:10], 8)[0].tolist() == memory.continuations(ANSWER[:10], 8)[0].tolist()
+    assert OutputMemory().restore(tmp_path / "none.bin", "model A", 2000) is None  # no file: nothing to say
+    assert [p.name for p in path.parent.iterdir()] == ["m.bin"]  # written atomically: no temporary left
+
+
+@pytest.mark.parametrize("damage", ["foreign", "cut", "garbage", "other vocabulary"])
+def test_a_corrupt_or_foreign_memory_is_set_aside_with_one_line(damage, tmp_path):
+    path = tmp_path / "m.bin"
+    memory = OutputMemory()
+    memory.remember([1, 2, 3] + ANSWER, 3)
+    memory.save(path, "model A")
+    model, n_vocab = "model A", 2000
+    if damage == "foreign":
+        model = "model B"
+    elif damage == "cut":
+        path.write_bytes(path.read_bytes()[:-6])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00\x01 not a memory")
+    else:
+        n_vocab = 1000
+    fresh = OutputMemory()
+    problem = fresh.restore(path, model, n_vocab)
+    assert problem is not None and "\n" not in problem and str(path) in problem
+    assert "fresh" in problem and len(fresh) == 0 and fresh.answers == 0
+
+
+def test_each_model_and_key_has_a_memory_of_its_own(monkeypatch, tmp_path):
+    from specrun.decoding.memory import memory_path
+
+    monkeypatch.setenv("SPECRUN_MEMORY", str(tmp_path))
+    files = {memory_path("a"), memory_path("b"), memory_path("a", "key 1"), memory_path("a", "key 2")}
+    assert len(files) == 4 and all(f.parent == tmp_path for f in files)
+
+
+def test_generate_with_memory_drafts_from_the_last_run(offline_models, monkeypatch, tmp_path):
+    """`generate --memory` twice: the second process drafts the answer the first wrote (more
+    tokens a pass, the same text); without --memory nothing is saved or read. A damaged file is
+    one warning line, and the run goes on with a fresh memory."""
+    from typer.testing import CliRunner
+
+    from specrun.cli import app
+
+    monkeypatch.setenv("SPECRUN_MEMORY", str(tmp_path / "memory"))
+
+    def run(*extra: str) -> tuple[dict, str]:
+        result = CliRunner().invoke(app, ["generate", "--draft", "lookup", "--json", "-n", str(MAX_TOKENS), *extra, ASKED])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout), result.stderr
+
+    plain_first, _ = run()
+    assert not (tmp_path / "memory").exists()
+    first, _ = run("--memory")
+    (saved,) = (tmp_path / "memory").iterdir()
+    (second, _), (without, _) = run("--memory"), run()
+    assert plain_first["text"] == first["text"] == second["text"] == without["text"]
+    print(f"\n--memory: accepted per pass {first['accepted_per_pass']} in the first run, "
+          f"{second['accepted_per_pass']} in the second, {without['accepted_per_pass']} without --memory")
+    assert second["accepted_per_pass"] > 1.5 * first["accepted_per_pass"]
+    assert second["accepted_per_pass"] > 1.5 * without["accepted_per_pass"]
+    saved.write_bytes(b"damaged")
+    damaged, stderr = run("--memory")
+    assert damaged["text"] == first["text"]
+    warned = [line for line in stderr.splitlines() if "memory" in line]
+    assert len(warned) == 1 and "ignoring the memory of answers" in warned[0] and "fresh" in warned[0], stderr
+    listed = CliRunner().invoke(app, ["models"])
+    assert listed.exit_code == 0 and "1 answer(s), " in listed.stderr and str(saved) in listed.stderr, listed.stderr

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from specrun import ui
+from specrun.decoding.memory import saved_memories
 from specrun.errors import SpecrunError
 from specrun.files import human_size
 from specrun.models import hub, registry
@@ -73,6 +74,9 @@ def list_models(as_json: bool, fit: bool = False) -> None:
                          ensure_ascii=False, indent=2))
     else:
         ui.models_table(rows, registry.default_pair(reg), {alias: f["text"] for alias, f in fits.items()})
+        for saved in saved_memories():  # (--memory; deleting the file forgets it)
+            what = f"{saved['model']}, {saved['answers']} answer(s)" if saved["model"] else "damaged"
+            ui.dim(f"memory of answers: {what}, {human_size(saved['bytes'])} ({saved['path']})")
 
 
 def fit_here(alias: str) -> dict:

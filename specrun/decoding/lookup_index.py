@@ -161,6 +161,18 @@ class LookupIndex:
         self._append(tokens, indexed=True)
         self._live_at_end = False
 
+    def history(self) -> np.ndarray:
+        """Return a copy of the history kept: tokens, -1 between stretches (what `restore` takes)."""
+        return self._hist[: self._n].copy()
+
+    def restore(self, history: np.ndarray) -> None:
+        """Index a history as `history` returned it (its stretches apart), after what is kept."""
+        history = np.asarray(history, np.int32)
+        if len(history) and history.min() < _SEPARATOR:
+            raise ValueError("token ids must be >= 0")
+        self._append(history, indexed=True)  # (no n-gram holds a separator, nor follows one)
+        self._live_at_end = False
+
     # --- proposing -----------------------------------------------------------------------------
 
     def propose(self, context: Sequence[int], budget: int, depth: int, token_logp: float = TOKEN_LOGP,

@@ -33,12 +33,17 @@ its per-request cost is a few hash-chain walks (checked 2026-11-25, sdist 0.3.0)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from specrun import paths
 from specrun.decoding.lookup_index import ORDER_WEIGHT, ORDERS, LookupIndex
+from specrun.files import atomic_path
 
 # 2**19 tokens (the answers of ~2,600 requests of 200 tokens): 14.5 MiB of index.
 MEMORY_TOKENS = 1 << 19
@@ -49,6 +54,9 @@ STRONGEST = 8  # a match longer than this weighs no more: it is as good as certa
 HALF_LIFE = 1 << 16  # tokens remembered after an occurrence that halve its weight
 REACH_PER_TOKEN = 2.0  # tokens a match may propose per token matched
 MIN_REACH = 2
+# A saved memory (--memory): this line, one line of JSON (whose model, how many tokens and
+# answers), then the tokens as little-endian int32, -1 between answers.
+MAGIC = b"specrun memory of answers 1\n"
 
 
 class OutputMemory:
@@ -98,3 +106,74 @@ class OutputMemory:
         with self._lock:
             return self.index.match_order(context, at_least)
 
+
+    def save(self, path: Path, model: str) -> None:
+        """Write the memory to `path` atomically (the old file or the whole new one), for `model`
+        (the identity `load` checks). Raises OSError where it cannot be written."""
+        with self._lock:
+            history, answers = self.index.history(), self.answers
+        head = json.dumps({"model": model, "tokens": len(history), "answers": answers}).encode() + b"\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            f.write(MAGIC + head + history.astype("<i4").tobytes())
+
+    def restore(self, path: Path, model: str, n_vocab: int) -> str | None:
+        """Take in the memory `save` wrote to `path` for `model`; return why it was not taken (a
+        corrupt or foreign file: the memory stays as it was), None when it was or no file is there."""
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return f"cannot read {path}: {e.strerror or e}"
+        head_end = raw.find(b"\n", len(MAGIC))
+        try:
+            if not raw.startswith(MAGIC) or head_end < 0:
+                raise ValueError("not a memory file")
+            head = json.loads(raw[len(MAGIC) : head_end])
+            if not isinstance(head, dict):
+                raise ValueError("no header")
+            if head.get("model") != model:
+                return f"ignoring the memory of answers {path}: it was written for {head.get('model')!r}, not this model; starting a fresh one"
+            tokens = np.frombuffer(raw[head_end + 1 :], "<i4")
+            if len(tokens) != head["tokens"] or (len(tokens) and (tokens.min() < -1 or tokens.max() >= n_vocab)):
+                raise ValueError("its tokens are cut short or not this vocabulary's")
+            answers = int(head["answers"])
+        except (ValueError, KeyError, TypeError) as e:
+            return f"ignoring the memory of answers {path}: it is damaged ({e}); starting a fresh one"
+        with self._lock:
+            self.index.restore(tokens)
+            self.answers += answers
+        return None
+
+
+def memory_path(model: str, scope: str | None = None) -> Path:
+    """Where the memory of `model` (an identity: file name, size, vocabulary) is saved, in the
+    cache folder; `scope` keeps one apart (the server's API key: one memory per key)."""
+    digest = hashlib.sha256(f"{model}\0{scope or ''}".encode()).hexdigest()[:16]
+    return paths.memory_dir() / f"{digest}.bin"
+
+
+def memory_note(memory: OutputMemory, path: Path) -> str:
+    """One line on what the memory holds and where it is saved (for --verbose)."""
+    return (f"memory of answers: {memory.answers} answers, {len(memory)} tokens, "
+            f"{memory.nbytes() / 2**20:.1f} MiB in memory ({path})")
+
+
+def saved_memories() -> list[dict]:
+    """The memories saved in the cache folder (--memory): each one's file, model, answers and
+    size, read from its header (a file without one is listed as damaged)."""
+    folder = paths.memory_dir()
+    found = []
+    for path in sorted(folder.glob("*.bin")) if folder.is_dir() else ():
+        entry = {"path": str(path), "bytes": path.stat().st_size, "model": None, "answers": None}
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(MAGIC) + 4096)
+            if head.startswith(MAGIC):
+                fields = json.loads(head[len(MAGIC) :].split(b"\n", 1)[0])
+                entry.update(model=fields.get("model"), answers=fields.get("answers"))
+        except (OSError, ValueError, AttributeError):
+            pass
+        found.append(entry)
+    return found

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_CTX = 4096
@@ -36,6 +36,11 @@ class RunOptions:
     # --parallel: requests decoding together (the server's); None: as many as fit, up to
     # plan.DEFAULT_PARALLEL, at the context one request gets
     parallel: int | None = 1
+    # --memory: the memory of answers (decoding.memory) is loaded from the cache folder at start
+    # and saved there at the end, per target model; `memory_scope` keeps one apart (an API key:
+    # hashed into the file's name, never shown)
+    memory: bool = False
+    memory_scope: str | None = field(default=None, repr=False)
 
     @property
     def lookup_only(self) -> bool:

@@ -14,7 +14,7 @@ from specrun import engine, ui
 from specrun.chat.session import ChatFormat
 from specrun.decoding.batching import Lane, PassGate
 from specrun.decoding.kv import probe_context
-from specrun.decoding.memory import OutputMemory
+from specrun.decoding.memory import OutputMemory, memory_note, memory_path
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.pay import rules
@@ -73,6 +73,7 @@ class Runtime:
             ui.warn(note)
         quiet = self.opts.quiet if self.opts is not None else True
         self._owned: list = []
+        self._memory_file = None  # where the memory of answers is saved (--memory)
         self._chat_format = None
         self.draft = self.draft_ctx = None
         # The target's one-token pass timed at load (with a profile to check), and whether it set
@@ -114,6 +115,8 @@ class Runtime:
         self.n_ctx = plan.target_ctx.n_ctx
         # The answers of every request this runtime serves, read by each request's lookup.
         self.memory = OutputMemory()
+        if self.opts is not None and self.opts.memory:
+            self._load_memory(self.opts.memory_scope)
         try:
             self.decoders = self._decoders(plan)
         except BaseException:
@@ -158,6 +161,27 @@ class Runtime:
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                          lane=lane, draft_lane=draft_lane, together=together, memory=self.memory))
         return decoders
+
+    def _load_memory(self, scope: str | None) -> None:
+        """Take in the target's saved memory of answers (--memory; a corrupt or foreign file is
+        one warning and a fresh memory), and save it there when the runtime closes."""
+        path = self.target.path
+        self._memory_model = f"{path.name}, {path.stat().st_size} bytes, vocabulary {self.target.n_vocab}"
+        self._memory_file = memory_path(self._memory_model, scope)
+        problem = self.memory.restore(self._memory_file, self._memory_model, self.target.n_vocab)
+        if problem:
+            ui.warn(problem)
+        log.info("%s", memory_note(self.memory, self._memory_file))
+
+    def _save_memory(self) -> None:
+        if self._memory_file is None:
+            return
+        try:
+            self.memory.save(self._memory_file, self._memory_model)
+        except OSError as e:
+            ui.warn(f"cannot save the memory of answers to {self._memory_file}: {e.strerror or e}")
+        log.info("%s", memory_note(self.memory, self._memory_file))
+        self._memory_file = None
 
     def _checked(self, plan: Plan, quiet: bool) -> Plan:
         """Time the target's one-token pass (the target is loaded, nothing else yet) and return the
@@ -221,6 +245,7 @@ class Runtime:
             decoder.reset()
 
     def close(self) -> None:
+        self._save_memory()
         for owner in reversed(self._owned):
             owner.close()
         self._owned.clear()
