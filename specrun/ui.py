@@ -113,10 +113,9 @@ def error(message: str) -> None:
 
 def stats_line(stats: dict, prefill: bool = True) -> str:
     """Return the one-line summary shown after an answer."""
-    parts = [
-        f"{stats['n_tokens']} tokens",
-        f"{stats['tokens_per_s']:.1f} tok/s",
-    ]
+    parts = [f"{stats['n_tokens']} tokens"]
+    if stats.get("tokens_per_s") is not None:  # (none for one token: no decoding pass to time)
+        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
     if stats.get("n_passes"):
         parts.append(f"{stats['accepted_per_pass']:.2f} accepted/pass")
     if stats.get("lookup_tokens"):

@@ -249,6 +249,25 @@ def test_seeded_sampling_is_reproducible(client):
     assert sample(1234) == sample(1234)
 
 
+def test_the_speed_of_a_short_answer_is_measured_not_made_up(server, client):
+    """Issue 53: a one-token answer reported tens of thousands of tokens/s (its token comes from the
+    prompt's pass, and only the draw was timed). The speed is that of the decoding passes: none for
+    one token, the second token's pass for two."""
+    messages = [{"role": "user", "content": PROMPT}]
+    one = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=1, temperature=0)
+    timings = one.model_extra["timings"]
+    assert timings["predicted_n"] == 1
+    assert timings["predicted_per_second"] is None and timings["predicted_per_token_ms"] is None
+    logged = server.stderr_lines[_logged(server, one.id)]
+    assert "· 1 tokens ·" in logged and "tok/s" not in logged, logged
+    two = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=2, temperature=0)
+    timings = two.model_extra["timings"]
+    assert timings["predicted_n"] == 2
+    # One pass wrote the second token: about one token over the decoding time (two, counting the first).
+    assert timings["predicted_per_second"] * timings["predicted_ms"] / 1000 < 1.5, timings
+    assert timings["predicted_per_token_ms"] == pytest.approx(1000 / timings["predicted_per_second"], rel=0.01)
+
+
 def test_stop_string_ends_the_answer(client):
     reply = client.completions.create(model=TARGET, prompt="1, 2, 3, 4,", max_tokens=24, temperature=0, stop=[" 7"])
     assert " 7" not in reply.choices[0].text and reply.choices[0].finish_reason == "stop"
@@ -304,6 +323,13 @@ BAD_REQUESTS = {
     "streamed prompt longer than the context": ("/v1/chat/completions", _chat_body("hello " * 2000, stream=True),
                                                 400, "messages"),
     "body too large": ("/v1/chat/completions", _chat_body(BIG), 413, None),
+    # Issue 53: booleans are JSON's true and false only, as in the OpenAI API ("yes" was read as true).
+    "stream as a string": ("/v1/chat/completions", _chat_body(stream="yes"), 400, "stream"),
+    "include_usage as a number": ("/v1/chat/completions", _chat_body(stream=True, stream_options={"include_usage": 1}),
+                                  400, "stream_options"),
+    "chat logprobs as a string": ("/v1/chat/completions", _chat_body(logprobs="true"), 400, "logprobs"),
+    "parse_special as a string": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "parse_special": "false"},
+                                  400, "parse_special"),
 }
 
 
@@ -321,6 +347,8 @@ def test_bad_request_is_refused_and_server_keeps_serving(server, case):
         assert "Traceback" not in response.text
         if param is not None:
             assert error["param"] == param, error
+        if case.endswith(("as a string", "as a number")):
+            assert "must be true or false" in error["message"] and error["message"].startswith(param), error
         assert http.post("/v1/chat/completions", json=_chat_body(max_tokens=2)).status_code == 200
 
 
@@ -439,10 +467,43 @@ def test_a_whole_answer_stops_when_its_client_gives_up(fast_server, route):
     lines = fast_server.stderr_lines[start:_logged(fast_server, reply.id, start)]
     left = next(line for line in lines if re.match(r"(chatcmpl|cmpl|ollama)-\w+: prompt", line))
     assert left.endswith("cancelled"), left
+    # Issue 53: the refusal's log line says why (it had an empty reason).
+    refusal = fast_server.stderr_lines[_logged(fast_server, f"POST {route} refused with 499", start)]
+    assert refusal.endswith("refused with 499: client disconnected before the answer was sent"), refusal
     generated, rate = re.search(r"· (\d+) tokens · ([\d.]+) tok/s", left).groups()
     assert int(generated) < LONG
     # The whole answer would have taken LONG / rate seconds; the second request waited for a small part of it.
     assert queue_s < LONG / float(rate) / 4, (queue_s, left)
+
+
+# More tokens than fast_server's 8192-token context.
+OVER_CONTEXT = "hello " * 12_000
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/api/generate"])
+def test_a_prompt_over_the_context_is_refused_on_arrival(fast_server, route):
+    """Issue 53: a prompt that cannot fit is refused when it arrives, with the same 400, not after
+    the answers before it (it waited 55 s under load)."""
+    long_body = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+                 "max_tokens": LONG, "temperature": 0, "stream": True}
+    over = {"model": TARGET, "prompt": OVER_CONTEXT, "stream": False} if route.startswith("/api/") else \
+        {"messages": [{"role": "user", "content": OVER_CONTEXT}], "max_tokens": 4}
+    with httpx.Client(base_url=fast_server.url, timeout=300) as http:
+        with http.stream("POST", "/v1/chat/completions", json=long_body) as streaming:
+            lines = streaming.iter_lines()  # (kept: a lines iterator let go of closes the connection)
+            first = next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+            long_id = json.loads(first.removeprefix("data: "))["id"]  # the long answer runs
+            refused = http.post(route, json=over)
+        # Leaving the block closed the long answer's connection: it is cancelled at its next step.
+    assert refused.status_code == 400, refused.text
+    if route.startswith("/api/"):
+        assert "context" in refused.json()["error"]
+    else:
+        error = refused.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "messages", error
+    # A refusal that waited for its turn would have come after the long answer ran to its end.
+    logged = fast_server.stderr_lines[_logged(fast_server, long_id)]
+    assert logged.endswith("cancelled"), logged
 
 
 ADA = [{"role": "user", "content": "Describe a person named Ada in a few sentences."}]
@@ -516,7 +577,12 @@ def _free_port() -> int:
 
 def _health_until_ready(url: str, proc: subprocess.Popen) -> set:
     """Poll /health from the moment the port opens until it says ok; return what it answered."""
-    seen = set()
+    return set(_health_polls(url, proc))
+
+
+def _health_polls(url: str, proc: subprocess.Popen) -> list:
+    """Poll /health from the moment the port opens until it says ok; return each answer."""
+    seen = []
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -524,11 +590,11 @@ def _health_until_ready(url: str, proc: subprocess.Popen) -> set:
         except httpx.TransportError:
             time.sleep(0.05)
             continue
-        seen.add((response.status_code, response.json()["status"]))
+        seen.append((response.status_code, response.json()["status"]))
         if response.status_code == 200:
             return seen
         time.sleep(0.05)
-    pytest.fail(f"/health never said ok; answers: {seen}", pytrace=False)
+    pytest.fail(f"/health never said ok; answers: {set(seen)}", pytrace=False)
 
 
 def _wait_until_queued(url: str, n: int) -> None:
@@ -542,9 +608,13 @@ def test_queue_full_then_sigterm_ends_answer_and_exits_0(offline_models, tmp_pat
     port = _free_port()
     srv = ServerProcess(tmp_path, "--queue-size", "1", "--parallel", "1", port=port)
     try:
-        answers = _health_until_ready(f"http://127.0.0.1:{port}", srv.proc)
-        assert answers <= {(503, "loading"), (200, "ok")}
+        polls = _health_polls(f"http://127.0.0.1:{port}", srv.proc)
+        assert set(polls) <= {(503, "loading"), (200, "ok")}
         url = srv.wait_ready()
+        # Issue 53: the polls while loading are logged once, with the state (a line each before, no reason).
+        assert polls.count((503, "loading")) >= 2, polls
+        health_lines = [line for line in srv.stderr_lines if "/health" in line]
+        assert len(health_lines) == 1 and 'answered 503, status "loading"' in health_lines[0], health_lines
         long_body = _chat_body("Write a very long story about a dragon.", max_tokens=800, temperature=0, stream=True)
         waiting: dict = {}
         with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/chat/completions", json=long_body) as streaming:
@@ -609,7 +679,7 @@ class _BrokenWorker:
     queued = 0
     alive = True
 
-    def submit(self, job):
+    async def admit(self, job):
         raise RuntimeError("boom")
 
 

@@ -125,6 +125,20 @@ def test_ollama_errors_are_ollamas_shape(server, olm):
     assert unauthorised.value.status_code == 401
 
 
+@pytest.mark.parametrize("route, field, value", [
+    ("/api/generate", "stream", "false"), ("/api/generate", "raw", "yes"), ("/api/chat", "stream", 0),
+    ("/api/chat", "think", "yes"),
+])
+def test_ollama_booleans_are_true_or_false(server, route, field, value):
+    """Issue 53: pydantic's lax booleans read "yes", "false" or 0 as booleans; Ollama refuses them."""
+    body = {"model": TARGET, "stream": False, field: value}
+    body.update({"prompt": PROMPT} if route == "/api/generate" else {"messages": [{"role": "user", "content": PROMPT}]})
+    with _http(server) as http:
+        response = http.post(route, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"].startswith(f"{field}: must be true"), response.json()
+
+
 # ---------------------------------------------------------------------------------------------
 # Request ids and logged refusals
 

@@ -62,7 +62,7 @@ class PlainDecoder:
             tie = near_tie(row, token) if params.greedy else None
             # llama.cpp's time for the pass, not the wait for other requests' batches
             step = Step([token], target_s=self.lane.pass_s if i else t1 - t0,
-                        total_s=time.perf_counter() - t0, shared=self.lane.shared if i else 1)
+                        total_s=time.perf_counter() - t0, shared=self.lane.shared if i else 1, from_prompt=not i)
             if tie is not None:
                 step.near_ties = (tie,)
             if params.logprobs is not None:

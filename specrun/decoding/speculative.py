@@ -107,6 +107,7 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         rules = PathRules.of(params)
         step = _first_step(self.cache.logits, params, rng, rules)
+        step.from_prompt = True
         pending = step.tokens[0]
         step.total_s = time.perf_counter() - t_start
         stats.steps.append(step)

@@ -30,6 +30,9 @@ class Step:
     lookup_tokens: int = 0  # of those, how many came from text lookup rather than the draft model
     forced_tokens: int = 0  # of those, how many a grammar forced (free drafts: nobody proposed them)
     shared: int = 1  # requests whose tokens the step's target pass held (decoding.batching; 1: this one's alone)
+    # The first step of a generation: its token comes from the prompt's last row, whose pass is the
+    # prefill's (prefill_s), so its time is the draw's alone and says nothing of decoding speed.
+    from_prompt: bool = False
     # Greedy: the tokens chosen at a near-tie (core.sampling.near_tie; `at`: index in `tokens`).
     near_ties: tuple[NearTie, ...] = ()
     # One per token when the request asked for log-probs (params.logprobs), else None.
@@ -62,8 +65,15 @@ class GenerationStats:
         return len(self.steps)
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.n_generated / self.decode_s if self.decode_s > 0 else 0.0
+    def tokens_per_s(self) -> float | None:
+        """Return the decoding speed: the tokens that decoding passes wrote over the time they took
+        (the first token comes from the prompt's pass, timed as prefill: counted with it, a
+        one-token answer ran at tens of thousands of tokens/s); None where no decoding pass wrote one
+        (an answer of one token or none)."""
+        decoded = [step for step in self.steps if not step.from_prompt]
+        n_tokens = sum(len(step.tokens) for step in decoded)
+        seconds = sum(step.total_s for step in decoded)
+        return n_tokens / seconds if n_tokens and seconds > 0 else None
 
     @property
     def accepted_per_pass(self) -> float:
@@ -83,12 +93,13 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         target_s, draft_s, overhead_s = self.total("target_s"), self.total("draft_s"), self.total("overhead_s")
+        rate = self.tokens_per_s
         return {
             "n_prompt": self.n_prompt,
             "n_prefilled": self.n_prefilled,
             "n_tokens": self.n_generated,
             "n_passes": self.n_passes,
-            "tokens_per_s": round(self.tokens_per_s, 3),
+            "tokens_per_s": None if rate is None else round(rate, 3),
             "accepted_per_pass": round(self.accepted_per_pass, 3),
             "lookup_tokens": int(self.total("lookup_tokens")),
             "forced_tokens": int(self.total("forced_tokens")),

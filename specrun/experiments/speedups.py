@@ -133,12 +133,13 @@ def _outputs(runs: list[Run]) -> list[list[int]]:
 def _workload_row(workload: str, mode: str, tree: TreePlan | None, runs: list[Run], plain_runs: list[Run]) -> dict:
     stats, plain = merged(runs), merged(plain_runs)
     counts = stats.as_dict()
+    rate, plain_rate = stats.tokens_per_s or 0.0, plain.tokens_per_s or 0.0  # (None: no token after a first)
     return {
         "workload": workload,
         "mode": mode,
         "tree": tree.describe() if tree is not None else "plain decoding",
-        "tokens_per_s": round(stats.tokens_per_s, 2),
-        "ratio_to_plain": round(stats.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else 0.0,
+        "tokens_per_s": round(rate, 2),
+        "ratio_to_plain": round(rate / plain_rate, 3) if plain_rate else 0.0,
         "accepted_per_pass": round(stats.accepted_per_pass, 3),
         "lookup_share": round(counts["lookup_tokens"] / stats.n_generated, 3) if stats.n_generated else 0.0,
         "lookup_tokens": counts["lookup_tokens"],
@@ -150,6 +151,7 @@ def _workload_row(workload: str, mode: str, tree: TreePlan | None, runs: list[Ru
 
 def _budget_row(label: str, tree: TreePlan, stats, plain, identical: bool) -> dict:
     shape = tree.shape
+    rate, plain_rate = stats.tokens_per_s or 0.0, plain.tokens_per_s or 0.0  # (None: no token after a first)
     return {
         "config": label,
         "tree": tree.describe(),
@@ -157,9 +159,9 @@ def _budget_row(label: str, tree: TreePlan, stats, plain, identical: bool) -> di
         "depth": shape.depth,
         "width": shape.width,
         "top_k": shape.top_k,
-        "plain_tokens_per_s": round(plain.tokens_per_s, 2),
-        "spec_tokens_per_s": round(stats.tokens_per_s, 2),
-        "speedup": round(stats.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else 0.0,
+        "plain_tokens_per_s": round(plain_rate, 2),
+        "spec_tokens_per_s": round(rate, 2),
+        "speedup": round(rate / plain_rate, 3) if plain_rate else 0.0,
         "accepted_per_pass": round(stats.accepted_per_pass, 3),
         "overhead_fraction": round(stats.total("overhead_s") / stats.decode_s, 4) if stats.decode_s else 0.0,
         "identical_output": identical,

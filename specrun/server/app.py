@@ -1,9 +1,10 @@
 """The HTTP routes: /health, /v1/models, /v1/chat/completions, /v1/completions.
 
 Routes validate a request, hand it to the generation worker as a Job and turn the worker's events
-into a JSON answer or a server-sent-event stream. A response's status is decided when the job's
-turn comes (its prompt is tokenized and checked against the context then), so even a streamed
-request gets a proper 400 for a prompt that does not fit (or a grammar whose first step fails).
+into a JSON answer or a server-sent-event stream. The worker reads the job's prompt when it
+arrives, so a prompt that does not fit the context is a 400 at once, before it waits for its turn;
+the rest of a response's status is decided when the turn comes, so even a streamed request gets a
+proper 400 for a grammar whose first step fails.
 Every error, including a bug, is answered as a JSON error in the shape of the route's API
 (OpenAI's, or Ollama's under /api/); the server keeps serving. An error after a stream began
 (a grammar llguidance gives up on mid-answer) is the stream's last event.
@@ -31,6 +32,7 @@ from specrun.server.jobs import (
     Piece,
     Started,
     TextPrompt,
+    disconnected,
 )
 from specrun.server.ollama import add_ollama_routes
 from specrun.server.requestlog import RequestLog
@@ -298,12 +300,12 @@ async def _answer(request: Request, worker: QueueWorker, body: GenerationRequest
                   constraint: Constraint | None) -> Response:
     field = {} if constraint is None else {"constraint_field": constraint.field}
     job = Job(envelope.id, prompt, body.request(constraint), asyncio.get_running_loop(), **field)
-    worker.submit(job)
+    await worker.admit(job)  # its prompt read and checked now; a 400 or 503 raises here
     events = EventReader(request, job)
     try:
-        started = await events.next()  # waits for the job's turn; an unusable prompt raises here
+        started = await events.next()  # waits for the job's turn; a grammar that cannot start raises here
     except ClientGone:
-        return Response(status_code=499)  # nobody reads it
+        raise disconnected() from None  # nobody reads it: the status and reason are for the log
     headers = _limit_headers(started)
     headers["X-Queue-Position"] = str(job.ahead)
     if body.streaming:
@@ -313,7 +315,7 @@ async def _answer(request: Request, worker: QueueWorker, body: GenerationRequest
     try:
         answer = await events.rest(logprobs=job.request.logprobs is not None)
     except ClientGone:
-        return Response(status_code=499)
+        raise disconnected() from None
     finished = answer.finished
     whole = envelope.whole(answer.text, finished.finish_reason, started, finished.n_generated, finished.stats,
                            reasoning=answer.reasoning, logprobs=answer.logprobs, tool_calls=finished.tool_calls)

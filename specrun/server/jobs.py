@@ -1,8 +1,9 @@
 """A request on its way to the generation worker, and the events the worker sends back.
 
 The asyncio side creates a `Job` and reads its events from `Job.events`; the worker thread puts
-them there with `loop.call_soon_threadsafe`. A job gets `Started` when its turn comes and its
-prompt fits, then `Piece`s of text, then `Finished`; or `Failed` at any point.
+them there with `loop.call_soon_threadsafe`. A job's prompt is read (`ReadPrompt`) and checked
+when it arrives; it gets `Started` when its turn comes, then `Piece`s of text, then `Finished`;
+or `Failed` at any point.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from specrun.decoding.steps import GenerationStats
-from specrun.runtime.request import Request
+from specrun.runtime.request import Request, ToolUse
 from specrun.server.schemas import APIError
 
 # A request waiting for its turn (or the worker waiting for one) looks at the stop flag this often.
@@ -39,6 +40,17 @@ class TextPrompt:
     text: str | None = None
     token_ids: list[int] | None = None
     parse_special: bool = True
+
+
+@dataclass(frozen=True)
+class ReadPrompt:
+    """A job's prompt as the model reads it, checked against the context (by the worker, when the
+    job arrives: server.worker)."""
+
+    tokens: list[int]
+    rendered: str | None  # a chat's text as the template rendered it (None: a raw prompt)
+    max_tokens: int  # the limit in force: the request's, capped by the room the prompt leaves
+    tools: ToolUse | None = None  # the tools the answer may call, as the model writes calls
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,7 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     ahead: int = 0  # requests before it when it arrived (the one being answered included)
     started_at: float = 0.0  # when its turn came (perf_counter)
+    read: ReadPrompt | None = None  # its prompt, read on arrival (None: read when its turn comes)
 
     def emit(self, event) -> None:
         """Hand an event to the request's coroutine (called from the worker thread)."""
@@ -176,6 +189,12 @@ class EventReader:
                     return Answer(text, "".join(thoughts), entries, event)
         finally:
             self.job.cancel.set()  # a no-op once finished; stops the worker when the caller is cancelled
+
+
+def disconnected() -> APIError:
+    """Return the error a request whose client left before its answer ends with (nobody reads it:
+    the status and message are for the log)."""
+    return APIError(499, "client disconnected before the answer was sent", code="client_disconnected")
 
 
 def shutting_down() -> APIError:

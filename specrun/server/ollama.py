@@ -25,12 +25,22 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from specrun.chat import reasoning
 from specrun.chat.tools import tool_format
 from specrun.runtime.request import Request as RunRequest  # (Request: the HTTP one)
-from specrun.server.jobs import ChatPrompt, ClientGone, EventReader, Finished, Job, Piece, Started, TextPrompt
+from specrun.server.jobs import (
+    ChatPrompt,
+    ClientGone,
+    EventReader,
+    Finished,
+    Job,
+    Piece,
+    Started,
+    TextPrompt,
+    disconnected,
+)
 from specrun.server.responses import new_id
 from specrun.server.schemas import APIError, Message, ResponseFormat, Tool, checked, parse_body
 from specrun.server.worker import ModelInfo, QueueWorker
@@ -39,6 +49,8 @@ from specrun.server.worker import ModelInfo, QueueWorker
 OLLAMA_API_VERSION = "0.12.0"
 # Ollama's sampling defaults, for requests that set no option.
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0}
+# The levels `think` may name besides true and false (gpt-oss's reasoning effort), as Ollama takes them.
+THINK_LEVELS = ("high", "medium", "low")
 # num_predict: -1 generates until the model stops, -2 until the context is full.
 UNLIMITED = (-1, -2)
 _QUANT = re.compile(r"(?:^|[-_.])(I?Q\d[A-Z0-9_]*|F16|F32|BF16)(?:[-_.]|$)", re.IGNORECASE)
@@ -80,11 +92,18 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = ""
-    stream: bool = True
+    stream: StrictBool = True  # true or false only, as Ollama reads it (pydantic's lax bool takes "yes")
     options: Options = Field(default_factory=Options)
     format: Any = None
     think: bool | str | None = None
     keep_alive: Any = None
+
+    @field_validator("think", mode="before")
+    @classmethod
+    def _think(cls, value: Any) -> Any:
+        if value is None or isinstance(value, bool) or value in THINK_LEVELS:
+            return value
+        raise ValueError('must be true, false, "high", "medium" or "low"')
 
     @field_validator("format")
     @classmethod
@@ -148,7 +167,7 @@ class ChatBody(_Request):
 class GenerateBody(_Request):
     prompt: str = ""
     system: str | None = None
-    raw: bool = False
+    raw: StrictBool = False
     suffix: str | None = None
     template: str | None = None
     context: list[int] | None = None
@@ -289,12 +308,12 @@ async def _answer(request: Request, worker: QueueWorker, body: _Request, prompt,
     t0 = time.perf_counter()
     options = body.options
     job = Job(new_id("ollama"), prompt, options.request(body.json_schema()), asyncio.get_running_loop())
-    worker.submit(job)
+    await worker.admit(job)  # its prompt read and checked now; a 400 or 503 raises here
     events = EventReader(request, job)
     try:
         started = await events.next()
     except ClientGone:
-        return Response(status_code=499)
+        raise disconnected() from None
     headers = {"X-Queue-Position": str(job.ahead)}
     if body.stream:
         return StreamingResponse(_lines(events, started, info, chat, t0), media_type="application/x-ndjson",
@@ -302,7 +321,7 @@ async def _answer(request: Request, worker: QueueWorker, body: _Request, prompt,
     try:
         answer = await events.rest()
     except ClientGone:
-        return Response(status_code=499)
+        raise disconnected() from None
     text, calls = _calls_apart(answer.text, answer.finished.tool_calls)
     return JSONResponse(_piece(info, chat, text, answer.reasoning.strip(), done=True, tool_calls=calls,
                                **_final_fields(started, answer.finished, t0)),

@@ -49,6 +49,7 @@ def timings(started: Started, stats: GenerationStats) -> dict:
     """Return the request's timings, as llama.cpp's server names them, plus specrun's acceptance figures."""
     prompt_n = started.n_prompt - started.n_cached  # tokens that had to be evaluated
     predicted_n = stats.n_generated
+    rate = stats.tokens_per_s
     return {
         "queue_ms": round(started.queue_s * 1000, 3),  # waiting for the turn, before the prompt
         "cache_n": started.n_cached,
@@ -58,8 +59,10 @@ def timings(started: Started, stats: GenerationStats) -> dict:
         "prompt_per_second": _rate(prompt_n, stats.prefill_s),
         "predicted_n": predicted_n,
         "predicted_ms": round(stats.decode_s * 1000, 3),
-        "predicted_per_token_ms": _per_token_ms(predicted_n, stats.decode_s),
-        "predicted_per_second": _rate(predicted_n, stats.decode_s),
+        # The decoding speed, over the tokens after the first (whose pass is the prompt's); null
+        # for an answer of fewer than two tokens, whose speed no decoding pass measured.
+        "predicted_per_token_ms": None if rate is None else round(1000 / rate, 3),
+        "predicted_per_second": None if rate is None else round(rate, 2),
         # Proposed tokens the target checked, and those it kept (tree nodes on the accepted paths);
         # of the kept ones, how many came from text lookup rather than the draft model.
         "draft_n": sum(step.tree_nodes for step in stats.steps),

@@ -5,6 +5,8 @@ change the answer in a way specrun cannot honour (n > 1, echo, suffix, best_of, 
 `functions`) are refused with a 400 that says so rather than silently dropped
 (`refuse_unsupported`). Log-probabilities, penalties, logit_bias, response_format (and llama.cpp's
 server's `json_schema` and `grammar` fields) and tools are served, exactly under speculation.
+Boolean fields take JSON's true and false only (StrictBool), as the OpenAI API does: pydantic's
+lax mode would read "yes", "false", 1 or "off" as booleans.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from specrun.chat import reasoning
 from specrun.core.sampling import MAX_TOP_LOGPROBS
@@ -85,9 +87,20 @@ def validation_error(errors: list[dict]) -> APIError:
     if not loc and first.get("type") == "missing":
         return APIError(400, "the request needs a JSON object as its body", code="invalid_body")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "bool_type":  # a StrictBool given anything but true or false
+        message = f"must be true or false, got {_json_excerpt(first.get('input'))}"
     where = _dotted(loc)
     return APIError(400, f"{where}: {message}" if where else message, param=str(loc[0]) if loc else None,
                     code="invalid_value")
+
+
+def _json_excerpt(value: Any) -> str:
+    """Return a value as JSON writes it, cut short for an error message."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
@@ -115,7 +128,7 @@ def _dotted(loc: list) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 def _text_of(content: Any, required: bool) -> str:
@@ -185,7 +198,7 @@ class Function(BaseModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(BaseModel):
@@ -273,7 +286,7 @@ class GenerationRequest(BaseModel):
     seed: int | None = None
     stop: Any = Field(default=None, validate_default=True)
     n: int | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None  # chat: true/false; completions: how many alternatives
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -383,7 +396,7 @@ class JSONSchemaFormat(BaseModel):
 
     name: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -441,13 +454,13 @@ class ChatRequest(GenerationRequest):
         return kwargs
     tools: list[Tool] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", mode="before")  # before: the lax bool would read "true" or "yes" as true
     @classmethod
     def _chat_logprobs(cls, logprobs):
         if logprobs is not None and not isinstance(logprobs, bool):
-            raise ValueError("logprobs must be true or false (top_logprobs says how many alternatives)")
+            raise ValueError("must be true or false (top_logprobs says how many alternatives)")
         return logprobs
 
     def token_limit(self) -> int | None:
@@ -460,10 +473,17 @@ class ChatRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     prompt: Any
     # Special-token text in a raw prompt becomes special tokens, as in llama.cpp's server; false: plain text.
-    parse_special: bool = True
+    parse_special: StrictBool = True
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
+
+    @field_validator("logprobs", mode="before")  # before: the lax bool would read "true" or "yes" as true
+    @classmethod
+    def _completion_logprobs(cls, logprobs):
+        if logprobs is not None and not isinstance(logprobs, (bool, int)):
+            raise ValueError("must be how many alternatives to report (a whole number)")
+        return logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -23,11 +23,15 @@ half a step behind, empties the caches.
 
 Fairness: /health and /v1/models never touch the worker, a job records when it was queued and
 how many were ahead (X-Queue-Position, timings.queue_ms); a cancelled job leaves its lane at its
-next step, and the others' passes go on without it.
+next step, and the others' passes go on without it. A job's prompt is rendered, tokenized and
+checked against the context when it arrives (`admit`, in a thread beside the answers decoding:
+llama.cpp tokenizes from any thread), so a prompt that cannot fit is a 400 at once, not when its
+turn comes behind the answers before it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import queue
@@ -57,6 +61,7 @@ from specrun.server.jobs import (
     Finished,
     Job,
     Piece,
+    ReadPrompt,
     Started,
     TextPrompt,
     shutting_down,
@@ -124,21 +129,42 @@ class QueueWorker:
     def start(self) -> None:
         self._thread.start()
 
+    async def admit(self, job: Job) -> None:
+        """Read the job's prompt and queue the job; raise what refuses it at once: a 503 as submit
+        does, or the 400 of a prompt that cannot be answered (one that does not fit the context)."""
+        self._refuse_now()
+        await self._read_on_arrival(job)
+        job.queued_at = time.perf_counter()  # its wait for its turn starts now
+        self.submit(job)
+
     def submit(self, job: Job) -> None:
         """Queue a job, or raise a 503 (loading, stopping, queue full) that says when to retry."""
+        self._refuse_now()
+        try:
+            job.ahead = self._jobs.qsize() + (len(self._active) >= self.parallel)
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise self._busy() from None
+
+    def _refuse_now(self) -> None:
+        """Raise the 503 a new job gets now (loading, stopping, the worker gone, the queue full), if any."""
         if self.state == "loading":
             raise loading()
         if self.state != "ready":
             raise shutting_down()
         if not self.alive:
             raise worker_gone()
-        try:
-            job.ahead = self._jobs.qsize() + (len(self._active) >= self.parallel)
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            wait = self.retry_after_s()
-            raise APIError(503, f"the server is busy ({self._jobs.maxsize} requests waiting); retry in {wait} s",
-                           code="queue_full", headers={"Retry-After": str(wait)}) from None
+        if self._jobs.full():
+            raise self._busy()
+
+    def _busy(self) -> APIError:
+        wait = self.retry_after_s()
+        return APIError(503, f"the server is busy ({self._jobs.maxsize} requests waiting); retry in {wait} s",
+                        code="queue_full", headers={"Retry-After": str(wait)})
+
+    async def _read_on_arrival(self, job: Job) -> None:
+        """Read and check the job's prompt before it is queued (here: not at all; _serve reads it at
+        the job's turn, as a worker whose models live in another process must)."""
 
     def ready_model(self) -> ModelInfo:
         """Return what is loaded, or raise a 503 while it is still loading."""
@@ -255,6 +281,11 @@ class GenerationWorker(QueueWorker):
         self._memory = ConversationMemory()
         self._lock = threading.Lock()  # the conversation memory, between jobs' threads
         self._pool: DecoderPool | None = None  # the decoders no job is using
+        # Prompts being read on arrival, in the event loop's threads: the models stay loaded until
+        # they are read (_unload waits for them), and none starts once they are being let go.
+        self._reading = threading.Condition()
+        self._n_reading = 0
+        self._unloading = False
 
     def _load(self) -> str:
         rt = Runtime(self.opts)
@@ -282,7 +313,39 @@ class GenerationWorker(QueueWorker):
         return describe(rt)
 
     def _unload(self) -> None:
+        with self._reading:
+            self._unloading = True
+            self._reading.wait_for(lambda: self._n_reading == 0)
         self.runtime.close()
+
+    async def _read_on_arrival(self, job: Job) -> None:
+        # In a thread: rendering and tokenizing a long prompt takes a while, and the event loop
+        # answers every other request meanwhile.
+        job.read = await asyncio.to_thread(self._read_arriving, job)
+
+    def _read_arriving(self, job: Job) -> ReadPrompt:
+        with self._reading:
+            if self._unloading:
+                raise shutting_down()
+            self._n_reading += 1
+        try:
+            return self._read(job)
+        except SpecrunError as e:  # (a template that refuses the conversation, ...)
+            raise _refusal(e) from None
+        finally:
+            with self._reading:
+                self._n_reading -= 1
+                self._reading.notify_all()
+
+    def _read(self, job: Job) -> ReadPrompt:
+        """Return the job's prompt as the model reads it, with the limit on its answer; raise the 400
+        of a prompt that cannot be answered (tools the template cannot take, a prompt that does not
+        fit the context)."""
+        tools = self._tools(job.prompt)
+        tokens, rendered = self._prompt_tokens(job.prompt)
+        param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
+        limit = token_budget(len(tokens), self.runtime.n_ctx, job.request.max_tokens, param)
+        return ReadPrompt(tokens, rendered, limit, tools)
 
     def _serve(self, job: Job) -> None:
         """Answer one job; whatever goes wrong becomes a Failed event, and the worker goes on."""
@@ -295,7 +358,7 @@ class GenerationWorker(QueueWorker):
             # The failure may have hit inside a decoder step: start its caches afresh.
             self._reset(lease.decoder)
             if isinstance(e, SpecrunError):
-                job.emit(Failed(APIError(400 if getattr(e, "exit_code", 1) == 2 else 500, str(e))))
+                job.emit(Failed(_refusal(e)))
             else:
                 log.exception("request %s failed", job.id)
                 job.emit(Failed(APIError(500, f"internal error ({type(e).__name__}); the server logged it")))
@@ -314,15 +377,13 @@ class GenerationWorker(QueueWorker):
 
     def _answer(self, job: Job, lease: Lease) -> None:
         rt = self.runtime
-        tools = self._tools(job.prompt)
-        prompt, rendered = self._prompt_tokens(job.prompt)
+        read = job.read or self._read(job)  # read on arrival, or now (a job relayed from another process)
+        prompt, rendered, limit, tools = read.tokens, read.rendered, read.max_tokens, read.tools
         parser = None
         if rendered is not None:
             parser = reasoning.parser_for(rt.chat_format.template, rendered,
                                           job.prompt.reasoning_format or self.chat.reasoning_format)
-        param = "messages" if isinstance(job.prompt, ChatPrompt) else "prompt"
         asked = job.request.max_tokens
-        limit = token_budget(len(prompt), rt.n_ctx, asked, param)
         params, shaped_by = self._params(job, tools)
         # Last: from here on the other requests' passes wait for this one's first (runtime.pool).
         decoder = lease.take(prompt)
@@ -458,6 +519,11 @@ def describe(rt: Runtime) -> str:
     return f"specrun serve: {rt.models.target_name} {rt.drafting()}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
 
 
+def _refusal(error: SpecrunError) -> APIError:
+    """Return a request's error as its answer: a 400 for what the request asked (a usage error), a 500 otherwise."""
+    return APIError(400 if getattr(error, "exit_code", 1) == 2 else 500, str(error))
+
+
 def loading() -> APIError:
     return APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
 
@@ -493,8 +559,9 @@ def _model_info(rt: Runtime) -> ModelInfo:
 
 def _log_job(job: Job, started: Started, stats: GenerationStats, finish: str) -> None:
     """One stderr line per answered request: prompt reuse, speed, acceptance, how it ended."""
-    line = (f"{job.id}: prompt {started.n_prompt} tokens ({started.n_cached} cached) · "
-            f"{stats.n_generated} tokens · {stats.tokens_per_s:.1f} tok/s")
+    line = f"{job.id}: prompt {started.n_prompt} tokens ({started.n_cached} cached) · {stats.n_generated} tokens"
+    if stats.tokens_per_s is not None:  # (none for one token: no decoding pass to time)
+        line += f" · {stats.tokens_per_s:.1f} tok/s"
     if stats.n_passes:
         line += f" · {stats.accepted_per_pass:.2f} accepted/pass"
     ui.dim(f"{line} · {finish}")

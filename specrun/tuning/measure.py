@@ -206,7 +206,7 @@ def measure_plain(model, ctx, prompt: Sequence[int], n_tokens: int = 16) -> Plai
     return PlainTiming(
         target_s=statistics.median(s.target_s for s in steps),
         overhead_s=statistics.median(s.overhead_s for s in steps),
-        tokens_per_s=decoder.stats.tokens_per_s,
+        tokens_per_s=decoder.stats.tokens_per_s or 0.0,
     )
 
 
