@@ -7,6 +7,7 @@ deselect with -m "not slow").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -220,11 +221,16 @@ def test_plot_is_a_png(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_tune_of_the_demo_pair(offline_models, capsys):
-    """`specrun tune --quick --json` on the demo pair at the default thread count (~3 min). How
-    long it takes is for docs/benchmarks.md to say, not for a timed assertion on a machine of
-    unknown speed: its phases have time budgets (the runner's deadlines and the per-workload
-    check's, tested in test_experiments and below)."""
+def test_quick_tune_of_the_demo_pair(offline_models, capsys, monkeypatch):
+    """`specrun tune --quick --json` on the demo pair at the default thread count: --quick's trees,
+    prompts and token counts, on a fifth of its time budgets (about a minute rather than three:
+    the budgets only say when no further prompt starts, and their deadlines are tested in
+    test_experiments and below). How long the real --quick takes is for docs/tuning.md to say,
+    not for a timed assertion on a machine of unknown speed."""
+    quick = tune_command.QUICK
+    monkeypatch.setattr(tune_command, "QUICK", dataclasses.replace(
+        quick, curve_seconds=quick.curve_seconds / 5, calibration_seconds=quick.calibration_seconds / 5,
+        check_seconds=quick.check_seconds / 5, workload_seconds=quick.workload_seconds / 5))
     tune_command.run_tune(RunOptions(quiet=True), quick=True, show=False, as_json=True, plot=None)
     profile = json.loads(capsys.readouterr().out)
 
