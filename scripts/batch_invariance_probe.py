@@ -1,0 +1,304 @@
+"""Which shapes of a pass change a token's logits, and in which op: the batch-invariance probe.
+
+For each model, a prompt is prefilled and a continuation of 128 tokens is scored in several pass
+shapes; every row is compared with plain decoding's (one token a pass, cells in order):
+- `chain16` / `chain128`: the continuation in passes of 16 or 128 tokens (a tree's or a chain's
+  verify pass, a prompt's chunk);
+- `beside`: each token in a one-token step that also holds another request's 15 tokens (a server
+  pass of several requests);
+- `scattered`: one-token passes whose cells lie out of order (a tree step's rejected branches left
+  holes that later tokens filled, as speculative decoding leaves the cache);
+- `tree`: each token the first of 16 siblings in one pass (a tree of width 16, depth 1).
+Then, for the first token where a shape differs, `--ops` follows the token's row through every
+named op of the graph (llama.cpp's eval callback) and prints the first op whose output differs.
+
+Usage (repository root; the offline models as the tests prepare them):
+    python scripts/batch_invariance_probe.py                       # the four offline models
+    python scripts/batch_invariance_probe.py --models smollm2-135m-f32 --ops
+    python scripts/batch_invariance_probe.py --no-repack --flash-attn off
+Prints one table row per model and shape: the largest |logit difference| against plain decoding
+over the 128 rows, how many rows differ at all, how many greedy choices change, and the widest
+top-two gap of plain decoding that a changed choice crossed (what a near-tie threshold must cover).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specrun import engine, sysinfo  # noqa: E402
+from specrun.engine import Batch  # noqa: E402
+from specrun.engine import backend as engine_backend  # noqa: E402
+from specrun.engine.devices import system_info  # noqa: E402
+from specrun.models import hub, registry  # noqa: E402
+
+PROMPT = ("<|im_start|>user\nExplain in a few paragraphs how a bicycle stays upright, and why riders "
+          "lean into corners.<|im_end|>\n<|im_start|>assistant\n")
+CONTINUATION = ("A bicycle stays upright mostly because the rider steers it back under its own centre of mass. "
+                "When the bike starts to fall to one side, the front wheel turns toward that side, which moves "
+                "the contact patch under the falling mass and rights it again. The geometry of the fork, called "
+                "trail, makes the wheel turn by itself in the right direction, so even a riderless bicycle rolling "
+                "fast enough keeps its balance for a while. Gyroscopic effects of the wheels help a little, but "
+                "experiments with counter-spinning wheels show they are not needed. In a corner, gravity pulls the "
+                "rider down while the turn pulls the tyres outward, and leaning balances the two forces.")
+MODELS = ("smollm2-135m-f32", "smollm2-135m-q4", "gemma3-270m-f32", "gemma3-270m-q4")
+N_CONT = 128
+
+
+class GgmlTensor(ctypes.Structure):
+    """ggml.h's struct ggml_tensor of the pinned llama.cpp (GGML_MAX_DIMS 4, GGML_MAX_SRC 10)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+                ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+
+
+class OpTrace:
+    """The eval callback: each named F32 op's output row for one batch index, in graph order."""
+
+    def __init__(self):
+        self.index = -1  # the batch index to keep (-1: keep nothing)
+        self.n_tokens = 0
+        self.rows: dict[str, np.ndarray] = {}
+        self.order: list[str] = []
+        self.callback = engine_backend.C.ggml_backend_sched_eval_callback(self._seen)
+
+    def _seen(self, tensor_p, ask, _user):
+        if ask:
+            return self.index >= 0
+        t = ctypes.cast(tensor_p, ctypes.POINTER(GgmlTensor)).contents
+        if t.type != 0 or not t.data:  # F32 outputs only
+            return True
+        dims = [int(t.ne[i]) for i in range(4)]
+        # The token axis is the outermost axis of n_tokens elements (activations [n_embd, n_tokens],
+        # per-head ones [head_dim, n_head, n_tokens]).
+        axis = max((i for i in range(1, 4) if dims[i] == self.n_tokens), default=None)
+        if axis is None or any(dims[i] != 1 for i in range(axis + 1, 4)):
+            return True
+        inner = int(np.prod(dims[:axis]))
+        contiguous = all(int(t.nb[i]) == 4 * int(np.prod(dims[:i])) for i in range(axis + 1))
+        if not contiguous:
+            return True
+        address = t.data + self.index * int(t.nb[axis])
+        row = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), (inner,)).copy()
+        name = t.name.decode(errors="replace")
+        if name not in self.rows:
+            self.order.append(name)
+        self.rows[name] = row
+        return True
+
+
+def open_context(model, n_seq, flash_attn, trace: OpTrace | None):
+    """An engine.Context; with a trace, llama.cpp's eval callback is set on its params."""
+    if trace is None:
+        return engine.Context(model, n_ctx=1024, n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn)
+    real = engine_backend.C.llama_init_from_model
+
+    def with_callback(model_ptr, params):
+        params.cb_eval = trace.callback
+        params.cb_eval_user_data = None
+        return real(model_ptr, params)
+
+    engine.context.C.llama_init_from_model = with_callback
+    try:
+        return engine.Context(model, n_ctx=1024, n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn)
+    finally:
+        engine.context.C.llama_init_from_model = real
+
+
+def prefill(ctx, prompt):
+    ctx.clear()
+    batch = Batch(256, 1)
+    batch.set_sequence(prompt, 0, 0, "none")
+    ctx.decode(batch)
+
+
+def plain_rows(ctx, prompt, cont):
+    """Plain decoding's rows: one token a pass, cells in order."""
+    prefill(ctx, prompt)
+    one, rows = Batch(1, 1), []
+    for i, token in enumerate(cont):
+        one.set_sequence([token], len(prompt) + i, 0, "last")
+        ctx.decode(one)
+        rows.append(ctx.logits_row(-1).copy())
+    return np.array(rows)
+
+
+def chain_rows(ctx, prompt, cont, size):
+    prefill(ctx, prompt)
+    batch, rows = Batch(256, 1), []
+    for start in range(0, len(cont), size):
+        part = cont[start:start + size]
+        batch.set_sequence(part, len(prompt) + start, 0, "all")
+        ctx.decode(batch)
+        rows.extend(ctx.logits()[: len(part)].copy())
+    return np.array(rows)
+
+
+def beside_rows(ctx, prompt, cont, other):
+    """Each token with another request's 15 tokens (sequence 1, its own prompt) in the pass."""
+    prefill(ctx, prompt)
+    batch = Batch(256, 2)
+    batch.set_sequence(other[:8], 0, 1, "none")
+    ctx.decode(batch)
+    rows, pos1 = [], 8
+    for i, token in enumerate(cont):
+        if pos1 + 15 > 900 - len(prompt) - len(cont):  # keep the other request inside the cache
+            ctx.seq_rm(1)
+            pos1 = 0
+        batch.clear()
+        batch.add(token, len(prompt) + i, [0], True)
+        for j in range(15):
+            batch.add(other[(pos1 + j) % len(other)], pos1 + j, [1], False)
+        pos1 += 15
+        ctx.decode(batch)
+        rows.append(ctx.logits_row(0).copy())
+    return np.array(rows)
+
+
+def scattered_rows(ctx, prompt, cont, rng):
+    """One-token passes after decoy tokens took cells and were removed: cells out of position order."""
+    prefill(ctx, prompt)
+    one, decoys, rows = Batch(1, 2), Batch(16, 2), []
+    for i, token in enumerate(cont):
+        if i % 4 == 0:  # a rejected branch: tokens of another colour, then dropped
+            decoys.clear()
+            for j in range(int(rng.integers(1, 6))):
+                decoys.add(int(rng.integers(0, 1000)), len(prompt) + i + j, [1], False)
+            ctx.seq_cp(0, 1)
+            ctx.decode(decoys)
+            ctx.seq_rm(1)
+        one.set_sequence([token], len(prompt) + i, 0, "last")
+        ctx.decode(one)
+        rows.append(ctx.logits_row(-1).copy())
+    return np.array(rows)
+
+
+def tree_rows(ctx, prompt, cont, rng):
+    """Each token as the first child of a root-less tree of 16 siblings (colours 0..15)."""
+    prefill(ctx, prompt)
+    batch, rows = Batch(256, 16), []
+    for i, token in enumerate(cont):
+        pos = len(prompt) + i
+        for colour in range(1, 16):
+            ctx.seq_rm(colour)
+            ctx.seq_cp(0, colour)
+        batch.clear()
+        batch.add(token, pos, [0], True)
+        for colour in range(1, 16):
+            batch.add(int(rng.integers(0, 1000)), pos, [colour], True)
+        ctx.decode(batch)
+        rows.append(ctx.logits_row(0).copy())
+        for colour in range(1, 16):
+            ctx.seq_rm(colour)
+    return np.array(rows)
+
+
+def compare(reference, rows):
+    """Return (max |diff|, rows differing, greedy choices changed, the widest plain gap a changed
+    choice crossed (the plain row's best logit minus its logit of the token the shape chose), the
+    first differing row or -1)."""
+    diff = np.abs(rows - reference).max(axis=1)
+    chosen = rows.argmax(axis=1)
+    changed = np.flatnonzero(chosen != reference.argmax(axis=1))
+    gap = max((float(reference[i].max() - reference[i, chosen[i]]) for i in changed), default=0.0)
+    first = int(np.argmax(diff > 0)) if (diff > 0).any() else -1
+    return float(diff.max()), int((diff > 0).sum()), len(changed), gap, first
+
+
+def first_differing_op(model, prompt, cont, shape, index, flash_attn):
+    """Follow token `index` of the continuation through the graph, alone and in `shape`; return the
+    first op (in graph order) whose row differs, with its max |difference|."""
+    traced = {}
+    for mode in ("plain", shape):
+        trace = OpTrace()
+        ctx = open_context(model, 16, flash_attn, trace)
+        prefill(ctx, prompt + cont[:index] if mode == "plain" else prompt)
+        if mode == "plain":
+            trace.index, trace.n_tokens = 0, 1
+            batch = Batch(1, 1)
+            batch.set_sequence([cont[index]], len(prompt) + index, 0, "last")
+        else:
+            size = {"chain16": 16, "chain128": 128}[shape]
+            start = (index // size) * size
+            prefill(ctx, prompt)
+            if start:
+                head = Batch(256, 1)
+                head.set_sequence(cont[:start], len(prompt), 0, "none")
+                ctx.decode(head)
+            part = cont[start:start + size]
+            trace.index, trace.n_tokens = index - start, len(part)
+            batch = Batch(256, 1)
+            batch.set_sequence(part, len(prompt) + start, 0, "all")
+        ctx.decode(batch)
+        traced[mode] = trace
+        ctx.close()
+    plain, other = traced["plain"], traced[shape]
+    for name in plain.order:
+        if name in other.rows and plain.rows[name].shape == other.rows[name].shape:
+            delta = float(np.abs(plain.rows[name] - other.rows[name]).max())
+            if delta > 0:
+                return name, delta
+    return None, 0.0
+
+
+def main() -> int:
+    if args.no_repack:
+        sysinfo.repacking_crashes = lambda: True  # the engine's switch for llama.cpp's extra buffer types
+    print(f"# {system_info()}\n# threads {args.threads}; repack {'off' if args.no_repack else 'on'}; "
+          f"flash attention {args.flash_attn}")
+    print("| model | shape | max abs diff | rows differing | greedy choices changed | widest gap crossed |"
+          + (" first op differing |" if args.ops else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if args.ops else ""))
+    for alias in args.models:
+        path = Path(hub.ensure_local(registry.resolve(alias), progress=False))
+        model = engine.Model(path)
+        prompt = model.tokenize(PROMPT)
+        cont = (model.tokenize(CONTINUATION, add_special=False) * 2)[:N_CONT]
+        other = model.tokenize("Write a list of ten fruits and their colours, one per line.", add_special=False)
+        ctx = open_context(model, 16, args.flash_attn, None)
+        reference = plain_rows(ctx, prompt, cont)
+        rng = np.random.default_rng(0)
+        shapes = {
+            "chain16": lambda: chain_rows(ctx, prompt, cont, 16),
+            "chain128": lambda: chain_rows(ctx, prompt, cont, 128),
+            "beside": lambda: beside_rows(ctx, prompt, cont, other),
+            "scattered": lambda: scattered_rows(ctx, prompt, cont, rng),
+            "tree": lambda: tree_rows(ctx, prompt, cont, rng),
+        }
+        for shape, rows_of in shapes.items():
+            if args.shapes and shape not in args.shapes:
+                continue
+            worst, differing, flips, gap, first = compare(reference, rows_of())
+            row = f"| {alias} | {shape} | {worst:.3g} | {differing}/{len(cont)} | {flips} | {gap:.3g} |"
+            if args.ops:
+                op = "-"
+                if first >= 0 and shape in ("chain16", "chain128"):
+                    name, delta = first_differing_op(model, prompt, cont, shape, first, args.flash_attn)
+                    op = f"`{name}` ({delta:.3g})" if name else "none traced"
+                row += f" {op} |"
+            print(row, flush=True)
+        ctx.close()
+        model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-repack", action="store_true", help="turn llama.cpp's repacked weight layouts off")
+    parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--ops", action="store_true", help="name the first op whose output differs")
+    parser.add_argument("--shapes", nargs="+", choices=("chain16", "chain128", "beside", "scattered", "tree"),
+                        help="only these shapes (default: all)")
+    args = parser.parse_args()
+    sys.exit(main())
