@@ -128,6 +128,7 @@ SAMPLES = 800
 SAMPLING_SHAPE = TreeShape(budget=6, depth=2, width=2, top_k=3)
 
 
+@pytest.mark.slow
 def test_sampled_penalised_constrained_tokens_have_plain_distribution(offline_models, load_model, contexts):
     """Chi-square on the tiny random model as its own draft: 4 sampled tokens under penalties and a
     grammar, through trees, follow plain sampling's distribution."""

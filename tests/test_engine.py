@@ -183,6 +183,7 @@ def _append_padded(ctx, tokens, p0, pad_to: int = 0) -> np.ndarray:
     return ctx.logits().copy()
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, phases=[Phase.explicit, Phase.generate])
 @given(shape=random_trees())
 def test_tree_batch_logits_equal_sequential_paths(which_model, tree_model, tree_ctx, path_ctx, shape):
@@ -199,6 +200,7 @@ def test_tree_batch_logits_equal_sequential_paths(which_model, tree_model, tree_
     _check_tree_against_paths(which_model, tree, logits, path_ctx, p0, sample)
 
 
+@pytest.mark.slow
 def test_full_size_tree_256_leaves(which_model, tree_model, tree_ctx, path_ctx, capsys):
     """512 nodes, 256 leaves in one batch; every node checked against its sequential path."""
     rng = np.random.default_rng(7)

@@ -234,6 +234,7 @@ def tiny(offline_models, load_model):
     return load_model(offline_models.smollm2_random)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lookup", "hybrid"])
 def test_sampled_tokens_have_plain_distribution(kind, tiny, contexts):
     """Chi-square on the first 4 sampled tokens (the first from the prefill, then trees), with the tiny random model as target (and draft).

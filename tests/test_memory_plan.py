@@ -317,6 +317,7 @@ def test_big_models_on_consumer_cards_never_exceed_the_card(name):
         previous = device
 
 
+@pytest.mark.slow
 def test_models_fit_says_how_each_would_run_here_downloaded_or_not(offline_models, cli, tmp_path, monkeypatch):
     """`specrun models --fit`: a downloaded model, one not downloaded (planned from its header,
     fetched from the fake hub), one whose header cannot be had (another repo) and one planned from

@@ -390,6 +390,7 @@ def test_a_request_edits_its_lane_only_while_no_pass_runs(offline_models, load_m
         ctx.close()
 
 
+@pytest.mark.slow
 def test_sampling_through_draft_trees_in_shared_passes_has_the_plain_distribution(offline_models, load_model):
     """Chi-square: at T=1 the first tokens two requests sample through draft-model trees, their
     target passes shared (and their draft passes where they meet), follow plain sampling's

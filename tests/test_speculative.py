@@ -262,6 +262,7 @@ def prompts(target):
 # Greedy equality
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["agreeing", "random"])
 def test_greedy_output_equals_plain_decoding(draft, prompts, references, spec_decoders):
     """Every budget, every prompt: the speculative tokens are plain greedy decoding's tokens."""
@@ -291,6 +292,7 @@ def test_greedy_output_equals_plain_decoding(draft, prompts, references, spec_de
     check_divergences(divergences, n_runs, f"greedy matrix, {draft} draft")
 
 
+@pytest.mark.slow
 def test_greedy_long_generations_equal_plain_decoding(target, references, spec_decoders):
     """Hundreds of tokens per prompt: KV bookkeeping holds over many steps."""
     divergences = []
@@ -377,6 +379,7 @@ def tiny_pair(offline_models, load_model, contexts):
     return tiny, plain, spec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=4, top_p=0.9)],
