@@ -77,7 +77,10 @@ def load(user_toml: Path | None = None) -> Registry:
     and `specrun models --fit` plans every alias: building it anew took a tenth of that command).
     The Registry returned is shared: callers read it and never change it."""
     user_toml = paths.user_models_toml() if user_toml is None else user_toml
-    return _load(str(user_toml), _contents(SHIPPED_TOML), _contents(user_toml) if user_toml.is_file() else None)
+    user = _contents(user_toml) if user_toml.is_file() else None
+    if user is None and user_toml.is_file():
+        read_toml(user_toml)  # a file there that cannot be read: its one clear error, as before the cache
+    return _load(str(user_toml), _contents(SHIPPED_TOML), user)
 
 
 def _contents(path: Path) -> bytes | None:
