@@ -229,7 +229,6 @@ def first_differing_op(model, prompt, cont, shape, index, flash_attn):
         else:
             size = {"chain16": 16, "chain128": 128}[shape]
             start = (index // size) * size
-            prefill(ctx, prompt)
             if start:
                 head = Batch(256, 1)
                 head.set_sequence(cont[:start], len(prompt), 0, "none")
