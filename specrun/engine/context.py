@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import threading
 from typing import Iterable, Sequence
 
 import llama_cpp as C
@@ -221,6 +222,11 @@ class Context(Owner):
         self.n_vocab = model.n_vocab
         self.threads = threads
         self._n_outputs = 0
+        # llama.cpp's cache is not safe to edit (or read) from two threads at once: requests that
+        # share a context (decoding.batching) edit their own sequences each in its own thread, and
+        # two edits at the same moment crashed the process. The gates keep edits away from a
+        # pass; this lock keeps them away from one another.
+        self._cache_lock = threading.Lock()
         model._contexts.append(self)
 
     def _open(self, params, refusal: str, hint: str):
@@ -298,26 +304,32 @@ class Context(Owner):
         when it cannot be right (the tokens were not all in the last decode): callers keep to
         what is exact (see decoding.kv.CachedSequence.roll_back); the return value cannot tell.
         """
-        if not C.llama_memory_seq_rm(self._mem, seq, p0, p1):
+        with self._cache_lock:
+            done = C.llama_memory_seq_rm(self._mem, seq, p0, p1)
+        if not done:
             raise EngineError(
                 f"{self.model.path.name}: its cache cannot drop positions {p0}.. of sequence {seq} "
                 "(a recurrent state rolls back only a few tokens of its last decode)"
             )
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+        with self._cache_lock:
+            C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     def seq_keep(self, seq: int) -> None:
-        C.llama_memory_seq_keep(self._mem, seq)
+        with self._cache_lock:
+            C.llama_memory_seq_keep(self._mem, seq)
 
     def seq_pos_max(self, seq: int = 0) -> int:
         """Return the largest cached position of seq (-1 when empty)."""
-        return C.llama_memory_seq_pos_max(self._mem, seq)
+        with self._cache_lock:
+            return C.llama_memory_seq_pos_max(self._mem, seq)
 
     def seq_pos_min(self, seq: int = 0) -> int:
         """Return the smallest cached position of seq (-1 when empty); with a window-sized cache,
         the oldest position its sliding-window layers still hold."""
-        return C.llama_memory_seq_pos_min(self._mem, seq)
+        with self._cache_lock:
+            return C.llama_memory_seq_pos_min(self._mem, seq)
 
     def can_cut(self, seq: int, n: int) -> bool:
         """Return whether seq can be cut back to its first n positions and decoding go on from
@@ -337,6 +349,10 @@ class Context(Owner):
         into the sequence frees the others; the full-attention layers' cells are not touched."""
         if not self.window:
             return
+        with self._cache_lock:
+            self._compact_window(seq)
+
+    def _compact_window(self, seq: int) -> None:
         flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         size = C.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         data = (ctypes.c_uint8 * size)()
@@ -347,7 +363,8 @@ class Context(Owner):
                               f"{last_llama_error('its cache is full')}")
 
     def clear(self) -> None:
-        C.llama_memory_clear(self._mem, True)
+        with self._cache_lock:
+            C.llama_memory_clear(self._mem, True)
 
     @property
     def can_roll_back(self) -> bool:
