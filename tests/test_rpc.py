@@ -350,3 +350,24 @@ def test_a_worker_that_says_it_has_a_small_card_is_given_no_more_than_it(offline
     finally:
         proxy.close()
         worker.kill()
+
+
+# ---------------------------------------------------------------------------------------------
+# Behind a network: the regime where a pass costs about the same for 1 token or many
+
+
+def test_behind_a_network_delay_the_untuned_tree_grows_and_the_text_stays_the_targets(worker, cli, tmp_path):
+    """With no profile, over a worker 50 ms away, the draft model's chain looks at the tree the
+    size above (decoding.drafters.growing: grown and verified whole, its pass timed), and the
+    answer is still the target's greedy answer. (Whether the tree then stays grown depends on
+    this host's timings: tests/test_growing.py proves the sizing on set curves.)"""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_rpc import DelayProxy
+
+    proxy = DelayProxy(("127.0.0.1", worker.port), delay_s=0.05, bytes_per_s=125e6)
+    args = ["--target", "smollm2-135m-f32", "--draft", "smollm2-135m-q4", "--no-lookup", "--max-tokens", "96", PROMPT]
+    local = cli("generate", "--json", "--ctx-size", "1024", *args)
+    assert local.exit_code == 0, local.output
+    remote, stderr = _generate_json(tmp_path, "--rpc", f"127.0.0.1:{proxy.port}", "--verbose", *args)
+    assert remote["token_ids"] == json.loads(local.stdout)["token_ids"]
+    assert remote["stats"]["max_tree_nodes"] >= 16, remote["stats"]

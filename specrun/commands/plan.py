@@ -51,7 +51,7 @@ def plan_lines(plan: Plan) -> list[str]:
     tctx = plan.target_ctx
     lines.append(
         f"context  {tctx.n_ctx} tokens ({plan.ctx_why}); target batch = ubatch {tctx.n_ubatch}"
-        + (f" (largest tree {plan.tree.shape.budget} + root), {tctx.n_seq_max} sequences" if plan.tree else "")
+        + (f" (largest tree {plan.tree.verified.budget} + root), {tctx.n_seq_max} sequences" if plan.tree else "")
     )
     if tctx.parallel > 1:
         lines.append(f"         {tctx.parallel} requests at once: {tctx.cells} KV cells ({tctx.n_ctx} each), "

@@ -400,3 +400,64 @@ class DraftPrior:
         tokens = self.accepted + 1.0
         seconds = self.tree_s + self.step_s + self.catch_up_s * max(0, debt - 1) * tokens / max(ahead, 1.0)
         return tokens / (seconds * scale)
+
+
+class Reach:
+    """Per budget of a grid: mean tokens accepted per step by the best-first cut to that budget,
+    counting only the proposals that were grown at least that large.
+
+    Hindsight averages every proposal at every budget (a proposal smaller than a budget counts
+    as its own size there), which is right where every step proposes the same largest tree. A
+    drafter that grows its trees online (drafters.growing) watches trees of changing sizes: a
+    budget must be judged by the proposals that reached it, or the many small trees of the
+    first steps would hide what a larger one gains.
+    """
+
+    def __init__(self, budgets, half_life: float = HALF_LIFE):
+        self.budgets = np.array(sorted(set(int(b) for b in budgets)), np.int64)
+        self.keep = _decay(half_life)
+        self._sum = np.zeros(len(self.budgets))
+        self._nodes = np.zeros(len(self.budgets))
+        self._weight = np.zeros(len(self.budgets))
+        self._open: list[tuple[_Watch, int]] = []
+
+    def watch(self, tree: DraftTree) -> None:
+        """Follow this step's proposal (grown best-first: the cut to budget B is its B best nodes)."""
+        watch = _Watch(tree, np.zeros(0), None)
+        size = len(tree) - 1
+        if watch.done or watch.at_leaf:
+            self._finish(watch, size)
+        else:
+            self._open.append((watch, size))
+
+    def feed(self, tokens) -> None:
+        """Take the tokens the target emitted (in order, across steps)."""
+        for token in tokens:
+            if not self._open:
+                return
+            for watch, _ in self._open:
+                watch.feed(int(token))
+            for item in [item for item in self._open if item[0].done or item[0].at_leaf]:
+                self._finish(*item)
+                self._open.remove(item)
+
+    def forget_open(self) -> None:
+        self._open.clear()
+
+    def _finish(self, watch: _Watch, size: int) -> None:
+        covered = self.budgets <= size
+        self._sum[covered] = self.keep * self._sum[covered] + watch.accepted(self.budgets[covered])
+        self._nodes[covered] = self.keep * self._nodes[covered] + np.minimum(self.budgets[covered], size)
+        self._weight[covered] = self.keep * self._weight[covered] + 1.0
+
+    def weight(self) -> np.ndarray:
+        """Per budget: how many proposals (recent ones weighing most) reached it."""
+        return self._weight.copy()
+
+    def accepted(self) -> np.ndarray:
+        """Per budget: mean tokens accepted per step (the bonus token not counted; 0 where unknown)."""
+        return np.divide(self._sum, self._weight, out=np.zeros_like(self._sum), where=self._weight > 0)
+
+    def nodes(self) -> np.ndarray:
+        """Per budget: mean nodes the cut held (a tree may stop short of its budget)."""
+        return np.divide(self._nodes, self._weight, out=self.budgets.astype(np.float64), where=self._weight > 0)

@@ -110,6 +110,7 @@ class GenerationStats:
             "draft_s": round(draft_s, 4),
             "overhead_s": round(overhead_s, 4),
             "mean_tree_nodes": round(float(np.mean([s.tree_nodes for s in self.steps])), 2) if self.steps else 0.0,
+            "max_tree_nodes": max((s.tree_nodes for s in self.steps), default=0),
             # passes that also held other requests' tokens (several decoding at once)
             "shared_passes": sum(1 for s in self.steps if s.shared > 1),
             # greedy tokens chosen at a near-tie, which a pass of another shape may choose otherwise

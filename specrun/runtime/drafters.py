@@ -16,10 +16,11 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from specrun import architectures
-from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, TreeTemplate
-from specrun.decoding.adaptive import DraftPrior
+from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, TreeTemplate, grown_shape
+from specrun.decoding.adaptive import DraftPrior, TargetCost
 from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.growing import GrowingTrees
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
 from specrun.decoding.drafters.mtp import MtpDrafter
@@ -110,6 +111,8 @@ class DraftModel(Drafting):
             text = f"chain of {s.budget} draft tokens"
         else:
             text = f"best-first tree of {s.budget} draft tokens, depth {s.depth}, width {s.width}, top-k {s.top_k}"
+        if tree.grow is not None:
+            text += f", growing to up to {tree.grow} where this run's passes pay for more"
         if tree.lookup is not None:
             text += f" + up to {tree.lookup.budget} lookup tokens from the session's text"
         return text
@@ -119,30 +122,44 @@ class DraftModel(Drafting):
         return text + " and lookup" if tree.lookup is not None else text
 
     def verified(self, tree) -> TreeShape:
+        shape = tree.shape
+        if tree.grow is not None:
+            grown = grown_shape(tree.grow)
+            shape = replace(shape, budget=max(shape.budget, grown.budget), depth=max(shape.depth, grown.depth))
         if tree.lookup is None:
-            return tree.shape
-        return replace(tree.shape, budget=min(MAX_BUDGET, tree.shape.budget + tree.lookup.budget),
-                       depth=max(tree.shape.depth, tree.lookup.depth))
+            return shape
+        return replace(shape, budget=min(MAX_BUDGET, shape.budget + tree.lookup.budget),
+                       depth=max(shape.depth, tree.lookup.depth))
 
     def chained(self, tree, depth: int, n_chains: int):
         s = tree.shape
         shape = TreeShape(min(s.budget, n_chains * depth), min(s.depth, depth), s.width, s.top_k)
         lookup = TreeShape(n_chains * depth, depth, 1, 1) if tree.lookup is not None else None
-        return replace(tree, shape=shape, drafting=DraftModel(), lookup=lookup, verify=architectures.CHAINS)
+        return replace(tree, shape=shape, drafting=DraftModel(), lookup=lookup, verify=architectures.CHAINS, grow=None)
 
     def cut(self, tree, budget: int):
-        # Lookup branches give way first.
+        # Growth gives way first, then lookup branches.
+        if tree.grow is not None:
+            room = budget - (tree.lookup.budget if tree.lookup is not None else 0)
+            if room > tree.shape.budget:
+                return replace(tree, grow=min(room, tree.grow))
+            tree = replace(tree, grow=None)
         if tree.lookup is not None and tree.shape.budget < budget:
             return replace(tree, lookup=tree.lookup.resized(budget - tree.shape.budget))
         return replace(tree, shape=tree.shape.resized(budget), drafting=DraftModel(), lookup=None)
 
     def for_recurrent_draft(self, tree):
-        # Such a draft's context keeps few sequences: best-first trees of the template's size.
-        return replace(tree, drafting=DraftModel()) if self.template is not None else tree
+        # Such a draft's context keeps few sequences (one per node of the planned tree): the
+        # template's size as best-first trees, and no growing.
+        return replace(tree, drafting=DraftModel(), grow=None)
 
     def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
         if self.template is not None:
             model_drafter = StaticTreeGrower(draft, draft_ctx, self.template, draft_lane)
+        elif tree.grow is not None:
+            grower = TreeGrower(draft, draft_ctx, grown_shape(tree.grow), draft_lane)  # (its batch for the widest)
+            grower.shape = tree.shape
+            model_drafter = GrowingTrees(grower, tree.shape, tree.grow, cost=TargetCost() if tree.lookup is not None else None)
         else:
             model_drafter = TreeGrower(draft, draft_ctx, tree.shape, draft_lane)
         if tree.lookup is None:
@@ -158,7 +175,9 @@ class DraftModel(Drafting):
             catch_up_s = draft_passes[widest] / widest
             if tree.source == "default":
                 best_case = _best_case(tree.shape, draft_passes, target_ctx)
-        hybrid = HybridDrafter(model_drafter, tree.shape.budget, tree.lookup.budget, draft_depth=tree.shape.depth,
+        grown = grown_shape(tree.grow) if tree.grow is not None else tree.shape
+        cost = model_drafter.cost if isinstance(model_drafter, GrowingTrees) else None
+        hybrid = HybridDrafter(model_drafter, grown.budget, tree.lookup.budget, draft_depth=max(tree.shape.depth, grown.depth), cost=cost,
                                prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case, memory=memory)
         if not hybrid.could_pay():
             log.info("the draft model stays off: its tree would run at %.2fx plain decoding at best (every draft "

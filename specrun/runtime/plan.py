@@ -162,7 +162,7 @@ class Plan:
             tree = {"kind": self.tree.kind, "verify": self.tree.verify, "source": self.tree.source, "budget": s.budget, "depth": s.depth,
                     "width": s.width, "top_k": s.top_k, "text": self.tree.describe(),
                     "lookup_budget": self.tree.lookup.budget if self.tree.lookup else 0,
-                    "verified_budget": self.tree.verified.budget}
+                    "grows_to": self.tree.grow, "verified_budget": self.tree.verified.budget}
         return {
             "target": {"name": f.target_name, "path": _path(f.target_path), "gpu_layers": self.target_gpu_layers,
                        "layer_slots": self.placement.target_n_slots,

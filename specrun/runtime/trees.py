@@ -23,6 +23,11 @@ from specrun.tuning.cost_model import Choice
 # Used when no tuning profile exists: a short chain (classic speculative decoding), which pays
 # wherever the draft is much cheaper than the target, even on a CPU where wide trees cost dearly.
 DEFAULT_SHAPE = TreeShape.chain(5)
+# ... from which the draft model's tree grows online where this run's passes pay for more
+# (decoding.drafters.growing), up to this many nodes: with the default lookup branches and the
+# root, a target pass no wider than the prompt batch the context opens anyway (runtime.plan's
+# PREFILL_BATCH), so growing costs no compute buffer of its own.
+DEFAULT_GROWTH = 384
 # The largest lookup tree a step may verify (the drafter adapts below it to what pays): deep
 # enough for a long verbatim copy, wide enough for a few different continuations.
 LOOKUP_SHAPE = TreeShape(budget=64, depth=32, width=1, top_k=1)
@@ -50,6 +55,8 @@ class TreePlan:
     # each in a sequence of its own).
     verify: str = architectures.TREE
     prior: DraftPrior | None = None  # the profile's figures for the draft model (hybrid's first steps)
+    # The most nodes the draft model's tree may grow to online, from `shape` (None: it keeps `shape`).
+    grow: int | None = None
 
     @property
     def drafter(self) -> str:
@@ -138,14 +145,15 @@ def choose_tree(opts: RunOptions, files: ModelFiles,
     if tuned is not None:
         tree, why = tuned, "tuned profile for this pair on this machine"
     else:
-        tree, why = TreePlan(DEFAULT_SHAPE, BEST_FIRST, "default"), "default (no tuning profile: `specrun tune` measures one)"
+        tree = TreePlan(DEFAULT_SHAPE, BEST_FIRST, "default", grow=DEFAULT_GROWTH)
+        why = "default (no tuning profile: `specrun tune` measures one)"
     if overridden:
         shape = tree.shape
         if opts.budget is not None:
             shape = shape.resized(opts.budget)
         if opts.depth is not None:
             shape = replace(shape, depth=opts.depth)
-        # explicit sizes: grow best-first trees of that size, of the tuned (or default) kind
+        # explicit sizes: grow best-first trees of that size, of the tuned (or default) kind, always
         tree, why = TreePlan(shape, BEST_FIRST, "flags"), "--budget/--depth"
     tree = replace(tree, plain_s=plain_s, prior=facts.draft_prior(tree.shape) if facts is not None else None)
     if opts.lookup is True:

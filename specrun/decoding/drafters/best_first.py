@@ -40,6 +40,15 @@ class GrownTree(Proposal):
     # node id (after pruning) -> draft sequence holding its path (only nodes the draft decoded)
     node_seq: dict[int, int] = field(default_factory=dict)
 
+    def cut(self, budget: int) -> GrownTree:
+        """This proposal cut to its `budget` best nodes (a copy; the draft's sequences of the nodes
+        cut stay in use until the commit frees every tree sequence)."""
+        tree = self.tree.copy()
+        kept = tree.prune_to_best(budget)
+        new_id = {int(old): new for new, old in enumerate(kept.tolist())}
+        node_seq = {new_id[old]: seq for old, seq in self.node_seq.items() if old in new_id}
+        return GrownTree(tree, self.draft_s, self.draft_passes, node_seq=node_seq)
+
     def path_ranks(self, nodes) -> tuple[int, ...]:
         return tuple(self.best_first_ranks(nodes))
 

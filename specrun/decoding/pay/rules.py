@@ -53,6 +53,38 @@ GUARD_RECOVER = 4
 ASSUMED_SPEEDUP = 1.3
 ASSUMED_ACCEPTED = 1.0
 
+# -- trees grown online (drafters.growing): how large the draft model's tree grows -------------
+
+# A size is judged on at least this many proposals grown that large (recent ones weighing most):
+# one step's acceptance is chance.
+GROW_EVIDENCE = 3.0
+# A size not yet judged is grown (explored: the step still verifies the size that pays) on every
+# this many drafting steps while it promises to pay. Exploring costs only the larger tree's
+# draft passes: what its best cut would have accepted is learned from the tokens the target emits.
+EXPLORE_EVERY = 2
+# While a size has not been grown, what its tree would accept is hoped to be what the size below
+# it accepted plus, per doubling, what that one gained over half its size, times this: an
+# optimist's guess (gains shrink as a tree doubles), which only decides whether to grow the larger
+# tree once to find out; what it then measures decides whether it is verified.
+GROWTH_HOPE = 1.0
+
+
+def grow_pays(rates, weights, current: int) -> int:
+    """The index of the size a grown tree verifies next: the size with the most tokens per second
+    among those judged on GROW_EVIDENCE proposals, moving from `current` only to one faster by
+    STEP_MARGIN (noise must not make the tree jump between sizes)."""
+    rates, judged = np.asarray(rates, np.float64), np.asarray(weights) >= GROW_EVIDENCE
+    judged[current] = True
+    best = int(np.argmax(np.where(judged, rates, -np.inf)))
+    return best if best == current or faster(rates[best], rates[current]) else current
+
+
+def hoped_accepted(accepted_here: float, accepted_half: float, doublings: float, depth: int) -> float:
+    """What a tree `doublings` times twice as large is hoped to accept (GROWTH_HOPE), at most its depth."""
+    gain = GROWTH_HOPE * max(0.0, accepted_here - accepted_half) * doublings
+    return min(float(depth), accepted_here + gain)
+
+
 # -- the hybrid: when the draft model runs, and when lookup (or a plain step) carries the text --
 
 # Steps leaning on lookup alone before the draft model runs again (to measure it again), when

@@ -1,0 +1,233 @@
+"""The draft model's trees grown online to the size this run's passes pay for (SpecExec's regime).
+
+Where a target pass costs about the same for 1 token or 500 (layers offloaded to RAM, a target on
+an RPC worker across a network), a tree of hundreds of nodes turns one pass into many tokens;
+where each verified token costs as much as a sixth of a pass (a CPU), a chain of a few. Without a
+tuning profile nobody has said which: `GrowingTrees` starts from the plan's tree and moves between
+sizes (core.tree_shapes.growth_levels) by what the run measures:
+
+- what a size's tree would accept: every proposal is watched (adaptive.Reach), and its cut to
+  any smaller size is exactly its best nodes (best-first), so one proposal tells every size up
+  to its own. To learn a larger size, a step now and then grows the larger tree (`explore`) and
+  still verifies the cut to the size that pays: exploring costs only the larger tree's draft
+  passes, never a larger target pass;
+- what a step costs at each size: the target's pass over that many nodes (the measured curve,
+  adaptive.TargetCost), the draft's passes for that size's tree (measured per size, until then
+  scaled from the nearest size measured), and the rest of a step.
+
+pay.rules decides (`grow_pays`, `hoped_accepted`); this module only measures and grows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+
+from specrun.core.tree import DraftTree
+from specrun.core.tree_shapes import TreeShape, grown_shape, growth_levels
+from specrun.decoding.adaptive import BUDGETS, Average, Reach, TargetCost
+from specrun.decoding.drafters.base import ModelDrafter
+from specrun.decoding.drafters.best_first import GrownTree, TreeGrower
+from specrun.decoding.pay.rules import EXPLORE_EVERY, GROW_EVIDENCE, faster, grow_pays, hoped_accepted
+
+log = logging.getLogger("specrun")
+
+# Tokens compared with the text already read before trusting the new text to continue it.
+_TEXT_CHECK = 16
+# Steps after which a size's measured passes give way to the curve of all passes (the machine
+# may have changed: a busy moment, a worker that went away).
+STALE_STEPS = 48
+
+
+class GrowingTrees(ModelDrafter):
+    """A draft model's best-first trees, sized online between `start` and `limit` nodes."""
+
+    def __init__(self, grower: TreeGrower, start: TreeShape, limit: int, cost: TargetCost | None = None):
+        self.grower = grower
+        self.levels = growth_levels(start.budget, max(limit, start.budget))
+        self.shapes = [start, *(grown_shape(b) for b in self.levels[1:])]
+        self.reach = Reach({b for b in BUDGETS if b <= self.levels[-1]} | set(self.levels))
+        self._at = np.searchsorted(self.reach.budgets, self.levels)  # each level's column in reach
+        self._half = np.searchsorted(self.reach.budgets, [max(1, b // 2) for b in self.levels], side="right") - 1
+        # The target's passes by their size: shared with the hybrid, which feeds it (else fed here).
+        self.cost = cost if cost is not None else TargetCost()
+        self._feeds_cost = cost is None
+        self.draft_s = [Average(24) for _ in self.levels]  # a proposal's draft passes, per size grown
+        self.target_s = [Average(24) for _ in self.levels]  # a step's target pass, per size verified
+        self._verified = 0  # the size the last proposal was cut to
+        self._sizes_seen: set[int] = set()  # tree sizes the target has verified
+        self._steps = 0  # steps observed
+        self._timed_at = [0] * len(self.levels)  # the step at which each size's pass was last timed
+        self.draft_pass = TargetCost()  # the draft's expansion passes, by tokens
+        self.rest_s = Average(24)  # a drafting step's seconds beyond its target and draft passes
+        self.level = 0  # the size verified
+        self.grown = 0  # the size grown this step (the level, or the one above it when exploring)
+        self._since_explore = 0
+        self._text: list[int] = []  # the text fed to `reach` so far
+
+    # -- the decoder's and the hybrid's interface: the grower's, sized ----------------------------
+
+    @property
+    def budget(self) -> int:
+        """The size the next step verifies."""
+        return self.levels[self.level]
+
+    def __getattr__(self, name: str):
+        """What the grower has and this class does not (its context, lane, cache): the grower's."""
+        if name == "grower":
+            raise AttributeError(name)
+        return getattr(self.grower, name)
+
+    @property
+    def last_catch_up(self):
+        return self.grower.last_catch_up
+
+    @property
+    def last_passes(self):
+        return self.grower.last_passes
+
+    @property
+    def last_shared(self):
+        return self.grower.last_shared
+
+    @property
+    def drafts_beside_others(self) -> bool:
+        return self.grower.drafts_beside_others
+
+    def attach(self, lane) -> None:
+        self.grower.attach(lane)
+
+    def debt(self, committed: Sequence[int], root: int) -> int:
+        return self.grower.debt(committed, root)
+
+    def probe(self):
+        return self.grower.probe()
+
+    def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> GrownTree:
+        self._read(committed, root)
+        self.level, self.grown = self._choose()
+        # A size explored for the first time is verified whole, until its pass is timed: then it
+        # is measured, not only extrapolated (over a network the curve's first sizes say little
+        # of the rest). The size below, when its timing has gone stale, is verified (a cut of
+        # this tree: no draft pass more) to time it again, so that a tree can shrink back.
+        verified = self.level
+        if not self.target_s[self.grown].known:
+            verified = self.grown
+        elif self.level > 0 and self.grown == self.level and self._timed(self.level - 1) is None:
+            verified = self.level - 1
+        self._verified = verified
+        verify, grow = min(budget, self.levels[verified]), min(budget, self.levels[self.grown])
+        shape = self.shapes[self.grown]
+        self.grower.shape = shape
+        proposal = self.grower.propose(committed, root, grow, min(depth, shape.depth))
+        self.reach.watch(proposal.tree.copy())
+        if not self.grower.last_shared:  # (a pass shared with other requests times theirs too)
+            self.draft_s[self.grown].add(max(0.0, proposal.draft_s - self.grower.last_catch_up[1]))
+            for n_tokens, seconds in self.grower.last_passes:
+                self.draft_pass.observe(n_tokens, seconds)
+        return proposal.cut(verify) if verify < len(proposal.tree) - 1 else proposal
+
+    def commit(self, proposal: GrownTree, accepted_nodes: Sequence[int]) -> None:
+        self.grower.commit(proposal, accepted_nodes)
+
+    def observe(self, step) -> None:
+        if self._feeds_cost:
+            self.cost.observe(step.tree_nodes + 1, step.target_s)
+        if step.draft_passes:
+            self.rest_s.add(max(0.0, step.total_s - step.target_s - step.draft_s))
+            # The first pass of a size is no measure of the next ones: llama.cpp grows its buffers
+            # for it (over an RPC worker the first 17-token pass took 730 ms, the next ones 190).
+            if step.tree_nodes in self._sizes_seen:
+                if self._timed(self._verified) is None:  # (stale: what it measured then is no guide)
+                    self.target_s[self._verified] = Average(24)
+                self.target_s[self._verified].add(step.target_s)
+                self._timed_at[self._verified] = self._steps
+            self._sizes_seen.add(step.tree_nodes)
+        self._steps += 1
+
+    def reset(self) -> None:
+        self.grower.reset()
+        self.reach.forget_open()
+        self._text = []
+
+    # -- sizing -----------------------------------------------------------------------------------
+
+    def _read(self, committed: Sequence[int], root: int) -> None:
+        """Feed `reach` the tokens emitted since the last proposal (a new text: start again)."""
+        n, seen = len(committed) + 1, len(self._text)
+        if 0 < seen <= n and list(committed[max(0, seen - _TEXT_CHECK): seen]) == self._text[-_TEXT_CHECK:]:
+            new = [*committed[seen:], root] if seen < n else []
+            self.reach.feed(new)
+            self._text.extend(new)
+            return
+        self.reach.forget_open()
+        self._text = [*committed, root]
+
+    def rates(self) -> np.ndarray:
+        """Per level: tokens per second of a step verifying that size (0 where nothing is known)."""
+        accepted = self.reach.accepted()[self._at]
+        seconds = self._target_seconds() + self._draft_seconds() + (float(self.rest_s.mean) if self.rest_s.known else 0.0)
+        return (accepted + 1.0) / seconds
+
+    def _target_seconds(self) -> np.ndarray:
+        """Per level: a step's target pass, as measured at that size lately, else by the measured
+        curve (a size not verified for STALE_STEPS steps: the machine may have changed since)."""
+        curve = self.cost(self.reach.nodes()[self._at] + 1)
+        return np.array([self._timed(i) if self._timed(i) is not None else float(c) for i, c in enumerate(curve)])
+
+    def _timed(self, level: int) -> float | None:
+        target = self.target_s[level]
+        if not target.known or self._steps - self._timed_at[level] > STALE_STEPS:
+            return None
+        return float(target.mean)
+
+    def _draft_seconds(self) -> np.ndarray:
+        """Per level: a proposal's draft passes, as measured at that size; a size not grown yet
+        is taken to need a pass per level of its depth, each over its width, priced by the draft's
+        passes measured so far (draft_pass)."""
+        out = np.zeros(len(self.levels))
+        for i, shape in enumerate(self.shapes):
+            if self.draft_s[i].known:
+                out[i] = float(self.draft_s[i].mean)
+            elif self.draft_pass.known:
+                out[i] = shape.depth * float(self.draft_pass(np.array([shape.width]))[0])
+        return out
+
+    def _choose(self) -> tuple[int, int]:
+        """(the level a step verifies, the level it grows): the level that pays, and now and then,
+        while the size above it has not been judged, that size: the first time at once (verified
+        whole: its passes are then measured, not guessed from a curve that has seen none so
+        large), then while it promises to pay (what its proposals accepted so far, or what the
+        level below hopes for it, whichever is more)."""
+        if len(self.levels) == 1 or not self.cost.known or not self.draft_s[self.level].known:
+            return self.level, self.level
+        rates, weights = self.rates(), self.reach.weight()[self._at]
+        level = grow_pays(rates, weights, self.level)
+        if level != self.level:
+            log.info("the draft model's tree %s to %d nodes: %.1f tokens/s expected, against %.1f at %d",
+                     "grows" if level > self.level else "shrinks", self.levels[level], rates[level],
+                     rates[self.level], self.levels[self.level])
+        above = level + 1
+        if above >= len(self.levels) or weights[above] >= GROW_EVIDENCE:
+            return level, level
+        self._since_explore += 1
+        if self._since_explore < EXPLORE_EVERY:
+            return level, level
+        if self.target_s[above].known:
+            accepted = self.reach.accepted()
+            doublings = float(np.log2(self.levels[above] / self.levels[level]))
+            hoped = hoped_accepted(float(accepted[self._at[level]]), float(accepted[self._half[level]]), doublings,
+                                   self.shapes[above].depth)
+            if weights[above] > 0:
+                hoped = max(hoped, float(accepted[self._at[above]]))
+            if not faster((hoped + 1.0) / self._step_seconds(above), float(rates[level])):
+                return level, level
+        self._since_explore = 0
+        return level, above
+
+    def _step_seconds(self, level: int) -> float:
+        """Seconds of a step verifying a full tree of `level`'s size."""
+        rest = float(self.rest_s.mean) if self.rest_s.known else 0.0
+        return float(self._target_seconds()[level]) + float(self._draft_seconds()[level]) + rest

@@ -1,0 +1,180 @@
+"""Trees grown online to what a pass pays (decoding.drafters.growing), pure: a scripted draft.
+
+The sizing depends on measured seconds and on what the target went on to emit, not on a model:
+a scripted draft that knows the text stands in for the draft model, with pass curves shaped as
+measured through an RPC worker behind a 50 ms delay (nearly flat) and on the 2-core CPU (steep).
+The end-to-end runs with real models are in test_speculative.py and test_rpc.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrun.core.tree import DraftTree
+from specrun.core.tree_shapes import TreeShape, grown_shape, growth_levels
+from specrun.decoding.adaptive import Reach
+from specrun.decoding.drafters.best_first import GrownTree
+from specrun.decoding.drafters.growing import GrowingTrees
+from specrun.decoding.steps import Step
+from specrun.runtime.trees import DEFAULT_GROWTH, DEFAULT_SHAPE, LOOKUP_SHAPE, TreePlan, fit_tree
+from specrun.runtime.drafters import BEST_FIRST
+
+# The target's next token is the draft's first guess at these positions (about 80% of them), and
+# its second guess elsewhere: a tree that holds second guesses accepts further than a chain.
+TEXT = list(range(1000, 3000))
+FIRST_GUESS = np.random.default_rng(7).random(len(TEXT)) < 0.8
+
+
+class ScriptedGrower:
+    """Grows best-first trees over the scripted text: at each node its first two guesses (the
+    right token first where FIRST_GUESS says, else second), down to the shape's depth, the best
+    `budget` nodes kept. Draft passes cost `pass_s` each, one per level of depth."""
+
+    def __init__(self, pass_s: float = 0.004):
+        self.shape = TreeShape.chain(5)
+        self.pass_s = pass_s
+        self.last_catch_up = (1, pass_s)
+        self.last_passes = []
+        self.last_shared = False
+        self.drafts_beside_others = False
+        self.budgets = []
+
+    def propose(self, committed, root, budget, depth):
+        at = len(committed)  # the position in TEXT of the token after the root
+        tree = DraftTree(root, capacity=4 * budget + 8)
+        frontier = [(0, at, 0.0)]
+        for level in range(depth):
+            grown = []
+            for node, pos, logp in frontier:
+                if pos is None:  # below a wrong guess: tokens the target never writes
+                    guesses = [-1 - node, -2 - node]
+                elif pos < len(TEXT):
+                    right, wrong = TEXT[pos], -TEXT[pos]
+                    guesses = [right, wrong] if FIRST_GUESS[pos] else [wrong, right]
+                else:
+                    continue
+                for k, token in enumerate(guesses[: self.shape.top_k]):
+                    child = tree.add(node, token, logp - (0.2 if k == 0 else 1.6))
+                    right_here = pos is not None and token == TEXT[pos]
+                    grown.append((child, pos + 1 if right_here else None, float(tree.logps[child])))
+            frontier = sorted(grown, key=lambda f: -f[2])[: 4 * budget]
+        tree.prune_to_best(budget)
+        self.budgets.append(budget)
+        passes = min(depth, tree.max_depth)
+        self.last_passes = [(self.shape.width, self.pass_s)] * passes
+        return GrownTree(tree, self.pass_s * (1 + passes), 1 + passes)
+
+    def commit(self, proposal, accepted_nodes):
+        pass
+
+    def debt(self, committed, root):
+        return 1
+
+    def reset(self):
+        pass
+
+
+def decode(growing: GrowingTrees, pass_s, steps: int = 120, capacity: int = 384):
+    """Run `steps` steps over TEXT, a target pass over n tokens taking pass_s(n); return the size
+    verified at each step."""
+    committed, sizes = [0], []
+    for i in range(steps):
+        root = TEXT[len(committed) - 1]
+        if i % 10 == 9:  # a plain step now and then, as the speed guard asks for
+            growing.observe(Step([root], target_s=pass_s(1), total_s=pass_s(1) + 0.001))
+            committed.append(root)
+            continue
+        proposal = growing.propose(committed, root, capacity, 32)
+        tree = proposal.tree
+        node, accepted, pos = 0, [0], len(committed)
+        while (child := tree.find_child(node, TEXT[pos])) is not None:
+            node, pos = child, pos + 1
+            accepted.append(node)
+        growing.commit(proposal, accepted)
+        tokens = TEXT[len(committed): pos + 1]
+        target_s = pass_s(len(tree))
+        growing.observe(Step(tokens, target_s=target_s, draft_s=proposal.draft_s, total_s=target_s + proposal.draft_s + 0.001,
+                             tree_nodes=len(tree) - 1, draft_passes=proposal.draft_passes))
+        committed = [0, *TEXT[: pos]]
+        sizes.append(len(tree) - 1)
+    return sizes
+
+
+def fixed(n):  # a target whose layers stream over PCIe each pass: the pass costs the transfer
+    return 0.2 + 0.0002 * (n - 1)
+
+
+def steep(n):  # the demo target on the 2-core CPU: a 64-token pass costs 7x a 1-token one
+    return 0.025 + 0.0024 * (n - 1)
+
+
+def test_grown_shapes_deepen_as_they_grow_and_levels_double():
+    assert grown_shape(5) == TreeShape.chain(5)
+    shapes = [grown_shape(b) for b in (16, 64, 256, 1024)]
+    assert [s.depth for s in shapes] == [16, 24, 32, 40]
+    assert all(s.width * 16 == s.budget and s.top_k == 2 for s in shapes)
+    assert growth_levels(5, 384) == (5, 16, 32, 64, 128, 256, 384)
+    assert growth_levels(5, 5) == (5,)
+
+
+def test_reach_judges_a_budget_only_by_the_proposals_grown_that_large():
+    reach = Reach([1, 2, 4, 8])
+    small = DraftTree.chain(1, [2, 3], [-0.1, -0.2])
+    large = DraftTree.chain(4, [5, 6, 7, 8, 9, 10, 11, 12], -0.1 * np.arange(1, 9))
+    reach.watch(small)
+    reach.feed([2, 3, 4])  # the small chain accepted whole
+    reach.watch(large)
+    reach.feed([5, 6, 7, 8, 9, 10, 11, 12, 13])  # the large one too
+    weights = reach.weight()
+    assert weights[0] > weights[2] > 0 and weights[2] == weights[3]  # budgets 4 and 8: the large chain only
+    accepted = reach.accepted()
+    assert accepted[3] == 8 and accepted[2] == 4  # not diluted by the small chain's 2
+    assert accepted[1] == 2
+
+
+def test_where_a_pass_costs_a_fixed_time_the_tree_grows_to_tens_of_nodes_and_more():
+    growing = GrowingTrees(ScriptedGrower(pass_s=0.001), TreeShape.chain(5), 384)
+    sizes = decode(growing, fixed)
+    assert sizes[0] == 5
+    assert min(sizes[-20:]) >= 64, sizes
+    # Each size was grown (explored, and verified whole to time its pass) before it was chosen.
+    assert growing.grower.budgets.index(max(sizes[-20:])) < len(sizes) - 20
+    rates = growing.rates()
+    assert rates[growing.level] > 1.8 * rates[0]  # measured far faster than the chain it started from
+
+
+def test_when_passes_get_dear_the_grown_tree_shrinks_back():
+    # The same run, then its passes priced as a CPU's (the worker went away, the machine got busy).
+    growing = GrowingTrees(ScriptedGrower(pass_s=0.001), TreeShape.chain(5), 384)
+    assert min(decode(growing, fixed)[-10:]) >= 64
+    sizes = decode(growing, steep, steps=200)
+    assert max(sizes[-20:]) <= 32, sizes
+
+
+def test_where_each_verified_token_is_dear_the_tree_stays_small():
+    growing = GrowingTrees(ScriptedGrower(), TreeShape.chain(5), 384)
+    sizes = decode(growing, steep)
+    # The size above was looked at (twice: a size's first pass times llama.cpp's allocation), and
+    # promised nothing after: no step paid for a larger tree again.
+    assert sizes.count(16) == 2 and max(sizes[20:]) == 5, sizes
+    assert max(growing.grower.budgets[20:]) == 5
+
+
+def test_a_new_text_forgets_the_walks_in_progress():
+    growing = GrowingTrees(ScriptedGrower(), TreeShape.chain(5), 64)
+    decode(growing, fixed, steps=10)
+    weight = growing.reach.weight().copy()
+    growing.propose([0, 5, 6, 7], 8, 64, 32)  # another request's text: no walk continues into it
+    assert np.array_equal(growing.reach.weight(), weight)
+    assert growing._text == [0, 5, 6, 7, 8]
+
+
+def test_a_growing_tree_cut_to_a_smaller_batch_gives_up_growth_before_lookup():
+    tree = TreePlan(DEFAULT_SHAPE, BEST_FIRST, "default", lookup=LOOKUP_SHAPE, grow=DEFAULT_GROWTH)
+    assert tree.verified.budget == DEFAULT_GROWTH + LOOKUP_SHAPE.budget
+    assert tree.verified.depth == grown_shape(DEFAULT_GROWTH).depth
+    smaller = fit_tree(tree, 100)
+    assert smaller.grow == 100 - LOOKUP_SHAPE.budget and smaller.verified.budget == 100
+    no_room = fit_tree(tree, 50)
+    assert no_room.grow is None and no_room.shape == DEFAULT_SHAPE and no_room.verified.budget == 50
+    assert "growing to up to 384" in tree.describe() and "growing" not in no_room.describe()
