@@ -222,11 +222,6 @@ class Context(Owner):
         self.n_vocab = model.n_vocab
         self.threads = threads
         self._n_outputs = 0
-        # llama.cpp's cache is not safe to edit (or read) from two threads at once: requests that
-        # share a context (decoding.batching) edit their own sequences each in its own thread, and
-        # two edits at the same moment crashed the process. The gates keep edits away from a
-        # pass; this lock keeps them away from one another.
-        self._cache_lock = threading.Lock()
         model._contexts.append(self)
 
     def _open(self, params, refusal: str, hint: str):
@@ -238,6 +233,11 @@ class Context(Owner):
             raise EngineError(f"{refusal} for {self.model.path.name}: {last_llama_error(hint)}")
         self._ptr = ptr
         self._mem = C.llama_get_memory(ptr)
+        # llama.cpp's cache is not safe to edit (or read) from two threads at once: requests that
+        # share a context (decoding.batching) edit their own sequences each in its own thread, and
+        # two edits at the same moment crashed the process. The gates keep edits away from a
+        # pass; this lock keeps them away from one another.
+        self._cache_lock = threading.Lock()
         return ptr
 
     @property
