@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specrun import engine
+from specrun.engine import compute
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.plain import PlainDecoder
@@ -34,7 +35,13 @@ def plain(target):
 
 
 def _llama_greedy(path, prompt_tokens, n_tokens, eog):
-    """Greedy tokens from llama-cpp-python's high-level Llama (the real peer, as oracle)."""
+    """Greedy tokens from llama-cpp-python's high-level Llama (the real peer, as oracle), decoded in
+    the compute thread as every pass of specrun's is (engine.compute): a pass run from this
+    thread would give libgomp a second team, and every later pass of the test run would be slower."""
+    return compute.run(_llama_greedy_here, path, prompt_tokens, n_tokens, eog)
+
+
+def _llama_greedy_here(path, prompt_tokens, n_tokens, eog):
     import llama_cpp
 
     llm = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=512, n_threads=engine.default_threads(), verbose=False)
