@@ -150,7 +150,8 @@ def _main(
             "",
             "Each --jsonl line: {\"prompt\": ..., \"max_tokens\"?, \"temperature\"?, \"top_k\"?, \"top_p\"?,",
             "\"min_p\"?, \"seed\"?, \"stop\"?, \"chat\"?, \"system\"?, \"presence_penalty\"?, \"frequency_penalty\"?,",
-            "\"repeat_penalty\"?, \"logit_bias\"?, \"logprobs\"?, \"json_schema\"?, \"grammar\"?, \"id\"?}; each result:",
+            "\"repeat_penalty\"?, \"logit_bias\"?, \"logprobs\"?, \"json_schema\"?, \"grammar\"?, \"reproducible\"?, \"id\"?};",
+            "each result:",
             "text, token_ids, n_tokens, tokens_per_s, accepted_per_pass, finish_reason, logprobs if asked",
             "(or error and line).",
         ),
@@ -175,6 +176,7 @@ def generate(
     grammar: Annotated[Optional[Path], typer.Option("--grammar", help="The answer follows this GBNF (llama.cpp) or Lark grammar file.")] = None,
     logprobs: Annotated[Optional[int], typer.Option("--logprobs", min=0, max=20, help="With --json: each token's log-prob and this many likeliest alternatives.")] = None,
     parse_special: Annotated[bool, typer.Option("--parse-special/--no-parse-special", help="In a raw prompt (--raw), special-token text such as <|im_start|> becomes special tokens, as in llama.cpp's tools; --no-parse-special keeps it text. Chat messages are always text.")] = True,
+    reproducible: Annotated[bool, typer.Option("--reproducible", help="The same answer whatever else runs: one-token passes of its own from a fresh prefill (greedy: plain decoding's answer bit for bit), at plain decoding's speed.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print a summary on stderr.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and stats.")] = False,
     lines: Annotated[bool, typer.Option("--lines", help="Each input line (stdin or --file) is a prompt of its own; models load once.")] = False,
@@ -221,6 +223,7 @@ def generate(
             seed=seed, stop=tuple(stop or ()), chat=chat, system=system, parse_special=parse_special,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
             logprobs=logprobs, json_schema=json_schema_file(json_schema), grammar=option_file(grammar, "--grammar"),
+            reproducible=reproducible,
         )
         if jsonl:
             if prompt is not None and prompt != "-":

@@ -193,3 +193,32 @@ def test_the_server_logs_a_request_s_near_ties(offline_models, tmp_path):
     match = re.fullmatch(rf"{tied['id']}: (\d+) near-ties?, the closest by ([0-9.]+) nats: .*", lines[0])
     assert match and int(match[1]) > 0 and 0 <= float(match[2]) < NEAR_TIE_NATS, lines[0]
     assert any(line.startswith(f"{sampled['id']}: prompt") for line in srv.stderr_lines), srv.stderr
+
+
+# The tiny random draft beside the F32 demo target: near-ties are where trees may part from plain.
+SPEC_F32 = ["--target", "smollm2-135m-f32", "--draft", "smollm2-135m-q4", "--threads", "1", "--ctx-size", "512"]
+STORY = "Tell me a short story about a lighthouse keeper."
+
+
+def test_reproducible_is_plain_decoding_bit_for_bit_with_the_draft_loaded(cli):
+    plain = cli("generate", "--json", "-n", "40", *PLAIN_F32, STORY)
+    pinned = cli("generate", "--json", "-n", "40", "--reproducible", *SPEC_F32, STORY)
+    assert plain.exit_code == 0 and pinned.exit_code == 0, pinned.output
+    ours, theirs = json.loads(pinned.stdout), json.loads(plain.stdout)
+    assert ours["token_ids"] == theirs["token_ids"]
+    assert ours["drafter"] == "hybrid"  # the draft was there, and no tree was verified
+    assert ours["stats"]["max_tree_nodes"] == 0 and ours["stats"]["n_passes"] == theirs["stats"]["n_passes"]
+
+
+def test_a_reproducible_jsonl_line_decodes_alone_beside_lines_that_speculate(cli):
+    lines = [json.dumps({"prompt": STORY, "reproducible": True, "id": "pinned"}),
+             json.dumps({"prompt": "Write a list of five fruits.", "id": "free"}),
+             json.dumps({"prompt": STORY, "reproducible": "yes"})]
+    result = cli("generate", "--jsonl", "-n", "32", "--parallel", "2", *SPEC_F32, input="\n".join(lines) + "\n")
+    plain = cli("generate", "--json", "-n", "32", *PLAIN_F32, STORY)
+    assert plain.exit_code == 0
+    pinned, free, bad = [json.loads(line) for line in result.stdout.splitlines()]
+    assert pinned["id"] == "pinned" and pinned["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert pinned["stats"]["shared_passes"] == 0 and pinned["stats"]["max_tree_nodes"] == 0
+    assert free["id"] == "free" and "error" not in free
+    assert bad["field"] == "reproducible" and bad["line"] == 3

@@ -61,6 +61,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     grammar: Any = None  # a compiled grammar (engine.grammar.Grammar): only what it allows is drawn
     logprobs: int | None = None  # report log-probs: None off, else this many alternatives too
+    # --reproducible: decoded as a seeded sample is (see reproducible), greedy requests too.
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -110,13 +112,17 @@ class SamplingParams:
 
     @property
     def reproducible(self) -> bool:
-        """True for a seeded sample, which must come out the same whatever ran before it.
+        """True for a seeded sample, which must come out the same whatever ran before it, and for
+        any request asked to be (`pinned`: --reproducible).
 
         Logits depend in their last digits on how they were computed (a prompt partly reused from
         the KV cache, a tree pass or a one-token pass), and over a long answer such a difference
-        flips a draw now and then. So decoders answer a seeded sample from a fresh prefill of the
-        whole prompt with one-token steps: the same computation every time."""
-        return self.seed is not None and not self.greedy
+        flips a draw now and then; a greedy answer follows a near-tie that a last digit flips.
+        Speculation sizes its trees by measured times, so the shape of a pass follows the clock.
+        So decoders answer such a request from a fresh prefill of the whole prompt with one-token
+        steps, in passes of its own: the same computation every time, whatever the load, and for
+        a greedy request plain decoding's answer bit for bit (docs/exactness.md)."""
+        return self.pinned or (self.seed is not None and not self.greedy)
 
 
 def _is_int(value: object) -> bool:

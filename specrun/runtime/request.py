@@ -50,6 +50,8 @@ class Request:
     # A whole conversation, (role, content) per message, in place of one prompt text: rendered by
     # the model's chat template (a `--jsonl` line's "messages").
     messages: tuple[tuple[str, str], ...] | None = None
+    # --reproducible: the same answer whatever the load (SamplingParams.reproducible).
+    reproducible: bool = False
 
     def sampling(self, grammar: Grammar | None = None) -> SamplingParams:
         """Return the sampling settings (raises UsageError naming a bad one)."""
@@ -57,7 +59,7 @@ class Request:
             self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repeat_penalty=self.repeat_penalty, logit_bias=self.logit_bias, grammar=grammar,
-            logprobs=self.logprobs,
+            logprobs=self.logprobs, pinned=self.reproducible,
         )
 
     def check(self) -> None:

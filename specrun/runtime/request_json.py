@@ -16,7 +16,7 @@ from specrun.runtime.request import Request
 
 FIELDS = ("prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "chat", "system", "parse_special",
           "presence_penalty", "frequency_penalty", "repeat_penalty", "logit_bias", "logprobs", "json_schema",
-          "grammar", "id")
+          "grammar", "reproducible", "id")
 
 
 class FieldError(UsageError):
@@ -128,6 +128,7 @@ _CHECKS = {
     "stop": _stop,
     "chat": lambda v: _flag("chat", v),
     "parse_special": lambda v: _flag("parse_special", v),
+    "reproducible": lambda v: _flag("reproducible", v),
     "system": lambda v: _text("system", v),
     "presence_penalty": lambda v: _number_in("presence_penalty", v, -2.0, 2.0),
     "frequency_penalty": lambda v: _number_in("frequency_penalty", v, -2.0, 2.0),
