@@ -154,12 +154,14 @@ class DraftModel(Drafting):
         return replace(tree, drafting=DraftModel(), grow=None)
 
     def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
+        # The target's passes as the hybrid measures them, which a tree grown online sizes itself by.
+        cost = TargetCost() if tree.lookup is not None else None
         if self.template is not None:
             model_drafter = StaticTreeGrower(draft, draft_ctx, self.template, draft_lane)
         elif tree.grow is not None:
             grower = TreeGrower(draft, draft_ctx, grown_shape(tree.grow), draft_lane)  # (its batch for the widest)
             grower.shape = tree.shape
-            model_drafter = GrowingTrees(grower, tree.shape, tree.grow, cost=TargetCost() if tree.lookup is not None else None)
+            model_drafter = GrowingTrees(grower, tree.shape, tree.grow, cost=cost)
         else:
             model_drafter = TreeGrower(draft, draft_ctx, tree.shape, draft_lane)
         if tree.lookup is None:
@@ -176,7 +178,6 @@ class DraftModel(Drafting):
             if tree.source == "default":
                 best_case = _best_case(tree.shape, draft_passes, target_ctx)
         grown = grown_shape(tree.grow) if tree.grow is not None else tree.shape
-        cost = model_drafter.cost if isinstance(model_drafter, GrowingTrees) else None
         hybrid = HybridDrafter(model_drafter, grown.budget, tree.lookup.budget, draft_depth=max(tree.shape.depth, grown.depth), cost=cost,
                                prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case, memory=memory)
         if not hybrid.could_pay():

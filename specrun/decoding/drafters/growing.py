@@ -8,12 +8,13 @@ sizes (core.tree_shapes.growth_levels) by what the run measures:
 
 - what a size's tree would accept: every proposal is watched (adaptive.Reach), and its cut to
   any smaller size is exactly its best nodes (best-first), so one proposal tells every size up
-  to its own. To learn a larger size, a step now and then grows the larger tree (`explore`) and
-  still verifies the cut to the size that pays: exploring costs only the larger tree's draft
-  passes, never a larger target pass;
-- what a step costs at each size: the target's pass over that many nodes (the measured curve,
-  adaptive.TargetCost), the draft's passes for that size's tree (measured per size, until then
-  scaled from the nearest size measured), and the rest of a step.
+  to its own. To learn a larger size, a step now and then grows the larger tree and still
+  verifies the cut to the size that pays (only the first looks at a size verify it whole, to
+  time its pass);
+- what a step costs at each size: the target's pass over that many nodes (as timed at that size
+  lately, else the measured curve, adaptive.TargetCost), the draft's passes for that size's tree
+  (measured per size, until then a pass per level of its depth, priced by the draft's passes so
+  far), and the rest of a step.
 
 pay.rules decides (`grow_pays`, `hoped_accepted`); this module only measures and grows.
 """
@@ -25,7 +26,6 @@ from typing import Sequence
 
 import numpy as np
 
-from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import TreeShape, grown_shape, growth_levels
 from specrun.decoding.adaptive import BUDGETS, Average, Reach, TargetCost
 from specrun.decoding.drafters.base import ModelDrafter
@@ -62,17 +62,11 @@ class GrowingTrees(ModelDrafter):
         self._timed_at = [0] * len(self.levels)  # the step at which each size's pass was last timed
         self.draft_pass = TargetCost()  # the draft's expansion passes, by tokens
         self.rest_s = Average(24)  # a drafting step's seconds beyond its target and draft passes
-        self.level = 0  # the size verified
-        self.grown = 0  # the size grown this step (the level, or the one above it when exploring)
+        self.level = 0  # the size that pays (verified, but for the looks at the sizes around it)
         self._since_explore = 0
         self._text: list[int] = []  # the text fed to `reach` so far
 
     # -- the decoder's and the hybrid's interface: the grower's, sized ----------------------------
-
-    @property
-    def budget(self) -> int:
-        """The size the next step verifies."""
-        return self.levels[self.level]
 
     def __getattr__(self, name: str):
         """What the grower has and this class does not (its context, lane, cache): the grower's."""
@@ -107,27 +101,30 @@ class GrowingTrees(ModelDrafter):
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> GrownTree:
         self._read(committed, root)
-        self.level, self.grown = self._choose()
+        self.level, grown = self._choose()
         # A size explored for the first time is verified whole, until its pass is timed: then it
         # is measured, not only extrapolated (over a network the curve's first sizes say little
         # of the rest). The size below, when its timing has gone stale, is verified (a cut of
         # this tree: no draft pass more) to time it again, so that a tree can shrink back.
         verified = self.level
-        if not self.target_s[self.grown].known:
-            verified = self.grown
-        elif self.level > 0 and self.grown == self.level and self._timed(self.level - 1) is None:
+        if not self.target_s[grown].known:
+            verified = grown
+        elif self.level > 0 and grown == self.level and self._timed(self.level - 1) is None:
             verified = self.level - 1
         self._verified = verified
-        verify, grow = min(budget, self.levels[verified]), min(budget, self.levels[self.grown])
-        shape = self.shapes[self.grown]
+        verify, grow = min(budget, self.levels[verified]), min(budget, self.levels[grown])
+        shape = self.shapes[grown]
         self.grower.shape = shape
         proposal = self.grower.propose(committed, root, grow, min(depth, shape.depth))
-        self.reach.watch(proposal.tree.copy())
         if not self.grower.last_shared:  # (a pass shared with other requests times theirs too)
-            self.draft_s[self.grown].add(max(0.0, proposal.draft_s - self.grower.last_catch_up[1]))
+            self.draft_s[grown].add(max(0.0, proposal.draft_s - self.grower.last_catch_up[1]))
             for n_tokens, seconds in self.grower.last_passes:
                 self.draft_pass.observe(n_tokens, seconds)
-        return proposal.cut(verify) if verify < len(proposal.tree) - 1 else proposal
+        if verify < len(proposal.tree) - 1:
+            self.reach.watch(proposal.tree)  # (the cut is a copy: this tree stays as grown)
+            return proposal.cut(verify)
+        self.reach.watch(proposal.tree.copy())  # (the hybrid grafts lookup branches onto the one it gets)
+        return proposal
 
     def commit(self, proposal: GrownTree, accepted_nodes: Sequence[int]) -> None:
         self.grower.commit(proposal, accepted_nodes)
@@ -167,15 +164,20 @@ class GrowingTrees(ModelDrafter):
 
     def rates(self) -> np.ndarray:
         """Per level: tokens per second of a step verifying that size (0 where nothing is known)."""
-        accepted = self.reach.accepted()[self._at]
-        seconds = self._target_seconds() + self._draft_seconds() + (float(self.rest_s.mean) if self.rest_s.known else 0.0)
-        return (accepted + 1.0) / seconds
+        return (self.reach.accepted()[self._at] + 1.0) / self._step_seconds()
+
+    def _step_seconds(self) -> np.ndarray:
+        """Per level: seconds of a step verifying that size (its target pass, its draft passes and
+        the rest of a step)."""
+        rest = float(self.rest_s.mean) if self.rest_s.known else 0.0
+        return self._target_seconds() + self._draft_seconds() + rest
 
     def _target_seconds(self) -> np.ndarray:
         """Per level: a step's target pass, as measured at that size lately, else by the measured
         curve (a size not verified for STALE_STEPS steps: the machine may have changed since)."""
         curve = self.cost(self.reach.nodes()[self._at] + 1)
-        return np.array([self._timed(i) if self._timed(i) is not None else float(c) for i, c in enumerate(curve)])
+        timed = [self._timed(i) for i in range(len(self.levels))]
+        return np.array([float(c) if t is None else t for t, c in zip(timed, curve)])
 
     def _timed(self, level: int) -> float | None:
         target = self.target_s[level]
@@ -222,12 +224,7 @@ class GrowingTrees(ModelDrafter):
                                    self.shapes[above].depth)
             if weights[above] > 0:
                 hoped = max(hoped, float(accepted[self._at[above]]))
-            if not faster((hoped + 1.0) / self._step_seconds(above), float(rates[level])):
+            if not faster((hoped + 1.0) / float(self._step_seconds()[above]), float(rates[level])):
                 return level, level
         self._since_explore = 0
         return level, above
-
-    def _step_seconds(self, level: int) -> float:
-        """Seconds of a step verifying a full tree of `level`'s size."""
-        rest = float(self.rest_s.mean) if self.rest_s.known else 0.0
-        return float(self._target_seconds()[level]) + float(self._draft_seconds()[level]) + rest
