@@ -27,6 +27,7 @@ from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.growing import GrowingTrees
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import generate, token_ids
@@ -290,6 +291,37 @@ def test_greedy_output_equals_plain_decoding(draft, prompts, references, spec_de
     per_budget = ", ".join(f"{b}: {t:.1f}" for b, t in seconds.items())
     print(f"\n{draft} draft: {n_runs} runs in {time.perf_counter() - t0:.1f} s (seconds by budget: {per_budget})")
     check_divergences(divergences, n_runs, f"greedy matrix, {draft} draft")
+
+
+# (verified level, grown level) per step: the chain, a look at 16 grown and verified whole, 16
+# grown and cut to the chain, the tree paying at 32 with 64 explored and cut, the size below
+# re-timed on a cut. Which steps do which follows the clock in a run; here a script.
+GROWTH_SCRIPT = [(0, 0), (0, 1), (0, 1), (1, 1), (1, 2), (2, 2), (2, 3), (1, 2), (3, 3), (0, 3)]
+
+
+@pytest.mark.parametrize("draft", ["agreeing", "random"])
+def test_greedy_through_trees_grown_online_equals_plain_decoding(draft, target, draft_models, contexts, prompts,
+                                                                 references):
+    """A tree grown online (decoding.drafters.growing) changes size from step to step, is grown
+    larger than it is verified and cut, and its draft cache keeps only the accepted path: every
+    kind of step, on the agreeing and the random-weight draft, gives plain greedy's tokens."""
+    model = draft_models[draft]
+    grower = TreeGrower(model, contexts(model), TreeShape(64, 24, 4, 2))
+    growing = GrowingTrees(grower, TreeShape.chain(5), 64)
+    assert growing.levels == (5, 16, 32, 64)
+    script = iter(GROWTH_SCRIPT * 100)
+    growing._choose = lambda: next(script)
+    spec = SpeculativeDecoder(target, contexts(target), growing, TreeShape(64, 24, 4, 2))
+    divergences, sizes, n_runs = [], set(), 0
+    for index, prompt in enumerate(prompts[:3]):
+        ref = references(prompt, 40)
+        out = token_ids(spec, prompt, GREEDY, 40)
+        sizes |= {step.tree_nodes for step in spec.stats.steps}
+        n_runs += 1
+        if d := compare(ref, out, 40, f"prompt {index}, {draft} draft, grown online"):
+            divergences.append(d)
+    assert {5, 16, 32} <= sizes, sizes  # cut trees and whole ones were verified
+    check_divergences(divergences, n_runs, f"trees grown online, {draft} draft")
 
 
 @pytest.mark.slow

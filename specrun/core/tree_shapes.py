@@ -127,7 +127,8 @@ def grown_shape(budget: int) -> TreeShape:
     256 -> 32, 1024 -> 40). On the demo pair (a draft that agrees with its target most of the
     time) such trees accepted far more than wider ones of the same size: 8.9 tokens a pass at 16
     nodes against 5.3 for four children a node 8 deep, 15.2 at 64 against 11.0, for about the same
-    draft passes (`scripts/bench_growth.py --shape`, four chat prompts)."""
+    draft passes (four chat prompts of a probe run; `scripts/bench_growth.py --shape` compares
+    shapes on the built-in chat prompts)."""
     if budget <= LONGEST_GROWN_CHAIN:
         return TreeShape.chain(budget)
     depth = min(budget, 16 + 4 * max(0, (budget // 16).bit_length() - 1))
