@@ -151,6 +151,7 @@ def build(args) -> dict:
         arch = args.cuda_arch or gpu_arch()
         cmake = "-DLLAVA_BUILD=OFF"
         cmake += f" -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES={arch}" if arch and not args.cpu else " -DGGML_NATIVE=ON"
+        cmake += f" {args.cmake_extra}" if args.cmake_extra else ""
         env = {**os.environ, "CMAKE_ARGS": cmake, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)}
         command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                    "-w", str(wheel_dir), str(work / SDIST_NAME)]
@@ -276,24 +277,42 @@ def nvidia_smi_used() -> int | None:
     return int(done.stdout.split()[0]) * 2**20 if done.returncode == 0 and done.stdout.strip() else None
 
 
-def plan_check(args, made: dict) -> list[dict]:
-    """Per card: the memory the plan predicts against what the GPU holds once the pair is loaded."""
+def plan_check(args, made: dict, out: Path, results: dict) -> list[dict]:
+    """Per card: the memory the plan predicts against what the GPU holds once the pair is loaded,
+    and, with the pair loaded, the target's and the draft's t(n) for n = 1, 2, 4, ... up to the
+    largest tree (+ both sides of each cost step): where the cost jumps and how flat it is. Each
+    row is saved as soon as it is measured (a command stopped at its limit keeps what it had)."""
+    from specrun.hardware.offload import cost_steps
     from specrun.runtime.plan import RunOptions, build_plan
     from specrun.runtime.runtime import Runtime
+    from specrun.tuning.measure import curve_sizes, measure_curve
 
-    rows = []
+    rows = results.setdefault("plan", [])
     for target, card in ((t, c) for t in args.targets for c in args.cards):
         opts = RunOptions(target=made[target], draft=made["draft-0.5b"], ctx_size=args.ctx, lookup=False,
                           quiet=True, gpu_memory=card * 2**30, budget=args.max_tree)
         plan = build_plan(opts, detailed=True)
         before = nvidia_smi_used()
-        with Runtime(plan):
+        t0 = time.monotonic()
+        with Runtime(plan) as rt:
             after = nvidia_smi_used()
-        rows.append({"target": target, "card_gib": card, "target_gpu_layers": plan.target_gpu_layers,
-                     "layer_slots": plan.placement.target_n_slots, "draft_gpu_layers": plan.draft_gpu_layers,
-                     "planned_gpu_bytes": list(plan.placement.device_bytes), "planned_ram_bytes": plan.placement.ram_bytes,
-                     "measured_gpu_bytes": None if after is None or before is None else after - before})
-        log(f"plan {target} on {card} GiB: {rows[-1]}")
+            row = {"target": target, "card_gib": card, "target_gpu_layers": plan.target_gpu_layers,
+                   "layer_slots": plan.placement.target_n_slots, "draft_gpu_layers": plan.draft_gpu_layers,
+                   "planned_gpu_bytes": list(plan.placement.device_bytes), "planned_ram_bytes": plan.placement.ram_bytes,
+                   "measured_gpu_bytes": None if after is None or before is None else after - before,
+                   "load_s": round(time.monotonic() - t0, 1)}
+            prompt = rt.tokenize_prompt("The history of the printing press begins", chat=False)
+            steps = cost_steps(plan.placement)
+            for name, model_ctx, largest in (("target_s", rt.target_ctx, args.max_tree + 1), ("draft_s", rt.draft_ctx, 256)):
+                if not args.curve or model_ctx is None:
+                    continue
+                sizes = curve_sizes(min(largest, model_ctx.n_batch), steps if name == "target_s" else ())
+                measured = measure_curve(model_ctx, prompt, sizes, repeats=args.curve_repeats,
+                                         deadline=time.monotonic() + args.curve_seconds)
+                row[name] = {str(n): round(s, 5) for n, s in sorted(measured.decode.items())}
+        rows.append(row)
+        log(f"plan {target} on {card} GiB: {row}")
+        _save(out, results)
     return rows
 
 
@@ -352,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wheels", action="store_true", help="prepare: skip pip download")
     parser.add_argument("--cpu", action="store_true", help="build for the CPU even where a GPU is found")
     parser.add_argument("--cuda-arch", default=None, help="CUDA architecture (default: nvidia-smi's, e.g. 90)")
+    parser.add_argument("--cmake-extra", default="",
+                        help="build: more CMAKE_ARGS, e.g. -DGGML_CUDA_FA=OFF (half the CUDA kernels: a faster build)")
     parser.add_argument("--wait", type=float, default=540, help="build: seconds to poll before returning")
     parser.add_argument("--fast", action="store_true", help="no build (the installed llama-cpp-python), tiny shapes, short runs (CI)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and short runs after a real build (CPU machines)")
@@ -360,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tree", type=int, default=2047, help="largest tree whose cost is measured")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
     parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--no-curve", dest="curve", action="store_false",
+                        help="plan: only the memory, no t(n) curves with the pair loaded")
+    parser.add_argument("--curve-repeats", type=int, default=3, help="plan: timed rounds over the curve's sizes")
+    parser.add_argument("--curve-seconds", type=float, default=60.0, help="plan: at most this long per curve")
     args = parser.parse_args(argv)
     args.fast = args.fast or args.tiny  # the measuring steps treat both alike
     args.cards = [int(c) for c in args.cards.split(",") if c.strip()]
@@ -396,11 +421,11 @@ def main(argv: list[str] | None = None) -> int:
             elif step == "exactness":
                 results[step] = exactness(args, made)
             elif step == "plan":
-                results[step] = plan_check(args, made)
+                results[step] = plan_check(args, made, out, results)
             elif step == "report":
                 results[step] = reports(args, made, out)
         log(f"{step}: done in {time.monotonic() - t0:.0f} s")
-    _save(out, results)
+        _save(out, results)
     return 0
 
 

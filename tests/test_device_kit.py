@@ -64,6 +64,9 @@ def test_the_kit_runs_end_to_end_on_the_cpu(tmp_path, offline_models):
     assert exact["cases"] == 2 * len(device_kit.EXACTNESS_PROMPTS) and exact["identical"] == exact["cases"]
     (card,) = results["plan"]
     assert card["card_gib"] == 2 and card["layer_slots"] == 3 and card["measured_gpu_bytes"] is None  # no GPU here
+    # the pair's cost curves, measured with it loaded: one-token passes first, every time positive
+    for curve in (card["target_s"], card["draft_s"]):
+        assert {1, 2, 4} <= set(map(int, curve)) and all(s > 0 for s in curve.values())
     report = json.loads((tmp_path / "out" / "report-moe-30b-a3b-2gib.json").read_text())
     assert report["placement"]["gpu_memory_limit_bytes"] == 2 << 30
     assert sorted(map(int, report["cost"]["target_s"])) == [1, 2, 4, 8]

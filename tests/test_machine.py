@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from specrun.hardware.machine import Hardware, probe_hardware
 
 GPU = {"name": "CUDA0", "description": "NVIDIA GeForce RTX 4090", "kind": "gpu", "backend": "CUDA",
@@ -43,3 +46,32 @@ def test_the_fingerprint_of_a_machine_stays_what_stored_profiles_were_keyed_by()
                        cpu_features="AVX2 = 1 | F16C = 1")
 
     assert machine.fingerprint() == "f7f90f4501605616"
+
+
+LINK_ORDER = """
+import ctypes
+import specrun.engine  # noqa: F401  (loads llama.cpp's libraries the way every run does)
+
+class Info(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_void_p), ("name", ctypes.c_char_p)]
+
+names = []
+Callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Info), ctypes.c_size_t, ctypes.c_void_p)
+callback = Callback(lambda info, size, data: names.append((info.contents.name or b"").decode()) or 0)
+ctypes.CDLL(None).dl_iterate_phdr(callback, None)
+print("\\n".join(name.rsplit("/", 1)[-1] for name in names))
+"""
+
+
+def test_the_system_cxx_runtime_is_loaded_before_llama_cpp_libraries():
+    # A CUDA build's libggml-cuda exports copies of libstdc++'s stream templates; loaded ahead of
+    # the real runtime (llama-cpp-python loads its libraries RTLD_GLOBAL, and Python links no
+    # libstdc++), they served libllama's calls and a model load segfaulted on a GPU machine.
+    # Load order is the global scope's lookup order: libstdc++ must come before every ggml library.
+    done = subprocess.run([sys.executable, "-c", LINK_ORDER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = done.stdout.split()
+    ggml = [i for i, name in enumerate(loaded) if name.startswith(("libggml", "libllama"))]
+    cxx = [i for i, name in enumerate(loaded) if name.startswith("libstdc++")]
+    assert ggml and cxx, loaded
+    assert cxx[0] < ggml[0], loaded

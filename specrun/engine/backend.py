@@ -10,9 +10,28 @@ import ctypes
 import logging
 import threading
 from collections import deque
+import sys
 from pathlib import Path
 
-import llama_cpp as C
+
+def _cxx_runtime_first() -> None:
+    """Put the system's C++ runtime in the process's global symbol scope before llama.cpp's
+    libraries: llama-cpp-python loads them with RTLD_GLOBAL, and a CUDA build's libggml-cuda
+    exports copies of libstdc++'s stream templates. Loaded first, those copies serve every
+    library's calls, with static locale ids of their own: llama.cpp's model summary then
+    formats a number through the wrong locale facet and the load segfaults (seen on an H200
+    with the pinned llama-cpp-python built with -DGGML_CUDA=on; LD_PRELOAD of libstdc++ cured it).
+    Python itself does not link libstdc++, so without this nothing puts the real one first."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+        except OSError:  # no libstdc++ here: llama.cpp's libraries bring the one they need
+            pass
+
+
+_cxx_runtime_first()
+
+import llama_cpp as C  # noqa: E402  (after the C++ runtime: see _cxx_runtime_first)
 
 from specrun.errors import ModelFileError
 
