@@ -329,14 +329,14 @@ def serve(
     no_spec: NoSpecOpt = False,
     lookup: LookupOpt = None,
     memory: MemoryOpt = False,
+    reproducible: Annotated[bool, typer.Option("--reproducible", help="Decode every request as generate --reproducible does: the same answer whatever else runs (one-token passes of its own from a fresh prefill; greedy: plain decoding's answer bit for bit), at plain decoding's speed. A request cannot turn it off.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat UIs, editors, scripts)."""
     _setup_logging(verbose)
     with _user_errors():
         try:
-            from specrun.server.app import ServerSettings
-            from specrun.server.serve import serve as run_server
+            from specrun.server.serve import ServerSettings, serve as run_server
         except ModuleNotFoundError as e:
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
@@ -344,7 +344,7 @@ def serve(
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
-        settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose,
+        settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose, reproducible=reproducible,
                                   allowed_hosts=(*(allow_host or ()), host), read_timeout_s=read_timeout)
         run_server(opts, host, port, settings, queue_size, _chat_settings(reasoning_format, chat_template))
 

@@ -138,7 +138,9 @@ class SpeculativeDecoder:
                 proposal = propose(cache.tokens, pending, budget, depth)
             # Where a grammar allows one continuation only, that run is a path of the tree: grafted
             # where the drafter's tree leaves it (free drafts), or the whole tree without a drafter's.
-            forced = [] if rules is None or not self.forced_drafts else rules.forced(min(remaining - 1, room - 1))
+            # Not for a reproducible request: a run verified in one pass rounds as a tree does.
+            drafts_forced = rules is not None and self.forced_drafts and not params.reproducible
+            forced = rules.forced(min(remaining - 1, room - 1)) if drafts_forced else []
             only_forced = bool(forced) and proposal is None
             if forced:
                 proposal = graft_forced(proposal, pending, forced, min(self.ctx.n_batch, room) - 1,

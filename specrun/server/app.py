@@ -73,6 +73,8 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()
     # Seconds a client has to send a whole request (see server.connections).
     read_timeout_s: float = 30.0
+    # serve --reproducible: every request is decoded as a --reproducible one (the worker pins it).
+    reproducible: bool = False
 
 
 def create_app(worker: QueueWorker, settings: ServerSettings) -> FastAPI:

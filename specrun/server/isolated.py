@@ -40,8 +40,8 @@ class IsolatedWorker(QueueWorker):
     """QueueWorker whose models live in a child process, loaded again after the child is lost."""
 
     def __init__(self, opts: RunOptions, queue_size: int, on_ready, on_load_error, chat: ChatSettings,
-                 verbose: bool = False):
-        super().__init__(queue_size, on_ready, on_load_error)
+                 verbose: bool = False, reproducible: bool = False):
+        super().__init__(queue_size, on_ready, on_load_error, reproducible)
         self.opts, self.chat, self.verbose = opts, chat, verbose
         self._child: _Child | None = None
 

@@ -8,10 +8,11 @@ is answered by the loaded pair, as on /v1. Errors are Ollama's `{"error": "..."}
 response_format and tools (a grammar enforced at every tree node; the template's own tool-call
 format, parsed at the end); calls come back in Ollama's shape, arguments as an object.
 
-`options` take effect for temperature, top_p, top_k, min_p, seed, num_predict and stop; the
-context is the server's (`num_ctx` is read and ignored, as the model is not reloaded), and the
-other options (penalties, mirostat, threads...) are accepted and ignored. Without options the
-sampling follows Ollama's defaults.
+`options` take effect for temperature, top_p, top_k, min_p, seed, num_predict and stop, and
+specrun's own `reproducible` (true or false only, as on /v1); the context is the server's
+(`num_ctx` is read and ignored, as the model is not reloaded), and the other options (penalties,
+mirostat, threads...) are accepted and ignored. Without options the sampling follows Ollama's
+defaults.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Options(BaseModel):
     num_predict: int | None = None
     stop: list[str] | None = Field(default=None, max_length=16)
     num_ctx: int | None = Field(default=None, ge=0)  # read, not used: the server's context stays
+    reproducible: StrictBool = False  # specrun's own, as on /v1: the same answer whatever else runs
 
     @field_validator("num_predict")
     @classmethod
@@ -82,7 +84,8 @@ class Options(BaseModel):
         # Ollama's seed 0 and -1 mean "random", as no seed does.
         seed = self.seed if self.seed is not None and self.seed > 0 else None
         return checked(RunRequest(max_tokens=self.token_limit(), stop=tuple(self.stop or ()), seed=seed,
-                               json_schema=None if schema is None else json.dumps(schema), **values), param="options")
+                                  json_schema=None if schema is None else json.dumps(schema),
+                                  reproducible=self.reproducible, **values), param="options")
 
     def token_limit(self) -> int | None:
         return None if self.num_predict is None or self.num_predict in UNLIMITED else self.num_predict

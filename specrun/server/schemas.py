@@ -5,6 +5,7 @@ change the answer in a way specrun cannot honour (n > 1, echo, suffix, best_of, 
 `functions`) are refused with a 400 that says so rather than silently dropped
 (`refuse_unsupported`). Log-probabilities, penalties, logit_bias, response_format (and llama.cpp's
 server's `json_schema` and `grammar` fields) and tools are served, exactly under speculation.
+specrun's own `reproducible` asks for the same answer whatever else runs (SamplingParams.reproducible).
 Boolean fields take JSON's true and false only (StrictBool), as the OpenAI API does: pydantic's
 lax mode would read "yes", "false", 1 or "off" as booleans.
 """
@@ -298,6 +299,9 @@ class GenerationRequest(BaseModel):
     # llama.cpp's server's fields for a constrained answer: a JSON schema, or a GBNF (or Lark) grammar.
     json_schema: dict | None = None
     grammar: str | None = None
+    # specrun's own: the same answer whatever else runs (generate --reproducible; serve --reproducible
+    # makes every request so, whatever this says).
+    reproducible: StrictBool = False
     # Accepted only at their neutral values (see refuse_unsupported).
     functions: Any = None
 
@@ -373,7 +377,8 @@ class GenerationRequest(BaseModel):
             seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty, logit_bias=bias,
-            logprobs=self.n_logprobs(), json_schema=schema, grammar=None if constraint is None else constraint.grammar)
+            logprobs=self.n_logprobs(), json_schema=schema, grammar=None if constraint is None else constraint.grammar,
+            reproducible=self.reproducible)
         return checked(request)
 
     def constraint(self) -> Constraint | None:

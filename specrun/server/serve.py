@@ -58,9 +58,10 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
     if opts.rpc:  # a lost RPC worker ends the process that loaded the target: not this one
         if (opts.parallel or 1) > 1:
             ui.warn("--rpc: the server answers one request at a time (the target's process relays one job at once)")
-        worker = IsolatedWorker(replace(opts, parallel=1), queue_size, on_ready, on_load_error, chat, settings.verbose)
+        worker = IsolatedWorker(replace(opts, parallel=1), queue_size, on_ready, on_load_error, chat, settings.verbose,
+                                settings.reproducible)
     else:
-        worker = GenerationWorker(opts, queue_size, on_ready, on_load_error, chat)
+        worker = GenerationWorker(opts, queue_size, on_ready, on_load_error, chat, settings.reproducible)
     config = uvicorn.Config(
         create_app(worker, settings), lifespan="off", log_config=None, access_log=False, log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_STOP_S, server_header=False,

@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specrun import ui
 from specrun.chat import reasoning
@@ -113,8 +113,10 @@ class QueueWorker:
     """
 
     def __init__(self, queue_size: int, on_ready: Callable[[QueueWorker, str], None],
-                 on_load_error: Callable[[BaseException], None]):
+                 on_load_error: Callable[[BaseException], None], reproducible: bool = False):
         self.state = "loading"  # loading, ready, failed, stopping
+        # serve --reproducible: every job is decoded as a --reproducible request, whatever it asked.
+        self.reproducible = reproducible
         self.model: ModelInfo | None = None
         self.load_error: BaseException | None = None
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
@@ -133,6 +135,8 @@ class QueueWorker:
         """Read the job's prompt and queue the job; raise what refuses it at once: a 503 as submit
         does, or the 400 of a prompt that cannot be answered (one that does not fit the context)."""
         self._refuse_now()
+        if self.reproducible:
+            job.request = replace(job.request, reproducible=True)
         await self._read_on_arrival(job)
         job.queued_at = time.perf_counter()  # its wait for its turn starts now
         self.submit(job)
@@ -208,6 +212,8 @@ class QueueWorker:
         try:
             if not self._stopping.is_set():
                 self.state = "ready"
+                if self.reproducible:
+                    description += ", every request reproducible (one-token passes of its own, at plain decoding's speed)"
                 self._on_ready(self, description)
             self._serve_until_stopped()
         finally:
@@ -274,8 +280,9 @@ class GenerationWorker(QueueWorker):
     """The worker that owns the Runtime in this process."""
 
     def __init__(self, opts: RunOptions, queue_size: int, on_ready: Callable[[QueueWorker, str], None],
-                 on_load_error: Callable[[BaseException], None], chat: ChatSettings = ChatSettings()):
-        super().__init__(queue_size, on_ready, on_load_error)
+                 on_load_error: Callable[[BaseException], None], chat: ChatSettings = ChatSettings(),
+                 reproducible: bool = False):
+        super().__init__(queue_size, on_ready, on_load_error, reproducible)
         self.opts = opts
         self.chat = chat
         self._memory = ConversationMemory()
@@ -387,8 +394,9 @@ class GenerationWorker(QueueWorker):
         params, shaped_by = self._params(job, tools)
         # Last: from here on the other requests' passes wait for this one's first (runtime.pool).
         decoder = lease.take(prompt)
-        started = Started(len(prompt), decoder.cache.reusable(prompt, params.exact_prefill), limit, asked,
-                          queue_s=job.started_at - job.queued_at)
+        # A reproducible request reuses nothing: its decoder prefills the whole prompt afresh.
+        reused = 0 if params.reproducible else decoder.cache.reusable(prompt, params.exact_prefill)
+        started = Started(len(prompt), reused, limit, asked, queue_s=job.started_at - job.queued_at)
         if started.capped:
             ui.dim(f"{job.id}: max_tokens {asked} lowered to {limit} to fit the {rt.n_ctx}-token context")
         job.emit(started)

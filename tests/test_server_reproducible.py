@@ -1,0 +1,126 @@
+"""A request's `"reproducible": true` and `specrun serve --reproducible`: the request is decoded as
+`generate --reproducible` decodes it (a fresh prefill, then one-token passes of its own), so a
+greedy answer is plain decoding's, token for token and log-prob for log-prob, with the draft model
+loaded and beside other requests (docs/exactness.md#the-same-answer-under-any-load---reproducible).
+
+Three servers of the demo pair, alike but for what is tested: one that speculates, the same under
+`--reproducible`, and plain decoding (`--no-spec`), whose answers are the reference. One thread
+each: a pass's rounding may follow how its work is split between threads.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from test_server import running_server
+
+from specrun.server.ollama import ChatBody
+
+ALIKE = ("--threads", "1", "--parallel", "2")
+N_TOKENS = 24
+STORY = "Tell me a short story about a lighthouse keeper."
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def speculating(offline_models, tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve-spec"), *ALIKE) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def plain(offline_models, tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve-plain"), "--no-spec", *ALIKE) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def pinned(offline_models, tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve-pinned"), "--reproducible", *ALIKE) as srv:
+        yield srv
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _ask(server, content: str = STORY, **fields) -> tuple[list[tuple[str, float]], dict]:
+    """Return a greedy chat answer's tokens with their log-probs, and its timings; `fields` go in
+    the body as sent."""
+    extra = {name: fields.pop(name) for name in ("reproducible",) if name in fields}
+    reply = _client(server).chat.completions.create(
+        model="specrun", messages=[{"role": "user", "content": content}], max_tokens=N_TOKENS, temperature=0,
+        logprobs=True, extra_body=extra or None, **fields)
+    return [(t.token, t.logprob) for t in reply.choices[0].logprobs.content], reply.model_extra["timings"]
+
+
+def test_a_reproducible_request_is_plain_decoding_beside_one_that_speculates(speculating, plain):
+    reference, plain_timings = _ask(plain)
+    _, free = _ask(speculating)
+    assert free["draft_n"] > 0  # this server verifies trees for a request that does not ask
+    with ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(_ask, speculating, "Write a list of five fruits.")
+        ours, timings = _ask(speculating, reproducible=True)
+        beside.result()
+    assert ours == reference
+    assert timings["draft_n"] == 0 and timings["shared_passes"] == 0  # no tree, passes of its own
+    assert timings["n_passes"] == plain_timings["n_passes"]
+
+
+def test_a_reproducible_json_answer_verifies_no_forced_run(speculating, plain):
+    """A schema's forced runs (keys, braces) are free drafts, verified several tokens a pass: a
+    reproducible request takes them one token a pass, as plain decoding does."""
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    ask = "Invent a person: give a name and an age."
+    reference, _ = _ask(plain, ask, response_format=schema)
+    _, free = _ask(speculating, ask, response_format=schema)
+    assert free["draft_n"] > 0
+    ours, timings = _ask(speculating, ask, response_format=schema, reproducible=True)
+    assert ours == reference and timings["draft_n"] == 0
+
+
+def test_serve_reproducible_decodes_every_request_so(pinned, plain):
+    assert any("every request reproducible" in line for line in pinned.stderr_lines), pinned.stderr
+    reference, _ = _ask(plain)
+    for fields in ({}, {"reproducible": False}):  # the field cannot turn it off
+        ours, timings = _ask(pinned, **fields)
+        assert ours == reference and timings["draft_n"] == 0, fields
+
+
+def test_serve_reproducible_prefills_every_prompt_afresh(pinned, plain):
+    """A sampled prompt sent again finds its text in the cache: the server reuses it, but under
+    --reproducible it is evaluated again, and the answer says so."""
+    def cached(server) -> list[int]:
+        replies = [_client(server).completions.create(model="specrun", prompt=STORY, max_tokens=2, temperature=1.0)
+                   for _ in range(2)]
+        return [reply.model_extra["timings"]["cache_n"] for reply in replies]
+
+    assert cached(plain)[1] > 0
+    assert cached(pinned) == [0, 0]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_reproducible_is_true_or_false_only(speculating, value):
+    client = _client(speculating)
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model="specrun", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"reproducible": value})
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model="specrun", prompt="hi", max_tokens=2, extra_body={"reproducible": value})
+    for error in (chat.value, completion.value):
+        assert error.status_code == 400 and error.body["param"] == "reproducible", error.body
+        assert error.body["message"].startswith("reproducible: must be true or false, got "), error.body
+    ollama = httpx.post(speculating.url + "/api/generate", timeout=60,
+                        json={"model": "specrun", "prompt": "hi", "stream": False, "options": {"reproducible": value}})
+    assert ollama.status_code == 400
+    assert ollama.json()["error"].startswith("options.reproducible: must be true or false, got "), ollama.text
+
+
+def test_ollama_options_ask_for_a_reproducible_answer():
+    body = ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}], "options": {"reproducible": True}})
+    assert body.options.request(None).reproducible
+    assert not ChatBody.model_validate({"messages": []}).options.request(None).reproducible
