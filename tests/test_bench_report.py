@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from specrun.commands.bench_report import largest_under, markdown, predicted_speedup
+from specrun.engine import system_info
 
 
 def test_bench_report_json_and_markdown(tmp_path, cli):
@@ -17,6 +18,7 @@ def test_bench_report_json_and_markdown(tmp_path, cli):
     report = json.loads(result.stdout)  # stdout holds the report alone
     assert report["pair"] == {**report["pair"], "target": "smollm2-135m-q4", "draft": "smollm2-tiny-random"}
     assert report["build"]["backends"] and "llama-cpp-python" in report["build"]["llama"]
+    assert report["build"]["cpu_batch_invariant"] is ("LLAMAFILE = 1" not in system_info())
     assert any(d["kind"] == "cpu" for d in report["machine"]["devices"])
     # cost per pass for n = 1, 2, 4 (the largest tree: 3 draft tokens + the root)
     assert sorted(map(int, report["cost"]["target_s"])) == [1, 2, 4]
@@ -30,6 +32,7 @@ def test_bench_report_json_and_markdown(tmp_path, cli):
     assert all(row["identical_output"] for row in report["workloads"])  # greedy: every drafter exact
     text = markdown(report)
     assert "| target |" in text and "| n | 1 | 2 | 4 |" in text and "hybrid (default)" in text
+    assert ("| CPU kernels | one for every pass size" in text) is report["build"]["cpu_batch_invariant"]
     assert text.count("| prompts |") == 4 and "`specrun tune` would choose" in text
 
 

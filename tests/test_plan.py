@@ -15,7 +15,7 @@ import pytest
 from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
 
 from specrun.core.tree_shapes import TreeShape, TreeTemplate
-from specrun.engine import DeviceInfo
+from specrun.engine import DeviceInfo, cpu_kernels_batch_invariant, system_info
 from specrun.hardware import placement
 from specrun.runtime.plan import PREFILL_BATCH, ContextMemory, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime, load_arguments
@@ -111,6 +111,12 @@ def test_specrun_plan_prints_the_plan_without_loading_weights(offline_models, cl
     assert 0 < data["target"]["gpu_layers"] <= data["target"]["layer_slots"]
     text = cli("plan", "--ctx-size", "1024")
     assert text.exit_code == 0 and "chain of 5 draft tokens" in text.stdout and "no GPU" in text.stdout
+    # which kind of CPU kernels the loaded build has, read from llama.cpp's own system-info line
+    invariant = "LLAMAFILE = 1" not in system_info()
+    assert data["kernels"]["cpu_batch_invariant"] is invariant
+    kernels_line = next(line for line in text.stdout.splitlines() if line.startswith("kernels"))
+    assert ("one kernel for every pass size" in kernels_line) is invariant
+    assert ("-DGGML_LLAMAFILE=OFF" in kernels_line) is not invariant
     bad = cli("plan", "--gpu", "nonsense")
     assert bad.exit_code == 2 and "NAME=FREE" in bad.output
 
@@ -240,3 +246,12 @@ def test_a_tied_head_in_ram_is_counted_once(offline_models):
     device, ram = on_gpu.placement.breakdown
     assert device.model == sum(size.layer_bytes) + size.output_bytes
     assert ram.model == size.input_bytes
+
+
+def test_cpu_kernels_are_batch_invariant_only_without_llamafile():
+    # llama.cpp's system-info line as the pinned build prints it, with and without tinyBLAS
+    with_llamafile = "CPU : SSE3 = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1"
+    without = "CPU : SSE3 = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | OPENMP = 1 | REPACK = 1"
+    assert not cpu_kernels_batch_invariant(with_llamafile)
+    assert cpu_kernels_batch_invariant(without)
+    assert cpu_kernels_batch_invariant() is ("LLAMAFILE = 1" not in system_info())

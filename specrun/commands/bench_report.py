@@ -73,7 +73,8 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": _machine(hardware),
         "build": {"llama": engine.llama_version_info(), "backends": list(hardware.backends),
-                  "cpu_features": hardware.cpu_features},
+                  "cpu_features": hardware.cpu_features,
+                  "cpu_batch_invariant": engine.cpu_kernels_batch_invariant()},
         "pair": {"target": plan.files.target_name, "draft": plan.files.draft_name,
                  "target_file": str(plan.files.target_path), "draft_file": str(plan.files.draft_path)},
         "placement": _placement(plan, opts),
@@ -173,6 +174,9 @@ def markdown(report: dict) -> str:
                          f"({human_size(d['free_bytes'])} free) |")
     lines.append(f"| build | {b['llama']}; backends {', '.join(b['backends']) or '?'} |")
     lines.append(f"| CPU flags | {_flags(b['cpu_features'])} |")
+    if "cpu_batch_invariant" in b:  # reports from before it was measured lack it
+        lines.append("| CPU kernels | " + ("one for every pass size (no llamafile)" if b["cpu_batch_invariant"]
+                                          else "llamafile's tinyBLAS from two tokens a pass") + " |")
     lines.append(f"| target | {pair['target']} |")
     lines.append(f"| draft | {pair['draft']} |")
     limit = f" (GPU limited to {human_size(p['gpu_memory_limit_bytes'])})" if p["gpu_memory_limit_bytes"] else ""

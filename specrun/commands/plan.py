@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from specrun import ui
+from specrun import engine, ui
 from specrun.engine import DeviceInfo
 from specrun.errors import UsageError
 from specrun.files import human_size
@@ -24,7 +24,7 @@ def plan(opts: RunOptions, as_json: bool, gpus: list[str] | None = None, ram_fre
     ram = parse_bytes(ram_free, "--ram-free") if ram_free else None
     result = build_plan(opts, fetch=False, devices=devices, ram_free_bytes=ram, detailed=True)
     if as_json:
-        print(json.dumps(result.to_dict(), indent=1))
+        print(json.dumps({**result.to_dict(), "kernels": kernels()}, indent=1))
     else:
         for line in plan_lines(result):
             ui.write_text(line + "\n")
@@ -61,6 +61,7 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.draft_ctx is not None:
         lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
     lines.append(f"threads  {plan.threads}")
+    lines.append(f"kernels  {kernels()['text']}")
     parts = {place.name: _parts(place) for place in placed.breakdown}
     lines.append(f"memory   RAM: {human_size(placed.ram_bytes)} planned, {human_size(placed.ram_limit_bytes)} usable"
                  + ("" if placed.ram_fits else "  (does not fit)") + parts.get("RAM", ""))
@@ -83,6 +84,17 @@ def plan_lines(plan: Plan) -> list[str]:
     for warning in data["warnings"]:
         lines.append(f"warning  {warning}")
     return lines
+
+
+def kernels() -> dict:
+    """Whether the loaded llama.cpp build's CPU kernels round a token alike in every pass size
+    (engine.cpu_kernels_batch_invariant), as `plan` and `bench --report` say it."""
+    invariant = engine.cpu_kernels_batch_invariant()
+    text = ("CPU: one kernel for every pass size (a build without llamafile): with flash attention off and no "
+            "repacked weights a chain verifies bit for bit as plain decoding (docs/exactness.md)" if invariant else
+            "CPU: llamafile's tinyBLAS from two tokens a pass, so multi-token passes round unlike one-token ones; "
+            "a build with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" keeps one kernel for every size (docs/exactness.md)")
+    return {"cpu_batch_invariant": invariant, "text": text}
 
 
 def _count(n: int, noun: str) -> str:

@@ -165,3 +165,13 @@ def system_info() -> str:
     """Return llama.cpp's one-line CPU feature summary (SSE3 = 1 | AVX2 = 1 | ...)."""
     ensure_backend()
     return _text(C.llama_print_system_info()).strip(" |")
+
+
+def cpu_kernels_batch_invariant(info: str | None = None) -> bool:
+    """Whether this build's CPU matrix products take one kernel for every batch size: true without
+    llamafile's tinyBLAS, which takes F32/F16/BF16/Q8_0/Q4_0 products over from two tokens a pass
+    and sums in another order than the one-token dot products. On such a build, with flash
+    attention off and no repacked weights, a chain or a prompt in chunks of any size gives plain
+    decoding's logits bit for bit (docs/exactness.md). `info`: llama.cpp's system-info line
+    (default: the loaded build's)."""
+    return "LLAMAFILE = 1" not in (system_info() if info is None else info)
