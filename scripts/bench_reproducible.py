@@ -1,0 +1,105 @@
+"""The same greedy request, run again and again beside other load: how many answers are identical?
+
+Each run is a fresh `specrun generate` process; the runs rotate over three loads: nothing else,
+two `yes` processes, and another specrun decoding (a plain `generate` of its own prompt in a loop).
+For each request kind it prints how many of the runs gave the first run's answer, and how many gave
+plain decoding's (a `--no-spec` run on a quiet machine).
+
+    python scripts/bench_reproducible.py                      # 20 runs per kind, the demo pair
+    python scripts/bench_reproducible.py --runs 6 --kinds reproducible default
+
+Kinds: `default` (generate as it runs untuned), `reproducible` (generate --reproducible),
+`jsonl-parallel` (the same request as one line of two in generate --jsonl --parallel 2, the other
+line a different prompt), `jsonl-parallel-reproducible` (that line with "reproducible": true).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "Explain in a few sentences why the sky is blue, and why sunsets are red."
+OTHER = "List five animals that live in the sea, with one fact about each."
+LOADS = ("idle", "two yes", "another specrun")
+KINDS = ("default", "reproducible", "jsonl-parallel", "jsonl-parallel-reproducible")
+
+
+def specrun(*args: str, stdin: str | None = None) -> str:
+    done = subprocess.run([sys.executable, "-m", "specrun", *args], input=stdin, capture_output=True, text=True,
+                          timeout=900)
+    if done.returncode:
+        raise SystemExit(f"specrun {' '.join(args)} failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def answer(kind: str, common: list[str], max_tokens: int) -> list[int]:
+    if kind in ("default", "reproducible"):
+        flags = ["--reproducible"] if kind == "reproducible" else []
+        out = specrun("generate", PROMPT, "--json", "--max-tokens", str(max_tokens), *flags, *common)
+        return json.loads(out)["token_ids"]
+    line = {"prompt": PROMPT, "max_tokens": max_tokens, "id": "probe"}
+    if kind.endswith("reproducible"):
+        line["reproducible"] = True
+    lines = [json.dumps({"prompt": OTHER, "max_tokens": max_tokens, "id": "other"}), json.dumps(line)]
+    out = specrun("generate", "--jsonl", "--parallel", "2", *common, stdin="\n".join(lines) + "\n")
+    results = [json.loads(row) for row in out.splitlines() if row.strip()]
+    return next(r["token_ids"] for r in results if r.get("id") == "probe")
+
+
+def start_load(load: str, common: list[str]) -> list[subprocess.Popen]:
+    if load == "two yes":
+        return [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(2)]
+    if load == "another specrun":
+        loop = (f"while true; do {sys.executable} -m specrun generate --no-spec --max-tokens 64 "
+                f"{' '.join(common)} 'Tell me a story about a lighthouse.' >/dev/null 2>&1; done")
+        return [subprocess.Popen(["bash", "-c", loop], start_new_session=True)]
+    return []
+
+
+def stop_load(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        try:
+            os.killpg(process.pid, 15) if process.args[0] == "bash" else process.terminate()
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=None, help="a fixed tree size (default: as a run chooses)")
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--draft", default=None)
+    args = parser.parse_args()
+    models = [*(["--target", args.target] if args.target else []), *(["--draft", args.draft] if args.draft else [])]
+    common = models + (["--budget", str(args.budget)] if args.budget else [])
+    plain = json.loads(specrun("generate", PROMPT, "--json", "--no-spec", "--max-tokens", str(args.max_tokens),
+                               *models))["token_ids"]
+    print(f"| request kind | runs | loads | identical to the first run | identical to plain decoding |")
+    print("|---|---|---|---|---|")
+    for kind in args.kinds:
+        answers, t0 = [], time.monotonic()
+        for i in range(args.runs):
+            load = start_load(LOADS[i % len(LOADS)], common)
+            try:
+                answers.append(answer(kind, common, args.max_tokens))
+            finally:
+                stop_load(load)
+        first = sum(a == answers[0] for a in answers)
+        same_as_plain = sum(a == plain for a in answers)
+        print(f"| {kind} | {args.runs} | {', '.join(LOADS)} in turn | {first}/{args.runs} | {same_as_plain}/{args.runs} |",
+              flush=True)
+        print(f"  ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
