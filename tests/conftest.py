@@ -22,6 +22,13 @@ from typer.testing import CliRunner
 # Model cache shared by all test runs on this machine (resolved before any test changes HOME).
 MODEL_CACHE = Path(os.environ.get("SPECRUN_HOME") or Path.home() / ".cache" / "specrun")
 
+# The tiny random-weight models' passes take a fraction of a millisecond: a second thread saves
+# nothing on them, and llama.cpp's threads meet at a spinning barrier after every op, so while
+# another process holds a core each op can wait out a scheduler slice (a one-token pass of
+# smollm2-tiny-random took 0.3 ms on one thread and 230 ms on two beside another llama.cpp
+# process). The tests that run them for thousands of passes give their contexts one thread.
+TINY_THREADS = 1
+
 OFFLINE_ALIASES = {
     "smollm2_q4": "smollm2-135m-q4",
     "smollm2_f32": "smollm2-135m-f32",
@@ -121,6 +128,36 @@ def load_model():
     for model in _loaded.values():
         model.close()
     _loaded.clear()
+
+
+class PlainSamples:
+    """Plain samplings of the tiny random model, each drawn once a session: the sampled-distribution
+    tests of several modules compare with the same plain distribution (prompt, parameters, seed),
+    and one draw of it serves them all, as the same seed draws the same tokens."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self._drawn: dict = {}  # (prompt, params, seed) -> (its generator, the samples drawn so far)
+
+    def __call__(self, draw, prompt, params, seed: int, n: int) -> list:
+        """Return the first n of `draw(decoder, prompt, params, rng)` from make_rng(seed)."""
+        from specrun.core.sampling import make_rng
+
+        rng, samples = self._drawn.setdefault((tuple(prompt), params, seed), (make_rng(seed), []))
+        while len(samples) < n:
+            samples.append(draw(self.decoder, prompt, params, rng))
+        return samples[:n]
+
+
+@pytest.fixture(scope="session")
+def tiny_plain_samples(offline_models, load_model):
+    """Return the session's PlainSamples (a 256-token context of the tiny random model)."""
+    from specrun import engine
+    from specrun.decoding.plain import PlainDecoder
+
+    tiny = load_model(offline_models.smollm2_random)
+    with engine.Context(tiny, n_ctx=256, n_batch=64, n_seq_max=1, threads=TINY_THREADS) as ctx:
+        yield PlainSamples(PlainDecoder(tiny, ctx))
 
 
 @dataclass(frozen=True)

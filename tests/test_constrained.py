@@ -13,6 +13,7 @@ from dataclasses import replace
 import jsonschema
 import numpy as np
 import pytest
+from conftest import TINY_THREADS
 from test_lookup_decoding import contexts, draft, hybrid_decoder, lookup_decoder, target  # noqa: F401 (fixtures)
 from test_speculative import SHAPES, binned, chat_prompt, first_tokens
 
@@ -135,9 +136,10 @@ def test_sampled_penalised_constrained_tokens_have_plain_distribution(offline_mo
     from scipy.stats import chi2_contingency
 
     tiny = load_model(offline_models.smollm2_random)
-    plain = PlainDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, n_seq_max=1))
-    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64),
-                              TreeGrower(tiny, contexts(tiny, n_ctx=256, n_batch=64), SAMPLING_SHAPE), SAMPLING_SHAPE)
+    plain = PlainDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, n_seq_max=1, threads=TINY_THREADS))
+    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, threads=TINY_THREADS),
+                              TreeGrower(tiny, contexts(tiny, n_ctx=256, n_batch=64, threads=TINY_THREADS), SAMPLING_SHAPE),
+                              SAMPLING_SHAPE)
     # A grammar with choices at every token and a fixed run in the middle.
     grammar = Grammar.from_text(tiny, 'root ::= [a-z]+ " is " [a-z ]+')
     params = replace(PENALISED, temperature=1.0, top_k=8, grammar=grammar)

@@ -10,6 +10,7 @@ import logging
 import time
 
 import pytest
+from conftest import TINY_THREADS
 from test_speculative import (
     GREEDY,
     Contexts,
@@ -236,7 +237,7 @@ def tiny(offline_models, load_model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lookup", "hybrid"])
-def test_sampled_tokens_have_plain_distribution(kind, tiny, contexts):
+def test_sampled_tokens_have_plain_distribution(kind, tiny, contexts, tiny_plain_samples):
     """Chi-square on the first 4 sampled tokens (the first from the prefill, then trees), with the tiny random model as target (and draft).
 
     The drafter lives through all runs: its session index holds every earlier sample, so its
@@ -245,17 +246,17 @@ def test_sampled_tokens_have_plain_distribution(kind, tiny, contexts):
     from scipy.stats import chi2_contingency
 
     params = SamplingParams(temperature=1.0)
-    plain = PlainDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, n_seq_max=1))
     shape = lookup_shape(16, depth=3)
     if kind == "lookup":
         drafter = LookupDrafter(16, adapt=False)
     else:
-        grower = TreeGrower(tiny, contexts(tiny, n_ctx=256, n_batch=64), TreeShape(budget=2, depth=2, width=1, top_k=2))
+        grower = TreeGrower(tiny, contexts(tiny, n_ctx=256, n_batch=64, threads=TINY_THREADS),
+                            TreeShape(budget=2, depth=2, width=1, top_k=2))
         drafter = HybridDrafter(grower, 2, 14, adapt=False)
-    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64), drafter, shape)
+    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, threads=TINY_THREADS), drafter, shape)
     prompt = chat_prompt(tiny, "Hi")
-    plain_rng, spec_rng = make_rng(1), make_rng(2)
-    plain_samples = [first_tokens(plain, prompt, params, plain_rng) for _ in range(SAMPLES)]
+    spec_rng = make_rng(2)
+    plain_samples = tiny_plain_samples(first_tokens, prompt, params, 1, SAMPLES)
     spec_samples, from_lookup, from_draft = [], 0, 0
     for _ in range(SAMPLES):
         spec_samples.append(first_tokens(spec, prompt, params, spec_rng))

@@ -34,7 +34,7 @@ from specrun.decoding.stream import generate, token_ids
 from specrun.errors import ContextFullError
 from tiny_archs import tiny_arch_model
 
-from conftest import MODEL_CACHE
+from conftest import MODEL_CACHE, TINY_THREADS
 
 GREEDY = SamplingParams()
 
@@ -198,8 +198,8 @@ class Contexts:
     def __init__(self):
         self.owned: list[engine.Context] = []
 
-    def __call__(self, model, n_ctx=N_CTX, n_batch=TREE_BATCH, n_seq_max=engine.MAX_SEQ) -> engine.Context:
-        ctx = engine.Context(model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max)
+    def __call__(self, model, n_ctx=N_CTX, n_batch=TREE_BATCH, n_seq_max=engine.MAX_SEQ, threads=None) -> engine.Context:
+        ctx = engine.Context(model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, threads=threads)
         self.owned.append(ctx)
         return ctx
 
@@ -400,15 +400,17 @@ def binned(samples_a: list[tuple], samples_b: list[tuple]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny_pair(offline_models, load_model, contexts):
-    """The tiny random model as target and as its own draft: ~3 ms a pass, peaked but context-dependent.
+    """The tiny random model as target and as its own draft: a fraction of a millisecond a pass,
+    peaked but context-dependent (its plain samples: conftest's tiny_plain_samples).
 
     2000 speculative runs of the real pair would take minutes on a 2-core CPU; the walk under
     test does not care which model produced the logits.
     """
     tiny = load_model(offline_models.smollm2_random)
-    plain = PlainDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, n_seq_max=1))
-    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64), TreeGrower(tiny, contexts(tiny, n_ctx=256, n_batch=64), SAMPLING_SHAPE), SAMPLING_SHAPE)
-    return tiny, plain, spec
+    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, threads=TINY_THREADS),
+                              TreeGrower(tiny, contexts(tiny, n_ctx=256, n_batch=64, threads=TINY_THREADS), SAMPLING_SHAPE),
+                              SAMPLING_SHAPE)
+    return tiny, spec
 
 
 @pytest.mark.slow
@@ -417,16 +419,15 @@ def tiny_pair(offline_models, load_model, contexts):
     [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=4, top_p=0.9)],
     ids=["temperature-1", "top-k-top-p"],
 )
-def test_sampled_first_tokens_have_plain_distribution(params, tiny_pair):
+def test_sampled_first_tokens_have_plain_distribution(params, tiny_pair, tiny_plain_samples):
     """Chi-square: the first 4 sampled tokens follow the same distribution as plain sampling (the
     first comes from the prefill, the others through trees)."""
     from scipy.stats import chi2_contingency
 
-    model, plain, spec = tiny_pair
+    model, spec = tiny_pair
     prompt = chat_prompt(model, SAMPLING_PROMPT)
     t0 = time.perf_counter()
-    plain_rng = make_rng(1)
-    plain_samples = [first_tokens(plain, prompt, params, plain_rng) for _ in range(SAMPLES)]
+    plain_samples = tiny_plain_samples(first_tokens, prompt, params, 1, SAMPLES)
     t1 = time.perf_counter()
     spec_rng = make_rng(2)
     spec_samples, accepted = [], 0
@@ -785,14 +786,14 @@ def test_trees_on_a_window_sized_cache_give_back_the_cells_behind_the_window(loa
     model = load_model(tiny_arch_model(MODEL_CACHE, "gpt-oss"))
     prompt = model.tokenize("One two three four five six seven eight nine ten")
     n = 1500
-    with engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=1, swa_full=False) as plain_ctx:
+    with engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=1, swa_full=False, threads=TINY_THREADS) as plain_ctx:
         reference = plain_reference(PlainDecoder(model, plain_ctx), prompt, n)
     assert len(reference.tokens) == n  # (an answer that long: the window's cells are passed many times over)
     shape = TreeShape(budget=6, depth=5, width=1, top_k=1)
     answers = {}
     for swa_full in (False, True):
-        with engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=3, swa_full=swa_full) as ctx, \
-                engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=64) as draft_ctx:
+        with engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=3, swa_full=swa_full, threads=TINY_THREADS) as ctx, \
+                engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=64, threads=TINY_THREADS) as draft_ctx:
             assert ctx.window == (0 if swa_full else model.n_swa) and model.n_swa == 128
             spec = SpeculativeDecoder(model, ctx, WidenedGrower(model, draft_ctx, shape), shape, lane=Lane(ctx, range(2)))
             answers[swa_full] = token_ids(spec, prompt, GREEDY, n)
