@@ -192,6 +192,11 @@ def draft_models(offline_models, load_model, target):
     return {"agreeing": load_model(offline_models.smollm2_q4), "random": load_model(offline_models.smollm2_random)}
 
 
+# Threads of each draft's context: the tiny random draft's passes gain nothing from a second
+# (conftest.TINY_THREADS); the target and the Q4_1 draft run llama.cpp's default.
+DRAFT_THREADS = {"agreeing": None, "random": TINY_THREADS}
+
+
 class Contexts:
     """Contexts created by one test module, closed together."""
 
@@ -247,7 +252,8 @@ def spec_decoders(target, draft_models, contexts):
     """One speculative decoder per draft, each owning a target and a draft context."""
     widest = max(SHAPES.values(), key=lambda s: (s.budget, s.width))
     return {
-        name: SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model), widest), widest)
+        name: SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model, threads=DRAFT_THREADS[name]), widest),
+                                 widest)
         for name, model in draft_models.items()
     }
 
@@ -306,7 +312,7 @@ def test_greedy_through_trees_grown_online_equals_plain_decoding(draft, target, 
     larger than it is verified and cut, and its draft cache keeps only the accepted path: every
     kind of step, on the agreeing and the random-weight draft, gives plain greedy's tokens."""
     model = draft_models[draft]
-    grower = TreeGrower(model, contexts(model), TreeShape(64, 24, 4, 2))
+    grower = TreeGrower(model, contexts(model, threads=DRAFT_THREADS[draft]), TreeShape(64, 24, 4, 2))
     growing = GrowingTrees(grower, TreeShape.chain(5), 64)
     assert growing.levels == (5, 16, 32, 64)
     script = iter(GROWTH_SCRIPT * 100)
