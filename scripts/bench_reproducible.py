@@ -10,7 +10,10 @@ plain decoding's (a `--no-spec` run on a quiet machine).
 
 Kinds: `default` (generate as it runs untuned), `reproducible` (generate --reproducible),
 `jsonl-parallel` (the same request as one line of two in generate --jsonl --parallel 2, the other
-line a different prompt), `jsonl-parallel-reproducible` (that line with "reproducible": true).
+line a different prompt), `jsonl-parallel-reproducible` (that line with "reproducible": true),
+`serve-4` (a fresh `specrun serve --parallel 4` per run, the request sent as a chat completion at
+the same moment as three other clients' different ones), `serve-4-reproducible` (that request with
+"reproducible": true). A server's answer is compared as text (plain decoding's is generate's).
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 PROMPT = "Explain in a few sentences why the sky is blue, and why sunsets are red."
 OTHER = "List five animals that live in the sea, with one fact about each."
 LOADS = ("idle", "two yes", "another specrun")
-KINDS = ("default", "reproducible", "jsonl-parallel", "jsonl-parallel-reproducible")
+KINDS = ("default", "reproducible", "jsonl-parallel", "jsonl-parallel-reproducible", "serve-4", "serve-4-reproducible")
+OTHERS = ("Write a short poem about autumn leaves.", "What are the main causes of inflation?",
+          "Describe how a bicycle gear system works.")
 
 
 def specrun(*args: str, stdin: str | None = None) -> str:
@@ -37,7 +43,9 @@ def specrun(*args: str, stdin: str | None = None) -> str:
     return done.stdout
 
 
-def answer(kind: str, common: list[str], max_tokens: int) -> list[int]:
+def answer(kind: str, common: list[str], max_tokens: int) -> list[int] | str:
+    if kind.startswith("serve"):
+        return served(kind.endswith("reproducible"), common, max_tokens)
     if kind in ("default", "reproducible"):
         flags = ["--reproducible"] if kind == "reproducible" else []
         out = specrun("generate", PROMPT, "--json", "--max-tokens", str(max_tokens), *flags, *common)
@@ -49,6 +57,38 @@ def answer(kind: str, common: list[str], max_tokens: int) -> list[int]:
     out = specrun("generate", "--jsonl", "--parallel", "2", *common, stdin="\n".join(lines) + "\n")
     results = [json.loads(row) for row in out.splitlines() if row.strip()]
     return next(r["token_ids"] for r in results if r.get("id") == "probe")
+
+
+def served(reproducible: bool, common: list[str], max_tokens: int) -> str:
+    """The request's answer from a fresh `serve --parallel 4`, sent beside three other clients'."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    server = subprocess.Popen([sys.executable, "-m", "specrun", "serve", "--port", "0", "--parallel", "4", *common],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = next((m.group(1) for line in server.stderr if (m := re.search(r"listening on (http://\S+)", line))), None)
+        if url is None:
+            raise SystemExit(f"specrun serve exited ({server.wait()}) before listening")
+        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
+
+        def ask(prompt: str, pinned: bool) -> str:
+            body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                    "temperature": 0, **({"reproducible": True} if pinned else {})}
+            reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=900)
+            reply.raise_for_status()
+            return reply.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(4) as pool:
+            probe = pool.submit(ask, PROMPT, reproducible)
+            for other in OTHERS:
+                pool.submit(ask, other, False)
+            return probe.result()
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 def start_load(load: str, common: list[str]) -> list[subprocess.Popen]:
@@ -81,8 +121,8 @@ def main() -> int:
     args = parser.parse_args()
     models = [*(["--target", args.target] if args.target else []), *(["--draft", args.draft] if args.draft else [])]
     common = models + (["--budget", str(args.budget)] if args.budget else [])
-    plain = json.loads(specrun("generate", PROMPT, "--json", "--no-spec", "--max-tokens", str(args.max_tokens),
-                               *models))["token_ids"]
+    reference = json.loads(specrun("generate", PROMPT, "--json", "--no-spec", "--max-tokens", str(args.max_tokens),
+                                   *models))
     print(f"| request kind | runs | loads | identical to the first run | identical to plain decoding |")
     print("|---|---|---|---|---|")
     for kind in args.kinds:
@@ -94,6 +134,7 @@ def main() -> int:
             finally:
                 stop_load(load)
         first = sum(a == answers[0] for a in answers)
+        plain = reference["text"] if kind.startswith("serve") else reference["token_ids"]
         same_as_plain = sum(a == plain for a in answers)
         print(f"| {kind} | {args.runs} | {', '.join(LOADS)} in turn | {first}/{args.runs} | {same_as_plain}/{args.runs} |",
               flush=True)

@@ -304,6 +304,20 @@ def test_next_turn_appends_to_the_tokens_already_seen(runtime):
     assert session.last.n_prefilled == len(prompt) - len(seen) + 1
 
 
+def test_a_seeded_sampled_turn_reports_no_reused_tokens(runtime):
+    from specrun.chat.session import ChatSession
+    from specrun.core.sampling import SamplingParams
+
+    # A seeded sample prefills its whole prompt afresh (SamplingParams.reproducible): the turn's
+    # figures say so, and the next unseeded turn reuses the conversation again.
+    session = ChatSession(runtime)
+    ask(session, QUESTION)
+    "".join(session.ask("And of Italy?", SamplingParams(temperature=0.8, seed=5), 8))
+    assert session.last.n_reused == 0 and runtime.decoder.stats.n_prefilled == session.last.n_prompt
+    ask(session, "And of Spain?")
+    assert session.last.n_reused > 0 and runtime.decoder.stats.n_prefilled == session.last.n_prefilled
+
+
 def test_interrupted_step_resets_the_cache_and_the_chat_goes_on(runtime):
     from specrun.chat.session import ChatSession
 

@@ -19,6 +19,7 @@ from specrun.core.sampling import NEAR_TIE_NATS, SamplingParams, make_rng
 from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder
+from specrun.decoding import speculative
 from specrun.decoding.speculative import SpeculativeDecoder
 from test_server import running_server
 
@@ -206,8 +207,11 @@ def test_reproducible_is_plain_decoding_bit_for_bit_with_the_draft_loaded(cli):
     assert plain.exit_code == 0 and pinned.exit_code == 0, pinned.output
     ours, theirs = json.loads(pinned.stdout), json.loads(plain.stdout)
     assert ours["token_ids"] == theirs["token_ids"]
-    assert ours["drafter"] == "hybrid"  # the draft was there, and no tree was verified
-    assert ours["stats"]["max_tree_nodes"] == 0 and ours["stats"]["n_passes"] == theirs["stats"]["n_passes"]
+    assert ours["drafter"] == "hybrid"  # the draft was there
+    if engine.runs_batch_invariant():  # chains verify as one-token passes do: they still speculate
+        assert ours["stats"]["max_tree_nodes"] > 0 and ours["stats"]["n_passes"] < theirs["stats"]["n_passes"]
+    else:  # no tree was verified
+        assert ours["stats"]["max_tree_nodes"] == 0 and ours["stats"]["n_passes"] == theirs["stats"]["n_passes"]
 
 
 def test_a_reproducible_jsonl_line_decodes_alone_beside_lines_that_speculate(cli):
@@ -219,6 +223,27 @@ def test_a_reproducible_jsonl_line_decodes_alone_beside_lines_that_speculate(cli
     assert plain.exit_code == 0
     pinned, free, bad = [json.loads(line) for line in result.stdout.splitlines()]
     assert pinned["id"] == "pinned" and pinned["token_ids"] == json.loads(plain.stdout)["token_ids"]
-    assert pinned["stats"]["shared_passes"] == 0 and pinned["stats"]["max_tree_nodes"] == 0
+    assert pinned["stats"]["shared_passes"] == 0
+    assert (pinned["stats"]["max_tree_nodes"] > 0) is engine.runs_batch_invariant()
     assert free["id"] == "free" and "error" not in free
     assert bad["field"] == "reproducible" and bad["line"] == 3
+
+
+def test_where_chains_verify_bit_for_bit_a_reproducible_request_keeps_chain_speculation(
+        plain_reference, tiny, contexts, monkeypatch):
+    # On a build whose passes are batch invariant (no llamafile: engine.runs_batch_invariant) a
+    # chain gives plain decoding's rows bit for bit, so a greedy --reproducible request keeps
+    # speculating there, each tree cut to its best path and verified in a pass of its own.
+    invariant = engine.runs_batch_invariant()
+    monkeypatch.setattr(speculative, "runs_batch_invariant", lambda: True)
+    prompt, tokens, tops, _, _ = plain_reference
+    decoder = SpeculativeDecoder(tiny, contexts(tiny), TreeGrower(tiny, contexts(tiny), TREE), TREE)
+    ours, steps, _ = _decode(decoder, prompt, SamplingParams(logprobs=2, pinned=True))
+    drafted = [s for s in steps if s.tree_nodes]
+    assert drafted and all(s.tree_leaves == 1 and s.tree_nodes == s.tree_depth for s in drafted)
+    assert all(s.shared == 1 for s in steps) and sum(s.accepted for s in steps) > 0
+    if invariant:  # on this build, really: plain decoding's tokens and log-probs
+        assert ours == tokens and _top_two(lp for s in steps for lp in s.logprobs) == tops
+    # A seeded sample stays plain: its draws would follow chains sized by the clock.
+    _, steps, _ = _decode(decoder, prompt, SamplingParams(temperature=1.0, seed=3))
+    assert not any(s.tree_nodes for s in steps[1:])

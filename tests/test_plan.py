@@ -15,7 +15,7 @@ import pytest
 from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
 
 from specrun.core.tree_shapes import TreeShape, TreeTemplate
-from specrun.engine import DeviceInfo, cpu_kernels_batch_invariant, system_info
+from specrun.engine import DeviceInfo, cpu_kernels_batch_invariant, devices, memory, system_info
 from specrun.hardware import placement
 from specrun.runtime.plan import PREFILL_BATCH, ContextMemory, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime, load_arguments
@@ -255,3 +255,15 @@ def test_cpu_kernels_are_batch_invariant_only_without_llamafile():
     assert not cpu_kernels_batch_invariant(with_llamafile)
     assert cpu_kernels_batch_invariant(without)
     assert cpu_kernels_batch_invariant() is ("LLAMAFILE = 1" not in system_info())
+
+
+def test_contexts_keep_flash_attention_off_where_passes_run_batch_invariant(offline_models, monkeypatch):
+    # On a build without llamafile and no device to offload to, every context opens with flash
+    # attention off (its CPU kernel sums another way for every pass size); elsewhere llama.cpp's
+    # "auto", which it resolves to enabled on the CPU and logs. The memory simulation opens the same.
+    invariant = devices.runs_batch_invariant()
+    assert invariant is (cpu_kernels_batch_invariant() and not devices.offload_devices())
+    [allocated] = memory.simulate(offline_models.smollm2_f32, [memory.ContextSpec(256, 64)])
+    assert allocated.flash_attn is (None if invariant else True)
+    monkeypatch.setattr(devices, "offload_devices", lambda: [1])  # a GPU or an RPC worker
+    assert not devices.runs_batch_invariant()

@@ -229,7 +229,7 @@ class ChatSession:
         limit = min(max_tokens or room, room - 1)
         context_bound = limit < (max_tokens or room)  # stopping at the limit means: the context is full
         decoder = self.rt.decoder
-        stats = TurnStats(n_prompt=len(prompt), n_reused=decoder.cache.reusable(prompt, params.exact_prefill))
+        stats = TurnStats(n_prompt=len(prompt), n_reused=decoder.cache.reused(prompt, params))
         generated: list[int] = []
         parts: list[str] = []
         finished = False

@@ -90,8 +90,9 @@ def kernels() -> dict:
     """Whether the loaded llama.cpp build's CPU kernels round a token alike in every pass size
     (engine.cpu_kernels_batch_invariant), as `plan` and `bench --report` say it."""
     invariant = engine.cpu_kernels_batch_invariant()
-    text = ("CPU: one kernel for every pass size (a build without llamafile): with flash attention off and no "
-            "repacked weights a chain verifies bit for bit as plain decoding (docs/exactness.md)" if invariant else
+    text = ("CPU: one kernel for every pass size (a build without llamafile): specrun keeps flash attention off "
+            "and weights unrepacked, so a chain verifies bit for bit as plain decoding and --reproducible keeps "
+            "greedy chains (docs/exactness.md)" if invariant else
             "CPU: llamafile's tinyBLAS from two tokens a pass, so multi-token passes round unlike one-token ones; "
             "a build with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" keeps one kernel for every size (docs/exactness.md)")
     return {"cpu_batch_invariant": invariant, "text": text}

@@ -102,6 +102,12 @@ class CachedSequence:
             return 0  # a window-sized cache no longer holds the window before the cut: start over
         return keep
 
+    def reused(self, prompt: Sequence[int], params) -> int:
+        """Return how many leading tokens of prompt a request sampled with `params` (a
+        core.sampling.SamplingParams) takes from the cache: none for a reproducible one, which
+        prefills afresh; else what `reusable` keeps, exactly so for a greedy one."""
+        return 0 if params.reproducible else self.reusable(prompt, params.exact_prefill)
+
     def truncate(self, n: int) -> None:
         """Drop everything from position n on, in every sequence."""
         self._forget_from(n)

@@ -30,7 +30,7 @@ from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
 from specrun.decoding.steps import GenerationStats, Step
-from specrun.engine import Batch, Context
+from specrun.engine import Batch, Context, runs_batch_invariant
 from specrun.limits import MAX_SEQ
 
 
@@ -63,7 +63,7 @@ class SpeculativeDecoder:
         self.stats = GenerationStats()
         # What each step proposes, at what size (decoding.pay): with a guard, the tree shrinks,
         # down to plain steps, while speculation is measured slower than plain decoding here.
-        self.sizer = StepSizer(guard, together)
+        self.sizer = StepSizer(guard, together, chains_exact=not self.chain_only and runs_batch_invariant())
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
 
@@ -187,7 +187,9 @@ class SpeculativeDecoder:
             return self._verify_chain(proposal, params, rng, remaining, rules, forced)
         # A leaf takes a sequence: a tree with more leaves than the lane has is verified in its
         # best part that fits them (the plan opens fewer sequences on a sliding-window target).
-        tree, kept = proposal.tree.with_leaves(len(lane.seqs))
+        # A reproducible request verifies the best path alone, in a pass of its own (pay.steps:
+        # only where a chain's logits are plain decoding's).
+        tree, kept = proposal.tree.with_leaves(1 if params.reproducible else len(lane.seqs))
         layout = tree.colour_batch(len(lane.seqs))
         base = lane.base  # colour c is the lane's sequence base + c; colour 0 holds the committed text
         # Every colour must see the committed prefix: copy it into colours 1.. before the pass.
@@ -200,7 +202,7 @@ class SpeculativeDecoder:
         else:
             seq_ids = layout.seq_ids if base == 0 else [[base + c for c in s] for s in layout.seq_ids]
             batch.set_tree(layout.tokens, p0 + layout.positions, seq_ids, True)
-        logits = lane.run(batch)
+        logits = lane.run(batch, solo=params.reproducible)
         target_s = lane.pass_s  # llama.cpp's time, not the wait for other requests' batches
         acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
         keep_tree_path(lane, layout, acceptance.nodes, p0)

@@ -13,6 +13,7 @@ import numpy as np
 
 from specrun.engine import compute
 from specrun.engine.backend import Owner, last_llama_error, recent_errors
+from specrun.engine.devices import runs_batch_invariant
 from specrun.engine.model import Model
 from specrun.errors import ContextFullError, EngineError
 from specrun.limits import MAX_SEQ
@@ -163,7 +164,7 @@ class Context(Owner):
         n_batch: int = 512,
         n_seq_max: int = 1,
         threads: int | None = None,
-        flash_attn: str = "auto",
+        flash_attn: str | None = None,
         swa_full: bool = True,
         kv_unified: bool = True,
         op_offload: bool | None = None,
@@ -192,6 +193,8 @@ class Context(Owner):
         params.n_outputs_max = max(n_batch, n_seq_max)
         params.n_threads = threads
         params.n_threads_batch = threads
+        if flash_attn is None:  # off where every pass size must round alike (runs_batch_invariant)
+            flash_attn = "off" if runs_batch_invariant() else "auto"
         params.flash_attn_type = {
             "auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO,
             "on": C.LLAMA_FLASH_ATTN_TYPE_ENABLED,

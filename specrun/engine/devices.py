@@ -175,3 +175,11 @@ def cpu_kernels_batch_invariant(info: str | None = None) -> bool:
     decoding's logits bit for bit (docs/exactness.md). `info`: llama.cpp's system-info line
     (default: the loaded build's)."""
     return "LLAMAFILE = 1" not in (system_info() if info is None else info)
+
+
+def runs_batch_invariant() -> bool:
+    """Whether specrun computes every pass here with one kernel per op whatever its size: a build
+    whose CPU kernels are batch invariant (cpu_kernels_batch_invariant) and no GPU or RPC worker to
+    compute on. Then contexts keep flash attention off and models load without repacked weights,
+    and a chain, a prompt in chunks or a one-token pass give the same logits bit for bit."""
+    return not offload_devices() and cpu_kernels_batch_invariant()

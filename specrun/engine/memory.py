@@ -24,6 +24,7 @@ from pathlib import Path
 
 from specrun.engine.backend import captured_log, llama_version_info
 from specrun.engine.context import Context
+from specrun.engine.devices import runs_batch_invariant
 from specrun.engine.model import Model
 from specrun.engine.mtp import MtpContext
 from specrun.files import atomic_write_json, file_key, read_json
@@ -271,8 +272,9 @@ def _open(model: Model, spec: ContextSpec) -> Context:
 
 
 def _record_key(path: Path, spec: ContextSpec, load: dict) -> dict:
+    # A build that runs batch invariant allocates for flash attention off and unrepacked weights.
     return {"file": file_key(path), "context": asdict(spec), "load": load, "llama": llama_version_info(),
-            "method": RECORD_METHOD}
+            "batch_invariant": runs_batch_invariant(), "method": RECORD_METHOD}
 
 
 def _record_path(path: Path, spec: ContextSpec, load: dict) -> Path | None:

@@ -18,7 +18,7 @@ from specrun.engine.backend import (
     raise_if_interrupted,
     recent_errors,
 )
-from specrun.engine.devices import cpu_buffer_type, offload_devices, remote_hosts
+from specrun.engine.devices import cpu_buffer_type, offload_devices, remote_hosts, runs_batch_invariant
 from specrun.engine.gguf import check_complete_gguf
 from specrun.errors import EngineError, ModelFileError
 
@@ -90,7 +90,9 @@ class Model(Owner):
         if main_gpu is not None:
             params.split_mode = C.LLAMA_SPLIT_MODE_NONE
             params.main_gpu = main_gpu
-        if sysinfo.repacking_crashes():  # the plain CPU kernels are exact and safe
+        # Repacked weights take another kernel for multi-token passes than for one token; on a
+        # CPU with AMX they also crash on multi-token Q4_1 batches (sysinfo.repacking_crashes).
+        if sysinfo.repacking_crashes() or runs_batch_invariant():
             params.use_extra_bufts = False
         recent_errors.clear()
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)

@@ -48,7 +48,7 @@ from specrun.chat.tools import tool_format
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import stream
-from specrun.engine import grammar, rpc
+from specrun.engine import grammar, rpc, runs_batch_invariant
 from specrun.errors import GrammarError, SpecrunError, UsageError
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.pool import DecoderPool, Lease
@@ -213,7 +213,9 @@ class QueueWorker:
             if not self._stopping.is_set():
                 self.state = "ready"
                 if self.reproducible:
-                    description += ", every request reproducible (one-token passes of its own, at plain decoding's speed)"
+                    description += (", every request reproducible (passes of its own: greedy chains, as this build's"
+                                    " kernels are batch invariant)" if runs_batch_invariant() else
+                                    ", every request reproducible (one-token passes of its own, at plain decoding's speed)")
                 self._on_ready(self, description)
             self._serve_until_stopped()
         finally:
@@ -394,8 +396,7 @@ class GenerationWorker(QueueWorker):
         params, shaped_by = self._params(job, tools)
         # Last: from here on the other requests' passes wait for this one's first (runtime.pool).
         decoder = lease.take(prompt)
-        # A reproducible request reuses nothing: its decoder prefills the whole prompt afresh.
-        reused = 0 if params.reproducible else decoder.cache.reusable(prompt, params.exact_prefill)
+        reused = decoder.cache.reused(prompt, params)
         started = Started(len(prompt), reused, limit, asked, queue_s=job.started_at - job.queued_at)
         if started.capped:
             ui.dim(f"{job.id}: max_tokens {asked} lowered to {limit} to fit the {rt.n_ctx}-token context")

@@ -3,7 +3,8 @@
 A step may verify at most what the plan's tree, the room left in the context and the request's
 lane allow (the decoder's capacity); `StepSizer` cuts that to what pays: the speed guard of this
 kind of request (greedy or sampled) caps it, down to plain steps, and now and then asks for a
-plain step to measure plain decoding; reproducible sampling decodes plainly. Within the size it
+plain step to measure plain decoding; a reproducible request decodes plainly, or in chains where
+they verify bit for bit as plain decoding (`chains_exact`, greedy only). Within the size it
 gives, a drafter proposes the tree its own hindsight says pays (rules.best_size), beside other
 requests the tree that pays for what it adds to the pass they share (`beside`, `post`).
 """
@@ -32,8 +33,11 @@ class StepSizer:
     verifies what the decoder's capacity allows.
     """
 
-    def __init__(self, guard: SpeedGuard | None = None, together: Together | None = None):
+    def __init__(self, guard: SpeedGuard | None = None, together: Together | None = None, chains_exact: bool = False):
         self.guard = guard  # the guard of the request under way
+        # A chain verifies with plain decoding's logits bit for bit (engine.runs_batch_invariant):
+        # a greedy reproducible request keeps speculation, its trees cut to their best path.
+        self.chains_exact = chains_exact
         self._guards: dict[str, SpeedGuard] = {}
         self._told = False  # the guard's first event was said (at info level)
         # The turns of the requests decoding together (shared by their decoders' sizers).
@@ -56,7 +60,7 @@ class StepSizer:
 
     def size(self, capacity: int, params: SamplingParams) -> int:
         """The most tree nodes this step proposes, of the `capacity` the decoder has (0: a plain step)."""
-        if params.reproducible:
+        if params.reproducible and not (params.greedy and self.chains_exact):
             return 0  # see SamplingParams.reproducible
         if self.guard is None:
             return capacity
