@@ -204,7 +204,8 @@ def _add_routes(app: FastAPI, worker: QueueWorker) -> None:
         entry = {"id": info.target, "object": "model", "created": 0, "owned_by": "specrun",
                  "context_length": info.n_ctx, "max_model_len": info.n_ctx,
                  "meta": {"draft": info.draft, "drafter": info.drafter, "n_ctx": info.n_ctx,
-                          "n_ctx_train": info.n_ctx_train, "tree_budget": info.tree_budget}}
+                          "n_ctx_train": info.n_ctx_train, "tree_budget": info.tree_budget,
+                          "reproducible": worker.reproducible}}  # serve --reproducible: every request
         return JSONResponse({"object": "list", "data": [entry]})
 
     @app.get("/props")

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import uvicorn
 
-from specrun import ui
+from specrun import engine, ui
 from specrun.chat.reasoning import ChatSettings
 from specrun.errors import UsageError
 from specrun.runtime.plan import RunOptions, resolve_models
@@ -55,6 +55,9 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         if server is not None:
             server.should_exit = True
 
+    if settings.reproducible and (opts.rpc or not engine.runs_batch_invariant()):
+        # Every request decodes in one-token passes (SamplingParams.reproducible): no draft to load.
+        opts = replace(opts, no_spec=True)
     if opts.rpc:  # a lost RPC worker ends the process that loaded the target: not this one
         if (opts.parallel or 1) > 1:
             ui.warn("--rpc: the server answers one request at a time (the target's process relays one job at once)")
