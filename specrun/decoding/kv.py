@@ -26,7 +26,9 @@ class CachedSequence:
     batches of different sizes, so a token's KV and logits depend in their last digits on the batch
     it was decoded in: with the batches fixed by position, a whole batch's worth of prompt decoded
     once holds exactly what any later prefill of a prompt starting the same way would compute
-    (`n_exact` tokens), and an exact `sync` reuses only that (see `reusable`).
+    (`n_exact` tokens), and an exact `sync` reuses only that (see `reusable`). A prompt prefilled so
+    keeps its last row too: the same prompt again (an answer regenerated, a request retried) decodes
+    nothing while the cache still holds it as that prefill wrote it.
     """
 
     def __init__(self, ctx, batch, lane: Lane | None = None):
@@ -49,6 +51,11 @@ class CachedSequence:
         self.prompt_end = 0
         # The text's length when a window-sized cache last gave back the cells behind its window.
         self.compacted = 0
+        # The last prompt prefilled as a fresh prefill computes it, and a copy of its last row:
+        # the same prompt again (an answer regenerated, a request retried) takes that row and
+        # decodes nothing, while the cache still holds the prompt as that prefill wrote it.
+        self._last_prompt: tuple[int, ...] = ()
+        self._last_row = None
 
     @property
     def n_cached(self) -> int:
@@ -71,10 +78,22 @@ class CachedSequence:
             )
         keep = self.reusable(prompt, exact)
         t0 = time.perf_counter()
+        if keep == len(prompt):  # the prompt prefilled last, whole: its row is kept
+            self.truncate(keep)
+            if not include_last:  # (the caller decodes the last token itself)
+                self.truncate(keep - 1)
+            self.logits = self._last_row
+            self.prompt_end = self.n_cached
+            return prompt[-1], 0, time.perf_counter() - t0
         self.truncate(keep)
+        # From exact KV at a batch boundary the prefill runs on the grid a fresh one takes: its KV
+        # and its last row are what a prefill into an empty cache computes.
+        fresh = keep % self.batch.capacity == 0 and self.n_exact == keep and not self.ctx.has_state
         todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
         self.extend(todo, want_last_logits=include_last)
         self.prompt_end = self.n_cached
+        if include_last and fresh and self.logits is not None:
+            self._last_prompt, self._last_row = tuple(prompt), self.logits.copy()
         return prompt[-1], len(todo), time.perf_counter() - t0
 
     def reusable(self, prompt: Sequence[int], exact: bool = False) -> int:
@@ -89,7 +108,12 @@ class CachedSequence:
         state, which cannot be cut back).
 
         A window-sized cache (engine.Context.window) is cut back only where it still holds the
-        window before the cut; elsewhere nothing is reused, as llama.cpp's server does."""
+        window before the cut; elsewhere nothing is reused, as llama.cpp's server does.
+
+        The prompt last prefilled on the batch grid, still held as written: all of it (its last
+        row was kept, and sync decodes nothing)."""
+        if self._holds_last_prompt(prompt):
+            return len(prompt)  # all of it, its last row too (sync)
         keep, limit = 0, min(len(self.tokens), len(prompt) - 1)
         while keep < limit and self.tokens[keep] == prompt[keep]:
             keep += 1
@@ -101,6 +125,14 @@ class CachedSequence:
         if keep < len(self.tokens) and not self.ctx.can_cut(self.seq, keep):
             return 0  # a window-sized cache no longer holds the window before the cut: start over
         return keep
+
+    def _holds_last_prompt(self, prompt: Sequence[int]) -> bool:
+        """Whether `prompt` is the last prompt prefilled (see sync) and the cache still holds it as
+        that prefill wrote it (nothing before its end cut since, and a window-sized cache can
+        still go back to it)."""
+        n = len(prompt)
+        return (n > 0 and len(self._last_prompt) == n and len(self.tokens) >= n and self._last_prompt == tuple(prompt)
+                and (len(self.tokens) == n or self.ctx.can_cut(self.seq, n)))
 
     def reused(self, prompt: Sequence[int], params) -> int:
         """Return how many leading tokens of prompt a request sampled with `params` (a
@@ -150,6 +182,8 @@ class CachedSequence:
         self._forget_from(0)
 
     def _forget_from(self, n: int) -> None:
+        if n < len(self._last_prompt):
+            self._last_prompt, self._last_row = (), None
         self.n_exact = min(self.n_exact, n)
         self.prompt_end = min(self.prompt_end, n)
         self.compacted = min(self.compacted, n)
