@@ -27,7 +27,7 @@ sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Re
 Reported per trace and server: requests, prompt tokens sent and evaluated (sent less what the
 server's cache held: its timings' cache_n), completion tokens, the whole trace's wall time as the
 agent waits for it (every request's time to its last token), the mean time to first token, decode
-tokens/s (completion tokens over the time after each first token), and how many answers equal
+tokens/s (the servers' own timings: predicted_n over predicted_ms), and how many answers equal
 plain decoding's. `--turns` adds the per-turn figures of the growing conversations (prompt tokens,
 evaluated, time to first token). Run it on a quiet machine: other processes make every figure noise.
 """
@@ -213,18 +213,22 @@ def _stream(http: httpx.Client, body: dict) -> dict:
     prompt = usage.get("prompt_tokens", 0)
     cached = timings.get("cache_n", (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
     return {"ttft": (first or last) - t0, "ttlt": last - t0, "prompt": prompt, "evaluated": prompt - cached,
-            "tokens": usage.get("completion_tokens", 0), "text": "".join(parts)}
+            "tokens": usage.get("completion_tokens", 0), "text": "".join(parts),
+            # the server's own decoding time (both servers report it): a stream's first text can
+            # come several tokens in, so the client's clock would flatter one server or the other
+            "predicted": (timings.get("predicted_n", 0), timings.get("predicted_ms", 0.0) / 1e3)}
 
 
 def summarize(server: str, trace: str, round_: int, results: list[dict]) -> dict:
-    decode_s = sum(r["ttlt"] - r["ttft"] for r in results)
+    decode_s = sum(r["predicted"][1] for r in results)
+    predicted = sum(r["predicted"][0] for r in results)
     tokens = sum(r["tokens"] for r in results)
     return {
         "server": server, "trace": trace, "round": round_, "requests": len(results),
         "prompt_tokens": sum(r["prompt"] for r in results), "evaluated": sum(r["evaluated"] for r in results),
         "completion_tokens": tokens, "wall_s": round(sum(r["ttlt"] for r in results), 2),
         "ttft_mean_s": round(sum(r["ttft"] for r in results) / len(results), 3),
-        "decode_tokens_per_s": round(tokens / decode_s, 1) if decode_s > 0 else None,
+        "decode_tokens_per_s": round(predicted / decode_s, 1) if decode_s > 0 else None,
         "turns": [{"turn": r["turn"], "prompt": r["prompt"], "evaluated": r["evaluated"], "ttft_s": round(r["ttft"], 3)}
                   for r in results if r["conversation"] == 0],
         "texts": [r["text"] for r in results],
