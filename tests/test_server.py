@@ -568,6 +568,24 @@ def test_second_turn_prefills_only_the_new_message(client):
     assert second.usage.prompt_tokens_details.cached_tokens == timings["cache_n"]
 
 
+def test_an_answer_regenerated_evaluates_nothing_and_is_the_same(client):
+    # A client's "regenerate" sends a request again: at any turn, greedy, the cache still holds its
+    # prompt as it was evaluated, and that evaluation's last row is kept, so the first token's
+    # logits are the same without a prompt pass (later ones come from tree passes, whose shapes
+    # follow the clock: see test_a_greedy_prompt_gets_the_same_first_token_under_speculation).
+    messages = [{"role": "user", "content": "Name three rivers of Europe."}]
+    first = client.chat.completions.create(model=TARGET, messages=messages, max_tokens=16, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Which is the longest?"}]
+    replies = [client.chat.completions.create(model=TARGET, messages=messages, max_tokens=1, temperature=0,
+                                              logprobs=True, top_logprobs=3) for _ in range(2)]
+    original, again = [[(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                        for t in r.choices[0].logprobs.content] for r in replies]
+    assert again == original
+    timings = replies[1].model_extra["timings"]
+    assert timings["prompt_n"] == 0 and timings["cache_n"] == replies[1].usage.prompt_tokens, timings
+
+
 # ---------------------------------------------------------------------------------------------
 # Startup and shutdown
 

@@ -51,11 +51,14 @@ class CachedSequence:
         self.prompt_end = 0
         # The text's length when a window-sized cache last gave back the cells behind its window.
         self.compacted = 0
-        # The last prompt prefilled as a fresh prefill computes it, and a copy of its last row:
-        # the same prompt again (an answer regenerated, a request retried) takes that row and
-        # decodes nothing, while the cache still holds the prompt as that prefill wrote it.
+        # The last prompt prefilled and a copy of its last row: the same prompt again (an answer
+        # regenerated, a request retried) takes that row and decodes nothing, while the cache
+        # still holds the prompt as that prefill wrote it. `_last_exact`: that prefill computed
+        # what an exact sync computes for it (a fresh prefill's, or a conversation's next turn
+        # on its answer's KV), so a greedy request may take the row too.
         self._last_prompt: tuple[int, ...] = ()
         self._last_row = None
+        self._last_exact = False
 
     @property
     def n_cached(self) -> int:
@@ -77,6 +80,8 @@ class CachedSequence:
                 "use a larger --ctx-size or a shorter prompt"
             )
         keep = self.reusable(prompt, exact)
+        # An exact sync that keeps more than the last prefill wrote runs on into an answer's KV.
+        next_turn = exact and keep > self.prompt_end
         t0 = time.perf_counter()
         if keep == len(prompt):  # the prompt prefilled last, whole: its row is kept
             self.truncate(keep)
@@ -88,12 +93,13 @@ class CachedSequence:
         self.truncate(keep)
         # From exact KV at a batch boundary the prefill runs on the grid a fresh one takes: its KV
         # and its last row are what a prefill into an empty cache computes.
-        fresh = keep % self.batch.capacity == 0 and self.n_exact == keep and not self.ctx.has_state
+        fresh = keep % self.batch.capacity == 0 and self.n_exact == keep
         todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
         self.extend(todo, want_last_logits=include_last)
         self.prompt_end = self.n_cached
-        if include_last and fresh and self.logits is not None:
+        if include_last and self.logits is not None and not self.ctx.has_state:
             self._last_prompt, self._last_row = tuple(prompt), self.logits.copy()
+            self._last_exact = fresh or next_turn
         return prompt[-1], len(todo), time.perf_counter() - t0
 
     def reusable(self, prompt: Sequence[int], exact: bool = False) -> int:
@@ -110,9 +116,10 @@ class CachedSequence:
         A window-sized cache (engine.Context.window) is cut back only where it still holds the
         window before the cut; elsewhere nothing is reused, as llama.cpp's server does.
 
-        The prompt last prefilled on the batch grid, still held as written: all of it (its last
-        row was kept, and sync decodes nothing)."""
-        if self._holds_last_prompt(prompt):
+        The prompt last prefilled, still held as written: all of it (its last row was kept, and
+        sync decodes nothing); for an exact sync, only where that prefill was one itself (on the
+        batch grid, or a next turn on an answer's KV): the same request gets the same logits."""
+        if self._holds_last_prompt(prompt) and (self._last_exact or not exact):
             return len(prompt)  # all of it, its last row too (sync)
         keep, limit = 0, min(len(self.tokens), len(prompt) - 1)
         while keep < limit and self.tokens[keep] == prompt[keep]:
