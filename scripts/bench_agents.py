@@ -285,7 +285,7 @@ def start(name: str, args) -> _Server | None:
                 "--target", args.target, "--draft", args.draft, "--parallel", "1", *threads]
         if name.endswith("-plain"):
             argv.append("--no-spec")
-        return _Server(argv, env)
+        return _Server(argv, env, cwd=repo)
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None

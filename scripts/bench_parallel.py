@@ -208,8 +208,11 @@ def _table(rows: list[dict]) -> str:
 
 
 class _Server:
-    def __init__(self, argv: list[str], env: dict | None = None, url: str | None = None):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    def __init__(self, argv: list[str], env: dict | None = None, url: str | None = None, cwd: Path | None = None):
+        # `cwd`: a checkout's own root, so `python -m specrun` imports its code (the working
+        # directory comes first on sys.path, before PYTHONPATH).
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                     cwd=cwd)
         self.last_lines: list[str] = []
         self.url = url or self._listening()
         threading.Thread(target=self._drain, daemon=True).start()
@@ -260,7 +263,7 @@ def _start(name: str, args, parallel: int) -> _Server | None:
                 "--target", args.target, "--draft", args.draft, "--parallel", str(n), *threads]
         if name.endswith("-plain"):
             argv.append("--no-spec")
-        return _Server(argv, env)
+        return _Server(argv, env, cwd=repo)
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
