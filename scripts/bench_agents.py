@@ -45,7 +45,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench_parallel import _free_port, _Server  # noqa: E402  (scripts/, beside this one)
+from bench_parallel import _free_port, _Server, specrun_server  # noqa: E402  (scripts/, beside this one)
 
 # ---------------------------------------------------------------------------------------------
 # The traces
@@ -273,19 +273,12 @@ def table(rows: list[dict], turns: bool) -> str:
 
 
 def start(name: str, args) -> _Server | None:
-    threads = ["--threads", str(args.threads)] if args.threads else []
     if name.startswith(("specrun", "base")):
         if name.startswith("base") and args.baseline is None:
             print(f"{name}: skipped (no --baseline)", file=sys.stderr)
             return None
         repo = args.baseline if name.startswith("base") else REPO
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
-                   NO_COLOR="1")
-        argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
-                "--target", args.target, "--draft", args.draft, "--parallel", "1", *threads]
-        if name.endswith("-plain"):
-            argv.append("--no-spec")
-        return _Server(argv, env, cwd=repo)
+        return specrun_server(repo, args, 1, plain=name.endswith("-plain"))
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None

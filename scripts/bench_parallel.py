@@ -250,20 +250,13 @@ class _Server:
 
 
 def _start(name: str, args, parallel: int) -> _Server | None:
-    threads = ["--threads", str(args.threads)] if args.threads else []
     if name.startswith(("specrun", "base")):
         if name.startswith("base") and args.baseline is None:
             print(f"{name}: skipped (no --baseline)", file=sys.stderr)
             return None
         n = 1 if name.split("-")[1] == "1" else parallel
         repo = args.baseline if name.startswith("base") else REPO
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
-                   NO_COLOR="1")
-        argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
-                "--target", args.target, "--draft", args.draft, "--parallel", str(n), *threads]
-        if name.endswith("-plain"):
-            argv.append("--no-spec")
-        return _Server(argv, env, cwd=repo)
+        return specrun_server(repo, args, n, plain=name.endswith("-plain"))
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
@@ -281,6 +274,17 @@ def _start(name: str, args, parallel: int) -> _Server | None:
     elif name == "peer-ngram":
         argv += ["--spec-type", "ngram-mod"]
     return _Server(argv, url=f"http://127.0.0.1:{port}")
+
+
+def specrun_server(repo: Path, args, parallel: int, plain: bool = False) -> _Server:
+    """`specrun serve` of the checkout `repo` (this one, or a --baseline) on args' models, context
+    and threads, `parallel` requests at once; `plain`: with --no-spec."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+               NO_COLOR="1")
+    argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
+            "--target", args.target, "--draft", args.draft, "--parallel", str(parallel),
+            *(["--threads", str(args.threads)] if args.threads else []), *(["--no-spec"] if plain else [])]
+    return _Server(argv, env, cwd=repo)
 
 
 def _free_port() -> int:
