@@ -105,8 +105,10 @@ class TreeGrower(ModelDrafter):
     def probe(self) -> dict[int, float] | None:
         """Return {tokens: seconds} of the draft's passes over one token (an expansion pass, its
         top-k included) and over _PROBE_TOKENS (a catch-up), timed now (None when the cache holds
-        text: the probe needs it empty, and leaves it so)."""
-        seconds = probe_passes(self.cache, (1, _PROBE_TOKENS))
+        text: the probe needs it empty, and leaves it so). The least of two timings each, as the
+        target's are (runtime.drafters): a pass of a few ms timed once can meet a scheduler
+        hiccup, and this figure decides whether the draft model drafts at all."""
+        seconds = probe_passes(self.cache, (1, _PROBE_TOKENS), repeats=2)
         if not seconds:
             return None
         row = self.ctx.logits_row(-1)[None, :]
