@@ -64,13 +64,15 @@ class CachedSequence:
     def n_cached(self) -> int:
         return len(self.tokens)
 
-    def sync(self, prompt: Sequence[int], include_last: bool = False, exact: bool = False) -> tuple[int, int, float]:
+    def sync(self, prompt: Sequence[int], include_last: bool = False, exact: bool = False,
+             keep_row: bool = False) -> tuple[int, int, float]:
         """Make the cache hold prompt[:-1]; return (pending token, tokens prefilled, seconds).
 
         With include_last the last token is decoded too (in the same batch as the rest of the new
         tokens), and its logits are left in the context. With `exact` the prompt's KV and logits are
         what a prefill into an empty cache computes, where that costs less than a batch (see
-        `reusable`).
+        `reusable`). With `keep_row` (and include_last) a copy of the last row is kept for the same
+        prompt again: a request's prompt, not a draft's catch-up, whose text grows every step.
         """
         if not prompt:
             raise UsageError("the prompt is empty (no tokens to start from)")
@@ -84,10 +86,9 @@ class CachedSequence:
         next_turn = exact and keep > self.prompt_end
         t0 = time.perf_counter()
         if keep == len(prompt):  # the prompt prefilled last, whole: its row is kept
-            self.truncate(keep)
-            if not include_last:  # (the caller decodes the last token itself)
-                self.truncate(keep - 1)
-            self.logits = self._last_row
+            row = self._last_row
+            self.truncate(keep if include_last else keep - 1)  # (without: the caller decodes the last token)
+            self.logits = row
             self.prompt_end = self.n_cached
             return prompt[-1], 0, time.perf_counter() - t0
         self.truncate(keep)
@@ -97,7 +98,7 @@ class CachedSequence:
         todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
         self.extend(todo, want_last_logits=include_last)
         self.prompt_end = self.n_cached
-        if include_last and self.logits is not None and not self.ctx.has_state:
+        if keep_row and include_last and self.logits is not None and not self.ctx.has_state:
             self._last_prompt, self._last_row = tuple(prompt), self.logits.copy()
             self._last_exact = fresh or next_turn
         return prompt[-1], len(todo), time.perf_counter() - t0

@@ -41,7 +41,7 @@ class PlainDecoder:
         # The new part of the prompt goes in as few batches as the batch grid allows (kv.py), and
         # the last row gives the first token.
         pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True,
-                                                                       exact=params.exact_prefill)
+                                                                       exact=params.exact_prefill, keep_row=True)
         one, cache = self._one, self.cache
         rules = PathRules.of(params)
         logits = cache.logits

@@ -103,7 +103,7 @@ class SpeculativeDecoder:
         # The new part of the prompt goes in as few batches as the batch grid allows (kv.py) and
         # the last row gives the first token, as in plain decoding: no pass of its own for it.
         _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True,
-                                                                exact=params.exact_prefill)
+                                                                exact=params.exact_prefill, keep_row=True)
         t_start = time.perf_counter()
         rules = PathRules.of(params)
         step = _first_step(self.cache.logits, params, rng, rules)

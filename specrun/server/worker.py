@@ -48,7 +48,7 @@ from specrun.chat.tools import tool_format
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.steps import GenerationStats
 from specrun.decoding.stream import stream
-from specrun.engine import grammar, rpc, runs_batch_invariant
+from specrun.engine import grammar, rpc
 from specrun.errors import GrammarError, SpecrunError, UsageError
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.pool import DecoderPool, Lease
@@ -213,9 +213,8 @@ class QueueWorker:
             if not self._stopping.is_set():
                 self.state = "ready"
                 if self.reproducible:
-                    description += (", every request reproducible (passes of its own: greedy chains, as this build's"
-                                    " kernels are batch invariant)" if runs_batch_invariant() else
-                                    ", every request reproducible (one-token passes of its own, at plain decoding's speed)")
+                    # (one-token passes, or greedy chains where they round as those do: pay.steps)
+                    description += ", every request reproducible (passes of its own)"
                 self._on_ready(self, description)
             self._serve_until_stopped()
         finally:
