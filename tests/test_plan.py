@@ -18,7 +18,7 @@ from specrun.core.tree_shapes import TreeShape, TreeTemplate
 from specrun.engine import DeviceInfo, cpu_kernels_batch_invariant, devices, memory, system_info
 from specrun.hardware import placement
 from specrun.runtime.plan import PREFILL_BATCH, ContextMemory, RunOptions, build_plan
-from specrun.runtime.runtime import Runtime, load_arguments
+from specrun.runtime.runtime import Runtime, drafts_while_verifying, load_arguments
 from specrun.runtime.trees import DEFAULT_SHAPE
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice
@@ -134,6 +134,28 @@ def test_load_arguments_follow_the_plan_on_several_gpus():
     assert draft["main_gpu"] == plan.placement.draft_device and draft["n_gpu_layers"] == QWEN25_05B_Q4KM.n_layer + 1
     cpu_only = build_plan(opts, fetch=False, devices=[], ram_free_bytes=32 * GB, sizes=(QWEN25_14B_Q4KM, QWEN25_05B_Q4KM))
     assert load_arguments(cpu_only) == ({"n_gpu_layers": 0, "op_offload": None}, {"n_gpu_layers": 0, "op_offload": None})
+
+
+def test_the_draft_drafts_during_the_target_pass_only_where_the_target_runs_wholly_elsewhere():
+    """runtime.drafts_while_verifying: a target wholly on an RPC worker, the draft on this
+    machine, overlap; a target split with RAM, a draft sharing the target's local GPU or a
+    CPU-only run do not."""
+    sizes = (QWEN25_14B_Q4KM, QWEN25_05B_Q4KM)
+    opts = RunOptions(target="qwen2.5-14b", ctx_size=4096, lookup=False, quiet=True)
+
+    def plan(*devices):
+        return build_plan(opts, fetch=False, devices=list(devices), ram_free_bytes=32 * GB, sizes=sizes)
+
+    worker = DeviceInfo("RPC0", "192.168.1.20:50052", "gpu", "RPC", 30 * GB, 32 * GB, host="192.168.1.20:50052")
+    remote = plan(worker)
+    assert remote.placement.target_cpu_layers == 0 and remote.placement.draft_device is None
+    assert drafts_while_verifying(remote)
+    local = plan(DeviceInfo("GPU", "assumed", "gpu", "CUDA", 40 * GB, 40 * GB))
+    assert local.placement.target_cpu_layers == 0 and local.placement.draft_device == 0
+    assert not drafts_while_verifying(local)  # the draft's passes would queue behind the target's
+    split = plan(DeviceInfo("GPU", "assumed", "gpu", "CUDA", 8 * GB, 8 * GB))
+    assert split.placement.target_cpu_layers > 0 and not drafts_while_verifying(split)
+    assert not drafts_while_verifying(plan())
 
 
 def test_without_a_gpu_a_run_reads_no_model_shapes(offline_models, monkeypatch):

@@ -371,3 +371,5 @@ def test_behind_a_network_delay_the_untuned_tree_grows_and_the_text_stays_the_ta
     remote, stderr = _generate_json(tmp_path, "--rpc", f"127.0.0.1:{proxy.port}", "--verbose", *args)
     assert remote["token_ids"] == json.loads(local.stdout)["token_ids"]
     assert remote["stats"]["max_tree_nodes"] >= 16, remote["stats"]
+    # The draft model grew its tree on while the target's passes were on the network.
+    assert remote["stats"]["reused_nodes"] > 0, remote["stats"]

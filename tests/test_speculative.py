@@ -330,6 +330,40 @@ def test_greedy_through_trees_grown_online_equals_plain_decoding(draft, target, 
     check_divergences(divergences, n_runs, f"trees grown online, {draft} draft")
 
 
+@pytest.mark.parametrize("draft", ["agreeing", "random"])
+@pytest.mark.parametrize("grown", [False, True], ids=["chain", "grown online"])
+def test_greedy_with_the_draft_growing_its_tree_while_the_target_verifies_equals_plain_decoding(
+        draft, grown, target, draft_models, contexts, prompts, references):
+    """Where the target's pass runs elsewhere, the draft model grows its tree on meanwhile
+    (engine.compute.start_beside; here the CPU runs both): the next step starts from the part
+    below the target's next token, its draft cache kept, and cuts a chain to the draft's first
+    choices. Every step still gives plain greedy's tokens; the agreeing draft takes tree nodes
+    from the pass before."""
+    model = draft_models[draft]
+    grower = TreeGrower(model, contexts(model, threads=DRAFT_THREADS[draft]), TreeShape(64, 24, 4, 2))
+    grower.shape = TreeShape.chain(5)
+    drafter = GrowingTrees(grower, TreeShape.chain(5), 64) if grown else grower
+    if grown:
+        script = iter(GROWTH_SCRIPT * 100)
+        drafter._choose = lambda: next(script)
+    spec = SpeculativeDecoder(target, contexts(target), drafter, TreeShape(64, 24, 4, 2) if grown else TreeShape.chain(5))
+    spec.overlap = True
+    divergences, reused, n_runs = [], 0, 0
+    for index, prompt in enumerate(prompts[:3]):
+        ref = references(prompt, 40)
+        out = token_ids(spec, prompt, GREEDY, 40)
+        reused += spec.stats.as_dict()["reused_nodes"]
+        if not grown:
+            assert max(step.tree_nodes for step in spec.stats.steps) <= 5
+        n_runs += 1
+        if d := compare(ref, out, 40, f"prompt {index}, {draft} draft, drafting during the pass"):
+            divergences.append(d)
+    assert grower.extended > 0
+    if draft == "agreeing":
+        assert reused > 0
+    check_divergences(divergences, n_runs, f"drafting during the target's pass, {draft} draft")
+
+
 @pytest.mark.slow
 def test_greedy_long_generations_equal_plain_decoding(target, references, spec_decoders):
     """Hundreds of tokens per prompt: KV bookkeeping holds over many steps."""

@@ -246,3 +246,28 @@ def test_growth_keeps_earlier_nodes():
     assert tree.tokens.tolist() == [3] + list(range(1, 1000))
     assert tree.parents.tolist() == [-1] + list(range(999))
     assert tree.max_depth == 999
+
+
+@PROPERTY_SETTINGS
+@given(random_trees(max_nodes=200), st.integers(0, 199))
+def test_a_subtree_is_the_nodes_below_a_node_rooted_there(tree, node):
+    node = node % len(tree)
+    sub, old = tree.subtree(node)
+    assert old[0] == node and len(sub) == len(old)
+    for new, original in enumerate(old.tolist()):
+        assert node in tree.path(original)  # every node kept lies below `node`
+        assert sub.tokens[new] == tree.tokens[original]
+        assert sub.depths[new] == tree.depths[original] - tree.depths[node]
+        assert sub.logps[new] == pytest.approx(tree.logps[original] - tree.logps[node])
+        if new:
+            assert old[sub.parents[new]] == tree.parents[original]
+    below = sum(1 for i in range(len(tree)) if node in tree.path(i))
+    assert len(sub) == below
+
+
+def test_prune_deeper_keeps_the_nodes_within_the_depth():
+    tree = DraftTree.chain(7, [1, 2, 3, 4])
+    tree.add(1, 9, -1.0)
+    kept = tree.prune_deeper(2)
+    assert kept.tolist() == [0, 1, 2, 5]
+    assert tree.tokens.tolist() == [7, 1, 2, 9] and tree.max_depth == 2

@@ -263,6 +263,31 @@ class DraftTree:
             path.append(max(self._children[path[-1]], key=lambda c: (self._logps[c], -c)))
         return path
 
+    def subtree(self, node: int) -> tuple[DraftTree, np.ndarray]:
+        """Return the tree below `node`, rooted at it (depths and log-probs counted from it), and
+        its nodes' old ids (new id -> old id, in their old order)."""
+        self._check_node(node)
+        n = self._n
+        inside = np.zeros(n, bool)
+        inside[node] = True
+        parents = self._parents[:n]
+        for i in range(node + 1, n):  # a parent precedes its children
+            inside[i] = inside[parents[i]]
+        kept = np.flatnonzero(inside)
+        new_id = np.cumsum(inside) - 1
+        tree = DraftTree(int(self._tokens[node]), capacity=len(kept))
+        m = len(kept)
+        tree._tokens[:m] = self._tokens[kept]
+        tree._parents[:m] = new_id[parents[kept]]
+        tree._parents[0] = -1
+        tree._depths[:m] = self._depths[kept] - self._depths[node]
+        tree._logps[:m] = self._logps[kept] - self._logps[node]
+        tree._n = m
+        tree._children = [[] for _ in range(m)]
+        for child, parent in enumerate(tree._parents[1:m].tolist(), start=1):
+            tree._children[parent].append(child)
+        return tree, kept
+
     def prune_to_best(self, budget: int) -> np.ndarray:
         """Keep the root and the `budget` best other nodes by logp; return the kept old ids.
 
@@ -279,9 +304,18 @@ class DraftTree:
         keep = np.zeros(n, bool)
         keep[0] = True
         keep[best] = True
-        kept = np.flatnonzero(keep)
-        if not keep[self._parents[kept[1:]]].all():
+        if not keep[self._parents[np.flatnonzero(keep)[1:]]].all():
             raise ValueError("cannot prune: a node's logp is higher than its parent's")
+        return self.keep(keep)
+
+    def prune_deeper(self, depth: int) -> np.ndarray:
+        """Keep the nodes at most `depth` below the root; return the kept old ids (as prune_to_best)."""
+        return self.keep(self.depths <= depth)
+
+    def keep(self, keep: np.ndarray) -> np.ndarray:
+        """Keep the nodes `keep` marks (every kept node's parent kept too), renumbered in their old
+        order; return the kept old ids."""
+        kept = np.flatnonzero(keep)
         new_id = np.cumsum(keep) - 1
         parents = new_id[self._parents[kept]]
         parents[0] = -1

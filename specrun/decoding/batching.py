@@ -42,6 +42,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -81,14 +82,25 @@ class Lane:
         """The sequence that holds the lane's committed text (tree colour 0)."""
         return self.seqs.start
 
-    def run(self, batch: Batch, solo: bool = False) -> np.ndarray | None:
+    def run(self, batch: Batch, solo: bool = False, meanwhile: Callable[[threading.Event], None] | None = None,
+            ) -> np.ndarray | None:
         """Run the batch (its sequence ids are the lane's) and return its logits rows, a view valid
         until the lane's next pass (None when the batch asked for none). `solo`: in a pass of its
-        own, computed exactly as when the lane decodes alone."""
+        own, computed exactly as when the lane decodes alone. `meanwhile(done)`, for a lane of its
+        own on a context whose work runs elsewhere: called while the pass runs (beside it:
+        engine.compute.start_beside), `done` set when the pass has ended."""
         if self.gate is None:
-            t0 = time.perf_counter()
-            self.ctx.decode(batch)
-            self.pass_s, self.shared = time.perf_counter() - t0, 1
+            if meanwhile is not None:
+                job = self.ctx.start_decode(batch)
+                try:
+                    meanwhile(job.done)
+                finally:
+                    self.pass_s = self.ctx.finish_decode(job, batch)
+            else:
+                t0 = time.perf_counter()
+                self.ctx.decode(batch)
+                self.pass_s = time.perf_counter() - t0
+            self.shared = 1
             self.last_batch = (int(batch.positions[0]), batch.n_tokens, 0)
             return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
         rows, self.shared, self.pass_s, offset = self.gate.decode(self, batch, solo)

@@ -66,6 +66,9 @@ class SpeculativeDecoder:
         self.sizer = StepSizer(guard, together, chains_exact=not self.chain_only and runs_batch_invariant())
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
+        # The drafter grows its tree on while the target's pass runs elsewhere (runtime sets it:
+        # a target wholly on GPUs or RPC workers, its lane its own).
+        self.overlap = False
 
     def swap_drafting(self, other: SpeculativeDecoder) -> None:
         """Exchange what drafts (the drafter, its draft context and what it learned, the speed
@@ -202,7 +205,10 @@ class SpeculativeDecoder:
         else:
             seq_ids = layout.seq_ids if base == 0 else [[base + c for c in s] for s in layout.seq_ids]
             batch.set_tree(layout.tokens, p0 + layout.positions, seq_ids, True)
-        logits = lane.run(batch, solo=params.reproducible)
+        # Where the pass runs elsewhere, the draft model grows its tree on meanwhile (drafter.extend).
+        overlap = self.overlap and lane.gate is None and not params.reproducible and not forced
+        meanwhile = self.drafter.extend if overlap else None
+        logits = lane.run(batch, solo=params.reproducible, meanwhile=meanwhile)
         target_s = lane.pass_s  # llama.cpp's time, not the wait for other requests' batches
         acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
         keep_tree_path(lane, layout, acceptance.nodes, p0)
@@ -219,6 +225,7 @@ class SpeculativeDecoder:
             tree_depth=tree.max_depth,
             tree_leaves=layout.n_colours if len(tree) > 1 else 0,
             draft_passes=proposal.draft_passes,
+            reused_nodes=proposal.reused,
             path_ranks=proposal.path_ranks(nodes),
             child_ranks=_child_ranks(tree, acceptance.nodes, acceptance.bonus),
             accepted=len(acceptance.nodes) - 1,
@@ -289,6 +296,7 @@ class SpeculativeDecoder:
             tree_depth=length - 1,
             tree_leaves=len(paths) if length > 1 else 0,
             draft_passes=proposal.draft_passes,
+            reused_nodes=proposal.reused,
             path_ranks=proposal.path_ranks(nodes),
             child_ranks=_child_ranks(trie, acceptance.nodes, acceptance.bonus),
             accepted=len(acceptance.nodes) - 1,

@@ -26,6 +26,7 @@ class Step:
     tree_depth: int = 0
     tree_leaves: int = 0
     draft_passes: int = 0
+    reused_nodes: int = 0  # tree nodes drafted while the target's pass before ran (drafter.extend)
     accepted: int = 0  # tree tokens the target accepted (the bonus token not counted)
     lookup_tokens: int = 0  # of those, how many came from text lookup rather than the draft model
     forced_tokens: int = 0  # of those, how many a grammar forced (free drafts: nobody proposed them)
@@ -111,6 +112,8 @@ class GenerationStats:
             "overhead_s": round(overhead_s, 4),
             "mean_tree_nodes": round(float(np.mean([s.tree_nodes for s in self.steps])), 2) if self.steps else 0.0,
             "max_tree_nodes": max((s.tree_nodes for s in self.steps), default=0),
+            # tree nodes the draft model grew while the target's pass before ran elsewhere
+            "reused_nodes": int(self.total("reused_nodes")),
             # passes that also held other requests' tokens (several decoding at once)
             "shared_passes": sum(1 for s in self.steps if s.shared > 1),
             # greedy tokens chosen at a near-tie, which a pass of another shape may choose otherwise

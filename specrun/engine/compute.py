@@ -11,7 +11,11 @@ Two reasons, both measured on a 2-core CPU:
   other than the first against 40 ms from the first, and a request served beside seven idle lanes
   decoded at 24 tokens/s against 44 with one lane. One thread for all passes keeps one team.
 
-`run(fn, *args)` hands a pass to that thread and waits for it. A Ctrl-C that lands meanwhile is
+`run(fn, *args)` hands a pass to that thread and waits for it. `start_beside(fn, *args)` runs a
+pass of a context whose work is elsewhere (a target wholly on a GPU or on RPC workers: this
+machine's cores wait for it) in a second thread, so that the compute thread runs other passes
+meanwhile (the draft model's next nodes while the target verifies: SpecExec's regime); its
+context runs one CPU thread (Context.use_one_thread), which starts no OpenMP team there. A Ctrl-C that lands meanwhile is
 raised once the pass has ended, as when the pass ran in the caller's own thread (the caches are
 never edited under a pass that is still running). The thread is a daemon, not a
 ThreadPoolExecutor's worker, which interpreter exit joins: a pass that never returns (an RPC
@@ -28,7 +32,7 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
-class _Job:
+class Job:
     __slots__ = ("fn", "args", "result", "error", "done")
 
     def __init__(self, fn: Callable[..., Any], args: tuple):
@@ -38,14 +42,16 @@ class _Job:
         self.done = threading.Event()
 
 
-_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+_jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _start = threading.Lock()
+_beside_jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+_beside_thread: threading.Thread | None = None
 
 
-def _serve() -> None:
+def _serve(jobs: queue.SimpleQueue[Job]) -> None:
     while True:
-        job = _jobs.get()
+        job = jobs.get()
         try:
             job.result = job.fn(*job.args)
         except BaseException as e:  # handed back to the caller, raised there
@@ -57,15 +63,16 @@ def _compute_thread() -> threading.Thread:
     global _thread
     with _start:
         if _thread is None:
-            _thread = threading.Thread(target=_serve, name="specrun-compute", daemon=True)
+            _thread = threading.Thread(target=_serve, args=(_jobs,), name="specrun-compute", daemon=True)
             _thread.start()
         return _thread
 
 
 def _forget_in_child() -> None:
     """A forked child has none of its parent's threads: it starts a compute thread of its own."""
-    global _jobs, _thread, _start
+    global _jobs, _thread, _start, _beside_jobs, _beside_thread
     _jobs, _thread, _start = queue.SimpleQueue(), None, threading.Lock()
+    _beside_jobs, _beside_thread = queue.SimpleQueue(), None
 
 
 if hasattr(os, "register_at_fork"):
@@ -77,8 +84,26 @@ def run(fn: Callable[..., T], *args: Any) -> T:
     thread = _compute_thread()
     if threading.current_thread() is thread:
         return fn(*args)
-    job = _Job(fn, args)
+    job = Job(fn, args)
     _jobs.put(job)
+    return finish(job)
+
+
+def start_beside(fn: Callable[..., Any], *args: Any) -> Job:
+    """Start fn(*args) in the thread for passes whose work runs elsewhere (see the module doc) and
+    return at once; `finish` waits for it, its `done` event says when it has ended."""
+    global _beside_thread
+    with _start:
+        if _beside_thread is None:
+            _beside_thread = threading.Thread(target=_serve, args=(_beside_jobs,), name="specrun-beside", daemon=True)
+            _beside_thread.start()
+    job = Job(fn, args)
+    _beside_jobs.put(job)
+    return job
+
+
+def finish(job: Job) -> Any:
+    """Wait for a job handed to a pass thread; return its result or raise its error."""
     interrupted = False
     while True:
         try:

@@ -6,6 +6,7 @@ import codecs
 import ctypes
 import os
 import threading
+import time
 from typing import Iterable, Sequence
 
 import llama_cpp as C
@@ -146,6 +147,13 @@ def _decode(ctx_ptr, batch_struct) -> int:
     return rc
 
 
+def _timed_decode(ctx_ptr, batch_struct) -> tuple[int, float]:
+    """_decode and its seconds, timed in the thread that ran it."""
+    t0 = time.perf_counter()
+    rc = _decode(ctx_ptr, batch_struct)
+    return rc, time.perf_counter() - t0
+
+
 def default_threads() -> int:
     """Return the thread count llama.cpp runs best with here: the usable CPU cores."""
     try:
@@ -270,7 +278,32 @@ class Context(Owner):
         if n > self.n_batch:
             raise EngineError(f"batch of {n} tokens exceeds the context's n_batch {self.n_batch}")
         batch.struct.n_tokens = n
-        rc = compute.run(_decode, self.ptr, batch.struct)
+        self._check(compute.run(_decode, self.ptr, batch.struct), batch)
+
+    def start_decode(self, batch: Batch) -> compute.Job:
+        """Start the pass over the batch in the thread for passes whose work runs elsewhere
+        (engine.compute.start_beside: a context wholly on a GPU or on RPC workers) and return at
+        once; `finish_decode` waits for it and gives its seconds."""
+        n = batch.n_tokens
+        if n == 0 or n > self.n_batch:
+            self.decode(batch)  # (raises the error decode gives)
+        batch.struct.n_tokens = n
+        return compute.start_beside(_timed_decode, self.ptr, batch.struct)
+
+    def finish_decode(self, job: compute.Job, batch: Batch) -> float:
+        """Wait for a pass `start_decode` started; return its seconds (raise as decode does)."""
+        rc, seconds = compute.finish(job)
+        self._check(rc, batch)
+        return seconds
+
+    def use_one_thread(self) -> None:
+        """Run this context's CPU work in one thread: for a context whose layers all run
+        elsewhere (its CPU part looks up the batch's embeddings), whose passes start beside the
+        compute thread's (engine.compute: one thread starts no OpenMP team)."""
+        C.llama_set_n_threads(self.ptr, 1, 1)
+
+    def _check(self, rc: int, batch: Batch) -> None:
+        n = batch.n_tokens
         if rc != 0:
             if rc == 1:
                 raise ContextFullError(f"the context ({self.n_ctx} tokens) has no room for {n} more tokens")

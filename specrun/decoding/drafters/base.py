@@ -25,6 +25,7 @@ class Proposal:
     draft_passes: int = 0
     lookup_from: int | None = None  # node ids >= this came from text lookup (None: none did)
     forced_from: int | None = None  # node ids >= this are a grammar's forced run, grafted by the decoder
+    reused: int = 0  # nodes taken from the tree the draft grew while the last target pass ran (no pass now)
 
     def lookup_tokens(self, nodes: Sequence[int]) -> int:
         """Return how many of the accepted nodes (root first) came from text lookup."""
@@ -70,6 +71,11 @@ class Drafter(ABC):
         request's draft passes hold up every other's pass (measured on the demo pair, 4 clients
         at once: draft-model trees 57 tokens/s in all, plain steps 74, one request at a time 87)."""
         return None
+
+    def extend(self, done) -> None:
+        """Grow the last proposal's tree on while the target's pass over it runs elsewhere (a GPU,
+        an RPC worker), until `done` (a threading.Event) is set: what the next proposal may take
+        from it (best_first.TreeGrower.extend). Called only where the decoder overlaps them."""
 
     def attach(self, lane) -> None:
         """Draft for the request that decodes in this lane of the target's context (a drafter

@@ -11,6 +11,7 @@ rest freed.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,6 +32,9 @@ _DEBT_CHECK = 16
 # Tokens of the timed pass that prices the draft's catch-up (TreeGrower.probe): past a
 # dozen tokens a pass costs about the same per token on a CPU as over hundreds.
 _PROBE_TOKENS = 16
+# Nodes a draft pass expands at least while the target's pass runs elsewhere (extend): on a CPU a
+# pass of four tokens costs little more than one.
+_EXTEND_WIDTH = 4
 
 
 @dataclass
@@ -47,7 +51,7 @@ class GrownTree(Proposal):
         kept = tree.prune_to_best(budget)
         new_id = {int(old): new for new, old in enumerate(kept.tolist())}
         node_seq = {new_id[old]: seq for old, seq in self.node_seq.items() if old in new_id}
-        return GrownTree(tree, self.draft_s, self.draft_passes, node_seq=node_seq)
+        return GrownTree(tree, self.draft_s, self.draft_passes, reused=self.reused, node_seq=node_seq)
 
     def path_ranks(self, nodes) -> tuple[int, ...]:
         return tuple(self.best_first_ranks(nodes))
@@ -68,6 +72,21 @@ class GrownTree(Proposal):
         return out
 
 
+@dataclass(eq=False)
+class _Live:
+    """A tree as the draft grew it, before its cut: which nodes it expanded, the sequence that
+    holds each expanded node's path, the position of its root, and the budget and depth it was
+    grown for; `anchor`: after a commit, the last accepted node, whose branches were kept."""
+
+    tree: DraftTree
+    expanded: np.ndarray
+    node_seq: dict[int, int]
+    p0: int
+    budget: int = 0
+    depth: int = 0
+    anchor: int | None = None
+
+
 class TreeGrower(ModelDrafter):
     """A drafter that grows trees best-first with the draft model, its KV cache in step with the target."""
 
@@ -77,13 +96,15 @@ class TreeGrower(ModelDrafter):
         self.shape = shape
         self.lane = lane if lane is not None else Lane(ctx)
         self.cache = CachedSequence(ctx, Batch(ctx.n_batch, 1), self.lane)
-        self.batch = Batch(min(ctx.n_batch, max(shape.width, 1)), 1)
+        self.batch = Batch(min(ctx.n_batch, max(shape.width, _EXTEND_WIDTH)), 1)
         self._free_seqs: list[int] = []
         self._used_seqs: list[int] = []
         self.p0 = 0
         self.last_catch_up = (0, 0.0)  # (tokens, seconds) the last proposal's catch-up decoded
         self.last_passes: list[tuple[int, float]] = []  # (tokens, seconds) of its expansion passes
         self.last_shared = False  # whether a pass of the last proposal held other requests' trees too
+        self._live: _Live | None = None  # the last tree as grown (uncut), while it may serve the next
+        self.extended = 0  # tree nodes grown while the target's pass ran elsewhere (extend)
 
     @property
     def drafts_beside_others(self) -> bool:
@@ -129,7 +150,7 @@ class TreeGrower(ModelDrafter):
         self.last_passes = []
         return self.cache.logits
 
-    def _expand(self, n_tokens: int) -> tuple[np.ndarray, float]:
+    def _pass(self, n_tokens: int) -> tuple[np.ndarray, float]:
         """Decode the batch of n_tokens tree nodes; return their logits rows and the pass's seconds
         (llama.cpp's, not a wait for other requests' passes), noted too."""
         rows = self.lane.run(self.batch)
@@ -145,82 +166,183 @@ class TreeGrower(ModelDrafter):
         return list(seqs[1: MAX_SEQ])[::-1]
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> GrownTree:
-        """Return a tree of at most `budget` nodes below `root`, at most `depth` deep."""
-        ctx, shape = self.ctx, self.shape
+        """Return a tree of at most `budget` nodes below `root`, at most `depth` deep: the part of
+        the last tree below `root` where the target's pass took a path that tree had grown (its
+        nodes and their cache kept), grown on from there; else a tree grown from the root."""
         self.p0 = p0 = len(committed)
-        tree = DraftTree(root, capacity=min(4 * budget + 8, 4 * MAX_BUDGET))
-        node_seq: dict[int, int] = {0: self.lane.base}
+        live = self._reused(committed, root)
+        reused = 0 if live is None else len(live.tree) - 1
         t0 = time.perf_counter()
-        row = self._catch_up(committed, root)
+        if live is None:
+            tree = DraftTree(root, capacity=min(4 * budget + 8, 4 * MAX_BUDGET))
+            live = _Live(tree, np.zeros(64, bool), {0: self.lane.base}, p0)
+            row = self._catch_up(committed, root)
+            ids, lps = log_softmax_topk(row[None, :], min(self.shape.top_k, budget))
+            tree.expand([0], ids, lps)
+            live.expanded[0] = True
+            passes = 1
+        else:
+            self.last_shared, self.last_catch_up, self.last_passes = self.lane.sharing, (0, 0.0), []
+            passes = 0
         draft_s = time.perf_counter() - t0
-        passes = 1
-        k = min(shape.top_k, budget)
-        ids, lps = log_softmax_topk(row[None, :], k)
-        tree.expand([0], ids, lps)
-        expanded = np.zeros(tree_capacity := 64, bool)
-        expanded[0] = True
-        # A draft with a recurrent state keeps one state per sequence: its context has few.
-        self._free_seqs = self._tree_seqs()
-        self._used_seqs = []
-        room = self.lane.n_ctx - (p0 + 1)
-        while self._free_seqs and room > 0:
-            n = len(tree)
-            if n > tree_capacity:
-                tree_capacity = max(2 * tree_capacity, n)
-                expanded = np.concatenate([expanded, np.zeros(tree_capacity - len(expanded), bool)])
-            logps, depths = tree.logps, tree.depths
-            open_ = ~expanded[:n] & (depths < depth)
-            if n - 1 >= budget:
-                # A node's children score below it, so only nodes above the budget-th best score
-                # can still add a node to the best `budget` (already when the tree is just full).
-                threshold = -np.partition(-logps[1:], budget - 1)[budget - 1]
-                open_ &= logps > threshold
-            candidates = np.flatnonzero(open_)
-            if len(candidates) == 0:
+        room = self.lane.n_ctx - (p0 + 1) - len(live.node_seq) + 1
+        while room > 0:
+            grew = self._expand(live, budget, depth, min(self.shape.width, room), min(self.shape.top_k, budget))
+            if not grew:
                 break
-            width = min(shape.width, len(self._free_seqs), room, self.batch.capacity)
-            if len(candidates) > width:
-                best = np.argpartition(-logps[candidates], width - 1)[:width]
-                candidates = candidates[best]
-            seqs = [self._free_seqs.pop() for _ in candidates]
-            parents = tree.parents
-            for node, seq in zip(candidates.tolist(), seqs):
-                ctx.seq_cp(node_seq[int(parents[node])], seq, -1, -1)
-                node_seq[node] = seq
-            self._used_seqs.extend(seqs)
-            self.batch.set_arrays(tree.tokens[candidates], p0 + depths[candidates], seqs, True)
-            rows, seconds = self._expand(len(candidates))
-            draft_s += seconds
+            draft_s += self.lane.pass_s
             passes += 1
-            room -= len(candidates)
-            expanded[candidates] = True
-            ids, lps = log_softmax_topk(rows, k)
-            tree.expand(candidates, ids, lps)
-        kept = tree.prune_to_best(budget)
+            room -= grew
+        live.budget, live.depth = budget, depth
+        self._live = live
+        tree = live.tree.copy()
+        kept = np.arange(len(tree))
+        if self.shape.is_chain and len(tree) - 1 > min(budget, depth):
+            # A chain is the draft's first choice at every node (what extend added beside it waits
+            # for a path the target may take instead).
+            on_path = np.zeros(len(tree), bool)
+            on_path[tree.best_path()[: min(budget, depth) + 1]] = True
+            kept = tree.keep(on_path)
+        if tree.max_depth > depth:  # (a tree taken from the last one may reach deeper)
+            kept = kept[tree.prune_deeper(depth)]
+        kept = kept[tree.prune_to_best(budget)]
         while len(tree.leaves()) > MAX_LEAVES:
             # The worst-scored nodes are leaves (a parent outscores its children): drop them
             # until one target pass can give every leaf its own sequence.
             n_over = len(tree.leaves()) - MAX_LEAVES
             kept = kept[tree.prune_to_best(len(tree) - 1 - n_over)]
         new_id = {int(old): new for new, old in enumerate(kept.tolist())}
-        node_seq = {new_id[old]: seq for old, seq in node_seq.items() if old in new_id}
-        return GrownTree(tree, draft_s, passes, node_seq=node_seq)
+        node_seq = {new_id[old]: seq for old, seq in live.node_seq.items() if old in new_id}
+        return GrownTree(tree, draft_s, passes, reused=reused, node_seq=node_seq)
+
+    def extend(self, done: threading.Event) -> None:
+        """Grow the last tree on, best first, until the target's pass over its cut ends (`done`):
+        where the target takes a path this part holds, the next proposal starts from it (SpecExec's
+        regime: a pass that runs elsewhere leaves this machine's cores idle). Deeper than the tree
+        verified and two children a node, at least four nodes a pass."""
+        live = self._live
+        if live is None or live.anchor is not None:
+            return
+        budget = 4 * live.budget + 32
+        depth = min(2 * live.depth + 1, self.lane.n_ctx - live.p0 - 2)
+        width, top_k = max(self.shape.width, _EXTEND_WIDTH), self.shape.top_k
+        room = self.lane.n_ctx - (live.p0 + 1) - len(live.node_seq) + 1
+        while room > 0 and not done.is_set():
+            grew = self._expand(live, budget, depth, min(width, room), top_k)
+            if not grew:
+                break
+            room -= grew
+            self.extended += grew
+
+    def _expand(self, live: _Live, budget: int, depth: int, width: int, top_k: int) -> int:
+        """Expand the best open nodes of the live tree in one draft pass (at most `width`, none
+        that cannot reach its best `budget` nodes or lies `depth` deep); return how many."""
+        tree, ctx = live.tree, self.ctx
+        n = len(tree)
+        if n > len(live.expanded):
+            live.expanded = np.concatenate([live.expanded, np.zeros(max(n, 2 * len(live.expanded)) - len(live.expanded), bool)])
+        logps, depths = tree.logps, tree.depths
+        open_ = ~live.expanded[:n] & (depths < depth)
+        if n - 1 >= budget:
+            # A node's children score below it, so only nodes above the budget-th best score
+            # can still add a node to the best `budget` (already when the tree is just full).
+            threshold = -np.partition(-logps[1:], budget - 1)[budget - 1]
+            open_ &= logps > threshold
+        candidates = np.flatnonzero(open_)
+        width = min(width, len(self._free_seqs), self.batch.capacity)
+        if len(candidates) == 0 or width < 1:
+            return 0
+        if len(candidates) > width:
+            best = np.argpartition(-logps[candidates], width - 1)[:width]
+            candidates = candidates[best]
+        seqs = [self._free_seqs.pop() for _ in candidates]
+        parents = tree.parents
+        for node, seq in zip(candidates.tolist(), seqs):
+            ctx.seq_cp(live.node_seq[int(parents[node])], seq, -1, -1)
+            live.node_seq[node] = seq
+        self._used_seqs.extend(seqs)
+        self.batch.set_arrays(tree.tokens[candidates], live.p0 + depths[candidates], seqs, True)
+        rows, _ = self._pass(len(candidates))
+        live.expanded[candidates] = True
+        ids, lps = log_softmax_topk(rows, top_k)
+        tree.expand(candidates, ids, lps)
+        return len(candidates)
 
     def commit(self, grown: GrownTree, accepted_nodes: Sequence[int]) -> None:
-        """Keep the draft's cache of the accepted path and free every other tree sequence."""
-        tree, lane = grown.tree, self.lane
-        deepest = 0
-        for depth, node in enumerate(accepted_nodes):
-            if node in grown.node_seq:
-                deepest = depth
+        """Keep the draft's cache of the accepted path, and of the parts of the tree that may
+        hold the next root (the branches below the last accepted node); free every other tree
+        sequence."""
+        lane, live = self.lane, self._live
+        tokens = grown.tree.tokens[list(accepted_nodes)].tolist()
+        node = 0
+        if live is not None and int(live.tree.tokens[0]) == tokens[0]:
+            # The accepted path in the tree as grown (the proposal is a cut of it, with lookup's
+            # branches grafted on): as far as the draft decoded it.
+            for token in tokens[1:]:
+                child = live.tree.find_child(node, token)
+                if child is None or child not in live.node_seq:
+                    break
+                node = child
+            deepest = int(live.tree.depths[node])
+        else:
+            deepest = 0
+            for depth, n in enumerate(accepted_nodes):
+                if n in grown.node_seq:
+                    deepest = depth
         if deepest > 0:
-            seq = grown.node_seq[accepted_nodes[deepest]]
+            seq = live.node_seq[node] if live is not None else grown.node_seq[accepted_nodes[deepest]]
             self.ctx.seq_cp(seq, lane.base, self.p0 + 1, self.p0 + deepest + 1)
-        if self._used_seqs:
-            lane.keep(lane.base, used=max(self._used_seqs) - lane.base + 1)
-        self._used_seqs = []
-        self.cache.tokens.extend(int(tree.tokens[n]) for n in accepted_nodes[1 : deepest + 1])
+        self.cache.tokens.extend(tokens[1: deepest + 1])
+        keep: set[int] = set()
+        if live is not None and deepest == len(tokens) - 1:
+            below = [c for c in live.tree.children(node) if c in live.node_seq]
+            if below:
+                keep = {live.node_seq[int(n)] for c in below for n in live.tree.subtree(c)[1] if int(n) in live.node_seq}
+        if keep:
+            live.anchor = node
+            for seq in self._used_seqs:
+                if seq not in keep:
+                    self.ctx.seq_rm(seq, -1, -1)
+        else:
+            self._live = None
+            if self._used_seqs:
+                lane.keep(lane.base, used=max(self._used_seqs) - lane.base + 1)
+        self._used_seqs = sorted(keep)
+
+    def _reused(self, committed: Sequence[int], root: int) -> _Live | None:
+        """The last tree's part below `root`, rooted there, with its nodes' cache (the root's
+        cell copied into the committed sequence), where the last commit kept it and the text
+        went on as it says; else None (every kept sequence freed)."""
+        live, self._live = self._live, None
+        kept, self._used_seqs = self._used_seqs, []
+        self._free_seqs = self._tree_seqs()
+        child = None
+        cached, n = self.cache.tokens, len(committed)
+        if live is not None and live.anchor is not None and len(cached) == n \
+                and live.p0 + int(live.tree.depths[live.anchor]) + 1 == n \
+                and cached[-_DEBT_CHECK:] == list(committed[-_DEBT_CHECK:]):
+            child = live.tree.find_child(live.anchor, root)
+        if child is None or child not in live.node_seq:
+            for seq in kept:
+                self.ctx.seq_rm(seq, -1, -1)
+            return None
+        tree, old = live.tree.subtree(child)
+        node_seq = {new: live.node_seq[int(o)] for new, o in enumerate(old.tolist()) if int(o) in live.node_seq}
+        root_seq = node_seq[0]
+        self.ctx.seq_cp(root_seq, self.lane.base, n, n + 1)
+        self.cache.tokens.append(root)
+        node_seq[0] = self.lane.base
+        carried = set(node_seq.values())
+        for seq in kept:
+            if seq not in carried:
+                self.ctx.seq_rm(seq, -1, -1)
+        self._used_seqs = sorted(carried - {self.lane.base})
+        self._free_seqs = [s for s in self._free_seqs if s not in carried]
+        expanded = np.zeros(max(64, len(live.tree)), bool)
+        expanded[: len(live.expanded)] = live.expanded[: len(expanded)]
+        return _Live(tree, expanded[old], node_seq, n)
 
     def reset(self) -> None:
         """Forget the draft cache (e.g. after an error left it in an unknown state)."""
+        self._live, self._used_seqs = None, []
         self.cache.clear()

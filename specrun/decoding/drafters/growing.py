@@ -126,13 +126,16 @@ class GrowingTrees(ModelDrafter):
         self.reach.watch(proposal.tree.copy())  # (the hybrid grafts lookup branches onto the one it gets)
         return proposal
 
+    def extend(self, done) -> None:
+        self.grower.extend(done)
+
     def commit(self, proposal: GrownTree, accepted_nodes: Sequence[int]) -> None:
         self.grower.commit(proposal, accepted_nodes)
 
     def observe(self, step) -> None:
         if self._feeds_cost:
             self.cost.observe(step.tree_nodes + 1, step.target_s)
-        if step.draft_passes:
+        if step.draft_passes or step.reused_nodes:  # (a tree the draft model drafted, now or during the pass before)
             self.rest_s.add(max(0.0, step.total_s - step.target_s - step.draft_s))
             # The first pass of a size is no measure of the next ones: llama.cpp grows its buffers
             # for it (over an RPC worker the first 17-token pass took 730 ms, the next ones 190).

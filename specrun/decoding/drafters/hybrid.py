@@ -400,6 +400,10 @@ class HybridDrafter(Drafter):
             return float(min(left, max(MIN_AHEAD, generated))) if debt > SHORT_DEBT else float(left)
         return float(min(left, max(MIN_AHEAD, float(self.answer_len.mean) - generated)))
 
+    def extend(self, done) -> None:
+        if self.drafted:
+            self.draft.extend(done)
+
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         if proposal is not self._lean_proposal:
             self.draft.commit(proposal, accepted_nodes)  # grafted nodes are not in the draft's cache
@@ -408,7 +412,7 @@ class HybridDrafter(Drafter):
         """Take one step's measurements (from the decoder)."""
         self.cost.observe(step.tree_nodes + 1, step.target_s)
         self.draft.observe(step)  # (a draft model's tree grown online sizes itself by it)
-        self.overhead["draft" if step.draft_passes else "lean"].add(max(0.0, step.total_s - step.target_s - step.draft_s))
+        self.overhead["draft" if step.draft_passes or step.reused_nodes else "lean"].add(max(0.0, step.total_s - step.target_s - step.draft_s))
         if not self.drafted:
             self._lean.add([len(step.tokens), step.total_s])
 

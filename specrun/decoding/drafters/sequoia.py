@@ -90,7 +90,7 @@ class StaticTreeGrower(TreeGrower):
             self._used_seqs.extend(seqs)
             nodes = np.asarray(level)
             self.batch.set_arrays(tree.tokens[nodes], p0 + tree.depths[nodes], seqs, True)
-            logits, seconds = self._expand(len(nodes))
+            logits, seconds = self._pass(len(nodes))
             draft_s += seconds
             passes += 1
         return GrownTree(tree, draft_s, passes, node_seq=node_seq)
