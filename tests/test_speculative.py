@@ -23,7 +23,7 @@ import pytest
 from specrun import engine
 from specrun.chat import templates
 from specrun.core.sampling import SamplingParams, make_rng, target_probs
-from specrun.core.tree_shapes import TreeShape
+from specrun.core.tree_shapes import NETWORK_SIZES, TreeShape
 from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.best_first import TreeGrower
@@ -362,6 +362,23 @@ def test_greedy_with_the_draft_growing_its_tree_while_the_target_verifies_equals
     if draft == "agreeing":
         assert reused > 0
     check_divergences(divergences, n_runs, f"drafting during the target's pass, {draft} draft")
+
+
+def test_trees_verified_over_a_network_keep_to_its_node_counts(target, draft_models, contexts, prompts, references):
+    """A target on RPC workers verifies trees cut to core.tree_shapes.NETWORK_SIZES (a chain of 7
+    to its first 6 nodes): every pass one of a few shapes, the text plain greedy's."""
+    model = draft_models["agreeing"]
+    spec = SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model), TreeShape.chain(7)),
+                              TreeShape.chain(7))
+    spec.network_sizes = True
+    divergences = []
+    for index, prompt in enumerate(prompts[:2]):
+        out = token_ids(spec, prompt, GREEDY, 40)
+        sizes = {step.tree_nodes for step in spec.stats.steps[1:]}
+        assert sizes <= set(NETWORK_SIZES) and max(sizes) == 6, sizes
+        if d := compare(references(prompt, 40), out, 40, f"prompt {index}, network sizes"):
+            divergences.append(d)
+    check_divergences(divergences, 2, "trees cut to the network's node counts")
 
 
 @pytest.mark.slow

@@ -271,3 +271,12 @@ def test_prune_deeper_keeps_the_nodes_within_the_depth():
     kept = tree.prune_deeper(2)
     assert kept.tolist() == [0, 1, 2, 5]
     assert tree.tokens.tolist() == [7, 1, 2, 9] and tree.max_depth == 2
+
+
+def test_first_keeps_the_nodes_added_first_as_a_tree():
+    tree = DraftTree.chain(7, [1, 2, 3])
+    tree.add(0, 9, -1.0)
+    cut, kept = tree.first(2)
+    assert kept.tolist() == [0, 1, 2] and cut.tokens.tolist() == [7, 1, 2]
+    assert cut.children(0) == [1] and cut.leaves().tolist() == [2]
+    assert len(tree) == 5  # the tree itself is left as it is

@@ -246,6 +246,18 @@ class DraftTree:
             tree.add(int(new_id[parents[old]]), int(self._tokens[old]), float(self._logps[old]))
         return tree, kept
 
+    def first(self, n: int) -> tuple[DraftTree, np.ndarray]:
+        """Return a copy of the root and the n nodes added first (a parent precedes its children,
+        so they form a tree) and their ids here (new id -> old id)."""
+        kept = np.arange(min(n + 1, self._n))
+        tree = DraftTree(int(self._tokens[0]), capacity=len(kept))
+        m = len(kept)
+        tree._tokens[:m], tree._parents[:m] = self._tokens[:m], self._parents[:m]
+        tree._depths[:m], tree._logps[:m] = self._depths[:m], self._logps[:m]
+        tree._children = [[c for c in children if c < m] for children in self._children[:m]]
+        tree._n = m
+        return tree, kept
+
     def path(self, i: int) -> list[int]:
         """Node ids from the root down to node i."""
         self._check_node(i)

@@ -138,3 +138,17 @@ def grown_shape(budget: int) -> TreeShape:
 def growth_levels(start: int, limit: int) -> tuple[int, ...]:
     """The sizes from `start` up to `limit` a tree grown online may take (both included)."""
     return (start, *(b for b in GROWTH_LEVELS if start < b < limit), *((limit,) if limit > start else ()))
+
+
+# The node counts a tree verified over an RPC worker is cut to (its best part: the nodes drafted
+# first). llama.cpp's RPC client asks the worker, a round trip each, for the size of every matrix
+# product of a shape it has not seen: the first pass over a new number of tokens took 640 ms where
+# the next took 138 (the demo target 50 ms away), and trees sized freely (lookup branches grafted
+# on) met a new number nearly every step. A grid keeps the shapes few (ratio <= 1.25 above 4).
+NETWORK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384,
+                 448, 512, 640, 768, 1024, 1280, 1536, 2048)
+
+
+def network_size(nodes: int) -> int:
+    """The largest NETWORK_SIZES entry within `nodes` (0 for 0)."""
+    return max((n for n in NETWORK_SIZES if n <= nodes), default=0)

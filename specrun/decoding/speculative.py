@@ -21,7 +21,7 @@ import numpy as np
 from specrun.core.rules import PathRules
 from specrun.core.sampling import SamplingParams, choose_token, near_tie, token_logprobs
 from specrun.core.tree import DraftTree
-from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
+from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, network_size
 from specrun.core.verify import accept_path
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
@@ -69,6 +69,8 @@ class SpeculativeDecoder:
         # The drafter grows its tree on while the target's pass runs elsewhere (runtime sets it:
         # a target wholly on GPUs or RPC workers, its lane its own).
         self.overlap = False
+        # Trees cut to the node counts of core.tree_shapes.NETWORK_SIZES (a target on RPC workers).
+        self.network_sizes = False
 
     def swap_drafting(self, other: SpeculativeDecoder) -> None:
         """Exchange what drafts (the drafter, its draft context and what it learned, the speed
@@ -193,6 +195,9 @@ class SpeculativeDecoder:
         # A reproducible request verifies the best path alone, in a pass of its own (pay.steps:
         # only where a chain's logits are plain decoding's).
         tree, kept = proposal.tree.with_leaves(1 if params.reproducible else len(lane.seqs))
+        if self.network_sizes and network_size(len(tree) - 1) < len(tree) - 1:
+            tree, first = tree.first(network_size(len(tree) - 1))
+            kept = kept[first]
         layout = tree.colour_batch(len(lane.seqs))
         base = lane.base  # colour c is the lane's sequence base + c; colour 0 holds the committed text
         # Every colour must see the committed prefix: copy it into colours 1.. before the pass.
