@@ -2,11 +2,11 @@
 
     python scripts/bench_growth.py [--target smollm2-135m-f32] [--draft smollm2-135m-q4]
                                    [--shape 16,16,1,2 --shape 64,24,4,2 ...] [--max-tokens 96]
-                                   [--sharpen 1] [--threads 2]
+                                   [--sharpen 1] [--threads 2] [--workload chat]
 
 For each shape (budget,depth,width,top_k; by default the sizes decoding.drafters.growing moves
-between) the draft model grows that tree at every step of greedy answers to the built-in chat
-prompts, and the step verifies it whole; what the target then emitted says, for every smaller
+between) the draft model grows that tree at every step of greedy answers to the built-in prompts
+of a workload (chat by default; code edits, rewrites), and the step verifies it whole; what the target then emitted says, for every smaller
 budget, how many tokens the tree's best nodes cut to that budget would have accepted (a
 best-first tree's cut is its best nodes: adaptive.Reach). Prints accepted tokens per pass at
 each budget (the curve SpecExec's paper draws) and the draft's seconds per proposal.
@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--draft", default="smollm2-135m-q4")
     parser.add_argument("--shape", action="append", help="budget,depth,width,top_k (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--prompts", type=int, default=4, help="built-in chat prompts to answer")
+    parser.add_argument("--prompts", type=int, default=4, help="built-in prompts of the workload to answer")
+    parser.add_argument("--workload", default="chat", help="chat, code or rewrite (the built-in workloads)")
     parser.add_argument("--sharpen", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -52,10 +53,10 @@ def main() -> None:
     if args.sharpen != 1.0:
         topk = best_first.log_softmax_topk
         best_first.log_softmax_topk = lambda rows, k: topk(rows * args.sharpen, k)
-    prompts = WORKLOADS["chat"][: args.prompts]
+    prompts = WORKLOADS[args.workload][: args.prompts]
     opts = RunOptions(target=args.target, draft=args.draft, ctx_size=2048, quiet=True, lookup=False,
                       threads=args.threads)
-    print(f"{args.target} / {args.draft}, sharpen {args.sharpen}, {len(prompts)} chat prompts x {args.max_tokens} tokens",
+    print(f"{args.target} / {args.draft}, sharpen {args.sharpen}, {len(prompts)} {args.workload} prompts x {args.max_tokens} tokens",
           file=sys.stderr)
     with Runtime(opts) as rt:
         growing = rt.decoder.drafter

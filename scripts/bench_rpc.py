@@ -2,7 +2,8 @@
 
     python scripts/bench_rpc.py [--pair demo] [--pair gemma] [--workers 1] [--workers 2]
                                 [--latency-ms 0 0.5 2 5] [--bandwidth-mbit 1000] [--max-tokens 64]
-                                [--workload all] [--quick] [--no-tune] [--llama-bin DIR] [--json]
+                                [--workload all] [--quick] [--no-tune] [--llama-bin DIR]
+                                [--llama-modes "server plain,speculative-simple"] [--json]
 
 For each pair, number of local RPC workers (`specrun worker` on 127.0.0.1) and one-way latency,
 the target's layers are spread over the workers through a delay proxy (userspace: each direction
@@ -37,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PAIRS = {"demo": ("smollm2-135m-f32", "smollm2-135m-q4"), "gemma": ("gemma3-270m-f32", "gemma3-270m-q4")}
 CHUNK = 1 << 16
+LLAMA_MODES = ("server plain", "server draft", "server ngram-mod", "server ngram-simple", "speculative-simple")
 WORKER_START_S = 60.0
 
 
@@ -240,10 +242,13 @@ def _llama_runs(llama_bin: Path, pair: tuple[str, str], rpc: str, args, env: dic
     for name, spec in (("server plain", []), ("server draft", ["-md", draft, "-ngld", "0", "--spec-type", "draft-simple"]),
                        ("server ngram-mod", ["--spec-type", "ngram-mod"]),
                        ("server ngram-simple", ["--spec-type", "ngram-simple"])):
+        if spec and name not in args.llama_modes:
+            continue  # (server plain always runs: it renders the prompts llama-speculative-simple reads)
         runs[name] = _server_speeds(llama_bin, target, rpc, spec, prompts, args, rendered if not spec else None)
-    runs["speculative-simple"] = {
-        workload: _rate([_speculative_simple(llama_bin, target, draft, rpc, text, args) for text in texts])
-        for workload, texts in rendered.items()}
+    if "speculative-simple" in args.llama_modes:
+        runs["speculative-simple"] = {
+            workload: _rate([_speculative_simple(llama_bin, target, draft, rpc, text, args) for text in texts])
+            for workload, texts in rendered.items()}
     return runs
 
 
@@ -385,10 +390,15 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tune --quick")
     parser.add_argument("--no-tune", action="store_true", help="plain and default only")
     parser.add_argument("--llama-bin", type=Path, help="a llama.cpp build with RPC: its llama-speculative-simple and llama-server")
+    parser.add_argument("--llama-modes", default=",".join(LLAMA_MODES),
+                        help="llama.cpp's runs, comma-separated (server plain always runs)")
     parser.add_argument("--json", action="store_true", help="all results as one JSON array on stdout")
     args = parser.parse_args()
     args.pair = args.pair or ["demo", "gemma"]
     args.workers = args.workers or [1, 2]
+    args.llama_modes = {mode.strip() for mode in args.llama_modes.split(",")}
+    if args.llama_modes - set(LLAMA_MODES):
+        parser.error(f"unknown llama.cpp mode(s): {', '.join(sorted(args.llama_modes - set(LLAMA_MODES)))}")
     return args
 
 
