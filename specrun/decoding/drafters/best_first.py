@@ -275,7 +275,8 @@ class TreeGrower(ModelDrafter):
         lane, live = self.lane, self._live
         tokens = grown.tree.tokens[list(accepted_nodes)].tolist()
         node = 0
-        if live is not None and int(live.tree.tokens[0]) == tokens[0]:
+        walked = live is not None and int(live.tree.tokens[0]) == tokens[0]
+        if walked:
             # The accepted path in the tree as grown (the proposal is a cut of it, with lookup's
             # branches grafted on): as far as the draft decoded it.
             for token in tokens[1:]:
@@ -290,11 +291,11 @@ class TreeGrower(ModelDrafter):
                 if n in grown.node_seq:
                     deepest = depth
         if deepest > 0:
-            seq = live.node_seq[node] if live is not None else grown.node_seq[accepted_nodes[deepest]]
+            seq = live.node_seq[node] if walked else grown.node_seq[accepted_nodes[deepest]]
             self.ctx.seq_cp(seq, lane.base, self.p0 + 1, self.p0 + deepest + 1)
         self.cache.tokens.extend(tokens[1: deepest + 1])
         keep: set[int] = set()
-        if live is not None and deepest == len(tokens) - 1:
+        if walked and deepest == len(tokens) - 1:
             below = [c for c in live.tree.children(node) if c in live.node_seq]
             if below:
                 keep = {live.node_seq[int(n)] for c in below for n in live.tree.subtree(c)[1] if int(n) in live.node_seq}
