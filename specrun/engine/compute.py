@@ -15,11 +15,12 @@ Two reasons, both measured on a 2-core CPU:
 pass of a context whose work is elsewhere (a target wholly on a GPU or on RPC workers: this
 machine's cores wait for it) in a second thread, so that the compute thread runs other passes
 meanwhile (the draft model's next nodes while the target verifies: SpecExec's regime); its
-context runs one CPU thread (Context.use_one_thread), which starts no OpenMP team there. A Ctrl-C that lands meanwhile is
-raised once the pass has ended, as when the pass ran in the caller's own thread (the caches are
-never edited under a pass that is still running). The thread is a daemon, not a
-ThreadPoolExecutor's worker, which interpreter exit joins: a pass that never returns (an RPC
-worker that stopped answering) must not keep the process from exiting.
+context runs one CPU thread (Context.use_one_thread), which starts no OpenMP team there.
+
+A Ctrl-C that lands while a pass runs is raised once the pass has ended, as when the pass ran in
+the caller's own thread (the caches are never edited under a pass that is still running). The
+threads are daemons, not a ThreadPoolExecutor's workers, which interpreter exit joins: a pass
+that never returns (an RPC worker that stopped answering) must not keep the process from exiting.
 """
 
 from __future__ import annotations

@@ -272,23 +272,23 @@ class Context(Owner):
 
     def decode(self, batch: Batch) -> None:
         """Run the model over the batch; raise on failure (the KV cache is then unchanged)."""
+        self._check(compute.run(_decode, self.ptr, self._struct(batch)), batch)
+
+    def start_decode(self, batch: Batch) -> compute.Job:
+        """Start the pass over the batch in the thread for passes whose work runs elsewhere
+        (engine.compute.start_beside: a context wholly on a GPU or on RPC workers) and return at
+        once; `finish_decode` waits for it and gives its seconds."""
+        return compute.start_beside(_timed_decode, self.ptr, self._struct(batch))
+
+    def _struct(self, batch: Batch):
+        """The batch's llama_batch, its size checked against this context."""
         n = batch.n_tokens
         if n == 0:
             raise EngineError("decode called with an empty batch")
         if n > self.n_batch:
             raise EngineError(f"batch of {n} tokens exceeds the context's n_batch {self.n_batch}")
         batch.struct.n_tokens = n
-        self._check(compute.run(_decode, self.ptr, batch.struct), batch)
-
-    def start_decode(self, batch: Batch) -> compute.Job:
-        """Start the pass over the batch in the thread for passes whose work runs elsewhere
-        (engine.compute.start_beside: a context wholly on a GPU or on RPC workers) and return at
-        once; `finish_decode` waits for it and gives its seconds."""
-        n = batch.n_tokens
-        if n == 0 or n > self.n_batch:
-            self.decode(batch)  # (raises the error decode gives)
-        batch.struct.n_tokens = n
-        return compute.start_beside(_timed_decode, self.ptr, batch.struct)
+        return batch.struct
 
     def finish_decode(self, job: compute.Job, batch: Batch) -> float:
         """Wait for a pass `start_decode` started; return its seconds (raise as decode does)."""

@@ -267,8 +267,9 @@ class Runtime:
 def drafts_while_verifying(plan: Plan) -> bool:
     """Whether the draft model drafts while the target's pass runs: the target wholly on GPUs or
     RPC workers (this machine's cores wait for its passes), the draft model on this machine's CPU
-    or, where the target's pass crosses a network, on a local GPU (SpecExec's regime; measured through an RPC worker 50 ms away, a target pass of 16 tokens and
-    16 one-token draft passes took 160 ms together against 263 one after the other)."""
+    or, where the target's pass crosses a network, on a local GPU (SpecExec's regime; through
+    an RPC worker 50 ms away, a target pass of 16 tokens and 16 one-token draft passes took 160
+    ms together against 263 one after the other)."""
     placed = plan.placement
     across_hosts = any(device.host for device in plan.devices)  # (a draft on a local GPU waits for the network too)
     return (plan.draft_loaded and placed.target_gpu_layers > 0 and placed.target_cpu_layers <= 0

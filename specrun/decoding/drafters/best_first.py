@@ -86,6 +86,15 @@ class _Live:
     depth: int = 0
     anchor: int | None = None
 
+    def marks(self) -> np.ndarray:
+        """`expanded`, as long as the tree at least (the nodes added since are not expanded)."""
+        n = len(self.tree)
+        if n > len(self.expanded):
+            grown = np.zeros(max(n, 2 * len(self.expanded)), bool)
+            grown[: len(self.expanded)] = self.expanded
+            self.expanded = grown
+        return self.expanded
+
 
 class TreeGrower(ModelDrafter):
     """A drafter that grows trees best-first with the draft model, its KV cache in step with the target."""
@@ -239,10 +248,8 @@ class TreeGrower(ModelDrafter):
         that cannot reach its best `budget` nodes or lies `depth` deep); return how many."""
         tree, ctx = live.tree, self.ctx
         n = len(tree)
-        if n > len(live.expanded):
-            live.expanded = np.concatenate([live.expanded, np.zeros(max(n, 2 * len(live.expanded)) - len(live.expanded), bool)])
         logps, depths = tree.logps, tree.depths
-        open_ = ~live.expanded[:n] & (depths < depth)
+        open_ = ~live.marks()[:n] & (depths < depth)
         if n - 1 >= budget:
             # A node's children score below it, so only nodes above the budget-th best score
             # can still add a node to the best `budget` (already when the tree is just full).
@@ -295,10 +302,9 @@ class TreeGrower(ModelDrafter):
             self.ctx.seq_cp(seq, lane.base, self.p0 + 1, self.p0 + deepest + 1)
         self.cache.tokens.extend(tokens[1: deepest + 1])
         keep: set[int] = set()
-        if walked and deepest == len(tokens) - 1:
-            below = [c for c in live.tree.children(node) if c in live.node_seq]
-            if below:
-                keep = {live.node_seq[int(n)] for c in below for n in live.tree.subtree(c)[1] if int(n) in live.node_seq}
+        if walked and deepest == len(tokens) - 1:  # (the branches below the last accepted node)
+            below = live.tree.subtree(node)[1][1:].tolist()
+            keep = {live.node_seq[n] for n in below if n in live.node_seq}
         if keep:
             live.anchor = node
             for seq in self._used_seqs:
@@ -339,9 +345,7 @@ class TreeGrower(ModelDrafter):
                 self.ctx.seq_rm(seq, -1, -1)
         self._used_seqs = sorted(carried - {self.lane.base})
         self._free_seqs = [s for s in self._free_seqs if s not in carried]
-        expanded = np.zeros(max(64, len(live.tree)), bool)
-        expanded[: len(live.expanded)] = live.expanded[: len(expanded)]
-        return _Live(tree, expanded[old], node_seq, n)
+        return _Live(tree, live.marks()[old], node_seq, n)
 
     def reset(self) -> None:
         """Forget the draft cache (e.g. after an error left it in an unknown state)."""

@@ -412,7 +412,8 @@ class HybridDrafter(Drafter):
         """Take one step's measurements (from the decoder)."""
         self.cost.observe(step.tree_nodes + 1, step.target_s)
         self.draft.observe(step)  # (a draft model's tree grown online sizes itself by it)
-        self.overhead["draft" if step.draft_passes or step.reused_nodes else "lean"].add(max(0.0, step.total_s - step.target_s - step.draft_s))
+        drafted = step.draft_passes or step.reused_nodes  # (reused: drafted during the pass before)
+        self.overhead["draft" if drafted else "lean"].add(max(0.0, step.total_s - step.target_s - step.draft_s))
         if not self.drafted:
             self._lean.add([len(step.tokens), step.total_s])
 
