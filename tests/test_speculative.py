@@ -13,6 +13,7 @@ diverges at a clear gap. Every near-tie divergence is recorded and printed.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -359,9 +360,34 @@ def test_greedy_with_the_draft_growing_its_tree_while_the_target_verifies_equals
         if d := compare(ref, out, 40, f"prompt {index}, {draft} draft, drafting during the pass"):
             divergences.append(d)
     assert grower.extended > 0
+    assert grower.prepared > 0  # the prompts were read during the target's prefill
     if draft == "agreeing":
         assert reused > 0
     check_divergences(divergences, n_runs, f"drafting during the target's pass, {draft} draft")
+
+
+def test_a_prompt_read_before_the_first_proposal_leaves_only_the_root_to_catch_up(draft_models, contexts, prompts):
+    """TreeGrower.prepare reads a prompt (while the target prefills it elsewhere): the first
+    proposal then decodes the root alone, and proposes the tree it would have proposed without."""
+    model = draft_models["agreeing"]
+    shape = TreeShape(16, 8, 2, 2)
+    prompt, root = prompts[0][:-1], prompts[0][-1]
+    cold = TreeGrower(model, contexts(model), shape).propose(prompt, root, 16, 8)
+    grower = TreeGrower(model, contexts(model), shape)
+    grower.prepare(prompt, threading.Event())
+    assert grower.prepared == len(prompt) and grower.debt(prompt, root) == 1
+    warm = grower.propose(prompt, root, 16, 8)
+    assert grower.last_catch_up[0] == 1
+    assert warm.tree.tokens.tolist() == cold.tree.tokens.tolist()
+    assert np.allclose(warm.tree.logps, cold.tree.logps, atol=1e-3)
+    # A pass that has ended reads nothing more: the proposal catches up with all of it.
+    late = TreeGrower(model, contexts(model), shape)
+    ended = threading.Event()
+    ended.set()
+    late.prepare(prompt, ended)
+    assert late.prepared == 0
+    late.propose(prompt, root, 16, 8)
+    assert late.last_catch_up[0] == len(prompt) + 1
 
 
 def test_trees_verified_over_a_network_keep_to_its_node_counts(target, draft_models, contexts, prompts, references):

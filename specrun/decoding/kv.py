@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specrun.decoding.batching import Lane
 from specrun.engine import Batch
@@ -65,7 +66,8 @@ class CachedSequence:
         return len(self.tokens)
 
     def sync(self, prompt: Sequence[int], include_last: bool = False, exact: bool = False,
-             keep_row: bool = False) -> tuple[int, int, float]:
+             keep_row: bool = False, meanwhile: Callable[[threading.Event], None] | None = None,
+             ) -> tuple[int, int, float]:
         """Make the cache hold prompt[:-1]; return (pending token, tokens prefilled, seconds).
 
         With include_last the last token is decoded too (in the same batch as the rest of the new
@@ -73,6 +75,7 @@ class CachedSequence:
         what a prefill into an empty cache computes, where that costs less than a batch (see
         `reusable`). With `keep_row` (and include_last) a copy of the last row is kept for the same
         prompt again: a request's prompt, not a draft's catch-up, whose text grows every step.
+        `meanwhile(done)` runs beside each of the prefill's passes (Lane.run).
         """
         if not prompt:
             raise UsageError("the prompt is empty (no tokens to start from)")
@@ -96,7 +99,7 @@ class CachedSequence:
         # and its last row are what a prefill into an empty cache computes.
         fresh = keep % self.batch.capacity == 0 and self.n_exact == keep
         todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
-        self.extend(todo, want_last_logits=include_last)
+        self.extend(todo, want_last_logits=include_last, meanwhile=meanwhile)
         self.prompt_end = self.n_cached
         if keep_row and include_last and self.logits is not None and not self.ctx.has_state:
             self._last_prompt, self._last_row = tuple(prompt), self.logits.copy()
@@ -209,18 +212,21 @@ class CachedSequence:
             self.ctx.compact_window(self.seq)
             self.compacted = self.n_cached
 
-    def extend(self, tokens: Sequence[int], want_last_logits: bool = False) -> None:
+    def extend(self, tokens: Sequence[int], want_last_logits: bool = False,
+               meanwhile: Callable[[threading.Event], None] | None = None, until: threading.Event | None = None,
+               ) -> None:
         """Decode tokens into the sequence in batches that end at multiples of n_batch (counted from
-        the text's start, as a prefill into an empty cache does)."""
+        the text's start, as a prefill into an empty cache does). `meanwhile(done)` runs beside each
+        pass (Lane.run); once `until` is set no further batch starts (the rest stays to decode)."""
         step = self.batch.capacity
         done = 0
-        while done < len(tokens):
+        while done < len(tokens) and not (until is not None and until.is_set()):
             start = self.n_cached
             chunk = tokens[done : done + step - start % step]
             done += len(chunk)
             last = done == len(tokens)
             self.batch.set_sequence(chunk, start, self.seq, "last" if (want_last_logits and last) else "none")
-            rows = self.lane.run(self.batch, solo=True)
+            rows = self.lane.run(self.batch, solo=True, meanwhile=meanwhile)
             if rows is not None:
                 self.logits = rows[-1]
             self.tokens.extend(chunk)

@@ -13,6 +13,7 @@ is exact because the same decode held the pending token and all of that chain be
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Iterator, Sequence
 
@@ -107,8 +108,11 @@ class SpeculativeDecoder:
             self.cache.truncate(0)  # and plain steps below: see SamplingParams.reproducible
         # The new part of the prompt goes in as few batches as the batch grid allows (kv.py) and
         # the last row gives the first token, as in plain decoding: no pass of its own for it.
-        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True,
-                                                                exact=params.exact_prefill, keep_row=True)
+        # Where that prefill runs elsewhere, the draft model reads the prompt meanwhile.
+        overlap = self.overlap and self.lane.gate is None and not params.reproducible
+        meanwhile = functools.partial(self.drafter.prepare, prompt) if overlap else None
+        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True, exact=params.exact_prefill,
+                                                                keep_row=True, meanwhile=meanwhile)
         t_start = time.perf_counter()
         rules = PathRules.of(params)
         step = _first_step(self.cache.logits, params, rng, rules)

@@ -77,6 +77,11 @@ class Drafter(ABC):
         an RPC worker), until `done` (a threading.Event) is set: what the next proposal may take
         from it (best_first.TreeGrower.extend). Called only where the decoder overlaps them."""
 
+    def prepare(self, text: Sequence[int], done) -> None:
+        """Read `text` (a prompt) while the target prefills it elsewhere (a GPU, an RPC worker),
+        until `done` (a threading.Event) is set: what the first proposal need not catch up with
+        (best_first.TreeGrower.prepare). Called only where the decoder overlaps them."""
+
     def attach(self, lane) -> None:
         """Draft for the request that decodes in this lane of the target's context (a drafter
         changes hands between decoders: runtime.pool): draft passes shared with other requests'

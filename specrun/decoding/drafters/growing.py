@@ -126,6 +126,9 @@ class GrowingTrees(ModelDrafter):
         self.reach.watch(proposal.tree.copy())  # (the hybrid grafts lookup branches onto the one it gets)
         return proposal
 
+    def prepare(self, text: Sequence[int], done) -> None:
+        self.grower.prepare(text, done)
+
     def extend(self, done) -> None:
         self.grower.extend(done)
 
