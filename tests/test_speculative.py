@@ -29,6 +29,7 @@ from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.growing import GrowingTrees
+from specrun.decoding import speculative
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import generate, token_ids
@@ -390,9 +391,11 @@ def test_a_prompt_read_before_the_first_proposal_leaves_only_the_root_to_catch_u
     assert late.last_catch_up[0] == len(prompt) + 1
 
 
-def test_trees_verified_over_a_network_keep_to_its_node_counts(target, draft_models, contexts, prompts, references):
+def test_trees_verified_over_a_network_keep_to_its_node_counts(target, draft_models, contexts, prompts, references,
+                                                              monkeypatch):
     """A target on RPC workers verifies trees cut to core.tree_shapes.NETWORK_SIZES (a chain of 7
     to its first 6 nodes): every pass one of a few shapes, the text plain greedy's."""
+    monkeypatch.setattr(speculative, "_MET_PASSES", {})
     model = draft_models["agreeing"]
     spec = SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model), TreeShape.chain(7)),
                               TreeShape.chain(7))
@@ -405,6 +408,35 @@ def test_trees_verified_over_a_network_keep_to_its_node_counts(target, draft_mod
         if d := compare(references(prompt, 40), out, 40, f"prompt {index}, network sizes"):
             divergences.append(d)
     check_divergences(divergences, 2, "trees cut to the network's node counts")
+
+
+def test_trees_verified_over_a_network_are_filled_to_a_node_count_met_before(target, draft_models, contexts, prompts,
+                                                                            references, monkeypatch):
+    """Over RPC workers a pass over a token count not met before in the process costs round trips
+    (ggml-rpc asks the worker its shapes' sizes): a chain cut short by the answer's end is filled
+    below its best path to the count its full chains met, and the text stays plain greedy's."""
+    monkeypatch.setattr(speculative, "_MET_PASSES", {})
+    model = draft_models["agreeing"]
+    spec = SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model), TreeShape.chain(5)),
+                              TreeShape.chain(5))
+    spec.network_sizes, spec.network_s = True, 10.0  # (a slow network: filler always pays)
+    shaped, shape = [], spec._network_shape
+    spec._network_shape = lambda tree, kept, room: shaped.append((len(tree), len(shape(tree, kept, room)[0]))) \
+        or shape(tree, kept, room)
+    divergences = []
+    for index, prompt in enumerate(prompts[:3]):
+        out = token_ids(spec, prompt, GREEDY, 23)
+        assert {step.tree_nodes for step in spec.stats.steps[1:]} <= {0, 5}
+        if d := compare(references(prompt, 23), out, 23, f"prompt {index}, filled to met counts"):
+            divergences.append(d)
+    assert any(after > before for before, after in shaped), shaped  # short chains were filled
+    check_divergences(divergences, 3, "trees filled to the network's met node counts")
+
+
+def test_repeat_guess_copies_what_followed_the_last_token_before():
+    assert speculative._repeat_guess([7, 1, 2, 3, 9, 7], 3) == [1, 2, 3]
+    assert speculative._repeat_guess([7, 1, 7], 3) == [1, 7, 7]
+    assert speculative._repeat_guess([4, 5], 2) == [5, 5]
 
 
 @pytest.mark.slow

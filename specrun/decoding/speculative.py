@@ -30,6 +30,7 @@ from specrun.decoding.kv import CachedSequence
 from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
+from specrun.decoding.adaptive import Average
 from specrun.decoding.steps import GenerationStats, Step
 from specrun.engine import Batch, Context, runs_batch_invariant
 from specrun.limits import MAX_SEQ
@@ -70,8 +71,12 @@ class SpeculativeDecoder:
         # The drafter grows its tree on while the target's pass runs elsewhere (runtime sets it:
         # a target wholly on GPUs or RPC workers, its lane its own).
         self.overlap = False
-        # Trees cut to the node counts of core.tree_shapes.NETWORK_SIZES (a target on RPC workers).
+        # Trees cut to the node counts of core.tree_shapes.NETWORK_SIZES, or filled to a count
+        # met before (a target on RPC workers: _network_shape), and the seconds a pass spends on
+        # the network, which prices filler against a new count.
         self.network_sizes = False
+        self.network_s = 0.0
+        self._pass_s: dict[int, Average] = {}  # target passes over a met count of tokens (_met_pass)
 
     def swap_drafting(self, other: SpeculativeDecoder) -> None:
         """Exchange what drafts (the drafter, its draft context and what it learned, the speed
@@ -199,9 +204,9 @@ class SpeculativeDecoder:
         # A reproducible request verifies the best path alone, in a pass of its own (pay.steps:
         # only where a chain's logits are plain decoding's).
         tree, kept = proposal.tree.with_leaves(1 if params.reproducible else len(lane.seqs))
-        if self.network_sizes and network_size(len(tree) - 1) < len(tree) - 1:
-            tree, first = tree.first(network_size(len(tree) - 1))
-            kept = kept[first]
+        n_drafted = len(tree)  # (nodes from here on are filler: network_shape)
+        if self.network_sizes:
+            tree, kept = self._network_shape(tree, kept, min(cache.room(), self.ctx.n_batch))
         layout = tree.colour_batch(len(lane.seqs))
         base = lane.base  # colour c is the lane's sequence base + c; colour 0 holds the committed text
         # Every colour must see the committed prefix: copy it into colours 1.. before the pass.
@@ -222,7 +227,9 @@ class SpeculativeDecoder:
         acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
         keep_tree_path(lane, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
-        nodes = [int(kept[n]) for n in acceptance.nodes]  # the accepted path in the drafter's ids
+        nodes = [int(kept[n]) for n in acceptance.nodes if n < n_drafted]  # the accepted path in the drafter's ids
+        if self.network_sizes:
+            self._met_pass(len(tree), target_s)
         if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
             self.drafter.commit(proposal, nodes)
         n_tokens = len(acceptance.tokens)
@@ -246,6 +253,51 @@ class SpeculativeDecoder:
             rows = logits[list(acceptance.nodes[:n_tokens])]
             step.logprobs = token_logprobs(rows, acceptance.tokens, params.logprobs)
         return step
+
+    def _network_shape(self, tree: DraftTree, kept: np.ndarray, room: int) -> tuple[DraftTree, np.ndarray]:
+        """The tree a target on RPC workers verifies: one of the token counts its passes have met
+        in this process where one a little larger pays (filler nodes added below the best path),
+        else cut to core.tree_shapes.NETWORK_SIZES.
+
+        llama.cpp's RPC client asks the worker, one round trip each, the size of every matrix
+        product of an output shape it has not met in this process (ggml-rpc's alloc-size cache):
+        a pass over a new number of tokens took 640 ms where the next took 138 (the demo target
+        50 ms away), and an answer's passes met a new count at every chain cut short by its end
+        and every lookup graft. A count already met costs its compute only: filler is taken where
+        the met count's pass (as timed) costs at most one round trip more than the count met
+        below. Any tree is verified exactly (the target draws at every node it walks): filler the
+        target happens to draw is emitted like any node."""
+        met, n = _met_passes(self.model), len(tree)
+        if n in met:
+            return tree, kept
+        up = min((m for m in met if m > n), default=0)
+        if 0 < up <= min(2 * n + 8, room) and self._pass_gap(n, up) <= self.network_s:
+            tree = tree.copy()
+            path = tree.best_path()
+            node, guess = path[-1], _repeat_guess([*self.cache.tokens, *(int(tree.tokens[i]) for i in path)], up - n)
+            for token in guess:
+                node = int(tree.add_children(node, [token], [tree.logps[node] - _FILLER_LOGP])[0])
+            return tree, kept
+        if network_size(n - 1) < n - 1:
+            tree, first = tree.first(network_size(n - 1))
+            kept = kept[first]
+        return tree, kept
+
+    def _pass_gap(self, n: int, up: int) -> float:
+        """Seconds a target pass over `up` tokens is timed above one over the largest count met
+        at most `n` (0 while either is untimed: the first pass of a count is no measure)."""
+        below = max((m for m in self._pass_s if m <= n), default=0)
+        if not below or up not in self._pass_s:
+            return 0.0
+        return float(self._pass_s[up].mean) - float(self._pass_s[below].mean)
+
+    def _met_pass(self, n_tokens: int, seconds: float) -> None:
+        """Note a target pass over n_tokens: from its second on, its time (a count's first pass
+        asks the worker its shapes' sizes)."""
+        met = _met_passes(self.model)
+        if n_tokens in met:
+            self._pass_s.setdefault(n_tokens, Average(8)).add(seconds)
+        met.add(n_tokens)
 
     def _verify_chain(self, proposal: Proposal, params: SamplingParams, rng, remaining: int,
                       rules: PathRules | None = None, forced: bool = False) -> Step:
@@ -340,6 +392,29 @@ def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules |
     if params.logprobs is not None:
         step.logprobs = token_logprobs(row, [token], params.logprobs)
     return step
+
+
+# Token counts of the tree passes each target model (by path) has run over RPC workers in this
+# process: ggml-rpc remembers its output shapes' sizes per process (SpeculativeDecoder._network_shape).
+# A one-token pass is met when the context is made (llama.cpp reserves its graph).
+_MET_PASSES: dict[str, set[int]] = {}
+
+
+# Filler nodes score this far below their parent (log-prob): the least likely nodes of a tree.
+_FILLER_LOGP = 30.0
+
+
+def _met_passes(model) -> set[int]:
+    return _MET_PASSES.setdefault(str(model.path), {1})
+
+
+def _repeat_guess(text: Sequence[int], n: int) -> list[int]:
+    """n tokens that may follow `text`: what followed the last earlier occurrence of its last
+    token (filler where nothing better is known), the last token repeated for the rest."""
+    last = text[-1]
+    start = next((i + 1 for i in range(len(text) - 2, max(-1, len(text) - 4098), -1) if text[i] == last), len(text))
+    guess = list(text[start: start + n])
+    return guess + [last] * (n - len(guess))
 
 
 def best_chains(tree: DraftTree, n_chains: int, max_drafts: int) -> list[list[int]]:

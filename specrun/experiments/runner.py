@@ -58,7 +58,7 @@ class Modes:
     def _new(self, tree: TreePlan | None):
         rt = self.rt
         return make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, guard=self.guard,
-                            overlap=rt.overlap, network_sizes=rt.network_sizes)
+                            overlap=rt.overlap, network_sizes=rt.network_sizes, network_s=rt.network_s)
 
 
 def decode_in_turn(modes: Modes, prompts: Sequence[Sequence[int]], max_tokens: int, *, warm_up: int = 0,

@@ -116,6 +116,7 @@ class Runtime:
             self.target_ctx.use_one_thread()  # (its CPU part: the batch's embeddings)
         # Trees verified over RPC workers keep to a few node counts (core.tree_shapes.NETWORK_SIZES).
         self.network_sizes = plan.target_gpu_layers > 0 and any(device.host for device in plan.devices)
+        self.network_s = plan.network_s if self.network_sizes else 0.0
         self.models = plan.files
         self.shape = plan.tree.shape if plan.tree else None
         # The tokens one request may hold (the target's context holds this for each of `parallel`).
@@ -153,7 +154,8 @@ class Runtime:
         n = plan.target_ctx.parallel
         if n == 1:
             return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
-                                 memory=self.memory, overlap=self.overlap, network_sizes=self.network_sizes)]
+                                 memory=self.memory, overlap=self.overlap, network_sizes=self.network_sizes,
+                                 network_s=self.network_s)]
         gate = PassGate(self.target_ctx)
         # The draft model's context, or the target's MTP context: one pass drafts for every request.
         draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft_ctx is not None else None
@@ -322,7 +324,8 @@ def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None) -> Lane:
 
 def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True,
                  lane: Lane | None = None, draft_lane: Lane | None = None, together: Together | None = None,
-                 memory: OutputMemory | None = None, overlap: bool = False, network_sizes: bool = False):
+                 memory: OutputMemory | None = None, overlap: bool = False, network_sizes: bool = False,
+                 network_s: float = 0.0):
     """Return the decoder for a tree plan: plain decoding (None), or speculative decoding with the
     drafter the plan names. With `guard`, a speed guard shrinks the tree (down to plain steps)
     while speculation measures slower than plain decoding (bench and tune measure trees as given).
@@ -332,7 +335,8 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
     `memory` the answers of every request the runtime served, which lookup reads (None: the
     drafter's own session text only, as `bench` and `tune` measure a fresh process); `overlap`:
     the drafter grows its tree on while the target's pass runs (drafts_while_verifying);
-    `network_sizes`: trees keep to core.tree_shapes.NETWORK_SIZES (a target on RPC workers).
+    `network_sizes`: trees keep to core.tree_shapes.NETWORK_SIZES or to node counts met before
+    (a target on RPC workers, whose passes spend `network_s` seconds on the network).
     """
     if tree is None:
         return PlainDecoder(target, target_ctx, lane)
@@ -340,5 +344,5 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
     speed_guard = SpeedGuard(shape.budget, plain_s=tree.plain_s) if guard else None
     drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx, draft_lane, memory)
     decoder = SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane, together=together)
-    decoder.overlap, decoder.network_sizes = overlap, network_sizes
+    decoder.overlap, decoder.network_sizes, decoder.network_s = overlap, network_sizes, network_s
     return decoder
