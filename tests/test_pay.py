@@ -52,6 +52,15 @@ def test_a_profile_holds_within_its_drift_either_way():
     assert not rules.profile_holds(profiled * outside, profiled) and not rules.profile_holds(profiled / outside, profiled)
 
 
+def test_over_a_network_a_pass_is_filled_to_a_met_count_within_a_round_trip_and_twice_its_tokens():
+    round_trip = 0.1
+    assert rules.fill_pays(6, 17, 0.02, round_trip)  # a chain and a lookup branch: the 16-node tree's count
+    assert not rules.fill_pays(6, 17, 0.12, round_trip)  # the filler costs more a pass than a round trip
+    limit = rules.FILL_FACTOR * 6 + rules.FILL_SLACK
+    assert rules.fill_pays(6, limit, 0.0, round_trip) and not rules.fill_pays(6, limit + 1, 0.0, round_trip)
+    assert not rules.fill_pays(3, 6, 0.001, 0.0)  # no network: a new count costs nothing to avoid
+
+
 def test_the_assumed_prior_is_a_modest_gain_over_the_measured_pass():
     prior = rules.assumed_prior(plain_s=0.02, catch_up_s=0.001)
     # A drafting step right after another (no catch-up): the assumed speedup over plain steps.

@@ -28,6 +28,7 @@ from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.pay.rules import fill_pays
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
 from specrun.decoding.adaptive import Average
@@ -263,15 +264,14 @@ class SpeculativeDecoder:
         product of an output shape it has not met in this process (ggml-rpc's alloc-size cache):
         a pass over a new number of tokens took 640 ms where the next took 138 (the demo target
         50 ms away), and an answer's passes met a new count at every chain cut short by its end
-        and every lookup graft. A count already met costs its compute only: filler is taken where
-        the met count's pass (as timed) costs at most one round trip more than the count met
-        below. Any tree is verified exactly (the target draws at every node it walks): filler the
+        and every lookup graft. A count already met costs its compute only: pay.rules.fill_pays
+        weighs the filler. Any tree is verified exactly (the target draws at every node it walks): filler the
         target happens to draw is emitted like any node."""
         met, n = _met_passes(self.model), len(tree)
         if n in met:
             return tree, kept
         up = min((m for m in met if m > n), default=0)
-        if 0 < up <= min(2 * n + 8, room) and self._pass_gap(n, up) <= self.network_s:
+        if 0 < up <= room and fill_pays(n, up, self._pass_gap(n, up), self.network_s):
             tree = tree.copy()
             path = tree.best_path()
             node, guess = path[-1], _repeat_guess([*self.cache.tokens, *(int(tree.tokens[i]) for i in path)], up - n)

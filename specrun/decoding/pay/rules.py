@@ -12,7 +12,8 @@ at one of four moments, and every threshold is below with the measurement it cam
 - each step, a drafter sizes its tree by what its hindsight says pays (`best_size`), the hybrid
   weighs its draft model against leaning on lookup (`faster`, and the figures of its section
   below), and the speed guard (pay.guard) cuts what measures slower than plain steps, with the
-  GUARD_ figures.
+  GUARD_ figures; over RPC workers the decoder fills a tree to a token count its passes have
+  met (`fill_pays`).
 
 Pure: callers hand in what was measured or predicted. The estimators the rules read decide
 nothing themselves: decoding.adaptive (hindsight acceptance, the target's cost online),
@@ -227,6 +228,24 @@ def default_wins(default_tokens_per_s: float, tuned_tokens_per_s: float) -> bool
 def profile_holds(target_pass_s: float, profiled_s: float) -> bool:
     """Whether a one-token pass timed now is within PROFILE_DRIFT of the profile's, either way."""
     return abs(math.log(target_pass_s / profiled_s)) <= math.log1p(PROFILE_DRIFT)
+
+
+# --- Trees over RPC workers (SpeculativeDecoder._network_shape) ----------------------------------
+
+# A pass filled to a token count met before holds at most this many times its own tokens, and
+# FILL_SLACK more: beyond that the filler's compute is no small price, whatever it measured.
+FILL_FACTOR = 2
+FILL_SLACK = 8
+
+
+def fill_pays(n_tokens: int, met_tokens: int, extra_s: float, network_s: float) -> bool:
+    """Whether a pass over n_tokens, a count this process has not met, is filled to met_tokens.
+
+    A new count costs five round trips once (llama.cpp's RPC client asks the worker the size of
+    each kind of matrix product of a new shape: 640 ms against 138 for 7 tokens 50 ms away);
+    filler costs `extra_s` (the met count's pass above the count met below, as timed) on every
+    pass that takes it: at most one round trip, so that five passes filled cost no more."""
+    return met_tokens <= FILL_FACTOR * n_tokens + FILL_SLACK and extra_s <= network_s
 
 
 # --- Requests decoding together (pay.together) ---------------------------------------------------
