@@ -427,8 +427,10 @@ class GenerationWorker(QueueWorker):
                 content = rt.target.detokenize([t for t in generated if t not in eog])
             if parser is not None and content:  # thinking before the call (or the answer) goes apart
                 content = _split_thinking(job, parser, content)
-        job.emit(Finished(reason, len(generated), stats, content, calls or None))
+        # The log line first: a client holding its answer finds the line written (a server
+        # stopped right after the answer lost it once, under a busy machine).
         _log_job(job, started, stats, finish or "length")
+        job.emit(Finished(reason, len(generated), stats, content, calls or None))
 
     def _tools(self, prompt: ChatPrompt | TextPrompt) -> ToolUse | None:
         """Return the tools this request's answer may call, as the model writes calls (None: it
