@@ -143,6 +143,21 @@ def test_where_a_pass_costs_a_fixed_time_the_tree_grows_to_tens_of_nodes_and_mor
     assert rates[growing.level] > 1.8 * rates[0]  # measured far faster than the chain it started from
 
 
+def test_drafting_during_the_pass_puts_the_longest_grown_chain_between_a_short_chain_and_trees():
+    """Where the draft drafts while the target's pass runs elsewhere (overlaps), a chain of
+    LONGEST_GROWN_CHAIN joins the sizes above the chain of 5; a tree start, or none, keeps its own."""
+    growing = GrowingTrees(ScriptedGrower(pass_s=0.001), TreeShape.chain(5), 384)
+    growing.overlaps()
+    assert growing.levels == (5, 8, 16, 32, 64, 128, 256, 384)
+    assert growing.shapes[1] == TreeShape.chain(8) and len(growing.draft_s) == len(growing.levels)
+    tree_start = GrowingTrees(ScriptedGrower(), TreeShape(16, 8, 2, 2), 384)
+    tree_start.overlaps()
+    assert tree_start.levels == growth_levels(16, 384)
+    # Passes of a fixed cost: it still grows to tens of nodes, through the longer chain.
+    sizes = decode(growing, fixed)
+    assert 8 in sizes and min(sizes[-20:]) >= 64, sizes
+
+
 def test_when_passes_get_dear_the_grown_tree_shrinks_back():
     # The same run, then its passes priced as a CPU's (the worker went away, the machine got busy).
     growing = GrowingTrees(ScriptedGrower(pass_s=0.001), TreeShape.chain(5), 384)

@@ -357,9 +357,10 @@ def test_a_worker_that_says_it_has_a_small_card_is_given_no_more_than_it(offline
 
 
 def test_behind_a_network_delay_the_untuned_tree_grows_and_the_text_stays_the_targets(worker, cli, tmp_path):
-    """With no profile, over a worker 50 ms away, the draft model's chain looks at the tree the
-    size above (decoding.drafters.growing: grown and verified whole, its pass timed), and the
-    answer is still the target's greedy answer. (Whether the tree then stays grown depends on
+    """With no profile, over a worker 50 ms away, the draft model's chain looks at the size
+    above (decoding.drafters.growing: grown and verified whole, its pass timed; drafting during
+    the target's pass, the chain of 8 comes before trees), and the answer is still the target's
+    greedy answer. (Whether the tree then stays grown depends on
     this host's timings: tests/test_growing.py proves the sizing on set curves.)"""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from bench_rpc import DelayProxy
@@ -370,6 +371,6 @@ def test_behind_a_network_delay_the_untuned_tree_grows_and_the_text_stays_the_ta
     assert local.exit_code == 0, local.output
     remote, stderr = _generate_json(tmp_path, "--rpc", f"127.0.0.1:{proxy.port}", "--verbose", *args)
     assert remote["token_ids"] == json.loads(local.stdout)["token_ids"]
-    assert remote["stats"]["max_tree_nodes"] >= 16, remote["stats"]
+    assert remote["stats"]["max_tree_nodes"] >= 8, remote["stats"]
     # The draft model grew its tree on while the target's passes were on the network.
     assert remote["stats"]["reused_nodes"] > 0, remote["stats"]

@@ -345,4 +345,6 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
     drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx, draft_lane, memory)
     decoder = SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane, together=together)
     decoder.overlap, decoder.network_sizes, decoder.network_s = overlap, network_sizes, network_s
+    if overlap:
+        drafter.overlaps()
     return decoder

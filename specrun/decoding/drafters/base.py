@@ -77,6 +77,10 @@ class Drafter(ABC):
         an RPC worker), until `done` (a threading.Event) is set: what the next proposal may take
         from it (best_first.TreeGrower.extend). Called only where the decoder overlaps them."""
 
+    def overlaps(self) -> None:
+        """The decoder overlaps drafting with the target's passes (extend, prepare): a drafter
+        that sizes its trees online may size for that (growing.GrowingTrees)."""
+
     def prepare(self, text: Sequence[int], done) -> None:
         """Read `text` (a prompt) while the target prefills it elsewhere (a GPU, an RPC worker),
         until `done` (a threading.Event) is set: what the first proposal need not catch up with

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specrun.core.tree_shapes import TreeShape, grown_shape, growth_levels
+from specrun.core.tree_shapes import LONGEST_GROWN_CHAIN, TreeShape, grown_shape, growth_levels
 from specrun.decoding.adaptive import BUDGETS, Average, Reach, TargetCost
 from specrun.decoding.drafters.base import ModelDrafter
 from specrun.decoding.drafters.best_first import GrownTree, TreeGrower
@@ -46,25 +46,40 @@ class GrowingTrees(ModelDrafter):
 
     def __init__(self, grower: TreeGrower, start: TreeShape, limit: int, cost: TargetCost | None = None):
         self.grower = grower
-        self.levels = growth_levels(start.budget, max(limit, start.budget))
-        self.shapes = [start, *(grown_shape(b) for b in self.levels[1:])]
-        self.reach = Reach({b for b in BUDGETS if b <= self.levels[-1]} | set(self.levels))
-        self._at = np.searchsorted(self.reach.budgets, self.levels)  # each level's column in reach
-        self._half = np.searchsorted(self.reach.budgets, [max(1, b // 2) for b in self.levels], side="right") - 1
+        self._start, self._limit = start, max(limit, start.budget)
+        self._set_levels(growth_levels(start.budget, self._limit))
         # The target's passes by their size: shared with the hybrid, which feeds it (else fed here).
         self.cost = cost if cost is not None else TargetCost()
         self._feeds_cost = cost is None
-        self.draft_s = [Average(24) for _ in self.levels]  # a proposal's draft passes, per size grown
-        self.target_s = [Average(24) for _ in self.levels]  # a step's target pass, per size verified
         self._verified = 0  # the size the last proposal was cut to
         self._sizes_seen: set[int] = set()  # tree sizes the target has verified
         self._steps = 0  # steps observed
-        self._timed_at = [0] * len(self.levels)  # the step at which each size's pass was last timed
         self.draft_pass = TargetCost()  # the draft's expansion passes, by tokens
         self.rest_s = Average(24)  # a drafting step's seconds beyond its target and draft passes
         self.level = 0  # the size that pays (verified, but for the looks at the sizes around it)
         self._since_explore = 0
         self._text: list[int] = []  # the text fed to `reach` so far
+
+    def _set_levels(self, levels: tuple[int, ...]) -> None:
+        """Size between `levels` (nothing measured yet)."""
+        self.levels = levels
+        self.shapes = [self._start, *(grown_shape(b) for b in levels[1:])]
+        self.reach = Reach({b for b in BUDGETS if b <= levels[-1]} | set(levels))
+        self._at = np.searchsorted(self.reach.budgets, levels)  # each level's column in reach
+        self._half = np.searchsorted(self.reach.budgets, [max(1, b // 2) for b in levels], side="right") - 1
+        self.draft_s = [Average(24) for _ in levels]  # a proposal's draft passes, per size grown
+        self.target_s = [Average(24) for _ in levels]  # a step's target pass, per size verified
+        self._timed_at = [0] * len(levels)  # the step at which each size's pass was last timed
+
+    def overlaps(self) -> None:
+        """The target's passes run elsewhere, and the draft grows its last tree on meanwhile
+        (TreeGrower.extend): a chain LONGEST_GROWN_CHAIN long then joins the sizes above a
+        shorter start, as the next deeper than it (its nodes mostly drafted during the pass before,
+        as deep again). Without it the demo pair's chat stayed on the chain of 5 50 ms away,
+        accepted whole at nearly every step, where the 16-node tree, timed from steps that grew it
+        from scratch, looked dearer."""
+        if self._start.is_chain and self._start.budget < LONGEST_GROWN_CHAIN < self._limit:
+            self._set_levels((self._start.budget, *growth_levels(LONGEST_GROWN_CHAIN, self._limit)))
 
     # -- the decoder's and the hybrid's interface: the grower's, sized ----------------------------
 

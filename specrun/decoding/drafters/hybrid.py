@@ -400,6 +400,9 @@ class HybridDrafter(Drafter):
             return float(min(left, max(MIN_AHEAD, generated))) if debt > SHORT_DEBT else float(left)
         return float(min(left, max(MIN_AHEAD, float(self.answer_len.mean) - generated)))
 
+    def overlaps(self) -> None:
+        self.draft.overlaps()
+
     def prepare(self, text: Sequence[int], done) -> None:
         if self.could_pay():  # (a draft that never runs in this process reads nothing)
             self.draft.prepare(text, done)
