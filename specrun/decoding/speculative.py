@@ -24,6 +24,7 @@ from specrun.core.sampling import SamplingParams, choose_token, near_tie, token_
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, network_size
 from specrun.core.verify import accept_path
+from specrun.decoding.adaptive import Average
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import CachedSequence
@@ -31,7 +32,6 @@ from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.rules import fill_pays
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
-from specrun.decoding.adaptive import Average
 from specrun.decoding.steps import GenerationStats, Step
 from specrun.engine import Batch, Context, runs_batch_invariant
 from specrun.limits import MAX_SEQ
@@ -265,8 +265,8 @@ class SpeculativeDecoder:
         a pass over a new number of tokens took 640 ms where the next took 138 (the demo target
         50 ms away), and an answer's passes met a new count at every chain cut short by its end
         and every lookup graft. A count already met costs its compute only: pay.rules.fill_pays
-        weighs the filler. Any tree is verified exactly (the target draws at every node it walks): filler the
-        target happens to draw is emitted like any node."""
+        weighs the filler. Any tree is verified exactly (the target draws at every node it
+        walks): filler the target happens to draw is emitted like any node."""
         met, n = _met_passes(self.model), len(tree)
         if n in met:
             return tree, kept
