@@ -13,10 +13,12 @@ to its first token (p50, p95). Answers of specrun with several requests at once 
 against the same prompts answered one at a time.
 
 Servers: `specrun-1` is `specrun serve --parallel 1` (one request at a time), `specrun-N` is
-`--parallel N` with N the most clients (either with `-plain`: --no-spec, plain decoding); `base-1`,
+`--parallel N` with N the most clients (either with `-plain`: --no-spec, plain decoding; `-throughput`:
+--throughput, prompts evaluated in the passes of the other requests' steps); `base-1`,
 `base-N`, `base-N-plain` are the same from the checkout --baseline names (`git worktree add
-/tmp/base HEAD~1`), to measure a change in turns with its parent; `peer-draft` is llama.cpp's `llama-server -np N` with the
-same draft model, `peer-ngram` with its `ngram-mod` drafts (both need --peer-bin, llama.cpp built
+/tmp/base HEAD~1`), to measure a change in turns with its parent; `peer-plain` is llama.cpp's `llama-server -np N`
+decoding plainly (requests batched together, no speculation), `peer-draft` the same with the
+same draft model, `peer-ngram` with its `ngram-mod` drafts (all three need --peer-bin, llama.cpp built
 from the pinned sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release
 && cmake --build build -j2 --target llama-server`). --rounds repeats the whole sweep, servers in
 turn, so slow drifts of the machine show. Run it on a quiet machine.
@@ -92,7 +94,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--target", default="smollm2-135m-f32")
     parser.add_argument("--draft", default="smollm2-135m-q4")
     parser.add_argument("--peer-bin", type=Path, help="llama.cpp's build/bin, with llama-server")
-    parser.add_argument("--servers", default="specrun-1,specrun-N,peer-draft,peer-ngram")
+    parser.add_argument("--servers", default="specrun-1,specrun-N,peer-plain,peer-draft,peer-ngram")
     parser.add_argument("--baseline", type=Path, help="another checkout of specrun (an earlier commit): the servers "
                         "base-1, base-N and base-N-plain run its code, to compare with this one's in turns")
     parser.add_argument("--rounds", type=int, default=1)
@@ -167,6 +169,7 @@ def _check_same(rows: list[dict]) -> None:
         reference = alone[row["server"].endswith("-plain")]
         if row["server"].startswith("specrun") and reference and "texts" in row:
             row["same_as_alone"] = all(reference.get(i, text) == text for i, text in row["texts"].items())
+            row["parted"] = sum(i in reference and reference[i] != text for i, text in row["texts"].items())
             for i, text in row["texts"].items():
                 if reference.get(i, text) != text:
                     _say_where_they_part(row, i, reference[i], text)
@@ -197,10 +200,27 @@ def _table(rows: list[dict]) -> str:
         if "failed" in r:
             lines.append(f"| {r['server']} | {r['clients']} | failed: {r['failed'][:120]} | | | |")
             continue
-        same = {True: "yes", False: "NO"}.get(r.get("same_as_alone"), "")
+        same = {True: "yes", False: f"NO ({r.get('parted')} of {r['requests']} parted)"}.get(r.get("same_as_alone"), "")
         lines.append(f"| {r['server']} | {r['clients']} | {r['tokens_per_s']} | {r['request_tokens_per_s_p50']} | "
                      f"{r['ttft_p50_s']} / {r['ttft_p95_s']} | {same} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _against_best(rows))
+
+
+def _against_best(rows: list[dict]) -> list[str]:
+    """Per round and client count: llama-server's best mode (plain included) and each specrun
+    server's tokens/s in all against it, the comparison a user makes."""
+    out = []
+    for key in sorted({(r["round"], r["clients"]) for r in rows if "failed" not in r}):
+        here = [r for r in rows if "failed" not in r and (r["round"], r["clients"]) == key]
+        peers = [r for r in here if r["server"].startswith("peer")]
+        if not peers:
+            continue
+        best = max(peers, key=lambda r: r["tokens_per_s"])
+        ours = ", ".join(f"{r['server']} {r['tokens_per_s'] / best['tokens_per_s']:.2f}x" for r in here
+                         if not r["server"].startswith("peer"))
+        out.append(f"round {key[0]}, {key[1]} clients: llama-server's best is {best['server']} "
+                   f"({best['tokens_per_s']} tokens/s); {ours}")
+    return [""] + out if out else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +276,7 @@ def _start(name: str, args, parallel: int) -> _Server | None:
             return None
         n = 1 if name.split("-")[1] == "1" else parallel
         repo = args.baseline if name.startswith("base") else REPO
-        return specrun_server(repo, args, n, plain=name.endswith("-plain"))
+        return specrun_server(repo, args, n, plain=name.endswith("-plain"), throughput=name.endswith("-throughput"))
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
@@ -269,21 +289,23 @@ def _start(name: str, args, parallel: int) -> _Server | None:
     argv = [str(args.peer_bin / "llama-server"), "-m", str(target), "--port", str(port), "-np", str(parallel),
             "-c", str(args.ctx_size * parallel), "-t", str(args.threads or os.cpu_count()), "--no-webui",
             *(["--no-repack"] if sysinfo.repacking_crashes() else [])]
-    if name == "peer-draft":
+    if name == "peer-plain":
+        pass  # llama-server's plain decoding: requests batched together, no speculation
+    elif name == "peer-draft":
         argv += ["-md", str(draft), "--spec-draft-n-max", "5"]
     elif name == "peer-ngram":
         argv += ["--spec-type", "ngram-mod"]
     return _Server(argv, url=f"http://127.0.0.1:{port}")
 
 
-def specrun_server(repo: Path, args, parallel: int, plain: bool = False) -> _Server:
+def specrun_server(repo: Path, args, parallel: int, plain: bool = False, throughput: bool = False) -> _Server:
     """`specrun serve` of the checkout `repo` (this one, or a --baseline) on args' models, context
-    and threads, `parallel` requests at once; `plain`: with --no-spec."""
+    and threads, `parallel` requests at once; `plain`: with --no-spec; `throughput`: with --throughput."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
                NO_COLOR="1")
     argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
             "--target", args.target, "--draft", args.draft, "--parallel", str(parallel),
-            *(["--threads", str(args.threads)] if args.threads else []), *(["--no-spec"] if plain else [])]
+            *(["--threads", str(args.threads)] if args.threads else []), *(["--no-spec"] if plain else []), *(["--throughput"] if throughput else [])]
     return _Server(argv, env, cwd=repo)
 
 

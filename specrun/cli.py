@@ -51,7 +51,6 @@ DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft mo
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", min=0, help="Target layers to put on the GPU (default: planned from free GPU memory).")]
 GpuMemoryOpt = Annotated[Optional[str], typer.Option("--gpu-memory", metavar="SIZE", help="Use at most this much of each GPU, e.g. 8GiB: a big card stands in for a smaller one, the rest of the model in RAM.")]
 CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=64, help="Context size in tokens.")]
-# chat, serve and plan: by default the model's trained context, lowered to what memory holds.
 AutoCtxOpt = Annotated[Optional[int], typer.Option("--ctx-size", "-c", min=64, show_default=False, help="Context size in tokens  [default: the model's trained context, lowered to what memory holds].")]
 ReasoningFormatOpt = Annotated[str, typer.Option("--reasoning-format", help="Reasoning models' thinking: auto (apart: reasoning_content in the API, dimmed on stderr in chat) or none (left in the answer).")]
 ChatTemplateOpt = Annotated[Optional[Path], typer.Option("--chat-template", metavar="FILE", help="Jinja chat template to use instead of the model's own.")]
@@ -63,6 +62,7 @@ LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help=
 MemoryOpt = Annotated[bool, typer.Option("--memory", help="Keep the memory of answers (earlier answers draft later ones) in the cache folder: loaded at start, saved at the end, per target model (and API key).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
 ParallelOpt = Annotated[Optional[int], typer.Option("--parallel", min=1, max=64, help="Requests decoded together, their target passes shared (default: as many as fit at the context one request gets, 4 at most).")]
+ThroughputOpt = Annotated[bool, typer.Option("--throughput", help="With requests decoding together: a prompt is evaluated in the passes of the others' steps, as llama-server does, not in passes of its own; faster with many clients, but an answer may part from the same request alone at a near-tie (docs/exactness.md).")]
 RpcOpt = Annotated[Optional[list[str]], typer.Option("--rpc", metavar="HOST:PORT[,...]", envvar="SPECRUN_RPC", show_envvar=True, help="Spread the target's layers over these RPC workers too (`specrun worker` on each machine); the draft stays here.")]
 
 # ---- sampling options shared by chat and generate ----
@@ -95,7 +95,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
-                 gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None):
+                 gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None, throughput=False):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -108,13 +108,11 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
     endpoints = ()
     if rpc:
         from specrun.engine.rpc import parse_endpoints
-
         endpoints = parse_endpoints(rpc)
     return RunOptions(
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
-        parallel=parallel, memory=memory, memory_scope=memory_scope,
-    )
+        parallel=parallel, memory=memory, memory_scope=memory_scope, throughput=throughput)
 
 
 def _version_callback(value: bool) -> None:
@@ -182,6 +180,7 @@ def generate(
     lines: Annotated[bool, typer.Option("--lines", help="Each input line (stdin or --file) is a prompt of its own; models load once.")] = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="Read JSON requests line by line; write one JSON result per line.")] = False,
     parallel: Annotated[int, typer.Option("--parallel", min=1, max=64, help="With --jsonl: decode this many lines together, their target passes shared; results still in input order.")] = 1,
+    throughput: ThroughputOpt = False,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
@@ -213,9 +212,9 @@ def generate(
             raise UsageError("--lines and --jsonl do not go together (--jsonl already reads one request per line)")
         if system is not None and chat is False:
             raise UsageError("--system needs chat mode (drop --raw)")
-        if parallel > 1 and not jsonl:
-            raise UsageError("--parallel needs --jsonl: only JSONL requests are decoded together")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory)
+        if (parallel > 1 or throughput) and not jsonl:
+            raise UsageError(f"{'--parallel' if parallel > 1 else '--throughput'} needs --jsonl: only JSONL requests are decoded together")
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
@@ -315,6 +314,7 @@ def serve(
     read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.1, help="Seconds a client has to send a whole request (and an idle connection stays open); slower ones are closed.")] = 30.0,
     queue_size: Annotated[int, typer.Option("--queue-size", min=1, help="Requests that may wait while the server is busy; more get 503 with Retry-After.")] = 32,
     parallel: ParallelOpt = None,
+    throughput: ThroughputOpt = False,
     reasoning_format: ReasoningFormatOpt = "auto",
     chat_template: ChatTemplateOpt = None,
     target: TargetOpt = None,
@@ -341,7 +341,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose, reproducible=reproducible,

@@ -339,6 +339,54 @@ def test_requests_together_size_their_trees_by_what_the_others_put_into_the_pass
         ctx.close()
 
 
+def test_with_throughput_a_prompt_goes_into_the_passes_of_the_others_steps(offline_models, load_model):
+    """--throughput (Lane.prompts_join): a prompt's chunks go into passes that hold the other
+    requests' steps, not passes of their own; its KV is then no fresh prefill's (none of it
+    counts as exact for a later greedy prompt); a reproducible request's prompt keeps passes of
+    its own. In the exact default no pass holds a prompt's chunk beside another request's tokens."""
+    target = load_model(offline_models.smollm2_f32)
+    long_prompt = target.tokenize("Summarise this list. " + " ".join(f"Item {i} is a thing." for i in range(20)), add_special=True)
+    short_prompt = target.tokenize(QUESTIONS[3], add_special=True)
+    assert len(long_prompt) > 64  # more than a batch: several chunks
+    prompts, per = [short_prompt, long_prompt], MAX_SEQ // 2
+    ctx = engine.Context(target, n_ctx=512, n_batch=64, n_seq_max=MAX_SEQ, threads=2)
+
+    def run(join: bool, params: SamplingParams):
+        ctx.clear()
+        gate = PassGate(ctx)
+        passes: list[list[tuple[int, int]]] = []  # each pass: (lane's base sequence, tokens) per request
+        run_pass = gate._run
+
+        def recorded(handed):
+            passes.append([(int(h.batch.seq_ids[0, 0]), h.batch.n_tokens) for h in handed])
+            run_pass(handed)
+
+        gate._run = recorded
+        lanes = [Lane(ctx, range(i * per, (i + 1) * per), 256, gate, prompts_join=join) for i in range(2)]
+        decoders = [PlainDecoder(target, ctx, lane=lane) for lane in lanes]
+        kinds = [SamplingParams(), params]
+
+        def tokens(dec, prompt):
+            i = decoders.index(dec)
+            return [t for step in dec.steps(prompt, kinds[i], 24, make_rng(0)) for t in step.tokens]
+
+        answers = _together(decoders, lanes, prompts, tokens)
+        assert all(len(a) == 24 for a in answers), answers
+        # The long prompt's chunks (its lane's batches of more than one token) and whom they met.
+        chunks = [p for p in passes if any(base == lanes[1].base and n > 1 for base, n in p)]
+        assert chunks
+        return [len(p) for p in chunks], decoders[1].cache.n_exact
+
+    whole_batches = 64 * (len(long_prompt) // 64)
+    shared, n_exact = run(False, SamplingParams())
+    assert set(shared) == {1} and n_exact == whole_batches  # passes of its own, its whole batches exact
+    shared, n_exact = run(True, SamplingParams())
+    assert max(shared) == 2 and n_exact == 0  # beside the other request's steps; nothing exact
+    shared, n_exact = run(True, SamplingParams(pinned=True))
+    assert set(shared) == {1} and n_exact == whole_batches  # a reproducible request's prompt: passes of its own
+    ctx.close()
+
+
 def test_a_request_edits_its_lane_only_while_no_pass_runs(offline_models, load_model):
     """llama.cpp's cache must not be edited while a pass reads it: a request that takes its lane
     (join) waits for a pass that runs, and from then on holds the others' passes back until it
@@ -526,6 +574,13 @@ def test_generate_jsonl_decodes_lines_together_in_input_order(cli):
     assert [r.get("text") for r in many] == [r.get("text") for r in one]
     assert [r.get("token_ids") for r in many] == [r.get("token_ids") for r in one]
     assert sum(step_shared(r) for r in many) > 0  # lines did decode together
+    # --throughput: the same lines, prompts in the passes of the others' steps.
+    fast = cli(*args, "--parallel", "3", "--throughput", input="\n".join(lines) + "\n")
+    assert fast.exit_code == 0, fast.output
+    fast_results = [json.loads(x) for x in fast.stdout.splitlines()]
+    assert [r.get("id") for r in fast_results] == ["q0", "q1", None, "q2", "q3"]
+    assert all(len(r["token_ids"]) == 24 or r["stats"]["finish_reason"] == "eog" for r in fast_results if "error" not in r)
+    assert sum(step_shared(r) for r in fast_results) > 0
 
 
 def step_shared(result: dict) -> int:
@@ -536,6 +591,9 @@ def test_generate_refuses_parallel_without_jsonl(cli):
     result = cli("generate", "--parallel", "2", "hello")
     assert result.exit_code == 2
     assert "--parallel needs --jsonl" in result.output
+    result = cli("generate", "--throughput", "hello")
+    assert result.exit_code == 2
+    assert "--throughput needs --jsonl" in result.output
 
 
 def test_plan_parallel_shows_the_cells_of_each_context(cli):

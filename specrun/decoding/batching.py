@@ -19,6 +19,9 @@ The rules of the gate:
   a short request's first token waits for one chunk at most; and a seeded request's steps, whose
   draws must not depend on what else runs (llama.cpp's kernels round a token's row differently
   in batches of other sizes).
+  With --throughput (`Lane.prompts_join`) a prompt's chunks, half a batch each, go with the
+  steps instead, as llama-server batches them: no pass of its own, its KV and last row rounded
+  as that pass rounds them (a greedy answer may part from the same request alone at a near-tie).
 - A member that is not waiting (drafting, editing its sequences) holds the pass back; one that
   leaves lets it go. A request joins (`Lane.join`) before it touches its lane's cache, waiting
   for a pass that runs to end: llama.cpp's cache must not be edited while a pass reads it, and a
@@ -55,7 +58,7 @@ class Lane:
     passes run (at once, or through a gate with other lanes')."""
 
     def __init__(self, ctx: Context, seqs: range | None = None, n_ctx: int | None = None,
-                 gate: PassGate | None = None):
+                 gate: PassGate | None = None, prompts_join: bool = False):
         self.ctx = ctx
         # The request the lane serves (its target lane; a drafter's `attach` sets a draft lane's):
         # its target lane and its draft lane wait for one another's passes as one member of the
@@ -64,10 +67,14 @@ class Lane:
         self.seqs = seqs if seqs is not None else range(ctx.n_seq_max)
         self.n_ctx = n_ctx or ctx.n_ctx
         self.gate = gate
+        # --throughput: a prompt's chunks go through the gate as steps do, in passes that hold
+        # other requests' steps (not computed as alone: decoding.kv), instead of passes of their own.
+        self.prompts_join = prompts_join and gate is not None
         # The whole context: whole-cache calls (clear, seq_keep) are cheaper and do the same.
         self.whole = gate is None and len(self.seqs) == ctx.n_seq_max
         self.shared = 1  # requests whose tokens the last pass held (1: this lane's alone)
         self.pass_s = 0.0  # seconds llama.cpp took over the last pass (not the wait for it)
+        self.pass_tokens = 0  # tokens the last pass held, every request's (a point of the context's cost curve)
         # The lane's last batch: its first position, its tokens, and where its first token sat in
         # the pass (the pass's per-token outputs, an MTP drafter's target rows, are in batch order).
         self.last_batch = (0, 0, 0)
@@ -100,10 +107,10 @@ class Lane:
                 t0 = time.perf_counter()
                 self.ctx.decode(batch)
                 self.pass_s = time.perf_counter() - t0
-            self.shared = 1
+            self.shared, self.pass_tokens = 1, batch.n_tokens
             self.last_batch = (int(batch.positions[0]), batch.n_tokens, 0)
             return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
-        rows, self.shared, self.pass_s, offset = self.gate.decode(self, batch, solo)
+        rows, self.shared, self.pass_s, offset, self.pass_tokens = self.gate.decode(self, batch, solo)
         self.last_batch = (int(batch.positions[0]), batch.n_tokens, offset)
         return rows
 
@@ -166,6 +173,7 @@ class _Handed:
     shared: int = 0
     seconds: float = 0.0
     offset: int = 0  # where its first token sat in the pass's batch
+    tokens: int = 0  # tokens the pass held, every request's
     error: BaseException | None = None
     done: bool = False
 
@@ -250,10 +258,11 @@ class PassGate:
             self.room.members.discard(lane.owner)
             self._cond.notify_all()
 
-    def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int, float, int]:
+    def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int, float, int, int]:
         """Hand the lane's batch in and wait for its pass; return its logits rows, how many
-        requests the pass held, the seconds it took and where the batch's first token sat in the
-        pass. A failed pass raises its error in every lane it held."""
+        requests the pass held, the seconds it took, where the batch's first token sat in the
+        pass and how many tokens it held in all. A failed pass raises its error in every lane it
+        held."""
         handed = _Handed(batch, solo, self._kind(batch) if self.ctx.has_state else 0)
         room = self.room
         with self._cond:
@@ -267,7 +276,7 @@ class PassGate:
                     self._cond.wait()
         if handed.error is not None:
             raise handed.error
-        return handed.rows, handed.shared, handed.seconds, handed.offset
+        return handed.rows, handed.shared, handed.seconds, handed.offset, handed.tokens
 
     # -- the lane whose arrival completed the set runs the pass (holding the condition's lock,
     # which it lets go while llama.cpp decodes) --
@@ -320,7 +329,7 @@ class PassGate:
             h = handed[0]
             t0 = time.perf_counter()
             self.ctx.decode(h.batch)
-            h.seconds, h.shared = time.perf_counter() - t0, 1
+            h.seconds, h.shared, h.tokens = time.perf_counter() - t0, 1, h.batch.n_tokens
             h.rows = self.ctx.logits() if h.batch.want_logits[: h.batch.n_tokens].any() else None
             return
         self.shared_passes += 1
@@ -337,6 +346,6 @@ class PassGate:
         for h in handed:
             wanted = int(h.batch.want_logits[: h.batch.n_tokens].sum())
             h.rows = logits[row: row + wanted] if wanted else None
-            h.shared, h.seconds, h.offset = len(handed), seconds, offset
+            h.shared, h.seconds, h.offset, h.tokens = len(handed), seconds, offset, n
             row += wanted
             offset += h.batch.n_tokens

@@ -67,7 +67,7 @@ class CachedSequence:
 
     def sync(self, prompt: Sequence[int], include_last: bool = False, exact: bool = False,
              keep_row: bool = False, meanwhile: Callable[[threading.Event], None] | None = None,
-             ) -> tuple[int, int, float]:
+             joins: bool = False) -> tuple[int, int, float]:
         """Make the cache hold prompt[:-1]; return (pending token, tokens prefilled, seconds).
 
         With include_last the last token is decoded too (in the same batch as the rest of the new
@@ -75,7 +75,8 @@ class CachedSequence:
         what a prefill into an empty cache computes, where that costs less than a batch (see
         `reusable`). With `keep_row` (and include_last) a copy of the last row is kept for the same
         prompt again: a request's prompt, not a draft's catch-up, whose text grows every step.
-        `meanwhile(done)` runs beside each of the prefill's passes (Lane.run).
+        `meanwhile(done)` runs beside each of the prefill's passes (Lane.run). With `joins` (see
+        `joins`) the prefill's passes may hold other requests' steps.
         """
         if not prompt:
             raise UsageError("the prompt is empty (no tokens to start from)")
@@ -99,11 +100,11 @@ class CachedSequence:
         # and its last row are what a prefill into an empty cache computes.
         fresh = keep % self.batch.capacity == 0 and self.n_exact == keep
         todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
-        self.extend(todo, want_last_logits=include_last, meanwhile=meanwhile)
+        self.extend(todo, want_last_logits=include_last, meanwhile=meanwhile, joins=joins)
         self.prompt_end = self.n_cached
         if keep_row and include_last and self.logits is not None and not self.ctx.has_state:
             self._last_prompt, self._last_row = tuple(prompt), self.logits.copy()
-            self._last_exact = fresh or next_turn
+            self._last_exact = (fresh or next_turn) and not joins
         return prompt[-1], len(todo), time.perf_counter() - t0
 
     def reusable(self, prompt: Sequence[int], exact: bool = False) -> int:
@@ -148,8 +149,16 @@ class CachedSequence:
     def reused(self, prompt: Sequence[int], params) -> int:
         """Return how many leading tokens of prompt a request sampled with `params` (a
         core.sampling.SamplingParams) takes from the cache: none for a reproducible one, which
-        prefills afresh; else what `reusable` keeps, exactly so for a greedy one."""
-        return 0 if params.reproducible else self.reusable(prompt, params.exact_prefill)
+        prefills afresh; else what `reusable` keeps, exactly so for a greedy one unless its
+        prompt `joins` other requests' passes."""
+        return 0 if params.reproducible else self.reusable(prompt, params.exact_prefill and not self.joins(params))
+
+    def joins(self, params) -> bool:
+        """Whether the prompt of a request sampled with `params` goes in passes that may hold other
+        requests' steps (--throughput: Lane.prompts_join; never a reproducible request's). Its KV
+        and last row then differ in their last digits from a prefill's alone, so nothing asks
+        for those: any cached prefix is reused, as for a sampled request."""
+        return self.lane.prompts_join and not params.reproducible
 
     def truncate(self, n: int) -> None:
         """Drop everything from position n on, in every sequence."""
@@ -214,11 +223,13 @@ class CachedSequence:
 
     def extend(self, tokens: Sequence[int], want_last_logits: bool = False,
                meanwhile: Callable[[threading.Event], None] | None = None, until: threading.Event | None = None,
-               ) -> None:
+               joins: bool = False) -> None:
         """Decode tokens into the sequence in batches that end at multiples of n_batch (counted from
-        the text's start, as a prefill into an empty cache does). `meanwhile(done)` runs beside each
-        pass (Lane.run); once `until` is set no further batch starts (the rest stays to decode)."""
-        step = self.batch.capacity
+        the text's start, as a prefill into an empty cache does), each in a pass of its own.
+        `meanwhile(done)` runs beside each pass (Lane.run); once `until` is set no further batch
+        starts (the rest stays to decode). With `joins`, batches of half that size that go into
+        passes with other requests' steps (Lane.prompts_join): no KV of theirs is a fresh prefill's."""
+        step = self.batch.capacity // 2 if joins else self.batch.capacity
         done = 0
         while done < len(tokens) and not (until is not None and until.is_set()):
             start = self.n_cached
@@ -226,11 +237,11 @@ class CachedSequence:
             done += len(chunk)
             last = done == len(tokens)
             self.batch.set_sequence(chunk, start, self.seq, "last" if (want_last_logits and last) else "none")
-            rows = self.lane.run(self.batch, solo=True, meanwhile=meanwhile)
+            rows = self.lane.run(self.batch, solo=not joins, meanwhile=meanwhile)
             if rows is not None:
                 self.logits = rows[-1]
             self.tokens.extend(chunk)
-            if start == self.n_exact and len(chunk) == step:  # a whole batch, from exact KV and at a batch boundary
+            if not joins and start == self.n_exact and len(chunk) == step:  # a whole batch, from exact KV and at a batch boundary
                 self.n_exact = self.n_cached
 
     def room(self) -> int:

@@ -117,8 +117,9 @@ class SpeculativeDecoder:
         # Where that prefill runs elsewhere, the draft model reads the prompt meanwhile.
         overlap = self.overlap and self.lane.gate is None and not params.reproducible
         meanwhile = functools.partial(self.drafter.prepare, prompt) if overlap else None
-        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True, exact=params.exact_prefill,
-                                                                keep_row=True, meanwhile=meanwhile)
+        joins = self.cache.joins(params)
+        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True, exact=params.exact_prefill and not joins,
+                                                                keep_row=True, meanwhile=meanwhile, joins=joins)
         t_start = time.perf_counter()
         rules = PathRules.of(params)
         step = _first_step(self.cache.logits, params, rng, rules)
@@ -178,11 +179,14 @@ class SpeculativeDecoder:
         """Let an adapting drafter and the step sizer see the step's measurements: only of passes
         this request had to itself. A pass shared with other requests (decoding.batching) times
         their tokens and their waits too, nothing of what this request's tree costs: fed to the
-        drafters' cost curves, they grew the demo pair's trees threefold for the same accepted
-        tokens afterwards (40 tokens/s one request at a time, against 56)."""
+        drafters' cost curves as this request's tree's, they grew the demo pair's trees threefold
+        for the same accepted tokens afterwards (40 tokens/s one request at a time, against 56).
+        Its seconds over all the tokens it held are a point of the cost curve, though: what
+        prices a tree beside others, where a request may never have a pass to itself."""
         self.sizer.record_together(step)
         self.sizer.post(self.lane, step)
         if self.lane.shared > 1:
+            self.drafter.observe_shared(self.lane.pass_tokens, self.lane.pass_s)
             return
         self.drafter.observe(step)
         # A generation's first drafted step also brings the draft model up to the prompt (its

@@ -36,6 +36,10 @@ class RunOptions:
     # --parallel: requests decoding together (the server's); None: as many as fit, up to
     # plan.DEFAULT_PARALLEL, at the context one request gets
     parallel: int | None = 1
+    # --throughput: with several requests decoding together, a prompt's passes also hold the
+    # other requests' steps (as llama-server batches them), and any cached prefix of a prompt is
+    # reused; an answer may part from the same request alone at a near-tie (docs/exactness.md)
+    throughput: bool = False
     # --memory: the memory of answers (decoding.memory) is loaded from the cache folder at start
     # and saved there at the end, per target model; `memory_scope` keeps one apart (an API key:
     # hashed into the file's name, never shown)

@@ -163,7 +163,7 @@ class Runtime:
         together = Together() if rules.draft_together(plan.target_gpu_layers > 0) else None
         decoders = []
         for i in range(n):
-            lane = _lane(self.target_ctx, i, n, plan.target_ctx.n_ctx, gate)
+            lane = _lane(self.target_ctx, i, n, plan.target_ctx.n_ctx, gate, prompts_join=self.opts is not None and self.opts.throughput)
             draft_lane = None
             if self.draft_ctx is not None:
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
@@ -316,10 +316,10 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     return target, draft
 
 
-def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None) -> Lane:
+def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None, prompts_join: bool = False) -> Lane:
     """Request i's lane of a context n requests share: the i-th nth of its sequences."""
     per = ctx.n_seq_max // n
-    return Lane(ctx, range(i * per, (i + 1) * per), n_ctx, gate)
+    return Lane(ctx, range(i * per, (i + 1) * per), n_ctx, gate, prompts_join)
 
 
 def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True,

@@ -526,6 +526,8 @@ class GenerationWorker(QueueWorker):
 def describe(rt: Runtime) -> str:
     """Return the line that says what is being served, as `specrun chat` says it."""
     at_once = f", {len(rt.decoders)} requests at once" if len(rt.decoders) > 1 else ""
+    if at_once and rt.opts is not None and rt.opts.throughput:
+        at_once += ", prompts in the passes of their steps (--throughput)"
     return f"specrun serve: {rt.models.target_name} {rt.drafting()}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
 
 

@@ -110,6 +110,11 @@ class Drafter(ABC):
         """See every Step the decoder made (its timings and tree size): drafters that adapt to
         what this run measures (lookup, hybrid) learn from it."""
 
+    def observe_shared(self, n_tokens: int, seconds: float) -> None:
+        """See a target pass this request shared with others (decoding.batching): `n_tokens` in
+        all, every request's, in `seconds`. Nothing of what its own tree costs, but a point of the
+        pass's cost curve, which prices a tree beside others (pay.rules.best_size)."""
+
     def learn(self, text: Sequence[int], complete: bool = True) -> None:
         """Take prompt + answer when a generation ends (`complete`: the model ended it, not a
         token limit): drafters that index the text (lookup) learn from it."""

@@ -150,6 +150,10 @@ class GrowingTrees(ModelDrafter):
     def commit(self, proposal: GrownTree, accepted_nodes: Sequence[int]) -> None:
         self.grower.commit(proposal, accepted_nodes)
 
+    def observe_shared(self, n_tokens: int, seconds: float) -> None:
+        if self._feeds_cost:
+            self.cost.observe(n_tokens, seconds)
+
     def observe(self, step) -> None:
         if self._feeds_cost:
             self.cost.observe(step.tree_nodes + 1, step.target_s)

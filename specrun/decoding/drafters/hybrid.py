@@ -424,6 +424,9 @@ class HybridDrafter(Drafter):
         if not self.drafted:
             self._lean.add([len(step.tokens), step.total_s])
 
+    def observe_shared(self, n_tokens: int, seconds: float) -> None:
+        self.cost.observe(n_tokens, seconds)  # (its draft model's, where it feeds its own: the same curve)
+
     def reset(self) -> None:
         self.draft.reset()
         self.drafted = False

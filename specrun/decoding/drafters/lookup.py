@@ -189,5 +189,8 @@ class LookupDrafter(Drafter):
         self.cost.observe(step.tree_nodes + 1, step.target_s)
         self.step_s.add(max(0.0, step.total_s - step.target_s))
 
+    def observe_shared(self, n_tokens: int, seconds: float) -> None:
+        self.cost.observe(n_tokens, seconds)
+
     def reset(self) -> None:
         self.seen.forget_open()
