@@ -292,10 +292,15 @@ class _Recording(LookupDrafter):
     def __init__(self, budget: int):
         super().__init__(budget)
         self.besides: list[Beside] = []
+        self.shared: list[tuple[int, float]] = []  # (tokens, seconds) of each shared pass it saw
 
     def propose(self, committed, root, budget, depth):
         self.besides.append(self.beside)
         return super().propose(committed, root, budget, depth)
+
+    def observe_shared(self, n_tokens: int, seconds: float) -> None:
+        self.shared.append((n_tokens, seconds))
+        super().observe_shared(n_tokens, seconds)
 
 
 def test_requests_together_size_their_trees_by_what_the_others_put_into_the_pass(offline_models, load_model):
@@ -333,6 +338,12 @@ def test_requests_together_size_their_trees_by_what_the_others_put_into_the_pass
             # at least one plain step (one token each) per other request decoding then.
             beside = [b for b in dec.drafter.besides if b.tokens > 0]
             assert beside and all(b.tokens >= 1.0 and b.emitted >= 1.0 for b in beside), dec.drafter.besides
+        # Each shared pass's seconds over all its tokens went into the drafters' cost curves:
+        # the pass held the others' tokens too (a request's root and the others' at least).
+        for dec in decoders:
+            assert dec.drafter.shared and all(n >= 2 and s > 0 for n, s in dec.drafter.shared), dec.drafter.shared
+            assert dec.drafter.cost.known
+        assert any(n > 1 + max(1, len(lanes) - 1) for dec in decoders for n, _ in dec.drafter.shared)
         # A request alone is sized alone.
         assert decoders[0].sizer.beside(lanes[0]) == ALONE
     finally:
