@@ -229,7 +229,7 @@ class CachedSequence:
         `meanwhile(done)` runs beside each pass (Lane.run); once `until` is set no further batch
         starts (the rest stays to decode). With `joins`, batches of half that size that go into
         passes with other requests' steps (Lane.prompts_join): no KV of theirs is a fresh prefill's."""
-        step = self.batch.capacity // 2 if joins else self.batch.capacity
+        step = max(1, self.batch.capacity // 2) if joins else self.batch.capacity
         done = 0
         while done < len(tokens) and not (until is not None and until.is_set()):
             start = self.n_cached
