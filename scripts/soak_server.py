@@ -60,9 +60,11 @@ def main() -> None:
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(args.clients)]
     for t in threads:
         t.start()
-    while any(t.is_alive() for t in threads):
-        time.sleep(min(args.sample_s, max(0.1, stop - time.monotonic() + 1)))
+    while time.monotonic() < stop:
+        time.sleep(min(args.sample_s, max(0.0, stop - time.monotonic())))
         samples.append(_sample(pid, time.monotonic() - t0))
+    for t in threads:
+        t.join()
     time.sleep(2)
     samples.append(_sample(pid, time.monotonic() - t0))  # idle again
     server.proc.send_signal(signal.SIGINT)
