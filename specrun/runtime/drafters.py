@@ -176,7 +176,7 @@ class DraftModel(Drafting):
             widest = max(draft_passes)
             catch_up_s = draft_passes[widest] / widest
             if tree.source == "default":
-                best_case = _best_case(tree.shape, draft_passes, target_ctx)
+                best_case = _best_case(tree.shape, draft_passes, target_ctx, cost)
         grown = grown_shape(tree.grow) if tree.grow is not None else tree.shape
         hybrid = HybridDrafter(model_drafter, grown.budget, tree.lookup.budget, draft_depth=max(tree.shape.depth, grown.depth), cost=cost,
                                prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case, memory=memory)
@@ -257,18 +257,25 @@ LOOKUP = Lookup()
 MTP = Mtp()
 
 
-def _best_case(shape: TreeShape, draft_passes: dict[int, float], target_ctx) -> DraftPrior | None:
+def _best_case(shape: TreeShape, draft_passes: dict[int, float], target_ctx, cost: TargetCost) -> DraftPrior | None:
     """What the draft model's steps would be, timed now, if the target accepted every draft token:
     a profile's prior for the tree (profiles.Facts.draft_prior) from the target's passes over one
     token and over the tree and the draft's `draft_passes` ({tokens: seconds}), with the catch-up
     of the tree's last token, which the draft never decoded. None when the target's passes cannot
-    be timed (no context, or one that cannot be probed)."""
+    be timed (no context, or one that cannot be probed).
+
+    The target's passes timed here are also the first points of `cost`, the drafter's curve of
+    them: its steps verify trees, so without them it would know a one-token pass only as a tree
+    pass taken back at a prior cost per token (on a fast host the demo target's 9.8 ms pass looked
+    like 15 ms there, and a fresh process's first answer drafted through at 0.65x plain)."""
     if target_ctx is None:
         return None
     # The least of two timings each: the target's passes are short, and their ratio decides.
     seconds = probe_context(target_ctx, (1, shape.budget + 1), repeats=2, logits="all")
     if not seconds:
         return None
+    for n_tokens, pass_s in seconds.items():
+        cost.observe(n_tokens, pass_s)
     facts = profiles.Facts(target=CostCurve.from_points(seconds), draft=CostCurve.from_points(draft_passes),
                            plain_s=seconds[1], tau={shape.budget: shape.depth + 1.0}, tree_speedup=None)
     prior = facts.draft_prior(shape)
