@@ -316,6 +316,10 @@ def test_without_a_profile_the_hybrid_times_both_models_at_load_and_leaves_their
     assert best.plain_s < best.tree_s < 6 * best.plain_s
     assert best.step_s > 5 * best.catch_up_s > 0 and best.accepted == 5.0
     assert drafter.best_speedup() == pytest.approx(6 * best.plain_s / (best.tree_s + best.step_s))
+    # Those target passes are the first points of the drafter's cost curve: a one-token pass as
+    # timed, not a tree pass taken back at a prior cost per token.
+    assert drafter.cost.plain_s() == pytest.approx(best.plain_s)
+    assert float(drafter.cost([6])[0]) == pytest.approx(best.tree_s)
     decoder = SpeculativeDecoder(target, target_ctx, drafter, TreeShape(budget=69, depth=16, width=1, top_k=1))
     prompt = prompts["free"][0]
     out = token_ids(decoder, prompt, GREEDY, MATRIX_TOKENS)
