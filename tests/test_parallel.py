@@ -84,6 +84,26 @@ def _content(reply) -> tuple:
 
 def test_the_server_says_how_many_requests_it_answers_at_once(server):
     assert any(f"{PARALLEL} requests at once" in line for line in server.stderr_lines), server.stderr
+    meta = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["meta"]
+    assert meta["throughput"] is False  # the exact default
+
+
+def test_serve_throughput_says_so_and_answers_requests_together(offline_models, tmp_path):
+    """`serve --parallel 2 --throughput`: the startup line and /v1/models say so, and two requests
+    sent at once through the official client are both answered."""
+    srv = ServerProcess(tmp_path, "--parallel", "2", "--throughput")
+    try:
+        srv.wait_ready()
+        assert any("2 requests at once, prompts in the passes of their steps (--throughput)" in line
+                   for line in srv.stderr_lines), srv.stderr
+        meta = httpx.get(srv.url + "/v1/models").json()["data"][0]["meta"]
+        assert meta["throughput"] is True
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda q: _ask(client, q, max_tokens=16), QUESTIONS[:2]))
+        assert all(r.choices[0].message.content and r.usage.completion_tokens > 0 for r in replies)
+    finally:
+        assert srv.terminate() == 0, srv.stderr
 
 
 def test_requests_at_once_answer_as_each_alone_and_share_passes(client):

@@ -205,7 +205,8 @@ def _add_routes(app: FastAPI, worker: QueueWorker) -> None:
                  "context_length": info.n_ctx, "max_model_len": info.n_ctx,
                  "meta": {"draft": info.draft, "drafter": info.drafter, "n_ctx": info.n_ctx,
                           "n_ctx_train": info.n_ctx_train, "tree_budget": info.tree_budget,
-                          "reproducible": worker.reproducible}}  # serve --reproducible: every request
+                          "reproducible": worker.reproducible,  # serve --reproducible: every request
+                          "throughput": info.throughput}}  # serve --throughput (with --parallel N > 1)
         return JSONResponse({"object": "list", "data": [entry]})
 
     @app.get("/props")

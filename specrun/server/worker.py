@@ -102,6 +102,7 @@ class ModelInfo:
     chat_template: str | None = None  # the template chats are rendered with (None: ChatML fallback)
     size_label: str = ""  # the GGUF's general.size_label ("135M", "30B-A3B"), as Ollama's parameter_size
     modified: float = 0.0  # the target file's modification time (seconds since the epoch; 0: unknown)
+    throughput: bool = False  # serve --throughput: prompts in the passes of the other requests' steps
 
 
 class QueueWorker:
@@ -566,6 +567,7 @@ def _model_info(rt: Runtime) -> ModelInfo:
         ctx_why=rt.plan.ctx_why, architecture=rt.target.architecture, file_name=path.name if path else "",
         file_bytes=rt.target.file_size, chat_template=rt.chat_format.template,
         size_label=rt.target.meta("general.size_label") or "", modified=path.stat().st_mtime if path else 0.0,
+        throughput=bool(rt.opts is not None and rt.opts.throughput and len(rt.decoders) > 1),
     )
 
 
