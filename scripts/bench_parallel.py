@@ -169,8 +169,8 @@ def _check_same(rows: list[dict]) -> None:
     for row in rows:
         reference = alone[row["server"].endswith("-plain")]
         if row["server"].startswith("specrun") and reference and "texts" in row:
-            row["same_as_alone"] = all(reference.get(i, text) == text for i, text in row["texts"].items())
             row["parted"] = sum(i in reference and reference[i] != text for i, text in row["texts"].items())
+            row["same_as_alone"] = row["parted"] == 0
             for i, text in row["texts"].items():
                 if reference.get(i, text) != text:
                     _say_where_they_part(row, i, reference[i], text)

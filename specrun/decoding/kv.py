@@ -76,7 +76,8 @@ class CachedSequence:
         `reusable`). With `keep_row` (and include_last) a copy of the last row is kept for the same
         prompt again: a request's prompt, not a draft's catch-up, whose text grows every step.
         `meanwhile(done)` runs beside each of the prefill's passes (Lane.run). With `joins` (see
-        `joins`) the prefill's passes may hold other requests' steps.
+        `joins`) the prefill's passes may hold other requests' steps, and nothing is asked to be
+        exact (`exact` is then ignored).
         """
         if not prompt:
             raise UsageError("the prompt is empty (no tokens to start from)")
@@ -85,6 +86,7 @@ class CachedSequence:
                 f"the prompt has {len(prompt)} tokens but the context holds {self.lane.n_ctx}; "
                 "use a larger --ctx-size or a shorter prompt"
             )
+        exact = exact and not joins
         keep = self.reusable(prompt, exact)
         # An exact sync that keeps more than the last prefill wrote runs on into an answer's KV.
         next_turn = exact and keep > self.prompt_end

@@ -40,9 +40,8 @@ class PlainDecoder:
             self.cache.truncate(0)
         # The new part of the prompt goes in as few batches as the batch grid allows (kv.py), and
         # the last row gives the first token.
-        joins = self.cache.joins(params)
         pending, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True, keep_row=True,
-                                                                       exact=params.exact_prefill and not joins, joins=joins)
+                                                                       exact=params.exact_prefill, joins=self.cache.joins(params))
         one, cache = self._one, self.cache
         rules = PathRules.of(params)
         logits = cache.logits

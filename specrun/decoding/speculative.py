@@ -117,9 +117,9 @@ class SpeculativeDecoder:
         # Where that prefill runs elsewhere, the draft model reads the prompt meanwhile.
         overlap = self.overlap and self.lane.gate is None and not params.reproducible
         meanwhile = functools.partial(self.drafter.prepare, prompt) if overlap else None
-        joins = self.cache.joins(params)
-        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True, exact=params.exact_prefill and not joins,
-                                                                keep_row=True, meanwhile=meanwhile, joins=joins)
+        _, stats.n_prefilled, stats.prefill_s = self.cache.sync(prompt, include_last=True, exact=params.exact_prefill,
+                                                                keep_row=True, meanwhile=meanwhile,
+                                                                joins=self.cache.joins(params))
         t_start = time.perf_counter()
         rules = PathRules.of(params)
         step = _first_step(self.cache.logits, params, rng, rules)

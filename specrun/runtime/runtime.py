@@ -216,6 +216,12 @@ class Runtime:
     def speculative(self) -> bool:
         return self.plan.speculative
 
+    @property
+    def prompts_join(self) -> bool:
+        """Whether prompts go into the passes of the other requests' steps (--throughput, where
+        several requests decode together: decoding.batching.Lane.prompts_join)."""
+        return any(d.cache.lane.prompts_join for d in self.decoders)
+
     def drafting(self) -> str:
         """How `chat` and `serve` say what drafts when they start: "with draft X (tree budget 5)
         and lookup", "without a draft (plain decoding)"."""

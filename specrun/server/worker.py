@@ -527,7 +527,7 @@ class GenerationWorker(QueueWorker):
 def describe(rt: Runtime) -> str:
     """Return the line that says what is being served, as `specrun chat` says it."""
     at_once = f", {len(rt.decoders)} requests at once" if len(rt.decoders) > 1 else ""
-    if at_once and rt.opts is not None and rt.opts.throughput:
+    if rt.prompts_join:
         at_once += ", prompts in the passes of their steps (--throughput)"
     return f"specrun serve: {rt.models.target_name} {rt.drafting()}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
 
@@ -567,7 +567,7 @@ def _model_info(rt: Runtime) -> ModelInfo:
         ctx_why=rt.plan.ctx_why, architecture=rt.target.architecture, file_name=path.name if path else "",
         file_bytes=rt.target.file_size, chat_template=rt.chat_format.template,
         size_label=rt.target.meta("general.size_label") or "", modified=path.stat().st_mtime if path else 0.0,
-        throughput=bool(rt.opts is not None and rt.opts.throughput and len(rt.decoders) > 1),
+        throughput=rt.prompts_join,
     )
 
 
