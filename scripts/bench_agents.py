@@ -2,7 +2,7 @@
 
     python scripts/bench_agents.py [--traces tools,refine,siblings,regenerate] [--ctx-size 4096]
                                    [--servers specrun,specrun-plain,peer-plain,peer-ngram-mod,peer-ngram-cache,peer-draft]
-                                   [--peer-bin LLAMA_CPP/build/bin] [--baseline CHECKOUT] [--rounds 1] [--json]
+                                   [--peer-bin LLAMA_CPP/build/bin] [--baseline CHECKOUT] [--rounds 1] [--turns] [--per-request] [--json]
 
 Four traces this project writes (below, `TRACES`), each a list of conversations sent in order, one
 request at a time, greedy, streamed, as an agent or a script sends them:
@@ -29,7 +29,8 @@ server's cache held: its timings' cache_n), completion tokens, the whole trace's
 agent waits for it (every request's time to its last token), the mean time to first token, decode
 tokens/s (the servers' own timings: predicted_n over predicted_ms), and how many answers equal
 plain decoding's. `--turns` adds the per-turn figures of the growing conversations (prompt tokens,
-evaluated, time to first token). Run it on a quiet machine: other processes make every figure noise.
+evaluated, time to first token), `--per-request` each request's decoding speed (a regenerated answer
+against its first, the later siblings against the first ones). Run it on a quiet machine: other processes make every figure noise.
 """
 
 from __future__ import annotations
@@ -231,6 +232,9 @@ def summarize(server: str, trace: str, round_: int, results: list[dict]) -> dict
         "decode_tokens_per_s": round(predicted / decode_s, 1) if decode_s > 0 else None,
         "turns": [{"turn": r["turn"], "prompt": r["prompt"], "evaluated": r["evaluated"], "ttft_s": round(r["ttft"], 3)}
                   for r in results if r["conversation"] == 0],
+        # each request's decoding speed (the server's own timings), in the order sent
+        "per_request": [round(r["predicted"][0] / r["predicted"][1], 1) if r["predicted"][1] > 0 else None
+                        for r in results],
         "texts": [r["text"] for r in results],
     }
 
@@ -250,7 +254,7 @@ def compare_with_plain(rows: list[dict]) -> None:
         row["wall_vs_plain"] = round(row["wall_s"] / reference["wall_s"], 2)
 
 
-def table(rows: list[dict], turns: bool) -> str:
+def table(rows: list[dict], turns: bool, per_request: bool = False) -> str:
     lines = ["| trace | server | requests | prompt tokens / evaluated | completion | wall s | first token s (mean) | "
              "decode tok/s | vs plain | same as plain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -265,6 +269,10 @@ def table(rows: list[dict], turns: bool) -> str:
                   "|---|---|---|"]
         lines += [f"| {r['trace']} | {r['server']} | " + "; ".join(
             f"{t['prompt']}/{t['evaluated']}/{t['ttft_s']}" for t in r["turns"]) + " |" for r in rows if "turns" in r]
+    if per_request:
+        lines += ["", "| trace | server | decode tok/s of each request, in the order sent |", "|---|---|---|"]
+        lines += [f"| {r['trace']} | {r['server']} | " + " ".join(str(v) for v in r["per_request"]) + " |"
+                  for r in rows if "per_request" in r]
     return "\n".join(lines)
 
 
@@ -328,7 +336,7 @@ def main() -> None:
     compare_with_plain(rows)
     for row in rows:
         row.pop("texts", None)
-    print(json.dumps(rows, indent=2) if args.json else table(rows, args.turns))
+    print(json.dumps(rows, indent=2) if args.json else table(rows, args.turns, args.per_request))
 
 
 def _parse_args() -> argparse.Namespace:
@@ -343,6 +351,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline", type=Path, help="another checkout of specrun: the servers base and base-plain run it")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--turns", action="store_true", help="also the per-turn figures of the growing conversations")
+    parser.add_argument("--per-request", action="store_true", help="also each request's decoding speed (a repeat against a first)")
     parser.add_argument("--json", action="store_true")
     return parser.parse_args()
 
