@@ -4,7 +4,10 @@ modules, imports at the top (cli.py excepted, for a fast --help)."""
 from __future__ import annotations
 
 import ast
+import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specrun"
@@ -13,7 +16,17 @@ MAX_LINES = 600
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {str(f.relative_to(PACKAGE)): ast.parse(f.read_text()) for f in sorted(PACKAGE.rglob("*.py"))}
+    files = sorted(PACKAGE.rglob("*.py"))
+    try:
+        return {str(f.relative_to(PACKAGE)): ast.parse(f.read_text()) for f in files}
+    except SystemError:
+        # CPython 3.11.7's "AST constructor recursion depth mismatch": after some deep recursion
+        # earlier in the same process (a few of the suite's modules, run before this one), ast.parse
+        # fails on any file. A fresh interpreter parses them.
+        script = ("import ast, pickle, sys; sys.stdout.buffer.write(pickle.dumps("
+                  "[ast.parse(open(f, encoding='utf-8').read()) for f in sys.argv[1:]]))")
+        done = subprocess.run([sys.executable, "-c", script, *map(str, files)], capture_output=True, check=True)
+        return {str(f.relative_to(PACKAGE)): tree for f, tree in zip(files, pickle.loads(done.stdout))}
 
 
 def _floors() -> dict[str, int]:
