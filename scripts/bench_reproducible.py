@@ -37,9 +37,15 @@ OTHERS = ("Write a short poem about autumn leaves.", "What are the main causes o
           "Describe how a bicycle gear system works.")
 
 
+# Every measured run's threads wait at llama.cpp's barriers without spinning (OpenMP's passive
+# policy, under every load alike): a spinning thread whose partner lost its core to the load holds
+# its own core for nothing, and runs took minutes. How threads wait changes no number computed.
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def specrun(*args: str, stdin: str | None = None) -> str:
     done = subprocess.run([sys.executable, "-m", "specrun", *args], input=stdin, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900, env=ENV)
     if done.returncode:
         raise SystemExit(f"specrun {' '.join(args)} failed: {done.stderr[-2000:]}")
     return done.stdout
@@ -69,7 +75,7 @@ def served(reproducible: bool, common: list[str], max_tokens: int) -> str:
     import httpx
 
     server = subprocess.Popen([sys.executable, "-m", "specrun", "serve", "--port", "0", "--parallel", "4", *common],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         url = next((m.group(1) for line in server.stderr if (m := re.search(r"listening on (http://\S+)", line))), None)
         if url is None:
