@@ -11,6 +11,7 @@ otherwise (tests/tiny_archs.py, models/synthetic/real_shapes.py scaled with the 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import uuid
 from dataclasses import replace
@@ -355,3 +356,28 @@ def test_models_fit_says_how_each_would_run_here_downloaded_or_not(offline_model
     assert unknown["fits"] is None and unknown["text"] == "?" and "remote-gone" in unknown["why"]
     shaped = rows["qwen3.5-27b"]["fit"]  # not on the fake hub either: planned from its published shape
     assert shaped["fits"] is not None and shaped["n_ctx"] >= 4096
+
+
+def test_simulated_allocations_are_kept_apart_from_the_memory_of_answers_and_bounded(offline_models, tmp_path,
+                                                                                       monkeypatch):
+    """llama.cpp's simulated allocations are saved per model file and context in allocations/ (not
+    in memory/, where the memory of answers is saved), and only the most recent MAX_RECORDS stay."""
+    from specrun.engine import memory as engine_memory
+
+    home = tmp_path / "specrun"
+    monkeypatch.setenv("SPECRUN_HOME", str(home))
+    monkeypatch.setattr(engine_memory, "MAX_RECORDS", 2)
+    folder = home / "allocations"
+    folder.mkdir(parents=True)
+    for i, name in enumerate(("oldest", "older", "old")):
+        (folder / f"{name}.json").write_text("{}")
+        os.utime(folder / f"{name}.json", (1_000_000 + i, 1_000_000 + i))
+    spec = engine_memory.ContextSpec(n_ctx=256, n_batch=64, n_seq_max=1)
+    first = engine_memory.simulate(offline_models.smollm2_random, [spec])[0]
+    kept = sorted(p.name for p in folder.glob("*.json"))
+    assert len(kept) == 2 and "old.json" in kept, kept  # the new record and the most recent old one
+    assert not (home / "memory").exists()
+    # The record is read back by the next run's plan instead of a new simulation.
+    again = engine_memory.Simulation(offline_models.smollm2_random)
+    monkeypatch.setattr(again, "_simulate", lambda spec: pytest.fail("simulated again instead of reading the record"))
+    assert again.context(spec) == first

@@ -173,6 +173,10 @@ SNAPSHOT_PEAK_BESIDE = 0.85
 # How a record's figures were made: a change to Simulation._simulate's arithmetic leaves records of
 # the old one unread (a hybrid's small state scaled per snapshot, kept on disk, outlived its fix).
 RECORD_METHOD = 3
+# Records kept in the cache (each a few hundred bytes): past this many the least recently stored
+# go. Every plan's search simulates contexts of several sizes, and every model file (a new
+# download, a test's) keys its own: an unbounded folder had grown to 3,500 files on one machine.
+MAX_RECORDS = 1024
 
 
 class Simulation:
@@ -283,12 +287,30 @@ def _record_path(path: Path, spec: ContextSpec, load: dict) -> Path | None:
         key = json.dumps(_record_key(path, spec, load), sort_keys=True)
     except OSError:
         return None
-    return cache_dir() / "memory" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    # (Not in memory/, where the memory of answers is saved: decoding.memory, paths.memory_dir.)
+    return cache_dir() / "allocations" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
 def _store(record: Path, data: dict) -> None:
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(record, data)
+        _prune(record.parent, MAX_RECORDS)
     except OSError:  # a read-only cache only costs the next run a simulation
         pass
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Delete the least recently stored records of `folder` beyond `keep` (another process's
+    deleting them first is fine: each is only a simulation saved)."""
+    records = list(folder.glob("*.json"))
+    if len(records) <= keep:
+        return
+    stored = []
+    for path in records:
+        try:
+            stored.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    for _, old in sorted(stored)[: len(stored) - keep]:
+        old.unlink(missing_ok=True)
