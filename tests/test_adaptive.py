@@ -7,6 +7,7 @@ import pytest
 
 from specrun.core.tree import DraftTree
 from specrun.decoding.adaptive import (
+    LONG_MATCH,
     DraftPrior,
     Hindsight,
     HindsightByKind,
@@ -287,6 +288,26 @@ def test_a_copy_under_way_does_not_earn_trust_again_at_each_run_level():
     assert kinds.record((2, True)) is kinds[(1, True)]  # watched, but not yet met a token
     kinds.feed([0])
     assert kinds.record((2, True)) is kinds[(2, True)]  # its own record from now on
+
+
+def test_a_long_match_among_earlier_answers_is_a_kind_of_its_own():
+    """Copies of earlier answers (a long match measured backward) are sized by a record of their
+    own: repeated answers accepted whole must not size the short matches of structured text (a
+    JSON key among records of other values), nor those theirs; with nothing measured yet, a long
+    match takes a strong one's record."""
+    kinds = HindsightByKind(max_budget=32)
+    assert kinds.kind(order=LONG_MATCH) == (0, 2) and kinds.kind(order=LONG_MATCH - 1) == (0, 1)
+    cost = lambda n: 0.010 + 0.002 * n
+    for start in (0, 100, 200):  # three repeated answers, each accepted whole
+        kinds[(0, 2)].watch(chain(1, list(range(start + 2, start + 34))))
+        kinds.feed(list(range(start + 2, start + 34)))
+        kinds.feed([-1])  # (the answer ends: the next starts a new run)
+    assert kinds.record((0, 2)).best(cost)[0] >= 24
+    assert kinds.record((0, 1)) is kinds[(0, 1)] and kinds.record((0, 1)).best(cost)[0] == 0
+    fresh = HindsightByKind(max_budget=32)
+    fresh[(0, 1)].watch(chain(1, [2, 3, 4]))
+    fresh.feed([2, 3, 4, -1])
+    assert fresh.record((0, 2)) is fresh[(0, 1)]  # nothing long measured: the strong record
 
 
 class ScriptedDraft(ModelDrafter):

@@ -53,7 +53,7 @@ def test_a_long_match_drafts_far_and_a_weak_one_little():
     memory = OutputMemory()
     memory.remember([7, 8, 9] + ANSWER, 3)
     rows, weights, order = memory.continuations([5, 5] + ANSWER[:20], 64)
-    assert order == 4 and len(rows) == 1
+    assert order == 20 and len(rows) == 1  # (the match's length: from LONG_MATCH a kind of its own)
     reach = int(REACH_PER_TOKEN * 20)  # 20 tokens matched: 40 tokens proposed
     assert rows[0].tolist() == ANSWER[20 : 20 + reach] + [-1] * (64 - reach)
     rows, weights_weak, _ = memory.continuations([5, 5] + ANSWER[18:20], 64)
@@ -103,7 +103,7 @@ def test_the_request_index_and_the_memory_propose_one_tree():
     alone = LookupIndex()
     alone.sync([3, 4, 5, 6, 7, 8])
     assert paths(alone.propose(alone.live, 32, 4, memory=memory)) == [[40, 41, 42, 43]]
-    assert alone.last_order == 4
+    assert alone.last_order == 6  # the 6 tokens it matched among the memory's answers
 
 
 def test_the_memory_is_bounded_and_forgets_the_oldest():

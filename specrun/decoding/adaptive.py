@@ -35,6 +35,13 @@ KIND_HALF_LIFE = 8
 PRIOR_TOKEN_COST = 0.1
 # A lookup proposal found by an n-gram this long or longer is "strong" (HindsightByKind).
 STRONG_ORDER = 3
+# A proposal whose text matched an earlier answer over this many tokens or more, measured backward
+# (decoding.memory: a regenerated answer, a retried step, a sibling's repeated query; a request's
+# own index matches ORDERS[0] tokens at most), is a kind of its own. Sized by one record with the
+# strong n-grams, the 32-node chains that repeated SQL answers paid for were tried on the JSON
+# records sent after them (keys matched among records of other values), accepting 1-3 tokens at
+# 4x a plain step's cost: the first two records decoded at 74-81 tokens/s, 82-94 apart.
+LONG_MATCH = 8
 # Steps of "nothing accepted" each kind starts from (Hindsight.doubt): a proposal made while the
 # text follows an earlier one is credible sooner than one after a chance match.
 DOUBT, RUN_DOUBT = 8.0, 2.0
@@ -256,41 +263,43 @@ class Hindsight:
 class HindsightByKind:
     """A Hindsight per kind of proposal: how a proposal was found says much about its chances.
 
-    A kind is (run, strong). `run` says how long the emitted text has been following earlier
+    A kind is (run, strength). `run` says how long the emitted text has been following earlier
     proposals (every latest token held by one): 0 (not, or for one token, which may be chance),
-    1 (a few tokens) or 2 (LONG_RUN tokens or more). `strong`:
-    the proposal's longest n-gram match has at least STRONG_ORDER tokens. Mid-copy, proposals
-    are accepted for long stretches; in free text, a match on the last token or two rarely is.
+    1 (a few tokens) or 2 (LONG_RUN tokens or more). `strength`: 0 where the proposal's longest
+    match has fewer than STRONG_ORDER tokens, 1 from STRONG_ORDER, 2 from LONG_MATCH (measured
+    backward among earlier answers). Mid-copy, proposals are accepted for long stretches; in free
+    text, a match on the last token or two rarely is.
     """
 
     def __init__(self, max_budget: int, half_life: float = KIND_HALF_LIFE):
         self.kinds = {
-            (run, strong): Hindsight(max_budget, half_life, doubt=RUN_DOUBT if run else DOUBT)
+            (run, strength): Hindsight(max_budget, half_life, doubt=RUN_DOUBT if run else DOUBT)
             for run in (0, 1, 2)
-            for strong in (False, True)
+            for strength in (0, 1, 2)
         }
         self.streak = 0  # the latest emitted tokens that some proposal held, in a row
 
-    def __getitem__(self, kind: tuple[int, bool]) -> Hindsight:
+    def __getitem__(self, kind: tuple[int, int]) -> Hindsight:
         return self.kinds[kind]
 
-    def record(self, kind: tuple[int, bool]) -> Hindsight:
+    def record(self, kind: tuple[int, int]) -> Hindsight:
         """The Hindsight that sizes a proposal of `kind`: its own once it has measured one; until
         then that of the same strength a run level below (the text having followed earlier
         proposals for longer only raises the odds), so that a copy under way is not made to
         earn trust from nothing again at each run level (a fresh process's rewrites took 7%
-        more passes so)."""
-        run, strong = kind
-        own = hindsight = self.kinds[kind]
-        while not hindsight.measured and run > 0:
-            run -= 1
-            hindsight = self.kinds[(run, strong)]
-        return hindsight if hindsight.measured else own
+        more passes so); a long match with nothing of its own measured takes a strong one's."""
+        run, strength = kind
+        own = self.kinds[kind]
+        for level in range(strength, 0 if strength == 2 else strength - 1, -1):
+            for lower in range(run, -1, -1):
+                if self.kinds[(lower, level)].measured:
+                    return self.kinds[(lower, level)]
+        return own
 
-    def kind(self, order: int) -> tuple[int, bool]:
-        """The kind of a proposal made now, whose longest n-gram match has `order` tokens."""
+    def kind(self, order: int) -> tuple[int, int]:
+        """The kind of a proposal made now, whose longest match has `order` tokens."""
         run = 2 if self.run(LONG_RUN) else 1 if self.run(2) else 0
-        return run, order >= STRONG_ORDER
+        return run, 2 if order >= LONG_MATCH else 1 if order >= STRONG_ORDER else 0
 
     def run(self, tokens: int = 2) -> bool:
         """Whether the text has followed earlier proposals for the last `tokens` tokens at least

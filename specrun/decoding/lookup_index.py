@@ -94,7 +94,7 @@ class LookupIndex:
         self._live = np.empty(_MIN_CAPACITY, np.int32)  # the caller's current sequence
         self._n_live = 0
         self._live_at_end = True  # the history ends with the live sequence: appends continue it
-        self.last_order = 0  # the longest n-gram order the last proposal matched (0: none)
+        self.last_order = 0  # the longest n-gram order the last proposal matched, or its memory match (0: none)
 
     def __len__(self) -> int:
         """Tokens of history kept (separators and context copies included)."""

@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from specrun import paths
-from specrun.decoding.lookup_index import ORDER_WEIGHT, ORDERS, LookupIndex
+from specrun.decoding.lookup_index import ORDER_WEIGHT, LookupIndex
 from specrun.files import atomic_path
 
 # 2**19 tokens (the answers of ~2,600 requests of 200 tokens): 14.5 MiB of index.
@@ -86,8 +86,9 @@ class OutputMemory:
 
     def continuations(self, context: Sequence[int], depth: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Return what followed earlier occurrences of the end of `context` ([m, depth] tokens,
-        -1 past each one's reach), their weights, and the longest match's order as a proposal
-        reports it (at most the request index's longest order; 0: none)."""
+        -1 past each one's reach), their weights, and the longest match in tokens (up to LONGEST;
+        0: none), which a proposal reports as its order (adaptive.HindsightByKind: from
+        LONG_MATCH tokens a kind of its own)."""
         with self._lock:
             positions, _ = self.index.occurrences(context)
             if len(positions) == 0:
@@ -98,7 +99,7 @@ class OutputMemory:
             rows, kept = self.index.continuations(positions, np.arange(len(positions)), depth)
         reach = np.maximum(MIN_REACH, np.ceil(REACH_PER_TOKEN * matched[kept]))
         rows[np.arange(depth)[None, :] >= reach[:, None]] = -1
-        return rows, weights[kept], int(min(matched.max(), ORDERS[0]))
+        return rows, weights[kept], int(matched.max())
 
     def match_order(self, context: Sequence[int], at_least: int) -> int:
         """The longest order (`at_least` or more) at which the end of `context` occurred among
