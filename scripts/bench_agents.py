@@ -17,8 +17,9 @@ Every assistant answer the server gives is put back into its conversation, as a 
 
 Servers, started in turn on the same files (specrun's --target/--draft, by default the demo pair):
 `specrun` is `specrun serve` with its defaults, `specrun-plain` the same with --no-spec (plain
-decoding: the reference every answer is compared with), `specrun-throughput` with --throughput (any
-cached prefix of a prompt reused, not only whole prefill batches: answers may part at near-ties); `base` and `base-plain` run the checkout
+decoding: the reference every answer is compared with), `specrun-throughput` with --parallel 2
+--throughput (any cached prefix of a prompt reused, not only whole prefill batches: answers may
+part at near-ties); `base` and `base-plain` run the checkout
 --baseline names (e.g. `git worktree add /tmp/base <commit>`), to measure a change against its
 parent in turns. `peer-*` are llama.cpp's llama-server from --peer-bin (built from the pinned
 sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release && cmake
@@ -287,7 +288,9 @@ def start(name: str, args) -> _Server | None:
             print(f"{name}: skipped (no --baseline)", file=sys.stderr)
             return None
         repo = args.baseline if name.startswith("base") else REPO
-        return specrun_server(repo, args, 1, plain=name.endswith("-plain"), throughput=name.endswith("-throughput"))
+        # (--throughput takes effect where requests may decode together: two lanes, for one agent)
+        throughput = name.endswith("-throughput")
+        return specrun_server(repo, args, 2 if throughput else 1, plain=name.endswith("-plain"), throughput=throughput)
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
