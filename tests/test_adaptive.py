@@ -19,7 +19,7 @@ from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter, SessionText
 from specrun.decoding.lookup_index import graft
 from specrun.decoding.pay.guard import SpeedGuard
-from specrun.decoding.pay.rules import ALONE, Beside
+from specrun.decoding.pay.rules import ALONE, STEP_MARGIN, Beside, best_size
 from specrun.decoding.steps import Step
 
 
@@ -83,6 +83,21 @@ def test_long_accepted_runs_pick_a_budget_that_pays():
     cost.observe(17, 0.010 + 16 * 0.001)
     budget, _ = hindsight.best(lambda n: cost(n + 1))
     assert budget in (16, 24, 32)  # 20 accepted: beyond that a node only costs
+
+
+def test_at_an_answers_last_tokens_a_budget_buys_no_more_than_the_depth_left():
+    """What deep proposals accepted does not size a tree cut to an answer's last few tokens: there
+    a large budget buys a wide shallow tree (lookup verified 26 nodes 6 deep, 48 ms for 7 tokens)."""
+    hindsight = Hindsight(max_budget=64)
+    for _ in range(20):
+        tokens = list(range(10, 40))
+        hindsight.watch(chain(1, tokens))
+        hindsight.feed(tokens[:20] + [0])
+    steep = lambda n: 0.010 + 0.0015 * n + 0.008 * (np.asarray(n) > 0)  # a CPU's pass: a tree dearer at once
+    deep, _ = hindsight.best(steep, STEP_MARGIN)
+    shallow, _ = hindsight.best(steep, STEP_MARGIN, depth=6)
+    assert deep >= 16 and shallow <= 6, (deep, shallow)
+    assert best_size(hindsight, steep, 64, depth=6) == shallow
 
 
 def test_target_cost_fits_a_line_and_scales_a_profile():

@@ -248,12 +248,15 @@ class Hindsight:
         return total / weight if weight else total
 
     def best(self, step_seconds: Callable[[np.ndarray], np.ndarray], margin: float = 0.0,
-             emitted_beside: float = 0.0) -> tuple[int, float]:
+             emitted_beside: float = 0.0, depth: int | None = None) -> tuple[int, float]:
         """Return (budget, tokens/s) with the most tokens per second, given the seconds of a step
         that verifies n nodes: `step_seconds(n)` (vectorised). A tree must beat no tree (budget
         0) by `margin`: a bet that only breaks even on estimates loses to their noise.
-        `emitted_beside`: tokens other requests emit from the same pass (its rate is theirs too)."""
-        rates = (self.accepted() + 1.0 + emitted_beside) / step_seconds(self.nodes())
+        `emitted_beside`: tokens other requests emit from the same pass (its rate is theirs too).
+        `depth`: the deepest this step's tree may reach (an answer's last tokens), which caps
+        what any budget accepts: what deep trees accepted does not buy a wide shallow one."""
+        accepted = self.accepted() if depth is None else np.minimum(self.accepted(), depth)
+        rates = (accepted + 1.0 + emitted_beside) / step_seconds(self.nodes())
         i = int(np.argmax(rates))
         if i and rates[i] < rates[0] * (1.0 + margin):
             i = 0

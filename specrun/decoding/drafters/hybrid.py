@@ -175,7 +175,7 @@ class HybridDrafter(Drafter):
         after_draft, self.drafted = self.drafted, not leaning
         if leaning:
             self._lean_steps += 1
-            chosen = self._best(alone, lookup_budget, self._overhead_s("lean")) if proposed else 0
+            chosen = self._best(alone, lookup_budget, self._overhead_s("lean"), depth) if proposed else 0
             if not chosen:
                 return None  # a plain step beats the draft model's tree here
             self.idle.paid()
@@ -198,19 +198,19 @@ class HybridDrafter(Drafter):
             return grown
         self.with_draft.watch(branches, base=tree, new_by_rank=new_by_rank(tree, branches))
         overhead = self._draft_step_s(self._steady_debt()) + self._overhead_s("draft")
-        chosen = min(room, self._best(self.with_draft, lookup_budget, overhead))
+        chosen = min(room, self._best(self.with_draft, lookup_budget, overhead, depth))
         if chosen:
             graft(tree, cut(branches, chosen), MAX_LEAVES)
             if len(tree) > base_len:
                 grown.lookup_from = base_len
         return grown
 
-    def _best(self, hindsight: Hindsight, budget: int, overhead: float) -> int:
+    def _best(self, hindsight: Hindsight, budget: int, overhead: float, depth: int | None = None) -> int:
         """The lookup budget with the most tokens per second, a step costing `overhead` seconds
-        beside the target's pass."""
+        beside the target's pass, its tree at most `depth` deep."""
         if not self.adapt or not hindsight.known:
             return budget
-        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget, self.beside)
+        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget, self.beside, depth)
 
     def _lean_record(self, record: Hindsight) -> Hindsight:
         """The record that prices and sizes a lookup step alone: the kind's own (`record`), or,

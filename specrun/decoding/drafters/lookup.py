@@ -170,16 +170,17 @@ class LookupDrafter(Drafter):
         tree = self.text.propose(budget, depth)
         kind = self.seen.kind(self.text.last_order)
         self.seen[kind].watch(tree)
-        self.chosen = self.best_budget(self.seen.record(kind), budget) if tree is not None else 0
+        self.chosen = self.best_budget(self.seen.record(kind), budget, depth) if tree is not None else 0
         if self.chosen == 0:
             return None
         self.idle.paid()
         return lookup_proposal(cut(tree, self.chosen))
 
-    def best_budget(self, hindsight: Hindsight, budget: int) -> int:
-        """The budget with the most tokens per second this kind of proposal has measured."""
+    def best_budget(self, hindsight: Hindsight, budget: int, depth: int | None = None) -> int:
+        """The budget with the most tokens per second this kind of proposal has measured, for a
+        tree at most `depth` deep."""
         overhead = float(self.step_s.mean) if self.step_s.known else 0.0
-        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget, self.beside)
+        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget, self.beside, depth)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         pass  # the next propose reads what was accepted from the committed text
