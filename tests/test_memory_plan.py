@@ -361,7 +361,8 @@ def test_models_fit_says_how_each_would_run_here_downloaded_or_not(offline_model
 def test_simulated_allocations_are_kept_apart_from_the_memory_of_answers_and_bounded(offline_models, tmp_path,
                                                                                        monkeypatch):
     """llama.cpp's simulated allocations are saved per model file and context in allocations/ (not
-    in memory/, where the memory of answers is saved), and only the most recent MAX_RECORDS stay."""
+    in memory/, where the memory of answers is saved), and only the MAX_RECORDS most recently used
+    stay (stored or read)."""
     from specrun.engine import memory as engine_memory
 
     home = tmp_path / "specrun"
@@ -380,4 +381,9 @@ def test_simulated_allocations_are_kept_apart_from_the_memory_of_answers_and_bou
     # The record is read back by the next run's plan instead of a new simulation.
     again = engine_memory.Simulation(offline_models.smollm2_random)
     monkeypatch.setattr(again, "_simulate", lambda spec: pytest.fail("simulated again instead of reading the record"))
+    [record] = [p for p in folder.glob("*.json") if p.name != "old.json"]
+    os.utime(record, (900_000, 900_000))  # stored long ago: reading it makes it the most recent
     assert again.context(spec) == first
+    (folder / "newer.json").write_text("{}")
+    engine_memory._prune(folder, 2)
+    assert record.exists() and not (folder / "old.json").exists()

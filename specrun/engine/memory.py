@@ -173,7 +173,7 @@ SNAPSHOT_PEAK_BESIDE = 0.85
 # How a record's figures were made: a change to Simulation._simulate's arithmetic leaves records of
 # the old one unread (a hybrid's small state scaled per snapshot, kept on disk, outlived its fix).
 RECORD_METHOD = 3
-# Records kept in the cache (each a few hundred bytes): past this many the least recently stored
+# Records kept in the cache (each a few hundred bytes): past this many the least recently used
 # go. Every plan's search simulates contexts of several sizes, and every model file (a new
 # download, a test's) keys its own: an unbounded folder had grown to 3,500 files on one machine.
 MAX_RECORDS = 1024
@@ -201,6 +201,7 @@ class Simulation:
             cached = read_json(record, dict, "memory record") if record else None
             if cached is not None and cached.get("key") == _record_key(self.path, spec, self._load):
                 allocation = Allocation.from_dict(cached["allocation"])
+                _touch(record)  # (used now: the last the pruning drops)
             else:
                 allocation = self._simulate(spec)
                 if record is not None:
@@ -300,9 +301,16 @@ def _store(record: Path, data: dict) -> None:
         pass
 
 
+def _touch(record: Path) -> None:
+    try:
+        record.touch()
+    except OSError:  # a read-only cache: its records are never pruned either
+        pass
+
+
 def _prune(folder: Path, keep: int) -> None:
-    """Delete the least recently stored records of `folder` beyond `keep` (another process's
-    deleting them first is fine: each is only a simulation saved)."""
+    """Delete the least recently used records of `folder` beyond `keep` (stored or read: their
+    times; another process's deleting them first is fine: each is only a simulation saved)."""
     records = list(folder.glob("*.json"))
     if len(records) <= keep:
         return
