@@ -292,12 +292,11 @@ class HindsightByKind:
         earn trust from nothing again at each run level (a fresh process's rewrites took 7%
         more passes so); a long match with nothing of its own measured takes a strong one's."""
         run, strength = kind
-        own = self.kinds[kind]
-        for level in range(strength, 0 if strength == 2 else strength - 1, -1):
+        for level in (2, 1) if strength == 2 else (strength,):
             for lower in range(run, -1, -1):
                 if self.kinds[(lower, level)].measured:
                     return self.kinds[(lower, level)]
-        return own
+        return self.kinds[kind]
 
     def kind(self, order: int) -> tuple[int, int]:
         """The kind of a proposal made now, whose longest match has `order` tokens."""
