@@ -1,5 +1,6 @@
 """Adapting the verified tree to measured acceptance and cost (pure, no model)."""
 
+import copy
 from dataclasses import replace
 
 import numpy as np
@@ -19,7 +20,7 @@ from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter, SessionText
 from specrun.decoding.lookup_index import graft
 from specrun.decoding.pay.guard import SpeedGuard
-from specrun.decoding.pay.rules import ALONE, STEP_MARGIN, Beside, best_size
+from specrun.decoding.pay.rules import ALONE, STEP_MARGIN, Beside, best_lookup_size, best_size
 from specrun.decoding.steps import Step
 
 
@@ -98,6 +99,29 @@ def test_at_an_answers_last_tokens_a_budget_buys_no_more_than_the_depth_left():
     shallow, _ = hindsight.best(steep, STEP_MARGIN, depth=6)
     assert deep >= 16 and shallow <= 6, (deep, shallow)
     assert best_size(hindsight, steep, 64, depth=6) == shallow
+
+
+def test_one_dear_tree_pass_does_not_price_lookup_trees_out_for_good():
+    """The run's first tree pass met a busy moment: alone it prices every tree out. Until
+    SETTLED_PASSES tree passes were measured, the size the prior price picks is tried; then what
+    they measured decides, a tree where they were cheap, none where they were all dear."""
+    hindsight = Hindsight(max_budget=64)
+    for _ in range(20):
+        tokens = list(range(10, 40))
+        hindsight.watch(chain(1, tokens))
+        hindsight.feed(tokens[:20] + [0])
+    busy = TargetCost()
+    busy.observe(1, 0.010)
+    busy.observe(3, 0.300)
+    assert best_size(hindsight, lambda n: busy(n + 1), 64) == 0 and not busy.settled
+    tried = best_lookup_size(hindsight, busy, 0.001, 64)
+    assert tried >= 16
+    quiet, dear = copy.deepcopy(busy), copy.deepcopy(busy)
+    for _ in range(2):
+        quiet.observe(tried + 1, 0.010 + tried * 0.001)
+        dear.observe(tried + 1, 0.300 + tried * 0.010)
+    assert quiet.settled and best_lookup_size(hindsight, quiet, 0.001, 64) >= 16
+    assert dear.settled and best_lookup_size(hindsight, dear, 0.001, 64) == 0
 
 
 def test_target_cost_fits_a_line_and_scales_a_profile():

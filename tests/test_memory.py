@@ -326,3 +326,34 @@ def test_generate_with_memory_drafts_from_the_last_run(offline_models, monkeypat
     assert len(warned) == 1 and "ignoring the memory of answers" in warned[0] and "fresh" in warned[0], stderr
     listed = CliRunner().invoke(app, ["models"])
     assert listed.exit_code == 0 and "1 answer(s), " in listed.stderr and str(saved) in listed.stderr, listed.stderr
+
+
+def test_a_busy_moment_at_the_first_tree_pass_does_not_stop_the_memorys_drafts(offline_models, monkeypatch, tmp_path):
+    """The first lookup tree of a run met a busy machine (its pass timed 20x what it cost): the
+    remembered answer is still drafted. One such pass once priced every tree out for the whole
+    answer (1.03 tokens a pass, where a quiet run took 7.5), since trees not tried are never
+    timed again."""
+    from typer.testing import CliRunner
+
+    from specrun.cli import app
+    from specrun.decoding.adaptive import TargetCost
+
+    monkeypatch.setenv("SPECRUN_MEMORY", str(tmp_path / "memory"))
+    observe, busy = TargetCost.observe, []
+
+    def first_tree_pass_busy(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens > 1 and self not in busy:
+            busy.append(self)
+            seconds *= 20
+        observe(self, n_tokens, seconds)
+
+    def run() -> dict:
+        result = CliRunner().invoke(app, ["generate", "--draft", "lookup", "--json", "-n", str(MAX_TOKENS), "--memory", ASKED])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    first = run()
+    monkeypatch.setattr(TargetCost, "observe", first_tree_pass_busy)
+    second = run()
+    assert busy and second["text"] == first["text"]
+    assert second["accepted_per_pass"] > 3, second["accepted_per_pass"]

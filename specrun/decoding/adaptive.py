@@ -33,6 +33,11 @@ KIND_HALF_LIFE = 8
 # Before this run has measured a multi-token pass: each extra verified token costs this fraction
 # of a one-token pass (the CPU demo pair measures 0.06-0.11; a GPU far less).
 PRIOR_TOKEN_COST = 0.1
+# Multi-token passes a run measures before their figure alone may price every tree out
+# (TargetCost.settled). One pass is one sample: the first a fresh process ran at a busy moment
+# (a 2-node lookup tree, on a loaded machine) priced a remembered answer's trees out for all of
+# its 64 tokens, 1.03 tokens a pass where 7.5 were there to take.
+SETTLED_PASSES = 3
 # A lookup proposal found by an n-gram this long or longer is "strong" (HindsightByKind).
 STRONG_ORDER = 3
 # A proposal whose text matched an earlier answer over this many tokens or more, measured backward
@@ -352,6 +357,18 @@ class TargetCost:
     @property
     def known(self) -> bool:
         return self._ratio.known or self._base.known or self._fit.known
+
+    @property
+    def settled(self) -> bool:
+        """Whether the cost of a multi-token pass rests on a profile's curve or on SETTLED_PASSES
+        such passes measured in this run."""
+        return self.curve is not None or self._fit.count >= SETTLED_PASSES
+
+    def prior(self, n_tokens: np.ndarray) -> np.ndarray:
+        """Seconds of an n-token pass as assumed before any multi-token pass was measured: the
+        one-token figure, and PRIOR_TOKEN_COST of it per extra token."""
+        n = np.asarray(n_tokens, np.float64)
+        return self._one_token_s() * (1.0 + PRIOR_TOKEN_COST * np.maximum(n - 1.0, 0.0))
 
     def plain_s(self) -> float | None:
         """Seconds of a one-token pass, or None when nothing was measured or profiled."""

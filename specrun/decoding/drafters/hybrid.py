@@ -36,7 +36,7 @@ from specrun.decoding.pay.rules import (
     THIN_KIND,
     Beside,
     assumed_prior,
-    best_size,
+    best_lookup_size,
     draft_could_pay,
     faster,
 )
@@ -210,7 +210,7 @@ class HybridDrafter(Drafter):
         beside the target's pass, its tree at most `depth` deep."""
         if not self.adapt or not hindsight.known:
             return budget
-        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget, self.beside, depth)
+        return best_lookup_size(hindsight, self.cost, overhead, budget, self.beside, depth)
 
     def _lean_record(self, record: Hindsight) -> Hindsight:
         """The record that prices and sizes a lookup step alone: the kind's own (`record`), or,

@@ -16,7 +16,7 @@ from specrun.decoding.adaptive import (
     TargetCost,
 )
 from specrun.decoding.drafters.base import Drafter, Proposal
-from specrun.decoding.pay.rules import best_size
+from specrun.decoding.pay.rules import best_lookup_size
 from specrun.decoding.lookup_index import LookupIndex, cut
 from specrun.decoding.memory import OutputMemory
 
@@ -180,7 +180,7 @@ class LookupDrafter(Drafter):
         """The budget with the most tokens per second this kind of proposal has measured, for a
         tree at most `depth` deep."""
         overhead = float(self.step_s.mean) if self.step_s.known else 0.0
-        return best_size(hindsight, lambda nodes: self.cost(nodes + 1) + overhead, budget, self.beside, depth)
+        return best_lookup_size(hindsight, self.cost, overhead, budget, self.beside, depth)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         pass  # the next propose reads what was accepted from the committed text

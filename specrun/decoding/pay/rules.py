@@ -9,7 +9,8 @@ at one of four moments, and every threshold is below with the measurement it cam
 - a plan made from a profile is checked at load (`profile_holds`);
 - without a profile, the hybrid decides at load whether the draft model could pay at all
   (`draft_could_pay`) and, until it has run it, what to assume of it (`assumed_prior`);
-- each step, a drafter sizes its tree by what its hindsight says pays (`best_size`), the hybrid
+- each step, a drafter sizes its tree by what its hindsight says pays (`best_size`; lookup trees
+  by `best_lookup_size`, which tries the prior's price while few tree passes were timed), the hybrid
   weighs its draft model against leaning on lookup (`faster`, and the figures of its section
   below), and the speed guard (pay.guard) cuts what measures slower than plain steps, with the
   GUARD_ figures; over RPC workers the decoder fills a tree to a token count its passes have
@@ -28,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from specrun.decoding.adaptive import DraftPrior, Hindsight
+from specrun.decoding.adaptive import DraftPrior, Hindsight, TargetCost
 
 # -- each step --------------------------------------------------------------------------------
 
@@ -194,6 +195,19 @@ def best_size(hindsight: Hindsight, step_seconds: Callable[[np.ndarray], np.ndar
     down to plain steps for all where no tree pays for what it costs the pass."""
     best, _ = hindsight.best(lambda nodes: step_seconds(nodes + beside.tokens), STEP_MARGIN, beside.emitted, depth)
     return min(best, budget)
+
+
+def best_lookup_size(hindsight: Hindsight, cost: TargetCost, overhead: float, budget: int,
+                     beside: Beside = ALONE, depth: int | None = None) -> int:
+    """`best_size` for lookup trees, a step costing the target's pass (`cost`, over the tree's nodes
+    and its root) and `overhead` seconds beside it. While the run's figure for multi-token passes
+    is unsettled (TargetCost.settled) and prices every tree out, the size the prior price picks
+    is tried: a pass met at a busy moment would otherwise stop every lookup tree for the rest
+    of the run, since trees not tried are never measured again."""
+    best = best_size(hindsight, lambda nodes: cost(nodes + 1) + overhead, budget, beside, depth)
+    if best or cost.settled:
+        return best
+    return best_size(hindsight, lambda nodes: cost.prior(nodes + 1) + overhead, budget, beside, depth)
 
 
 def draft_could_pay(best_speedup: float | None) -> bool:
