@@ -374,3 +374,27 @@ def test_behind_a_network_delay_the_untuned_tree_grows_and_the_text_stays_the_ta
     assert remote["stats"]["max_tree_nodes"] >= 8, remote["stats"]
     # The draft model grew its tree on while the target's passes were on the network.
     assert remote["stats"]["reused_nodes"] > 0, remote["stats"]
+
+
+def test_tune_weighs_large_deep_trees_where_the_target_is_on_a_worker(worker, tmp_path):
+    """Where the target's passes run on a worker (the draft drafting meanwhile), `tune` calibrates
+    trees up to FIXED_COST_SHAPE's size and depth; on this machine's CPU, its settings as given."""
+    code = (
+        "import json, sys\n"
+        "from specrun.commands.tune import FIXED_COST_SHAPE, QUICK, _for_the_passes\n"
+        "from specrun.runtime.options import RunOptions\n"
+        "pair = dict(target='smollm2-135m-f32', draft='smollm2-135m-q4', ctx_size=1024)\n"
+        "out = {}\n"
+        "for name, rpc in (('local', ()), ('worker', tuple(sys.argv[1:]))):\n"
+        "    s = _for_the_passes(RunOptions(**pair, rpc=rpc), QUICK)\n"
+        "    out[name] = [s.max_budget, s.depth]\n"
+        "out['quick'] = [QUICK.max_budget, QUICK.depth]\n"
+        "out['fixed'] = [FIXED_COST_SHAPE.budget, FIXED_COST_SHAPE.depth]\n"
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, worker.endpoint], capture_output=True, text=True,
+                          env=_env(tmp_path), timeout=RUN_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    settings = json.loads(done.stdout)
+    assert settings["local"] == settings["quick"] and settings["worker"] == settings["fixed"], settings
+    assert settings["fixed"][0] > settings["quick"][0]

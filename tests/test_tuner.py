@@ -26,6 +26,7 @@ from specrun.tuning.cost_model import (
     sequoia_expected,
     sequoia_tree,
     specexec_draft_seconds,
+    step_seconds,
     tau_curve,
 )
 
@@ -370,3 +371,19 @@ def test_specexec_draft_cost_model():
     widths = [specexec_draft_seconds(draft, 256, 8, w) for w in (1, 2, 4, 8, 16, 32)]
     assert widths == sorted(widths, reverse=True)  # wider batches build faster on a flat draft curve
     assert math.isfinite(specexec_draft_seconds(draft, 10_000, 16, 1))
+
+
+def test_drafting_during_the_pass_prices_a_step_at_the_longer_of_the_two():
+    """A worker 50 ms away (the demo target's curve through it) and a CPU draft: grown while the
+    pass runs, a SpecExec tree costs the pass or its draft passes, whichever is longer, so the
+    tuner weighs larger trees than where drafting waits for the pass."""
+    network = CostCurve.from_points({1: 0.124, 16: 0.188, 64: 0.318, 128: 0.519, 512: 1.7})
+    cpu_draft = CostCurve.from_points({1: 0.006, 4: 0.007, 16: 0.010, 64: 0.025})
+    tau = _tau_from_rates(GOOD_ACCEPTANCE)
+    after = choose_config(network, cpu_draft, 0.0, tau, overhead_per_pass=0.001)
+    during = choose_config(network, cpu_draft, 0.0, tau, overhead_per_pass=0.001, overlapped=True)
+    assert after.kind == during.kind == "specexec"
+    assert during.budget > after.budget and during.predicted_tokens_per_s > after.predicted_tokens_per_s
+    print(f"\nafter the pass: {after.budget} nodes x{after.predicted_speedup:.2f}; "
+          f"during it: {during.budget} nodes x{during.predicted_speedup:.2f}")
+    assert step_seconds(0.3, 0.1, overlapped=True) == 0.3 and step_seconds(0.3, 0.1, overlapped=False) == 0.4

@@ -25,8 +25,8 @@ from specrun.decoding.pay import rules as pay
 from specrun.errors import SpecrunError, UsageError
 from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn
 from specrun.hardware.machine import probe_hardware
-from specrun.runtime.plan import RunOptions, connect_workers, resolve_models
-from specrun.runtime.runtime import Runtime, target_pass_s
+from specrun.runtime.plan import RunOptions, build_plan, connect_workers, resolve_models
+from specrun.runtime.runtime import Runtime, drafts_while_verifying, target_pass_s
 from specrun.runtime.trees import DEFAULT_SHAPE, tree_of_choice
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import measure as profiler
@@ -60,6 +60,10 @@ QUICK = TuneSettings(
     check_prompts=3, check_tokens=48, check_seconds=50, workload_tokens=64, workload_prompts=32,
     workload_seconds=150,
 )
+# Where a pass costs a round trip plus compute (a worker 50 ms away: 124 ms for 1 token, 318 ms
+# for 64, 519 for 128 on the demo target), the largest tree weighed and its depth: a deep tree is
+# drafted while the pass runs.
+FIXED_COST_SHAPE = TreeShape(1024, 24, 4, 4)
 FULL = TuneSettings(
     max_budget=512, depth=16, width=4, top_k=4, curve_repeats=5, curve_seconds=120,
     calibration_prompts=6, calibration_tokens=96, calibration_seconds=420,
@@ -75,6 +79,7 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
     connect_workers(opts)  # their devices are part of the machine the profile is made for
     hardware = probe_hardware()
     report.warn_if_busy(hardware.cores)
+    settings = _for_the_passes(opts, settings)
     max_budget = min(opts.budget or settings.max_budget, MAX_BUDGET)
     depth = opts.depth or settings.depth
     calibration_shape = TreeShape(max_budget, depth, min(settings.width, max_budget), min(settings.top_k, max_budget))
@@ -123,6 +128,18 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
         raise SpecrunError(f"cannot save the tuning profile in {paths.profiles_dir()}: {e.strerror or e}") from None
     ui.dim(f"profile saved to {path}")
     return profile
+
+
+def _for_the_passes(opts: RunOptions, settings: TuneSettings) -> TuneSettings:
+    """The settings for this machine's passes: where the draft grows its trees while the target's
+    pass runs elsewhere (RPC workers, a GPU: runtime.drafts_while_verifying), a pass costs about
+    as much for one token as for hundreds, and trees are weighed up to FIXED_COST_SHAPE's size
+    and depth (the target's curve still stops where a tree could no longer pay, and the
+    calibration tree is cut to the largest that could)."""
+    if not drafts_while_verifying(build_plan(opts, DEFAULT_SHAPE)):
+        return settings
+    return replace(settings, max_budget=max(settings.max_budget, FIXED_COST_SHAPE.budget),
+                   depth=max(settings.depth, FIXED_COST_SHAPE.depth))
 
 
 def _say_measured(measured: Measured) -> None:

@@ -364,6 +364,15 @@ def specexec_draft_seconds(
     return passes * draft_curve.t(per_pass)
 
 
+def step_seconds(target_s: float, draft_s: float, overlapped: bool) -> float:
+    """Seconds of a step whose target pass takes `target_s` and whose draft passes `draft_s`: one
+    after the other, or, `overlapped`, the draft growing the next tree during the target's pass,
+    the longer of the two. The overlap bound is the steady state of a best-first tree grown on
+    during the pass (best_first.TreeGrower.extend), which the next step takes where the target
+    accepts a path it holds."""
+    return max(target_s, draft_s) if overlapped else target_s + draft_s
+
+
 def specexec_passes(budget: int, depth: int, width: int, branching: float = DEFAULT_BRANCHING) -> tuple[int, int]:
     """Return (draft passes, nodes per pass) to grow a best-first tree; see specexec_draft_seconds."""
     if budget <= 0:
@@ -412,6 +421,7 @@ def choose_config(
     plain_overhead: float = 0.0,
     best_even_if_losing: bool = False,
     overhead_per_pass: float = 0.0,
+    overlapped: bool = False,
 ) -> Choice:
     """Return the configuration with the best predicted tokens/s, or plain decoding.
 
@@ -427,6 +437,10 @@ def choose_config(
     limits to such curves. The widths W only change the draft cost (`specexec_draft_seconds`).
     Sequoia: `accept_probs` are the positional rates; trees of up to `max_tree_tokens` nodes (root
     included) and each depth in `sequoia_depths` are tried, with at most MAX_TREE_LEAVES leaves.
+
+    `overlapped`: the draft grows its best-first trees while the target's pass runs elsewhere (an
+    RPC worker, a GPU: runtime.drafts_while_verifying), so a SpecExec step costs the longer of the
+    two (`step_seconds`), not their sum. Sequoia's static trees are drafted after the pass.
     """
     plain_rate = 1.0 / (target_curve.t(1) + plain_overhead)
     candidates: list[Choice] = []
@@ -439,12 +453,12 @@ def choose_config(
             if not 0 < budget < max_tree_tokens:
                 continue
             for w in widths:
-                passes = specexec_passes(budget, d, w, branching)[0] + 1
-                seconds = (
-                    target_curve.t(budget + 1)
-                    + specexec_draft_seconds(draft_curve, budget, d, w, branching)
-                    + overhead + overhead_per_pass * passes
-                )
+                draft_passes = specexec_passes(budget, d, w, branching)[0]
+                seconds = step_seconds(
+                    target_curve.t(budget + 1) + overhead_per_pass,
+                    specexec_draft_seconds(draft_curve, budget, d, w, branching) + overhead_per_pass * draft_passes,
+                    overlapped,
+                ) + overhead
                 rate = float(accepted) / seconds
                 candidates.append(Choice("specexec", int(budget), int(d), w, top_k, rate, rate / plain_rate))
 

@@ -51,6 +51,8 @@ class Measured:
     calibration: measure.Calibration
     overhead_s: float  # per calibration step (a tree of the calibration budget)
     overhead_per_pass_s: float  # the same, per forward pass: what the tuner's cost model uses
+    # The draft grows its trees during the target's passes (runtime.drafts_while_verifying).
+    overlapped: bool = False
 
     @property
     def target_curve(self) -> tuner.CostCurve:
@@ -108,7 +110,8 @@ def measure_pair(rt, settings: PairSettings, shape: TreeShape, progress, whole_c
     progress.update(task, completed=n_prompts * settings.calibration_tokens)
     topk = draft.topk_curve()
     return Measured(
-        target, draft, plain, calibration, calibration.overhead_s(topk), calibration.overhead_per_pass_s(topk)
+        target, draft, plain, calibration, calibration.overhead_s(topk), calibration.overhead_per_pass_s(topk),
+        overlapped=rt.overlap,
     )
 
 
@@ -174,4 +177,5 @@ def _tuner_inputs(measured: Measured) -> dict:
         "branching": cal.branching(),
         "plain_overhead": measured.plain.overhead_s,
         "max_tree_tokens": cal.budget + 1,
+        "overlapped": measured.overlapped,
     }
