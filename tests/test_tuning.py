@@ -29,7 +29,7 @@ from specrun.errors import SpecrunError, UsageError
 from specrun.experiments.workloads import KINDS, ROUNDS, WORKLOADS
 from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import Runtime
-from specrun.runtime.trees import tuned_default
+from specrun.runtime.trees import DEFAULT_GROWTH, DEFAULT_SHAPE, tree_of_choice, tuned_default
 from specrun.tuning import profiles, report
 from specrun.tuning.cost_model import sequoia_tree
 
@@ -275,7 +275,7 @@ def test_a_tuned_tree_that_measures_slower_than_the_untuned_default_is_not_store
     untuned chain of 5 decodes chat at ~1.2x: stored, it made every later chat slower."""
     chain3 = tune_command.tuner.Choice("sequoia", 3, 3, 1, 1, 39.0, 0.99)
     default = tune_command._untuned_default(chain3, max_budget=512)
-    assert (default.budget, default.depth, default.width) == (5, 5, 1)
+    assert (default.budget, default.depth, default.width, default.grow) == (5, 5, 1, DEFAULT_GROWTH)
     choice, best, check = tune_command._prefer_the_default(chain3, chain3, default, _check_result(36.5, 41.3, 46.0))
     assert choice == best and (best.kind, best.budget, best.depth) == ("specexec", 5, 5)
     assert check.tree_tokens_per_s == 46.0 and check.accepted_per_pass == 5.5
@@ -287,7 +287,24 @@ def test_a_tuned_tree_that_measures_slower_than_the_untuned_default_is_not_store
     assert choice == plain and best.budget == 5
     # A tune limited to smaller trees, or whose best tree is the default chain, checks no default.
     assert tune_command._untuned_default(chain3, max_budget=4) is None
-    assert tune_command._untuned_default(tune_command.tuner.Choice("specexec", 5, 5, 1, 1, 40.0, 1.1), 512) is None
+    growing = tune_command.tuner.Choice("specexec", 5, 5, 1, 1, 40.0, 1.1, grow=DEFAULT_GROWTH)
+    assert tune_command._untuned_default(growing, 512) is None
+    # A chain of 5 that keeps its size is not what runs untuned: the default is checked beside it.
+    assert tune_command._untuned_default(dataclasses.replace(growing, grow=0), 512) == default
+
+
+def test_the_untuned_default_stored_grows_online_as_it_does_unstored():
+    """A profile that keeps the untuned default stores a chain that grows where the run's passes
+    pay for more, as runs without a profile do; one that kept it at 5 nodes ran code edits 50 ms
+    from a worker at 38.4 tokens/s, where no profile ran them at 50.8."""
+    default = tune_command._untuned_default(tune_command.tuner.Choice("sequoia", 3, 3, 1, 1, 39.0, 0.99), 512)
+    stored = tune_command.tuner.Choice.from_dict(json.loads(json.dumps(default.to_dict())))
+    assert stored == default and stored.grow == DEFAULT_GROWTH
+    plan = tree_of_choice(stored)
+    assert plan.grow == DEFAULT_GROWTH and plan.shape == DEFAULT_SHAPE
+    assert "growing to up to 384" in plan.describe()
+    assert tree_of_choice(dataclasses.replace(stored, grow=0)).grow is None
+    assert "growing online to up to 384" in report.config_text(stored.to_dict())
 
 
 def test_the_untuned_default_is_stored_where_the_tuned_tree_runs_a_workload_slower():
@@ -336,7 +353,7 @@ def test_keeping_the_untuned_default_stores_the_chain_with_its_checked_figures()
     profile["workloads"] = {"chat": {"drafter": "hybrid", "predicted_speedup": 1.7, "measured_speedup": 1.6,
                                      "tuned_speedup": 1.4, "untuned_speedup": 1.7, "tuned_slower": True}}
     text = "\n".join(report.report_lines(profile))
-    assert "stored: SpecExec tree, budget 5, depth 5, width 1, top-k 1 (the untuned default)" in text
+    assert "stored: SpecExec tree, budget 5, depth 5, width 1, top-k 1, growing online to up to 384 (the untuned default)" in text
     assert "the tuned tree (SpecExec tree, budget 24, depth 8, width 4, top-k 4) x0.85, this one x1.25" in text
     assert "the tuned tree ran slower than the untuned default on chat: the untuned default is stored" in text
     assert "tuned tree x1.40, untuned default x1.70 on the predicting prompts\n" in text

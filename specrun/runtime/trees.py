@@ -194,4 +194,5 @@ def tree_of_choice(choice: Choice) -> TreePlan | None:
         return None
     if choice.kind == "sequoia" and choice.tree is not None:
         return TreePlan(template_shape(choice.tree), DraftModel(choice.tree), "profile")
-    return TreePlan(TreeShape(choice.budget, choice.depth, choice.width, choice.top_k), BEST_FIRST, "profile")
+    return TreePlan(TreeShape(choice.budget, choice.depth, choice.width, choice.top_k), BEST_FIRST, "profile",
+                    grow=choice.grow or None)

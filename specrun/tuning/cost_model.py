@@ -315,6 +315,9 @@ class Choice:
     predicted_tokens_per_s: float
     predicted_speedup: float
     tree: TreeTemplate | None = field(default=None, compare=False)
+    # The most nodes a SpecExec tree grows to online from `budget` where the run's passes pay for
+    # more (decoding.drafters.growing), as the untuned default does; 0: it keeps its size.
+    grow: int = 0
 
     def to_dict(self) -> dict:
         data = {
@@ -328,6 +331,8 @@ class Choice:
         }
         if self.tree is not None:
             data["tree"] = self.tree.to_dict()
+        if self.grow:
+            data["grow"] = self.grow
         return data
 
     @classmethod
@@ -344,6 +349,7 @@ class Choice:
             predicted_tokens_per_s=float(data["predicted_tokens_per_s"]),
             predicted_speedup=float(data["predicted_speedup"]),
             tree=TreeTemplate.from_dict(tree) if tree is not None else None,
+            grow=int(data.get("grow", 0)),
         )
 
 

@@ -132,9 +132,10 @@ def config_text(config: dict) -> str:
     """A stored tree configuration in words."""
     if config["kind"] == "sequoia":
         return f"Sequoia static tree of {config['budget']} draft tokens, depth {config['depth']}"
+    grows = f", growing online to up to {config['grow']}" if config.get("grow") else ""
     return (
         f"SpecExec tree, budget {config['budget']}, depth {config['depth']}, width {config['width']}, "
-        f"top-k {config['top_k']}"
+        f"top-k {config['top_k']}{grows}"
     )
 
 
