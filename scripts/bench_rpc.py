@@ -358,6 +358,8 @@ def _measure(pair_name: str, pair: tuple[str, str], n_workers: int, latency_ms: 
         if not args.no_tune:
             result["tuned"], profile = _tuned(pair, rpc, args, env)
             result["tune_choice"] = _tree_choice(profile)
+            # tune's own figures: per workload its prediction and its held-out measurement
+            result["tune_workloads"] = profile.get("workloads", {})
         if args.llama_bin:
             result["llama.cpp"] = _llama_runs(args.llama_bin, pair, rpc, args, env)
     return result

@@ -60,15 +60,15 @@ QUICK = TuneSettings(
     check_prompts=3, check_tokens=48, check_seconds=50, workload_tokens=64, workload_prompts=32,
     workload_seconds=150,
 )
-# Where a pass costs a round trip plus compute (a worker 50 ms away: 124 ms for 1 token, 318 ms
-# for 64, 519 for 128 on the demo target), the largest tree weighed and its depth: a deep tree is
-# drafted while the pass runs.
-FIXED_COST_SHAPE = TreeShape(1024, 24, 4, 4)
 FULL = TuneSettings(
     max_budget=512, depth=16, width=4, top_k=4, curve_repeats=5, curve_seconds=120,
     calibration_prompts=6, calibration_tokens=96, calibration_seconds=420,
     check_prompts=3, check_tokens=128, check_seconds=300, workload_tokens=128, workload_prompts=32, workload_seconds=600,
 )
+# Where a pass costs a round trip plus compute (a worker 50 ms away: 124 ms for 1 token, 318 ms
+# for 64, 519 for 128 on the demo target), the largest tree weighed and its depth: a deep tree is
+# drafted while the pass runs.
+FIXED_COST_SHAPE = TreeShape(1024, 24, 4, 4)
 
 
 def tune(opts: RunOptions, settings: TuneSettings) -> dict:
@@ -237,6 +237,7 @@ def _untuned_default(best_tree: tuner.Choice, max_budget: int) -> tuner.Choice |
 
 
 def _same_tree(a: tuner.Choice, b: tuner.Choice) -> bool:
+    """Whether two choices draft the same best-first tree, growing alike."""
     return (a.kind, a.budget, a.depth, a.width, a.grow) == (b.kind, b.budget, b.depth, b.width, b.grow)
 
 
