@@ -73,12 +73,18 @@ def test_nothing_proposed_counts_as_nothing_accepted():
     assert budget == 0 and abs(rate - 100) < 1e-6
 
 
-def test_long_accepted_runs_pick_a_budget_that_pays():
+def twenty_accepted_of_thirty() -> Hindsight:
+    """The hindsight of 20 chains of 30 lookup tokens, each accepted 20 deep (a long copy)."""
     hindsight = Hindsight(max_budget=64)
     for _ in range(20):
         tokens = list(range(10, 40))
         hindsight.watch(chain(1, tokens))
         hindsight.feed(tokens[:20] + [0])
+    return hindsight
+
+
+def test_long_accepted_runs_pick_a_budget_that_pays():
+    hindsight = twenty_accepted_of_thirty()
     cost = TargetCost()
     cost.observe(1, 0.010)
     cost.observe(17, 0.010 + 16 * 0.001)
@@ -89,11 +95,7 @@ def test_long_accepted_runs_pick_a_budget_that_pays():
 def test_at_an_answers_last_tokens_a_budget_buys_no_more_than_the_depth_left():
     """What deep proposals accepted does not size a tree cut to an answer's last few tokens: there
     a large budget buys a wide shallow tree (lookup verified 26 nodes 6 deep, 48 ms for 7 tokens)."""
-    hindsight = Hindsight(max_budget=64)
-    for _ in range(20):
-        tokens = list(range(10, 40))
-        hindsight.watch(chain(1, tokens))
-        hindsight.feed(tokens[:20] + [0])
+    hindsight = twenty_accepted_of_thirty()
     steep = lambda n: 0.010 + 0.0015 * n + 0.008 * (np.asarray(n) > 0)  # a CPU's pass: a tree dearer at once
     deep, _ = hindsight.best(steep, STEP_MARGIN)
     shallow, _ = hindsight.best(steep, STEP_MARGIN, depth=6)
@@ -105,11 +107,7 @@ def test_one_dear_tree_pass_does_not_price_lookup_trees_out_for_good():
     """The run's first tree pass met a busy moment: alone it prices every tree out. Until
     SETTLED_PASSES tree passes were measured, the size the prior price picks is tried; then what
     they measured decides, a tree where they were cheap, none where they were all dear."""
-    hindsight = Hindsight(max_budget=64)
-    for _ in range(20):
-        tokens = list(range(10, 40))
-        hindsight.watch(chain(1, tokens))
-        hindsight.feed(tokens[:20] + [0])
+    hindsight = twenty_accepted_of_thirty()
     busy = TargetCost()
     busy.observe(1, 0.010)
     busy.observe(3, 0.300)
