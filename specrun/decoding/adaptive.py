@@ -367,8 +367,8 @@ class TargetCost:
     def prior(self, n_tokens: np.ndarray) -> np.ndarray:
         """Seconds of an n-token pass as assumed before any multi-token pass was measured: the
         one-token figure, and PRIOR_TOKEN_COST of it per extra token."""
-        n = np.asarray(n_tokens, np.float64)
-        return self._one_token_s() * (1.0 + PRIOR_TOKEN_COST * np.maximum(n - 1.0, 0.0))
+        base = self._one_token_s()
+        return _priced(n_tokens, base, base, PRIOR_TOKEN_COST * base)
 
     def plain_s(self) -> float | None:
         """Seconds of a one-token pass, or None when nothing was measured or profiled."""
@@ -382,8 +382,7 @@ class TargetCost:
             ratio = self._ratio.mean if self._ratio.known else 1.0
             return self.curve(n) * ratio
         base = self._one_token_s()
-        intercept, slope = self._line(base)
-        return np.where(n <= 1, base, np.maximum(base, intercept + slope * (n - 1)))
+        return _priced(n, base, *self._line(base))
 
     def _one_token_s(self) -> float:
         """Seconds of a one-token pass: measured, else the multi-token passes' mean taken back
@@ -407,6 +406,13 @@ class TargetCost:
         # One size so far: from the one-token figure to theirs.
         slope = max(0.0, (sy / w - base) / (sx / w))
         return base, slope
+
+
+def _priced(n_tokens: np.ndarray, base: float, intercept: float, slope: float) -> np.ndarray:
+    """Seconds of n-token passes: `base` for one token, else the line (`intercept` at one token,
+    `slope` per extra one), never below `base`."""
+    n = np.asarray(n_tokens, np.float64)
+    return np.where(n <= 1, base, np.maximum(base, intercept + slope * (n - 1)))
 
 
 @dataclass(frozen=True)
