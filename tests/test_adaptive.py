@@ -9,6 +9,8 @@ import pytest
 from specrun.core.tree import DraftTree
 from specrun.decoding.adaptive import (
     LONG_MATCH,
+    MAX_CHANCE,
+    DraftCalibration,
     DraftPrior,
     Hindsight,
     HindsightByKind,
@@ -737,3 +739,38 @@ def test_where_lookup_branches_carry_the_drafting_steps_the_hybrid_leans_on_look
     _, alone_s = run(LookupDrafter(64))
     assert hybrid_s <= 1.1 * alone_s, f"the hybrid took {hybrid_s:.3f} s where lookup alone took {alone_s:.3f} s"
     assert draft.calls >= 2 and steps[0] == (5, 5)  # the draft's chain, accepted whole
+
+
+def test_draft_calibration_scores_children_by_how_often_the_target_took_them():
+    calibration = DraftCalibration()
+    rows = np.log(np.array([[0.55, 0.30], [0.52, 0.35], [0.995, 0.004]]))
+    # Nothing judged yet: the draft's own probabilities (capped below certainty).
+    assert np.allclose(calibration.scores(rows), np.log(np.minimum(np.exp(rows), MAX_CHANCE)))
+    assert calibration.first_choices() == (0.0, 0.0)
+    # A draft far surer than it says: its first choices near 0.5 taken 19 times of 20, its second
+    # choices near 0.3 never.
+    n = 200
+    first = np.log(np.full(n, 0.55))
+    second = np.log(np.full(n, 0.32))
+    calibration.judge(first, np.ones(n, bool), np.arange(n) % 20 != 0)
+    calibration.judge(second, np.zeros(n, bool), np.zeros(n, bool))
+    judged, share = calibration.first_choices()
+    assert judged == pytest.approx(n * calibration.keep ** n, rel=0.01) and share == pytest.approx(0.95, abs=0.01)
+    scores = np.exp(calibration.scores(rows))
+    assert scores[0, 0] > 0.85 and scores[1, 0] > 0.85  # first choices: the target's 0.95, not the draft's 0.55
+    assert scores[0, 1] < 0.1 and scores[1, 1] < 0.1  # second choices: the target never took them
+    assert scores[0, 0] > scores[1, 0]  # the draft's order within a tenth stays
+    assert scores[2, 0] == pytest.approx(MAX_CHANCE)  # never certain: a child scores below its parent
+    # A best-first tree of 16 nodes scored so is the chain of first choices, where the draft's own
+    # scores spent its nodes on second choices.
+
+    def grown_depth(score) -> int:
+        tree = DraftTree(1)
+        for _ in range(16):
+            leaves = tree.leaves()
+            best = int(leaves[np.argmax(tree.logps[leaves])])
+            tree.expand([best], np.array([[10, 20]]), score(rows[:1]))
+        tree.prune_to_best(16)
+        return tree.max_depth
+
+    assert grown_depth(calibration.scores) == 16 > 2 * grown_depth(lambda lps: lps)

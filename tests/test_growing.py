@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from specrun.core.tree import DraftTree
-from specrun.core.tree_shapes import TreeShape, grown_shape, growth_levels
-from specrun.decoding.adaptive import Reach
+from specrun.core.tree_shapes import LONGEST_NETWORK_CHAIN, TreeShape, grown_shape, growth_levels
+from specrun.decoding.adaptive import DraftCalibration, Reach
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.growing import GrowingTrees
 from specrun.decoding.steps import Step
@@ -156,6 +156,27 @@ def test_drafting_during_the_pass_puts_the_longest_grown_chain_between_a_short_c
     # Passes of a fixed cost: it still grows to tens of nodes, through the longer chain.
     sizes = decode(growing, fixed)
     assert 8 in sizes and min(sizes[-20:]) >= 64, sizes
+
+
+def test_where_the_target_takes_the_drafts_first_choices_sizes_up_to_the_longest_network_chain_are_chains():
+    """Drafting during the pass, a draft whose first choices the target takes (pay.rules.grows_chains)
+    grows chains up to LONGEST_NETWORK_CHAIN, and the trees above reach deeper than them; one right
+    80% of the time (the scripted text), or a run not drafting during the pass, grows trees."""
+    sure, unsure = ScriptedGrower(), ScriptedGrower()
+    for grower, share in ((sure, 0.95), (unsure, 0.8)):
+        grower.calibration = DraftCalibration()
+        grower.calibration.judge(np.log(np.full(100, 0.6)), np.ones(100, bool), np.arange(100) < 100 * share)
+    overlapping, local = GrowingTrees(sure, TreeShape.chain(5), 384), GrowingTrees(sure, TreeShape.chain(5), 384)
+    overlapping.overlaps()
+    assert overlapping.levels == (5, 8, 16, 32, 64, 128, 256, 384)
+    shapes = [overlapping._shape(level) for level in range(len(overlapping.levels))]
+    assert shapes[:4] == [TreeShape.chain(b) for b in (5, 8, 16, 32)]
+    assert all(not s.is_chain and s.depth > LONGEST_NETWORK_CHAIN for s in shapes[4:])
+    assert [local._shape(level) for level in range(len(local.levels))] == local.shapes
+    assert not any(s.is_chain for s in local.shapes[1:])
+    trees = GrowingTrees(unsure, TreeShape.chain(5), 384)
+    trees.overlaps()
+    assert trees._shape(2) == grown_shape(16) and not trees._shape(3).is_chain
 
 
 def test_when_passes_get_dear_the_grown_tree_shrinks_back():

@@ -117,21 +117,31 @@ GROWTH_LEVELS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 # Up to this size a grown tree is a chain: where a step pays for so few nodes the draft's first
 # guess is what a wider tree would keep anyway, and a chain costs one token a draft pass.
 LONGEST_GROWN_CHAIN = 8
+# ... and up to this size where the draft grows its trees during the target's pass (a network:
+# drafting.growing's `overlaps`). There a chain accepted whole was drafted on during the pass, so
+# the next step's chain is mostly drafted already; a tree's second choices wait for a miss. The
+# demo pair 50 ms away, chat: chains of 16 and 32 ran at 52-54 tokens/s (10.7 and 16.0 accepted a
+# pass), best-first trees of 16 and 32 nodes (scored by the draft's calibrated chances) at 36
+# and 27 (8.8 and 11.1), and the chain of 8 at 49.
+LONGEST_NETWORK_CHAIN = 32
 
 
-def grown_shape(budget: int) -> TreeShape:
-    """The best-first tree a drafter grows online at `budget` nodes (SpecExec's regime).
+def grown_shape(budget: int, longest_chain: int = LONGEST_GROWN_CHAIN) -> TreeShape:
+    """The best-first tree a drafter grows online at `budget` nodes (SpecExec's regime): a chain
+    up to `longest_chain` nodes.
 
     Narrow and deep: two children a node, and a draft pass expands a sixteenth of the nodes (one
     for 16, 16 for 256), down to a depth that grows four levels a doubling (16 -> 16, 64 -> 24,
-    256 -> 32, 1024 -> 40). On the demo pair (a draft that agrees with its target most of the
-    time) such trees accepted far more than wider ones of the same size: 8.9 tokens a pass at 16
-    nodes against 5.3 for four children a node 8 deep, 15.2 at 64 against 11.0, for about the same
-    draft passes (four chat prompts of a probe run; `scripts/bench_growth.py --shape` compares
-    shapes on the built-in chat prompts)."""
-    if budget <= LONGEST_GROWN_CHAIN:
+    256 -> 32, 1024 -> 40), and four deeper a doubling than the longest chain. On the demo pair (a
+    draft that agrees with its target most of the time) such trees accepted far more than wider
+    ones of the same size: 8.9 tokens a pass at 16 nodes against 5.3 for four children a node 8
+    deep, 15.2 at 64 against 11.0, for about the same draft passes (four chat prompts of a probe
+    run; `scripts/bench_growth.py --shape` compares shapes on the built-in chat prompts)."""
+    if budget <= longest_chain:
         return TreeShape.chain(budget)
-    depth = min(budget, 16 + 4 * max(0, (budget // 16).bit_length() - 1))
+    doublings = max(0, (budget // 16).bit_length() - 1)
+    beyond_chain = max(1, (budget // longest_chain).bit_length() - 1)
+    depth = min(budget, max(16 + 4 * doublings, longest_chain + 4 * beyond_chain))
     return TreeShape(budget=budget, depth=depth, width=max(1, budget // 16), top_k=2)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from specrun.core.sampling import log_softmax_topk
 from specrun.core.tree import MAX_LEAVES, DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
+from specrun.decoding.adaptive import DraftCalibration
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import ModelDrafter, Proposal
 from specrun.decoding.kv import CachedSequence, probe_passes
@@ -76,7 +77,9 @@ class GrownTree(Proposal):
 class _Live:
     """A tree as the draft grew it, before its cut: which nodes it expanded, the sequence that
     holds each expanded node's path, the position of its root, and the budget and depth it was
-    grown for; `anchor`: after a commit, the last accepted node, whose branches were kept."""
+    grown for; `anchor`: after a commit, the last accepted node, whose branches were kept. Per
+    node too, the draft's own log-prob for it (`own`; the tree scores it calibrated) and whether
+    it was the draft's first choice there (`first`)."""
 
     tree: DraftTree
     expanded: np.ndarray
@@ -85,15 +88,43 @@ class _Live:
     budget: int = 0
     depth: int = 0
     anchor: int | None = None
+    own: np.ndarray = field(default_factory=lambda: np.zeros(64))
+    first: np.ndarray = field(default_factory=lambda: np.zeros(64, bool))
 
     def marks(self) -> np.ndarray:
         """`expanded`, as long as the tree at least (the nodes added since are not expanded)."""
         n = len(self.tree)
         if n > len(self.expanded):
-            grown = np.zeros(max(n, 2 * len(self.expanded)), bool)
-            grown[: len(self.expanded)] = self.expanded
-            self.expanded = grown
+            size = max(n, 2 * len(self.expanded))
+            self.expanded, self.own, self.first = (_longer(a, size) for a in (self.expanded, self.own, self.first))
         return self.expanded
+
+    def add_children(self, parents, ids: np.ndarray, lps: np.ndarray, calibration: DraftCalibration) -> None:
+        """Expand `parents` with the draft's best children (rows of ids and log-probs, best first),
+        scored by `calibration`."""
+        new = self.tree.expand(parents, ids, calibration.scores(lps))
+        self.marks()[parents] = True
+        self.own[new] = lps
+        self.first[new] = np.arange(ids.shape[1]) == 0
+
+    def judge(self, node: int, token: int, calibration: DraftCalibration) -> None:
+        """The target chose `token` after `node`: tell `calibration` how the draft's children there fared."""
+        children = self.tree.children(node)
+        if children:
+            calibration.judge(self.own[children], self.first[children], self.tree.tokens[children] == token)
+
+    def below(self, node: int, p0: int) -> tuple[_Live, np.ndarray]:
+        """The part below `node`, rooted there at position `p0`, and its nodes' old ids (their
+        sequences not carried over: `node_seq` is for the caller to fill)."""
+        tree, old = self.tree.subtree(node)
+        self.marks()
+        return _Live(tree, self.expanded[old], {}, p0, own=self.own[old], first=self.first[old]), old
+
+
+def _longer(a: np.ndarray, size: int) -> np.ndarray:
+    out = np.zeros(size, a.dtype)
+    out[: len(a)] = a
+    return out
 
 
 class TreeGrower(ModelDrafter):
@@ -114,6 +145,9 @@ class TreeGrower(ModelDrafter):
         self.last_shared = False  # whether a pass of the last proposal held other requests' trees too
         self._live: _Live | None = None  # the last tree as grown (uncut), while it may serve the next
         self.extended = 0  # tree nodes grown while the target's pass ran elsewhere (extend)
+        # How often the target takes the draft's children, by the draft's probability: what the
+        # tree's nodes are scored by (kept across answers: it measures the pair, not the text).
+        self.calibration = DraftCalibration()
         self.prepared = 0  # prompt tokens read while the target's prefill ran elsewhere (prepare)
 
     @property
@@ -188,8 +222,7 @@ class TreeGrower(ModelDrafter):
             live = _Live(tree, np.zeros(64, bool), {0: self.lane.base}, p0)
             row = self._catch_up(committed, root)
             ids, lps = log_softmax_topk(row[None, :], min(self.shape.top_k, budget))
-            tree.expand([0], ids, lps)
-            live.expanded[0] = True
+            live.add_children([0], ids, lps, self.calibration)
             passes = 1
         else:
             self.last_shared, self.last_catch_up, self.last_passes = self.lane.sharing, (0, 0.0), []
@@ -284,9 +317,8 @@ class TreeGrower(ModelDrafter):
         self._used_seqs.extend(seqs)
         self.batch.set_arrays(tree.tokens[candidates], live.p0 + depths[candidates], seqs, True)
         rows, _ = self._pass(len(candidates))
-        live.expanded[candidates] = True
         ids, lps = log_softmax_topk(rows, top_k)
-        tree.expand(candidates, ids, lps)
+        live.add_children(candidates, ids, lps, self.calibration)
         return len(candidates)
 
     def commit(self, grown: GrownTree, accepted_nodes: Sequence[int]) -> None:
@@ -301,6 +333,7 @@ class TreeGrower(ModelDrafter):
             # The accepted path in the tree as grown (the proposal is a cut of it, with lookup's
             # branches grafted on): as far as the draft decoded it.
             for token in tokens[1:]:
+                live.judge(node, token, self.calibration)
                 child = live.tree.find_child(node, token)
                 if child is None or child not in live.node_seq:
                     break
@@ -347,13 +380,15 @@ class TreeGrower(ModelDrafter):
         if live is not None and live.anchor is not None and len(cached) == n \
                 and live.p0 + int(live.tree.depths[live.anchor]) + 1 == n \
                 and cached[-_DEBT_CHECK:] == list(committed[-_DEBT_CHECK:]):
+            live.judge(live.anchor, root, self.calibration)
             child = live.tree.find_child(live.anchor, root)
         if child is None or child not in live.node_seq:
             for seq in kept:
                 self.ctx.seq_rm(seq, -1, -1)
             return None
-        tree, old = live.tree.subtree(child)
-        node_seq = {new: live.node_seq[int(o)] for new, o in enumerate(old.tolist()) if int(o) in live.node_seq}
+        below, old = live.below(child, n)
+        node_seq = below.node_seq
+        node_seq.update((new, live.node_seq[o]) for new, o in enumerate(old.tolist()) if o in live.node_seq)
         root_seq = node_seq[0]
         self.ctx.seq_cp(root_seq, self.lane.base, n, n + 1)
         self.cache.tokens.append(root)
@@ -364,7 +399,7 @@ class TreeGrower(ModelDrafter):
                 self.ctx.seq_rm(seq, -1, -1)
         self._used_seqs = sorted(carried - {self.lane.base})
         self._free_seqs = [s for s in self._free_seqs if s not in carried]
-        return _Live(tree, live.marks()[old], node_seq, n)
+        return below
 
     def reset(self) -> None:
         """Forget the draft cache (e.g. after an error left it in an unknown state)."""

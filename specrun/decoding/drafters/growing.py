@@ -26,11 +26,11 @@ from typing import Sequence
 
 import numpy as np
 
-from specrun.core.tree_shapes import LONGEST_GROWN_CHAIN, TreeShape, grown_shape, growth_levels
+from specrun.core.tree_shapes import LONGEST_GROWN_CHAIN, LONGEST_NETWORK_CHAIN, TreeShape, grown_shape, growth_levels
 from specrun.decoding.adaptive import BUDGETS, Average, Reach, TargetCost
 from specrun.decoding.drafters.base import ModelDrafter
 from specrun.decoding.drafters.best_first import GrownTree, TreeGrower
-from specrun.decoding.pay.rules import EXPLORE_EVERY, GROW_EVIDENCE, faster, grow_pays, hoped_accepted
+from specrun.decoding.pay.rules import EXPLORE_EVERY, GROW_EVIDENCE, faster, grow_pays, grows_chains, hoped_accepted
 
 log = logging.getLogger("specrun")
 
@@ -61,10 +61,12 @@ class GrowingTrees(ModelDrafter):
         self._text: list[int] = []  # the text fed to `reach` so far
         self._overlapping = False  # the draft grows its tree during the target's pass (overlaps)
 
-    def _set_levels(self, levels: tuple[int, ...]) -> None:
-        """Size between `levels` (nothing measured yet)."""
+    def _set_levels(self, levels: tuple[int, ...], deep: bool = False) -> None:
+        """Size between `levels` (nothing measured yet); `deep`: the trees above the longest
+        network chain reach deeper than it."""
         self.levels = levels
-        self.shapes = [self._start, *(grown_shape(b) for b in levels[1:])]
+        longest = LONGEST_NETWORK_CHAIN if deep else LONGEST_GROWN_CHAIN
+        self.shapes = [self._start, *(grown_shape(b, longest) if b > longest else grown_shape(b) for b in levels[1:])]
         self.reach = Reach({b for b in BUDGETS if b <= levels[-1]} | set(levels))
         self._at = np.searchsorted(self.reach.budgets, levels)  # each level's column in reach
         self._half = np.searchsorted(self.reach.budgets, [max(1, b // 2) for b in levels], side="right") - 1
@@ -74,14 +76,31 @@ class GrowingTrees(ModelDrafter):
 
     def overlaps(self) -> None:
         """The target's passes run elsewhere, and the draft grows its last tree on meanwhile
-        (TreeGrower.extend): a chain LONGEST_GROWN_CHAIN long then joins the sizes above a
-        shorter start, as the next deeper than it (its nodes mostly drafted during the pass before,
-        as deep again). Without it the demo pair's chat stayed on the chain of 5 50 ms away,
-        accepted whole at nearly every step, where the 16-node tree, timed from steps that grew it
-        from scratch, looked dearer."""
+        (TreeGrower.extend). Above a chain start:
+        - a chain LONGEST_GROWN_CHAIN long joins the sizes as the next deeper than a shorter start
+          (its nodes mostly drafted during the pass before, as deep again). Without it the demo
+          pair's chat stayed on the chain of 5 50 ms away, accepted whole at nearly every step,
+          where the 16-node tree, timed from steps that grew it from scratch, looked dearer;
+        - the sizes up to LONGEST_NETWORK_CHAIN are chains too while the target takes the draft's
+          first choices (pay.rules.grows_chains; `_shape`), and the trees above reach deeper.
+          With trees from 16 nodes on, the same chat stayed on the chain of 8 (38 tokens/s, where
+          a chain of 16 made 52)."""
         self._overlapping = True
-        if self._start.is_chain and self._start.budget < LONGEST_GROWN_CHAIN < self._limit:
-            self._set_levels((self._start.budget, *growth_levels(LONGEST_GROWN_CHAIN, self._limit)))
+        if not self._start.is_chain:
+            return
+        levels = self.levels
+        if self._start.budget < LONGEST_GROWN_CHAIN < self._limit:
+            levels = (self._start.budget, *growth_levels(LONGEST_GROWN_CHAIN, self._limit))
+        self._set_levels(levels, deep=True)
+
+    def _shape(self, level: int) -> TreeShape:
+        """The shape a proposal of `level` is grown in: a chain of its size where `overlaps` says so."""
+        shape, size = self.shapes[level], self.levels[level]
+        calibration = getattr(self.grower, "calibration", None)
+        if self._overlapping and not shape.is_chain and level > 0 and size <= LONGEST_NETWORK_CHAIN \
+                and calibration is not None and grows_chains(calibration.first_choices()):
+            return TreeShape.chain(size)
+        return shape
 
     # -- the decoder's and the hybrid's interface: the grower's, sized ----------------------------
 
@@ -130,7 +149,7 @@ class GrowingTrees(ModelDrafter):
             verified = self.level - 1
         self._verified = verified
         verify, grow = min(budget, self.levels[verified]), min(budget, self.levels[grown])
-        shape = self.shapes[grown]
+        shape = self._shape(grown)
         self.grower.shape = shape
         proposal = self.grower.propose(committed, root, grow, min(depth, shape.depth))
         if not self.grower.last_shared:  # (a pass shared with other requests times theirs too)
@@ -217,7 +236,8 @@ class GrowingTrees(ModelDrafter):
         is taken to need a pass per level of its depth, each over its width, priced by the draft's
         passes measured so far (draft_pass)."""
         out = np.zeros(len(self.levels))
-        for i, shape in enumerate(self.shapes):
+        for i in range(len(self.levels)):
+            shape = self._shape(i)
             if self.draft_s[i].known:
                 out[i] = float(self.draft_s[i].mean)
             elif self.draft_pass.known:
@@ -255,7 +275,7 @@ class GrowingTrees(ModelDrafter):
             accepted = self.reach.accepted()
             doublings = float(np.log2(self.levels[above] / self.levels[level]))
             hoped = hoped_accepted(float(accepted[self._at[level]]), float(accepted[self._half[level]]), doublings,
-                                   self.shapes[above].depth)
+                                   self._shape(above).depth)
             if weights[above] > 0:
                 hoped = max(hoped, float(accepted[self._at[above]]))
             if not faster((hoped + 1.0) / float(self._step_seconds()[above]), float(rates[level])):

@@ -71,6 +71,24 @@ EXPLORE_EVERY = 2
 GROWTH_HOPE = 1.0
 
 
+# Where the draft grows its trees during the target's pass (a network), sizes up to
+# tree_shapes.LONGEST_NETWORK_CHAIN are grown as chains while the target takes at least this share
+# of the draft's first choices (judged on at least CHAIN_EVIDENCE of them): a chain accepted whole
+# was drafted on during the pass, and the next step's is mostly drafted already. The demo pair
+# (a draft quantized from its target) 50 ms away, chat: the target took 0.95 of them; chains of 16
+# and 32 ran at 52-54 tokens/s, 16- and 32-node trees at 36 and 27, the chain of 8 at 49. A draft
+# right 80% of the time gains more from a tree's second choices (test_growing's scripted text).
+CHAIN_SHARE = 0.9
+CHAIN_EVIDENCE = 32.0
+
+
+def grows_chains(first_choices: tuple[float, float]) -> bool:
+    """Whether grown sizes up to the longest network chain are chains, from (how many of the draft's
+    first choices were judged, the share the target took)."""
+    judged, share = first_choices
+    return judged >= CHAIN_EVIDENCE and share >= CHAIN_SHARE
+
+
 def grow_pays(rates, weights, current: int) -> int:
     """The index of the size a grown tree verifies next: the size with the most tokens per second
     among those judged on GROW_EVIDENCE proposals, moving from `current` only to one faster by
