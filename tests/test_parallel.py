@@ -333,8 +333,11 @@ def test_requests_together_size_their_trees_by_what_the_others_put_into_the_pass
     they share, as the others posted it; and each greedy answer is the one decoded alone."""
     target = load_model(offline_models.smollm2_f32)
     shape = TreeShape(budget=16, depth=8, width=4, top_k=4)
+    # The others' texts go on for the whole answer, so that the first one's copy (lookup trees)
+    # meets passes the others share: QUESTIONS' answers ended after 13-19 tokens, and a busy
+    # moment could leave the copy alone in its passes.
     texts = ["Repeat this line twice: the quick brown fox jumps over the lazy dog, the quick brown fox",
-             QUESTIONS[1], QUESTIONS[3]]
+             LONG_ANSWERS[0], LONG_ANSWERS[1]]
     prompts = [target.tokenize(q, add_special=True) for q in texts]
     n, per = 40, MAX_SEQ // len(prompts)
 
