@@ -38,6 +38,7 @@ class ScriptedGrower:
         self.last_shared = False
         self.drafts_beside_others = False
         self.budgets = []
+        self.calibration = DraftCalibration()  # (nothing judged: trees stay trees)
 
     def propose(self, committed, root, budget, depth):
         at = len(committed)  # the position in TEXT of the token after the root
@@ -164,7 +165,6 @@ def test_where_the_target_takes_the_drafts_first_choices_sizes_up_to_the_longest
     80% of the time (the scripted text), or a run not drafting during the pass, grows trees."""
     sure, unsure = ScriptedGrower(), ScriptedGrower()
     for grower, share in ((sure, 0.95), (unsure, 0.8)):
-        grower.calibration = DraftCalibration()
         grower.calibration.judge(np.log(np.full(100, 0.6)), np.ones(100, bool), np.arange(100) < 100 * share)
     overlapping, local = GrowingTrees(sure, TreeShape.chain(5), 384), GrowingTrees(sure, TreeShape.chain(5), 384)
     overlapping.overlaps()

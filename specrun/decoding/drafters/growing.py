@@ -60,11 +60,14 @@ class GrowingTrees(ModelDrafter):
         self._since_explore = 0
         self._text: list[int] = []  # the text fed to `reach` so far
         self._overlapping = False  # the draft grows its tree during the target's pass (overlaps)
+        self._chains_to = 0  # sizes up to this may be grown as chains (`overlaps`, `_shape`)
 
     def _set_levels(self, levels: tuple[int, ...], deep: bool = False) -> None:
         """Size between `levels` (nothing measured yet); `deep`: the trees above the longest
         network chain reach deeper than it."""
         self.levels = levels
+        # (With `deep`, the sizes up to the longest network chain are trees here: `_shape` grows
+        # them as chains while that pays.)
         longest = LONGEST_NETWORK_CHAIN if deep else LONGEST_GROWN_CHAIN
         self.shapes = [self._start, *(grown_shape(b, longest) if b > longest else grown_shape(b) for b in levels[1:])]
         self.reach = Reach({b for b in BUDGETS if b <= levels[-1]} | set(levels))
@@ -92,13 +95,12 @@ class GrowingTrees(ModelDrafter):
         if self._start.budget < LONGEST_GROWN_CHAIN < self._limit:
             levels = (self._start.budget, *growth_levels(LONGEST_GROWN_CHAIN, self._limit))
         self._set_levels(levels, deep=True)
+        self._chains_to = LONGEST_NETWORK_CHAIN
 
     def _shape(self, level: int) -> TreeShape:
         """The shape a proposal of `level` is grown in: a chain of its size where `overlaps` says so."""
         shape, size = self.shapes[level], self.levels[level]
-        calibration = getattr(self.grower, "calibration", None)
-        if self._overlapping and not shape.is_chain and level > 0 and size <= LONGEST_NETWORK_CHAIN \
-                and calibration is not None and grows_chains(calibration.first_choices()):
+        if size <= self._chains_to and not shape.is_chain and grows_chains(self.grower.calibration.first_choices()):
             return TreeShape.chain(size)
         return shape
 
