@@ -50,6 +50,8 @@ TRIM_SDIST = ("docs", "docker", "examples", "tests", "scripts", ".git", ".github
 DEVICE_WHEELS = ("diskcache", "gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
                  "typing-inspection", "uvicorn", "httptools")
 BUILD_LOG = "build.log"
+# --mmap: how the plan step loads the target (specrun's RunOptions.mmap; auto: as the plan decides).
+MMAP = {"auto": None, "on": True, "off": False}
 # The kit's targets (--targets) and draft, by the shapes they take (specrun/models/synthetic/real_shapes.py).
 SHAPE_OF = {"dense-27b": "dense-27b", "moe-30b-a3b": "qwen3-30b-a3b", "draft-0.5b": "qwen2.5-0.5b"}
 
@@ -288,15 +290,17 @@ def plan_check(args, made: dict, out: Path, results: dict) -> list[dict]:
     from specrun.tuning.measure import curve_sizes, measure_curve
 
     rows = results.setdefault("plan", [])
-    for target, card in ((t, c) for t in args.targets for c in args.cards):
+    for target, card, mmap in ((t, c, m) for t in args.targets for c in args.cards for m in args.mmap):
         opts = RunOptions(target=made[target], draft=made["draft-0.5b"], ctx_size=args.ctx, lookup=False,
-                          quiet=True, gpu_memory=card * 2**30, budget=args.max_tree)
+                          quiet=True, gpu_memory=card * 2**30, budget=args.max_tree, mmap=MMAP[mmap])
         plan = build_plan(opts, detailed=True)
         before = nvidia_smi_used()
         t0 = time.monotonic()
         with Runtime(plan) as rt:
             after = nvidia_smi_used()
-            row = {"target": target, "card_gib": card, "target_gpu_layers": plan.target_gpu_layers,
+            row = {"target": target, "card_gib": card, "mmap": mmap, "plan_mmap": plan.mmap,
+                   "op_offload_min_batch": os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"),
+                   "target_gpu_layers": plan.target_gpu_layers,
                    "layer_slots": plan.placement.target_n_slots, "draft_gpu_layers": plan.draft_gpu_layers,
                    "planned_gpu_bytes": list(plan.placement.device_bytes), "planned_ram_bytes": plan.placement.ram_bytes,
                    "measured_gpu_bytes": None if after is None or before is None else after - before,
@@ -311,7 +315,7 @@ def plan_check(args, made: dict, out: Path, results: dict) -> list[dict]:
                                          deadline=time.monotonic() + args.curve_seconds)
                 row[name] = {str(n): round(s, 5) for n, s in sorted(measured.decode.items())}
         rows.append(row)
-        log(f"plan {target} on {card} GiB: {row}")
+        log(f"plan {target} on {card} GiB, mmap {mmap}: {row}")
         _save(out, results)
     return rows
 
@@ -377,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast", action="store_true", help="no build (the installed llama-cpp-python), tiny shapes, short runs (CI)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and short runs after a real build (CPU machines)")
     parser.add_argument("--cards", default="8,12,16,24", help="emulated GPU sizes in GiB")
+    parser.add_argument("--mmap", default="auto", help="plan: how the target is loaded, each of auto,on,off "
+                        "(off: the layers in RAM sit in pinned host memory)")
     parser.add_argument("--targets", default="dense-27b,moe-30b-a3b", help=f"of {', '.join(list(SHAPE_OF)[:2])}")
     parser.add_argument("--max-tree", type=int, default=2047, help="largest tree whose cost is measured")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
@@ -389,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     args.fast = args.fast or args.tiny  # the measuring steps treat both alike
     args.cards = [int(c) for c in args.cards.split(",") if c.strip()]
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    args.mmap = [m.strip() for m in args.mmap.split(",") if m.strip()]
+    if any(m not in MMAP for m in args.mmap):
+        parser.error(f"--mmap {args.mmap!r}: each of auto, on, off")
     unknown = [t for t in args.targets if t not in SHAPE_OF or t == "draft-0.5b"]
     if unknown:
         parser.error(f"unknown target {unknown[0]!r}: choose from dense-27b, moe-30b-a3b")

@@ -14,6 +14,11 @@ from typing import Annotated, Optional
 import typer
 
 from specrun import __version__
+from specrun.cli_options import (
+    TargetOpt, DraftOpt, GpuLayersOpt, GpuMemoryOpt, MmapOpt, CtxOpt, AutoCtxOpt, ReasoningFormatOpt, ChatTemplateOpt,
+    ThreadsOpt, BudgetOpt, DepthOpt, NoSpecOpt, LookupOpt, MemoryOpt, VerboseOpt, ParallelOpt, ThroughputOpt, RpcOpt,
+    TemperatureOpt, TopKOpt, TopPOpt, MinPOpt, SeedOpt, PresenceOpt, FrequencyOpt, RepeatOpt, SystemOpt,
+)
 from specrun.errors import SpecrunError, UsageError
 from specrun.limits import RPC_DEFAULT_PORT
 
@@ -45,44 +50,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# ---- options shared by chat, generate, bench and tune (declared once) ----
-TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias, .gguf path or hf:owner/repo/file.gguf (default: the offline demo pair).")]
-DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (default: the target family's recommended draft), or 'lookup': trees from the session's own text, no draft model, or 'mtp': chains from the target's own MTP layers (the default for a target that carries them).")]
-GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", min=0, help="Target layers to put on the GPU (default: planned from free GPU memory).")]
-GpuMemoryOpt = Annotated[Optional[str], typer.Option("--gpu-memory", metavar="SIZE", help="Use at most this much of each GPU, e.g. 8GiB: a big card stands in for a smaller one, the rest of the model in RAM.")]
-CtxOpt = Annotated[int, typer.Option("--ctx-size", "-c", min=64, help="Context size in tokens.")]
-AutoCtxOpt = Annotated[Optional[int], typer.Option("--ctx-size", "-c", min=64, show_default=False, help="Context size in tokens  [default: the model's trained context, lowered to what memory holds].")]
-ReasoningFormatOpt = Annotated[str, typer.Option("--reasoning-format", help="Reasoning models' thinking: auto (apart: reasoning_content in the API, dimmed on stderr in chat) or none (left in the answer).")]
-ChatTemplateOpt = Annotated[Optional[Path], typer.Option("--chat-template", metavar="FILE", help="Jinja chat template to use instead of the model's own.")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="CPU threads (default: all cores).")]
-BudgetOpt = Annotated[Optional[int], typer.Option("--budget", "-b", min=1, max=2048, help="Draft tree size in nodes (default: tuned profile).")]
-DepthOpt = Annotated[Optional[int], typer.Option("--depth", min=1, max=256, help="Maximum draft tree depth.")]
-NoSpecOpt = Annotated[bool, typer.Option("--no-spec", help="Plain decoding, no draft model.")]
-LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="Add lookup branches (continuations of earlier occurrences in the session's text) to the draft model's trees  [default: on with a draft model; --lookup also drafts from the text where no draft model runs].", show_default=False)]
-MemoryOpt = Annotated[bool, typer.Option("--memory", help="Keep the memory of answers (earlier answers draft later ones) in the cache folder: loaded at start, saved at the end, per target model (and API key).")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
-ParallelOpt = Annotated[Optional[int], typer.Option("--parallel", min=1, max=64, help="Requests decoded together, their target passes shared (default: as many as fit at the context one request gets, 4 at most).")]
-ThroughputOpt = Annotated[bool, typer.Option("--throughput", help="With requests decoding together: a prompt is evaluated in the passes of the others' steps, as llama-server does, not in passes of its own; faster with many clients, but an answer may part from the same request alone at a near-tie (docs/exactness.md).")]
-RpcOpt = Annotated[Optional[list[str]], typer.Option("--rpc", metavar="HOST:PORT[,...]", envvar="SPECRUN_RPC", show_envvar=True, help="Spread the target's layers over these RPC workers too (`specrun worker` on each machine); the draft stays here.")]
-
-# ---- sampling options shared by chat and generate ----
-TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", min=0.0, help="Sampling temperature; 0 = greedy.")]
-TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k likeliest tokens (0 = off).")]
-def _top_p_range(value: float) -> float:
-    """Accept exactly what sampling accepts: 0 < p <= 1 (a nucleus of no mass keeps nothing)."""
-    if not 0.0 < value <= 1.0:
-        raise typer.BadParameter(f"{value:g} is not in the range 0<x<=1.")
-    return value
-
-
-TopPOpt = Annotated[float, typer.Option("--top-p", callback=_top_p_range, help="Nucleus sampling mass, 0 < p <= 1 (1 = off).")]
-MinPOpt = Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below min-p x the best probability.")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Random seed for sampling (default: a fresh one each run).")]
-PresenceOpt = Annotated[float, typer.Option("--presence-penalty", min=-2.0, max=2.0, help="Subtract this from tokens already generated (OpenAI's presence_penalty).")]
-FrequencyOpt = Annotated[float, typer.Option("--frequency-penalty", min=-2.0, max=2.0, help="Subtract this per time a token was generated (OpenAI's frequency_penalty).")]
-RepeatOpt = Annotated[float, typer.Option("--repeat-penalty", min=0.0, help="llama.cpp's repeat penalty on the last 64 generated tokens; 1 = off.")]
-SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (chat mode).")]
-
 _verbose = False
 
 
@@ -95,7 +62,8 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
-                 gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None, throughput=False):
+                 gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None, throughput=False,
+                 mmap=None):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -112,7 +80,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
     return RunOptions(
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
-        parallel=parallel, memory=memory, memory_scope=memory_scope, throughput=throughput)
+        parallel=parallel, memory=memory, memory_scope=memory_scope, throughput=throughput, mmap=mmap)
 
 
 def _version_callback(value: bool) -> None:
@@ -185,6 +153,7 @@ def generate(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    mmap: MmapOpt = None,
     rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
@@ -214,7 +183,7 @@ def generate(
             raise UsageError("--system needs chat mode (drop --raw)")
         if (parallel > 1 or throughput) and not jsonl:
             raise UsageError(f"{'--parallel' if parallel > 1 else '--throughput'} needs --jsonl: only JSONL requests are decoded together")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
@@ -268,6 +237,7 @@ def chat(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    mmap: MmapOpt = None,
     rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
@@ -284,7 +254,7 @@ def chat(
         from specrun.commands import chat as chat_command
         from specrun.runtime.request import Request
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, memory=memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, rpc=rpc, memory=memory)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
         chat_command.chat(opts, request, max_tokens, _chat_settings(reasoning_format, chat_template))
 
@@ -321,6 +291,7 @@ def serve(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    mmap: MmapOpt = None,
     rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
@@ -341,7 +312,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose, reproducible=reproducible,
@@ -392,6 +363,7 @@ def bench(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    mmap: MmapOpt = None,
     rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
@@ -403,7 +375,7 @@ def bench(
     with _user_errors():
         from specrun.commands import bench as bench_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory, mmap=mmap, rpc=rpc)
         if report:
             from specrun.commands import bench_report
 
@@ -434,6 +406,7 @@ def tune(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    mmap: MmapOpt = None,
     rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
@@ -450,7 +423,7 @@ def tune(
             if e.name not in ("specrun.tuning", "specrun.commands.tune"):
                 raise
             raise SpecrunError(f"`specrun tune` is not available in this build (the {e.name} module is missing)") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory, mmap=mmap, rpc=rpc)
         tune_command.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
 
 
@@ -474,6 +447,7 @@ def plan(
     draft: DraftOpt = None,
     gpu_layers: GpuLayersOpt = None,
     gpu_memory: GpuMemoryOpt = None,
+    mmap: MmapOpt = None,
     rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
@@ -488,7 +462,7 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, rpc=rpc, parallel=parallel)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, rpc=rpc, parallel=parallel)
         plan_command.plan(opts, as_json, gpu, ram_free)
 
 

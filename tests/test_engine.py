@@ -459,3 +459,26 @@ def test_a_forked_child_runs_passes_in_a_compute_thread_of_its_own():
             os._exit(4)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_model_read_into_memory_computes_what_the_mapped_file_does(offline_models, load_model):
+    # --no-mmap reaches llama.cpp (its own log names the load mode), and the weights read into
+    # memory give the logits the mapped file gives, bit for bit (the same kernels, the same values)
+    path = offline_models.smollm2_q4
+    mapped = load_model(path)
+    with engine.captured_log(quiet=True) as lines:
+        read = engine.Model(path, mmap=False)
+    try:
+        modes = [line for line in lines if "load_mode" in line]
+        assert modes and all("load_mode = none" in line for line in modes), modes
+        tokens = mapped.tokenize("The lighthouse keeper counted the ships")
+        rows = []
+        for model in (mapped, read):
+            with engine.Context(model, n_ctx=256, n_batch=64, n_seq_max=1) as ctx:
+                batch = engine.Batch(len(tokens), 1)
+                batch.set_sequence(tokens, 0, 0, "all")
+                ctx.decode(batch)
+                rows.append(np.array([ctx.logits_row(i) for i in range(len(tokens))]))
+        assert np.array_equal(rows[0], rows[1])
+    finally:
+        read.close()

@@ -93,3 +93,46 @@ def test_specrun_plan_with_gpu_memory(offline_models, cli):
         assert result.exit_code != 0 and "--gpu-memory" in result.output and "Traceback" not in result.output
     no_gpu = cli("plan", "--ctx-size", "1024", "--gpu-memory", "8GiB")
     assert no_gpu.exit_code == 0 and "--gpu-memory has no effect" in no_gpu.stdout
+
+
+def test_layers_left_in_ram_are_read_into_pinned_memory_where_a_gpu_runs_the_big_passes(cli):
+    from dataclasses import replace
+
+    from specrun.commands.plan import plan_lines
+
+    split = _plan([H100], gpu_memory=8 * GB, budget=255)
+    assert split.placement.target_cpu_layers > 0 and split.placement.op_offload
+    assert split.mmap is False and split.to_dict()["target"]["mmap"] is False
+    assert any("read into memory, not mapped" in line and "pinned" in line for line in plan_lines(split))
+    assert _plan([H100]).mmap is None  # whole on the GPU: nothing in RAM to copy, mapped as llama.cpp does
+    assert _plan([]).mmap is None  # no GPU
+    # RPC workers alone: no GPU of this machine has pinned memory to lend
+    worker = DeviceInfo("RPC[10.0.0.2:50052]", "worker", "gpu", "RPC", 8 * GB, 8 * GB, host="10.0.0.2:50052")
+    assert _plan([worker], budget=255).placement.target_cpu_layers > 0 and _plan([worker], budget=255).mmap is None
+    # RAM that cannot hold the layers read: mapped pages can be paged out, read ones cannot
+    tight = build_plan(replace(OPTS, gpu_memory=8 * GB, budget=255), fetch=False, devices=[H100],
+                       ram_free_bytes=2 * GB, sizes=SIZES)
+    assert not tight.placement.ram_fits and tight.mmap is None
+    # the user's choice wins either way, and reaches the loader
+    forced = _plan([H100], gpu_memory=8 * GB, budget=255, mmap=True)
+    assert forced.mmap is True and forced.to_dict()["target"]["mmap"] is True
+    assert _plan([], mmap=False).mmap is False
+    from specrun.runtime.runtime import load_arguments
+
+    assert load_arguments(split)[0]["mmap"] is False and load_arguments(forced)[0]["mmap"] is True
+    assert load_arguments(_plan([]))[0]["mmap"] is None
+
+
+def test_specrun_plan_says_how_the_target_is_read(offline_models, cli):
+    gpu = ("--gpu", "Big GPU=79GiB/80GiB", "--ram-free", "16GiB", "--gpu-memory", "1GiB", "--budget", "64")
+    split = cli("plan", "--json", "--ctx-size", "1024", *gpu)
+    mapped = cli("plan", "--json", "--ctx-size", "1024", "--mmap", *gpu)
+    whole = cli("plan", "--json", "--ctx-size", "1024", "--gpu", "Big GPU=79GiB/80GiB", "--ram-free", "16GiB")
+    assert split.exit_code == mapped.exit_code == whole.exit_code == 0, split.output
+    assert json.loads(split.stdout)["target"]["mmap"] is False
+    assert json.loads(mapped.stdout)["target"]["mmap"] is True
+    assert json.loads(whole.stdout)["target"]["mmap"] is True
+    text = cli("plan", "--ctx-size", "1024", *gpu)
+    assert text.exit_code == 0 and "read into memory, not mapped" in text.stdout
+    read_on_cpu = cli("plan", "--ctx-size", "1024", "--no-mmap")
+    assert read_on_cpu.exit_code == 0 and "read into memory, not mapped" in read_on_cpu.stdout

@@ -224,3 +224,45 @@ def test_a_growing_tree_cut_to_a_smaller_batch_gives_up_growth_before_lookup():
     no_room = fit_tree(tree, 50)
     assert no_room.grow is None and no_room.shape == DEFAULT_SHAPE and no_room.verified.budget == 50
     assert "growing to up to 384" in tree.describe() and "growing" not in no_room.describe()
+
+
+# A 27B Q4_K_M target with 40 of its 65 layers in RAM (read into pinned memory) beside an 8 GiB
+# share of an H100, measured by the device kit (docs/benchmarks.md): below 32 tokens the RAM
+# layers run on the CPU, from 32 on the GPU after their weights are copied over.
+H100_8GIB = {1: 0.130, 2: 0.177, 4: 0.351, 8: 0.477, 9: 0.502, 16: 0.530, 31: 0.764, 32: 0.203, 64: 0.211,
+             128: 0.232, 256: 0.307, 512: 0.387}
+
+
+def offloaded(n):
+    below = sorted(k for k in H100_8GIB if k < 32) if n < 32 else sorted(k for k in H100_8GIB if k >= 32)
+    return float(np.interp(n, below, [H100_8GIB[k] for k in below]))
+
+
+def test_where_passes_from_the_op_offload_step_on_cost_less_the_tree_grows_past_it():
+    # Told where the regime changes, the ladder leaves out the sizes whose pass stays below the
+    # step, and the first tree above it is timed whole: trees of 32 nodes and more from then on.
+    growing = GrowingTrees(ScriptedGrower(pass_s=0.004), TreeShape.chain(5), 384)
+    growing.cost_step(32)
+    assert growing.levels[0] == 5 and all(b + 1 >= 32 for b in growing.levels[1:])
+    sizes = decode(growing, offloaded)
+    assert sizes[0] == 5 and min(sizes[-20:]) >= 32, sizes
+    rates = growing.rates()
+    assert rates[growing.level] > 2 * rates[0]  # measured: far faster than the chain it started from
+    # Not told, the 16-node tree's pass (530 ms, on the CPU) prices every larger one out.
+    blind = GrowingTrees(ScriptedGrower(pass_s=0.004), TreeShape.chain(5), 384)
+    assert max(decode(blind, offloaded)) < 32
+
+
+def test_a_pass_cost_above_the_step_is_its_own_line():
+    from specrun.decoding.adaptive import TargetCost
+
+    cost = TargetCost()
+    cost.set_step(32)
+    for n in (1, 6, 17):
+        cost.observe(n, offloaded(n))
+    assert float(cost(np.array([33]))[0]) == cost(np.array([1]))[0]  # not timed yet: as a one-token pass
+    cost.observe(33, offloaded(33))
+    assert float(cost(np.array([129]))[0]) == offloaded(33)  # one size timed: flat from the step
+    cost.observe(129, offloaded(129))
+    assert abs(float(cost(np.array([257]))[0]) - offloaded(257)) < 0.08  # two: the line through them
+    assert float(cost(np.array([17]))[0]) > 0.5  # the passes below the step keep their own line

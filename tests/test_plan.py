@@ -133,7 +133,8 @@ def test_load_arguments_follow_the_plan_on_several_gpus():
     assert target["op_offload"] == plan.placement.op_offload
     assert draft["main_gpu"] == plan.placement.draft_device and draft["n_gpu_layers"] == QWEN25_05B_Q4KM.n_layer + 1
     cpu_only = build_plan(opts, fetch=False, devices=[], ram_free_bytes=32 * GB, sizes=(QWEN25_14B_Q4KM, QWEN25_05B_Q4KM))
-    assert load_arguments(cpu_only) == ({"n_gpu_layers": 0, "op_offload": None}, {"n_gpu_layers": 0, "op_offload": None})
+    assert load_arguments(cpu_only) == ({"n_gpu_layers": 0, "op_offload": None, "mmap": None},
+                                        {"n_gpu_layers": 0, "op_offload": None})
 
 
 def test_the_draft_drafts_during_the_target_pass_only_where_the_target_runs_wholly_elsewhere():

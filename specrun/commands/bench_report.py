@@ -143,6 +143,7 @@ def _placement(plan: Plan, opts: RunOptions) -> dict:
         "draft_on": (plan.devices[placed.draft_device].name if placed.draft_device is not None else "RAM")
         if plan.draft_loaded else None,
         "op_offload": placed.op_offload,
+        "target_mapped": plan.mmap is not False,  # False: read into memory (pinned where layers stay in RAM)
         "planned_device_bytes": list(placed.device_bytes),
         "planned_ram_bytes": placed.ram_bytes,
         "n_ubatch": plan.target_ctx.n_ubatch,
@@ -182,7 +183,8 @@ def markdown(report: dict) -> str:
     limit = f" (GPU limited to {human_size(p['gpu_memory_limit_bytes'])})" if p["gpu_memory_limit_bytes"] else ""
     if p["target_layer_slots"]:
         lines.append(f"| layers | target {p['target_gpu_layers']} of {p['target_layer_slots']} slots on GPU{limit}; "
-                     f"draft {p['draft_on'] or 'not loaded'}; op offload {'on' if p['op_offload'] else 'off'} |")
+                     f"draft {p['draft_on'] or 'not loaded'}; op offload {'on' if p['op_offload'] else 'off'}"
+                     f"{'' if p.get('target_mapped', True) else '; target read, not mapped (pinned)'} |")
     else:
         lines.append("| layers | no GPU: target and draft in RAM |")
     planned = ", ".join(human_size(n) for n in p["planned_device_bytes"]) or "none"

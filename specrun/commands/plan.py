@@ -38,6 +38,9 @@ def plan_lines(plan: Plan) -> list[str]:
     placed = plan.placement
     lines = [f"target   {target['name']}  {_where(target['path'])}"]
     lines.append(f"         {_layers_text(target['gpu_layers'], target['layer_slots'], plan)}")
+    if plan.mmap is False:
+        lines.append("         read into memory, not mapped" + (": its layers in RAM sit in the GPU's pinned memory, "
+                     "which big passes copy over faster" if plan.placement.target_cpu_layers and plan.devices else ""))
     if draft is not None:
         lines.append(f"draft    {draft['name']}  {_where(draft['path'])}")
         lines.append(f"         {'whole on ' + draft['device'] if draft['gpu_layers'] else 'in RAM'}")

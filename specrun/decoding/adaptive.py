@@ -421,6 +421,8 @@ class TargetCost:
         self._base = Average(half_life)
         # Weighted sums for the line over x = n - 1: [1, x, x*x, seconds, seconds*x].
         self._fit = Average(half_life, 5)
+        self.step = 0  # passes of this many tokens or more: another regime (set_step), their own line
+        self._above = Average(half_life, 5)  # (over x = n - step)
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         if n_tokens < 1 or seconds <= 0:
@@ -429,19 +431,28 @@ class TargetCost:
             self._ratio.add(seconds / float(self.curve(np.array([n_tokens]))[0]))
         if n_tokens == 1:
             self._base.add(seconds)
+        elif self.step and n_tokens >= self.step:
+            x = n_tokens - self.step
+            self._above.add([1.0, x, x * x, seconds, seconds * x])
         else:
             x = n_tokens - 1
             self._fit.add([1.0, x, x * x, seconds, seconds * x])
 
+    def set_step(self, step: int) -> None:
+        """Passes of `step` tokens or more cost another regime (layers in RAM run on the GPU after a
+        copy: hardware.offload.cost_steps): as a one-token pass until one is timed, then flat while
+        they had one size (the copy does not grow with the batch)."""
+        self.step = step
+
     @property
     def known(self) -> bool:
-        return self._ratio.known or self._base.known or self._fit.known
+        return self._ratio.known or self._base.known or self._fit.known or self._above.known
 
     @property
     def settled(self) -> bool:
         """Whether the cost of a multi-token pass rests on a profile's curve or on SETTLED_PASSES
         such passes measured in this run."""
-        return self.curve is not None or self._fit.count >= SETTLED_PASSES
+        return self.curve is not None or self._fit.count + self._above.count >= SETTLED_PASSES
 
     def prior(self, n_tokens: np.ndarray) -> np.ndarray:
         """Seconds of an n-token pass as assumed before any multi-token pass was measured: the
@@ -461,7 +472,11 @@ class TargetCost:
             ratio = self._ratio.mean if self._ratio.known else 1.0
             return self.curve(n) * ratio
         base = self._one_token_s()
-        return _priced(n, base, *self._line(base))
+        below = _priced(n, base, *self._line(base))
+        if not self.step:
+            return below
+        at, slope = self._above_line(base)
+        return np.where(n >= self.step, at + slope * (n - self.step), below)
 
     def _one_token_s(self) -> float:
         """Seconds of a one-token pass: measured, else the multi-token passes' mean taken back
@@ -485,6 +500,15 @@ class TargetCost:
         # One size so far: from the one-token figure to theirs.
         slope = max(0.0, (sy / w - base) / (sx / w))
         return base, slope
+
+    def _above_line(self, base: float) -> tuple[float, float]:
+        """Return (seconds at the step, per token beyond it) of passes at or above the step."""
+        w, sx, sxx, sy, sxy = (float(v) for v in self._above.sum) if self._above.known else (1.0, 0.0, 0.0, base, 0.0)
+        spread = w * sxx - sx * sx
+        if spread <= 1e-9 * w * w:  # one size so far: flat
+            return sy / w, 0.0
+        slope = max(0.0, (w * sxy - sx * sy) / spread)
+        return (sy - slope * sx) / w, slope
 
 
 def _priced(n_tokens: np.ndarray, base: float, intercept: float, slope: float) -> np.ndarray:

@@ -45,6 +45,9 @@ class RunOptions:
     # hashed into the file's name, never shown)
     memory: bool = False
     memory_scope: str | None = field(default=None, repr=False)
+    # --mmap / --no-mmap: map the target's file, or read it into memory (the layers left in RAM
+    # then sit in the GPU's pinned host memory); None: as the plan decides (plan.target_mmap)
+    mmap: bool | None = None
 
     @property
     def lookup_only(self) -> bool:

@@ -109,6 +109,7 @@ class Plan:
     n_ctx_train: int = 0  # the target's trained context, when read (0: not read)
     check: ProfileCheck | None = None  # a tuning profile decided: what the load re-times
     round_trips: tuple[tuple[str, float], ...] = ()  # (RPC worker, seconds of a round trip to it)
+    mmap: bool | None = None  # the target's file mapped, or read (offload.target_mapped); None: llama.cpp's way
 
     def checked(self, target_pass_s: float | None) -> Plan:
         """Return the plan to load once the target's one-token pass is timed (None: could not
@@ -165,7 +166,7 @@ class Plan:
                     "grows_to": self.tree.grow, "verified_budget": self.tree.verified.budget}
         return {
             "target": {"name": f.target_name, "path": _path(f.target_path), "gpu_layers": self.target_gpu_layers,
-                       "layer_slots": self.placement.target_n_slots,
+                       "layer_slots": self.placement.target_n_slots, "mmap": self.mmap is not False,
                        "experts_in_ram_layers": self.placement.cpu_expert_layers},
             "draft": None if f.draft_name is None or not self.draft_loaded else {
                 "name": f.draft_name, "path": _path(f.draft_path), "gpu_layers": self.draft_gpu_layers,
@@ -390,6 +391,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             threads=threads, placement=placed, devices=gpus, untuned=untuned,
             notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
             round_trips=tuple((host, rpc.round_trip_s(host) or 0.0) for host in dict.fromkeys(d.host for d in gpus if d.host)),
+            mmap=opts.mmap if opts.mmap is not None else offload.target_mapped(placed, gpus),
         )
         if pass_s is not None:
             fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False,
@@ -501,8 +503,8 @@ def _loads_target_alike(plan: Plan, other: Plan) -> bool:
     """Whether two plans load the target the same way (layers, devices, context, threads): the
     second can then be loaded after the first's target was, once the target's pass is timed."""
     a, b = plan.placement, other.placement
-    return ((a.target_gpu_layers, a.target_tensor_split, a.op_offload, plan.target_ctx, plan.threads)
-            == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads))
+    return ((a.target_gpu_layers, a.target_tensor_split, a.op_offload, plan.target_ctx, plan.threads, plan.mmap)
+            == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads, other.mmap))
 
 
 def _header_copy(name: str, notes: list[str]) -> Path:
@@ -538,10 +540,8 @@ def _read_model_size(path: Path) -> offload.ModelSize:
 
 
 def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
-    """Return the target's and draft's local paths, fetching what is missing (after saying what).
-
-    With fetch=False nothing is downloaded: a missing model's path is None.
-    """
+    """Return the target's and draft's local paths, fetching what is missing (after saying what);
+    with fetch=False nothing is downloaded: a missing model's path is None."""
     if opts.target is None:
         target_name, default_draft = registry.default_pair()
     else:

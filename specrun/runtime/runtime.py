@@ -22,6 +22,7 @@ from specrun.decoding.pay import rules
 from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.together import Together
 from specrun.files import human_size
+from specrun.hardware import offload
 from specrun.models import pairing
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, build_plan
 from specrun.runtime.trees import TreePlan
@@ -155,7 +156,7 @@ class Runtime:
         if n == 1:
             return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                  memory=self.memory, overlap=self.overlap, network_sizes=self.network_sizes,
-                                 network_s=self.network_s)]
+                                 network_s=self.network_s, offload_step=op_offload_step(plan))]
         gate = PassGate(self.target_ctx)
         # The draft model's context, or the target's MTP context: one pass drafts for every request.
         draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft_ctx is not None else None
@@ -168,7 +169,8 @@ class Runtime:
             if self.draft_ctx is not None:
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
-                                         lane=lane, draft_lane=draft_lane, together=together, memory=self.memory))
+                                         lane=lane, draft_lane=draft_lane, together=together, memory=self.memory,
+                                         offload_step=op_offload_step(plan)))
         return decoders
 
     def _load_memory(self, scope: str | None) -> None:
@@ -301,7 +303,7 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     Without a GPU every value is llama.cpp's default.
     """
     placed = plan.placement
-    target = {"n_gpu_layers": placed.target_gpu_layers, "op_offload": None}
+    target = {"n_gpu_layers": placed.target_gpu_layers, "op_offload": None, "mmap": plan.mmap}
     if plan.tree is not None and plan.tree.drafting.loads_mtp:
         target["load_mtp"] = True
     draft = {"n_gpu_layers": plan.draft_gpu_layers, "op_offload": None}
@@ -322,6 +324,14 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     return target, draft
 
 
+def op_offload_step(plan: Plan) -> int:
+    """The size from which the target's passes run its layers left in RAM on a GPU of this machine,
+    after copying their weights there (offload.cost_steps: another regime of cost); 0: none."""
+    placed = plan.placement
+    local = bool(plan.devices) and not any(device.host for device in plan.devices)  # (not over RPC workers)
+    return offload.OP_OFFLOAD_MIN_BATCH if placed.op_offload and placed.target_cpu_layers > 0 and local else 0
+
+
 def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None, prompts_join: bool = False) -> Lane:
     """Request i's lane of a context n requests share: the i-th nth of its sequences."""
     per = ctx.n_seq_max // n
@@ -331,7 +341,7 @@ def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None, prompts_join: 
 def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True,
                  lane: Lane | None = None, draft_lane: Lane | None = None, together: Together | None = None,
                  memory: OutputMemory | None = None, overlap: bool = False, network_sizes: bool = False,
-                 network_s: float = 0.0):
+                 network_s: float = 0.0, offload_step: int = 0):
     """Return the decoder for a tree plan: plain decoding (None), or speculative decoding with the
     drafter the plan names. With `guard`, a speed guard shrinks the tree (down to plain steps)
     while speculation measures slower than plain decoding (bench and tune measure trees as given).
@@ -342,7 +352,8 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
     drafter's own session text only, as `bench` and `tune` measure a fresh process); `overlap`:
     the drafter grows its tree on while the target's pass runs (drafts_while_verifying);
     `network_sizes`: trees keep to core.tree_shapes.NETWORK_SIZES or to node counts met before
-    (a target on RPC workers, whose passes spend `network_s` seconds on the network).
+    (a target on RPC workers, whose passes spend `network_s` seconds on the network);
+    `offload_step`: the target's passes of that many tokens or more cost another regime (op_offload_step).
     """
     if tree is None:
         return PlainDecoder(target, target_ctx, lane)
@@ -353,4 +364,6 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
     decoder.overlap, decoder.network_sizes, decoder.network_s = overlap, network_sizes, network_s
     if overlap:
         drafter.overlaps()
+    if offload_step:
+        drafter.cost_step(offload_step)
     return decoder

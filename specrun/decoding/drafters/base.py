@@ -81,6 +81,11 @@ class Drafter(ABC):
         """The decoder overlaps drafting with the target's passes (extend, prepare): a drafter
         that sizes its trees online may size for that (growing.GrowingTrees)."""
 
+    def cost_step(self, step: int) -> None:
+        """The target's passes of `step` tokens or more cost another regime (its layers in RAM run
+        on a GPU of this machine after a copy: hardware.offload.cost_steps): a drafter that prices
+        its trees by the target's passes prices those apart (adaptive.TargetCost.set_step)."""
+
     def prepare(self, text: Sequence[int], done) -> None:
         """Read `text` (a prompt) while the target prefills it elsewhere (a GPU, an RPC worker),
         until `done` (a threading.Event) is set: what the first proposal need not catch up with

@@ -97,6 +97,15 @@ class GrowingTrees(ModelDrafter):
         self._set_levels(levels, deep=True)
         self._chains_to = LONGEST_NETWORK_CHAIN
 
+    def cost_step(self, step: int) -> None:
+        """The target's passes of `step` tokens or more cost another regime (base.Drafter): the
+        sizes above the start whose pass stays below the step are left out. On an H100 with 40 of
+        a 27B target's 65 layers in RAM a 17-token pass took 530 ms where 32 tokens took 203 (the
+        weights then copied to the GPU, pinned: docs/benchmarks.md); a ladder through 16 nodes
+        would price every tree above it by that pass and never grow them."""
+        self.cost.set_step(step)
+        self._set_levels((self.levels[0], *(b for b in self.levels[1:] if b + 1 >= step)), deep=self._overlapping)
+
     def _shape(self, level: int) -> TreeShape:
         """The shape a proposal of `level` is grown in: a chain of its size where `overlaps` says so."""
         shape, size = self.shapes[level], self.levels[level]

@@ -403,6 +403,10 @@ class HybridDrafter(Drafter):
     def overlaps(self) -> None:
         self.draft.overlaps()
 
+    def cost_step(self, step: int) -> None:
+        self.cost.set_step(step)
+        self.draft.cost_step(step)
+
     def prepare(self, text: Sequence[int], done) -> None:
         if self.could_pay():  # (a draft that never runs in this process reads nothing)
             self.draft.prepare(text, done)

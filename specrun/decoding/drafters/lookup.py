@@ -193,5 +193,8 @@ class LookupDrafter(Drafter):
     def observe_shared(self, n_tokens: int, seconds: float) -> None:
         self.cost.observe(n_tokens, seconds)
 
+    def cost_step(self, step: int) -> None:
+        self.cost.set_step(step)
+
     def reset(self) -> None:
         self.seen.forget_open()
