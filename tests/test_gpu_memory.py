@@ -136,3 +136,22 @@ def test_specrun_plan_says_how_the_target_is_read(offline_models, cli):
     assert text.exit_code == 0 and "read into memory, not mapped" in text.stdout
     read_on_cpu = cli("plan", "--ctx-size", "1024", "--no-mmap")
     assert read_on_cpu.exit_code == 0 and "read into memory, not mapped" in read_on_cpu.stdout
+
+
+def test_the_decoders_of_a_target_split_with_a_gpu_know_the_op_offload_step(offline_models):
+    from specrun.runtime.runtime import Runtime, make_decoder, op_offload_step
+
+    assert op_offload_step(_plan([H100], gpu_memory=8 * GB, budget=255)) == offload.OP_OFFLOAD_MIN_BATCH
+    assert op_offload_step(_plan([H100])) == 0 and op_offload_step(_plan([])) == 0  # nothing in RAM / no GPU
+    worker = DeviceInfo("RPC[10.0.0.2:50052]", "worker", "gpu", "RPC", 8 * GB, 8 * GB, host="10.0.0.2:50052")
+    assert op_offload_step(_plan([worker], budget=255)) == 0  # over RPC workers: the network's regime
+    # The demo pair's untuned default (the hybrid around trees grown online), built as a split
+    # target's decoder: its ladder leaves out the sizes below the step, its cost knows the step.
+    with Runtime(RunOptions(ctx_size=1024, quiet=True)) as rt:
+        tree = rt.plan.tree
+        assert tree.grow is not None and tree.lookup is not None
+        told = make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, offload_step=32).drafter
+        blind = make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx).drafter
+        assert told.cost.step == told.draft.cost.step == 32 and blind.cost.step == 0
+        assert told.draft.levels == (blind.draft.levels[0], *(b for b in blind.draft.levels if b >= 31))
+        assert any(b < 31 for b in blind.draft.levels[1:])
