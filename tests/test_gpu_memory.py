@@ -155,3 +155,17 @@ def test_the_decoders_of_a_target_split_with_a_gpu_know_the_op_offload_step(offl
         assert told.cost.step == told.draft.cost.step == 32 and blind.cost.step == 0
         assert told.draft.levels == (blind.draft.levels[0], *(b for b in blind.draft.levels if b >= 31))
         assert any(b < 31 for b in blind.draft.levels[1:])
+
+
+def test_the_op_offload_step_follows_llamas_own_setting():
+    # CUDA reads GGML_OP_OFFLOAD_MIN_BATCH at start; the cost steps follow it, and a value it
+    # cannot mean leaves llama.cpp's default rather than a traceback at import
+    import os
+    import subprocess
+    import sys
+
+    code = "from specrun.hardware import offload; print(offload.OP_OFFLOAD_MIN_BATCH)"
+    for value, step in (("8", 8), ("", 32), ("lots", 32)):
+        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "GGML_OP_OFFLOAD_MIN_BATCH": value},
+                              capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == str(step)

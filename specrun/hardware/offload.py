@@ -35,7 +35,7 @@ KV_CELL_PADDING = 256
 # CUDA (and Metal, Vulkan, SYCL) run a matmul whose weights sit in RAM on the GPU once the batch
 # has at least this many tokens, copying the weights over for that pass ("op offload"). This is
 # what makes a 500-token tree pass cost about as much as a 1-token pass when offloading (as CUDA's):
-OP_OFFLOAD_MIN_BATCH = int(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH") or 32)
+OP_OFFLOAD_MIN_BATCH = int(v) if (v := os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", "").strip()).isdigit() else 32
 # Weights copied to the GPU for one stretch of offloaded ops: e.g. ffn_gate, ffn_up, ffn_down.
 OP_OFFLOAD_COPIED_TENSORS = 3
 # Without tensor sizes from the GGUF: the largest matrix of a layer (usually an FFN matrix, often
