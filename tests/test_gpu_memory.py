@@ -76,6 +76,10 @@ def test_a_capped_card_has_its_own_tuning_profile(offline_models):
     capped = profiles.profile_key(f32, q4, "fp", 2, gpu_memory=8 * GB)
     assert profiles.profile_path(capped) != profiles.profile_path(plain_key)
     assert profiles.profile_path(capped) != profiles.profile_path(profiles.profile_key(f32, q4, "fp", 2, gpu_memory=12 * GB))
+    # the target read or mapped: its big passes cost differently, so each has its own profile
+    assert "mmap" not in plain_key  # left to the plan (the default): the key profiles had before
+    read, mapped = (profiles.profile_key(f32, q4, "fp", 2, mmap=m) for m in (False, True))
+    assert len({profiles.profile_path(k) for k in (plain_key, read, mapped)}) == 3
 
 
 def test_specrun_plan_with_gpu_memory(offline_models, cli):

@@ -42,13 +42,15 @@ def hardware_fingerprint() -> str:
 
 def profile_key(
     target_path: Path, draft_path: Path | None, fingerprint: str | None = None, threads: int | None = None,
-    gpu_memory: int | None = None,
+    gpu_memory: int | None = None, mmap: bool | None = None,
 ) -> dict:
     """Return the key a profile for this pair on this machine and llama.cpp build is stored under.
 
     `threads` is the CPU thread count decoding runs with (None: engine.default_threads(), what a
     run without --threads uses): on a CPU the cost curves scale with it. `gpu_memory` is the
-    --gpu-memory limit (an emulated smaller card places the model, and so costs, differently).
+    --gpu-memory limit (an emulated smaller card places the model, and so costs, differently);
+    `mmap` --mmap or --no-mmap (a target's layers in RAM copied for big passes from pinned memory
+    or from the mapped file cost differently).
     """
 
     key = {
@@ -61,6 +63,8 @@ def profile_key(
     }
     if gpu_memory is not None:
         key["gpu_memory"] = gpu_memory  # absent otherwise: profiles made before the option stay valid
+    if mmap is not None:
+        key["mmap"] = mmap  # (likewise)
     return key
 
 
@@ -97,10 +101,10 @@ def first_suggestion(target_path: Path, draft_path: Path) -> bool:
 
 
 def load(target_path: Path, draft_path: Path | None, threads: int | None = None,
-         gpu_memory: int | None = None) -> dict | None:
+         gpu_memory: int | None = None, mmap: bool | None = None) -> dict | None:
     """Return the stored profile for this pair on this machine, or None (never raises for bad files)."""
     try:
-        key = profile_key(target_path, draft_path, threads=threads, gpu_memory=gpu_memory)
+        key = profile_key(target_path, draft_path, threads=threads, gpu_memory=gpu_memory, mmap=mmap)
     except OSError as e:
         log.warning("cannot identify the model files for a tuning profile: %s", e)
         return None
@@ -157,7 +161,7 @@ def _checked_choice(config) -> Choice:
 
 
 def choice_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
-               gpu_memory: int | None = None):
+               gpu_memory: int | None = None, mmap: bool | None = None):
     """Return the tuned tuner.Choice for this pair, or None without a (valid) profile.
 
     Choice.kind tells the runtime what to build: "plain" (decode without the draft), "specexec"
@@ -167,7 +171,7 @@ def choice_for(target_path: Path, draft_path: Path | None, threads: int | None =
 
     if draft_path is None:
         return None
-    profile = load(target_path, draft_path, threads, gpu_memory)
+    profile = load(target_path, draft_path, threads, gpu_memory, mmap)
     if profile is None:
         return None
     choice = _checked_choice(profile["config"])
@@ -252,9 +256,9 @@ def _checked_tree(best_tree: dict | None, check: dict) -> tuple[int, int, float]
 
 
 def facts_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
-              gpu_memory: int | None = None) -> Facts | None:
+              gpu_memory: int | None = None, mmap: bool | None = None) -> Facts | None:
     """Return the stored profile's facts for this pair, or None."""
     if draft_path is None:
         return None
-    profile = load(target_path, draft_path, threads, gpu_memory)
+    profile = load(target_path, draft_path, threads, gpu_memory, mmap)
     return facts_of(profile) if profile is not None else None
