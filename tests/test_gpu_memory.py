@@ -143,7 +143,10 @@ def test_specrun_plan_says_how_the_target_is_read(offline_models, cli):
 
 
 def test_the_decoders_of_a_target_split_with_a_gpu_know_the_op_offload_step(offline_models):
-    from specrun.runtime.runtime import Runtime, make_decoder, op_offload_step
+    from specrun.runtime.runtime import Runtime, make_decoder
+
+    def op_offload_step(plan):
+        return offload.op_offload_step(plan.placement, plan.devices)
 
     assert op_offload_step(_plan([H100], gpu_memory=8 * GB, budget=255)) == offload.OP_OFFLOAD_MIN_BATCH
     assert op_offload_step(_plan([H100])) == 0 and op_offload_step(_plan([])) == 0  # nothing in RAM / no GPU

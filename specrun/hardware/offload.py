@@ -11,8 +11,7 @@ embedding) always stays in RAM. With several GPUs, slot i_gpu_start + i goes to 
 whose cumulative `tensor_split` share exceeds i / g; we pass per-device slot counts as
 `tensor_split`, so the split is exactly the one planned here.
 
-All sizes are estimates with a safety margin; the engine can still meet an allocation failure and
-report it.
+All sizes are estimates with a safety margin (the engine can still meet an allocation failure).
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ DEFAULT_MARGIN_BYTES = 512 * MIB
 KV_BYTES_PER_VALUE = 2
 KV_CELL_PADDING = 256
 
-# CUDA (and Metal, Vulkan, SYCL) run a matmul whose weights sit in RAM on the GPU once the batch
-# has at least this many tokens, copying the weights over for that pass ("op offload"). This is
-# what makes a 500-token tree pass cost about as much as a 1-token pass when offloading (as CUDA's):
+# CUDA (and Metal, Vulkan, SYCL) run a matmul on RAM-resident weights on the GPU, copied over, from this many
+# tokens a batch ("op offload": a 500-token tree pass then costs about a 1-token one); CUDA's own setting:
 OP_OFFLOAD_MIN_BATCH = int(v) if (v := os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", "").strip()).isdigit() else 32
 # Weights copied to the GPU for one stretch of offloaded ops: e.g. ffn_gate, ffn_up, ffn_down.
 OP_OFFLOAD_COPIED_TENSORS = 3
@@ -124,8 +122,7 @@ class ModelSize:
 
 @dataclass(frozen=True)
 class Device:
-    """A GPU (or other accelerator) as libggml reports it; `host` is the RPC worker it is on
-    ("HOST:PORT"; "" on this machine)."""
+    """A GPU (or other accelerator) as libggml reports it; `host`: its RPC worker ("HOST:PORT"; "": here)."""
 
     name: str
     free_bytes: int
@@ -155,8 +152,7 @@ def cost_steps(plan: OffloadPlan) -> tuple[int, ...]:
     Each is the first size of a new regime: above CUDA_VECTOR_KERNEL_MAX_BATCH tokens the GPU's
     layers change kernels; from OP_OFFLOAD_MIN_BATCH tokens, RAM-resident layers run on the GPU
     after their weights are copied over (a pass then costs about the copy, whatever the batch).
-    Cost curves measure both sides of every step instead of interpolating across it. Empty for
-    a model wholly in RAM.
+    Cost curves measure both sides of every step instead of interpolating across it (none in RAM).
     """
     steps = []
     if plan.target_gpu_layers > 0:
@@ -166,11 +162,15 @@ def cost_steps(plan: OffloadPlan) -> tuple[int, ...]:
     return tuple(steps)
 
 
+def op_offload_step(plan: OffloadPlan, devices: Sequence[Device]) -> int:
+    """The size from which passes copy the target's layers left in RAM to a GPU of this machine (0: none)."""
+    return OP_OFFLOAD_MIN_BATCH if plan.op_offload and plan.target_cpu_layers and any(not d.host for d in devices) else 0
+
+
 def target_mapped(plan: OffloadPlan, devices: Sequence[Device]) -> bool | None:
     """False: read the target, not map it, so its layers in RAM sit in a GPU's pinned memory, which
     big passes copy 5x faster (an H100: docs/benchmarks.md); None (mapped) where no GPU here needs them."""
-    pins = plan.op_offload and plan.target_cpu_layers > 0 and plan.ram_fits and any(not d.host for d in devices)
-    return False if pins else None
+    return False if op_offload_step(plan, devices) and plan.ram_fits else None
 
 
 def kv_bytes_per_layer(model: ModelSize, n_ctx: int) -> int:

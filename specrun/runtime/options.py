@@ -46,7 +46,7 @@ class RunOptions:
     memory: bool = False
     memory_scope: str | None = field(default=None, repr=False)
     # --mmap / --no-mmap: map the target's file, or read it into memory (the layers left in RAM
-    # then sit in the GPU's pinned host memory); None: as the plan decides (plan.target_mmap)
+    # then sit in the GPU's pinned host memory); None: as the plan decides (hardware.offload.target_mapped)
     mmap: bool | None = None
 
     @property

@@ -153,10 +153,11 @@ class Runtime:
         (decoding.batching: a range of sequences, n_ctx tokens), their passes shared through one
         gate per context, the two gates meeting in one room."""
         n = plan.target_ctx.parallel
+        offload_step = offload.op_offload_step(plan.placement, plan.devices)  # (0 without a GPU here)
         if n == 1:
             return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                  memory=self.memory, overlap=self.overlap, network_sizes=self.network_sizes,
-                                 network_s=self.network_s, offload_step=op_offload_step(plan))]
+                                 network_s=self.network_s, offload_step=offload_step)]
         gate = PassGate(self.target_ctx)
         # The draft model's context, or the target's MTP context: one pass drafts for every request.
         draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft_ctx is not None else None
@@ -170,7 +171,7 @@ class Runtime:
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                          lane=lane, draft_lane=draft_lane, together=together, memory=self.memory,
-                                         offload_step=op_offload_step(plan)))
+                                         offload_step=offload_step))
         return decoders
 
     def _load_memory(self, scope: str | None) -> None:
@@ -324,14 +325,6 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     return target, draft
 
 
-def op_offload_step(plan: Plan) -> int:
-    """The size from which the target's passes run its layers left in RAM on a GPU of this machine,
-    after copying their weights there (offload.cost_steps: another regime of cost); 0: none."""
-    placed = plan.placement
-    local = bool(plan.devices) and not any(device.host for device in plan.devices)  # (not over RPC workers)
-    return offload.OP_OFFLOAD_MIN_BATCH if placed.op_offload and placed.target_cpu_layers > 0 and local else 0
-
-
 def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None, prompts_join: bool = False) -> Lane:
     """Request i's lane of a context n requests share: the i-th nth of its sequences."""
     per = ctx.n_seq_max // n
@@ -353,7 +346,8 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
     the drafter grows its tree on while the target's pass runs (drafts_while_verifying);
     `network_sizes`: trees keep to core.tree_shapes.NETWORK_SIZES or to node counts met before
     (a target on RPC workers, whose passes spend `network_s` seconds on the network);
-    `offload_step`: the target's passes of that many tokens or more cost another regime (op_offload_step).
+    `offload_step`: the target's passes of that many tokens or more cost another regime
+    (hardware.offload.op_offload_step).
     """
     if tree is None:
         return PlainDecoder(target, target_ctx, lane)
