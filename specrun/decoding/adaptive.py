@@ -439,9 +439,8 @@ class TargetCost:
             self._fit.add([1.0, x, x * x, seconds, seconds * x])
 
     def set_step(self, step: int) -> None:
-        """Passes of `step` tokens or more cost another regime (layers in RAM run on the GPU after a
-        copy: hardware.offload.cost_steps): as a one-token pass until one is timed, then flat while
-        they had one size (the copy does not grow with the batch)."""
+        """Passes of `step` tokens or more cost another regime (layers in RAM run on the GPU after a copy:
+        hardware.offload.cost_steps): as a one-token pass until one is timed, flat while one size was."""
         self.step = step
 
     @property
@@ -473,10 +472,8 @@ class TargetCost:
             return self.curve(n) * ratio
         base = self._one_token_s()
         below = _priced(n, base, *self._line(base))
-        if not self.step:
-            return below
-        at, slope = self._above_line(base)
-        return np.where(n >= self.step, at + slope * (n - self.step), below)
+        at, slope = self._above_line(base)  # (base, 0 without a step: nothing is observed above it)
+        return np.where(n >= self.step, at + slope * (n - self.step), below) if self.step else below
 
     def _one_token_s(self) -> float:
         """Seconds of a one-token pass: measured, else the multi-token passes' mean taken back
@@ -492,23 +489,26 @@ class TargetCost:
         """Return (intercept, seconds per extra token) of passes over more than one token."""
         if not self._fit.known:
             return base, PRIOR_TOKEN_COST * base
-        w, sx, sxx, sy, sxy = (float(v) for v in self._fit.sum)
-        spread = w * sxx - sx * sx
-        if spread > 1e-9 * w * w:  # passes of different sizes: fit the line
-            slope = max(0.0, (w * sxy - sx * sy) / spread)
-            return (sy - slope * sx) / w, slope
-        # One size so far: from the one-token figure to theirs.
-        slope = max(0.0, (sy / w - base) / (sx / w))
-        return base, slope
+        w, sx, _, sy, _ = (float(v) for v in self._fit.sum)
+        # Passes of different sizes: the line through them; one size so far: from the one-token figure to theirs.
+        return _fitted(self._fit) or (base, max(0.0, (sy / w - base) / (sx / w)))
 
     def _above_line(self, base: float) -> tuple[float, float]:
         """Return (seconds at the step, per token beyond it) of passes at or above the step."""
-        w, sx, sxx, sy, sxy = (float(v) for v in self._above.sum) if self._above.known else (1.0, 0.0, 0.0, base, 0.0)
-        spread = w * sxx - sx * sx
-        if spread <= 1e-9 * w * w:  # one size so far: flat
-            return sy / w, 0.0
-        slope = max(0.0, (w * sxy - sx * sy) / spread)
-        return (sy - slope * sx) / w, slope
+        if not self._above.known:
+            return base, 0.0
+        w, _, _, sy, _ = (float(v) for v in self._above.sum)
+        return _fitted(self._above) or (sy / w, 0.0)  # one size so far: flat
+
+
+def _fitted(fit: Average) -> tuple[float, float] | None:
+    """Return (intercept, slope >= 0) of the weighted line through `fit`'s passes, None while they had one size."""
+    w, sx, sxx, sy, sxy = (float(v) for v in fit.sum)
+    spread = w * sxx - sx * sx
+    if spread <= 1e-9 * w * w:
+        return None
+    slope = max(0.0, (w * sxy - sx * sy) / spread)
+    return (sy - slope * sx) / w, slope
 
 
 def _priced(n_tokens: np.ndarray, base: float, intercept: float, slope: float) -> np.ndarray:
