@@ -9,13 +9,13 @@ import pytest
 from specrun.core.tree import DraftTree
 from specrun.decoding.adaptive import (
     LONG_MATCH,
-    MAX_CHANCE,
-    DraftCalibration,
+    REPEAT_MATCH,
     DraftPrior,
     Hindsight,
     HindsightByKind,
     TargetCost,
 )
+from specrun.decoding.calibration import MAX_CHANCE, DraftCalibration
 from specrun.decoding.drafters.base import ModelDrafter
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.hybrid import HybridDrafter
@@ -347,6 +347,27 @@ def test_a_long_match_among_earlier_answers_is_a_kind_of_its_own():
     fresh[(0, 1)].watch(chain(1, [2, 3, 4]))
     fresh.feed([2, 3, 4, -1])
     assert fresh.record((0, 2)) is fresh[(0, 1)]  # nothing long measured: the strong record
+
+
+def test_a_greedy_repeat_starts_trusted_and_learns_otherwise():
+    """A greedy request whose text repeats earlier text (the same prompt again) is sized from its
+    first step as if proposals were accepted whole, as deep as the step may reach; a repeat that
+    does not go on as before is cut down within a few steps, and the other kinds are untouched."""
+    kinds = HindsightByKind(max_budget=64)
+    assert kinds.kind(order=REPEAT_MATCH, repeat=True) == (0, 3) and kinds.kind(order=REPEAT_MATCH) == (0, 2)
+    cost = lambda n: 0.020 + 0.002 * n  # a pass over n nodes
+    repeat = kinds.record((0, 3))
+    assert repeat is kinds[(0, 3)] and repeat.known
+    assert best_lookup_size(repeat, TargetCost(), 0.0, 64, depth=32) > 0
+    assert repeat.best(cost, depth=32)[0] == 32 and repeat.best(cost)[0] == 64
+    assert kinds.record((0, 2)).best(cost)[0] == 0  # a long match alone earns its trust as before
+    repeat.watch(chain(1, list(range(2, 66))))
+    kinds.feed([1000])  # the repeat parts at its first token
+    assert repeat.best(cost)[0] == 0
+    again = HindsightByKind(max_budget=64)
+    again[(0, 3)].watch(chain(1, list(range(2, 66))))
+    again.feed(list(range(2, 34)))  # the repeat goes on as before
+    assert again.record((2, 3)) is again[(2, 3)] and again[(0, 3)].best(cost, depth=32)[0] == 32
 
 
 class ScriptedDraft(ModelDrafter):

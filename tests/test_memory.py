@@ -20,6 +20,7 @@ import pytest
 from test_lookup_decoding import DRAFT_SHAPE, N_CTX, TREE_BATCH, lookup_shape
 from test_speculative import GREEDY, Contexts, chat_prompt, plain_reference
 
+from specrun.core.sampling import SamplingParams
 from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter
@@ -213,6 +214,29 @@ def test_a_repeated_answer_is_drafted_from_another_requests_memory(kind, target,
     assert second.stats.total("lookup_tokens") > len(reference) / 2
     assert with_memory > 1.5 * alone and second.stats.n_passes < fresh.stats.n_passes / 2
 
+
+
+@pytest.mark.parametrize("kind", ["lookup", "hybrid"])
+def test_the_same_greedy_request_again_is_drafted_whole_from_its_first_step(kind, target, draft, contexts, plain):
+    """An answer regenerated (the same greedy request again, in the same lane): its text repeats
+    the earlier one, so the first decoding step already verifies as deep a tree as the step may
+    reach, accepted whole, where a kind that earns trust from nothing started at 3-5 nodes. The
+    output is plain decoding's. Sampled, the same prompt is no repeat: its first step is not
+    trusted so."""
+    decoder = lookup_decoder(target, contexts, OutputMemory()) if kind == "lookup" else (
+        hybrid_decoder(target, draft, contexts, OutputMemory()))
+    prompt = chat_prompt(target, ASKED)
+    reference = plain_reference(plain, prompt, MAX_TOKENS).tokens
+    assert token_ids(decoder, prompt, GREEDY, MAX_TOKENS) == reference
+    assert token_ids(decoder, prompt, GREEDY, MAX_TOKENS) == reference
+    steps = decoder.stats.steps
+    print(f"\n{kind}: regenerated in {len(steps)} passes, tokens a pass {[len(s.tokens) for s in steps]}")
+    depth = decoder.shape.depth
+    assert steps[1].tree_depth == depth and steps[1].accepted == depth
+    assert len(steps) <= len(reference) // depth + 3
+    if kind == "lookup":
+        token_ids(decoder, prompt, SamplingParams(temperature=0.8), MAX_TOKENS, seed=None)
+        assert decoder.stats.steps[1].tree_nodes < depth
 
 
 def test_the_server_shares_the_memory_across_its_lanes(offline_models, tmp_path):

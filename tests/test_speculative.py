@@ -25,7 +25,7 @@ from specrun import engine
 from specrun.chat import templates
 from specrun.core.sampling import SamplingParams, make_rng, target_probs
 from specrun.core.tree_shapes import NETWORK_SIZES, TreeShape
-from specrun.decoding.adaptive import DraftCalibration
+from specrun.decoding.calibration import DraftCalibration
 from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.best_first import TreeGrower

@@ -1,6 +1,6 @@
 """How much one speculative step should verify, from what this run has measured.
 
-Two pieces, all pure:
+Two pieces, both pure:
 
 - `Hindsight`: for every budget of a grid, how many tokens a tree cut to that budget would have
   had accepted, learned by matching each step's full proposal against the tokens the target went
@@ -9,8 +9,9 @@ Two pieces, all pure:
   one proposal per step measures every smaller budget at once.
 - `TargetCost`: seconds of one target pass over n tokens here: the tuning profile's curve scaled
   to this run's measurements, or a line fitted online.
-- `DraftCalibration`: how often the target takes a draft model's proposal, by the draft's own
-  probability for it: the chance a best-first tree scores its nodes by (drafters.best_first).
+
+(How often the target takes a draft model's proposal, by the draft's own probability, which
+best-first trees score their nodes by, is decoding.calibration's.)
 
 What pays, and so how large a tree a step verifies, is decided by decoding.pay from these figures.
 """
@@ -49,25 +50,33 @@ STRONG_ORDER = 3
 # records sent after them (keys matched among records of other values), accepting 1-3 tokens at
 # 4x a plain step's cost: the first two records decoded at 74-81 tokens/s, 82-94 apart.
 LONG_MATCH = 8
+# A greedy request whose latest text equals earlier text over this many tokens, measured backward
+# (the same prompt again: an answer regenerated, an agent's step retried, a request resent), is
+# expected to go on as that text went on: at temperature 0 the same context gives the same
+# tokens, up to a near-tie. Such a proposal is a kind of its own that starts trusted (REPEAT_TRUST),
+# not doubted: the demo pair's regenerated chat answer grew its trees 3, 3, 5, 8, 16, 32 nodes
+# while the other kinds' records earned trust, 9 passes for 96 tokens it had written before
+# (trusted: 4 passes, 32, 32, 24 and 3 nodes).
+REPEAT_MATCH = 64
+# A text shorter than REPEAT_MATCH repeats where all of it matched (the same short prompt again),
+# from this many tokens.
+REPEAT_MIN = 16
+# Steps of "every proposal accepted whole" a repeat starts from, until its first step is measured:
+# from then on what its steps accept sizes it, so a repeat that does not go on as before (a
+# near-tie parted it) is cut down at once.
+REPEAT_TRUST = 1.0
 # Steps of "nothing accepted" each kind starts from (Hindsight.doubt): a proposal made while the
 # text follows an earlier one is credible sooner than one after a chance match.
 DOUBT, RUN_DOUBT = 8.0, 2.0
 LONG_RUN = 6
-# DraftCalibration: the draft's probabilities are corrected per tenth of [0, 1], recent proposals
-# weighing most (half weight after CALIBRATION_HALF_LIFE children judged), each tenth starting
-# from CALIBRATION_PRIOR proposals that went as the draft said; no chance above MAX_CHANCE (a
-# child always scores below its parent, and no path is taken for certain).
-CALIBRATION_BINS = 10
-CALIBRATION_HALF_LIFE = 512
-CALIBRATION_PRIOR = 4.0
-MAX_CHANCE = 0.99
 # The most tokens a walk still matching is expected to match on (Hindsight.expected_more).
 MAX_MORE = 64.0
 # ... and at most this many times what it has matched so far.
 RAMP = 2.0
 
 
-def _decay(half_life: float) -> float:
+def decay(half_life: float) -> float:
+    """The weight kept per step by a mean whose steps lose half their weight after `half_life`."""
     return 0.5 ** (1.0 / half_life)
 
 
@@ -75,7 +84,7 @@ class Average:
     """An exponentially weighted mean of arrays (or floats), with early steps not biased to 0."""
 
     def __init__(self, half_life: float, shape=()):
-        self.keep = _decay(half_life)
+        self.keep = decay(half_life)
         self.sum = np.zeros(shape)
         self.weight = 0.0
         self.count = 0
@@ -92,75 +101,6 @@ class Average:
     @property
     def mean(self):
         return self.sum / self.weight if self.weight else self.sum
-
-
-class DraftCalibration:
-    """The chance that the target takes a child the draft model proposed, from the draft's own
-    probability for it and whether it was the draft's first choice there, as this run measured.
-
-    Best-first trees (SpecExec) keep the nodes whose paths the draft finds likeliest, which is
-    the best tree where the draft's probabilities are the target's chances. A draft quantized
-    from its target is far surer than it says: the demo pair's chains of 8 were accepted whole at
-    most steps, where the draft gave its first choices 0.5-0.9 each, so its 16-node trees spent
-    their nodes on second choices 7-11 deep and accepted less than the chain of 8 (4-10 tokens,
-    against 8 at most steps). Corrected, a tree grows as deep as the draft is right and branches
-    where it is not, as Sequoia's trees do from measured acceptance by rank.
-
-    Per tenth of the draft's probability and per kind (first choice, other), a correction factor:
-    the children the target took there over the chances the draft gave them (a tenth little judged
-    leaning on its kind's factor over all tenths). A child's chance is
-    its probability times the factor, interpolated between tenths (so the draft's order within a
-    tenth stays), at most MAX_CHANCE. Before anything is judged it is the draft's probability.
-    Only the order of nodes follows from it: what is accepted is the target's own choice."""
-
-    def __init__(self, half_life: float = CALIBRATION_HALF_LIFE):
-        self.keep = _decay(half_life)
-        mid = (np.arange(CALIBRATION_BINS) + 0.5) / CALIBRATION_BINS
-        self._prior = CALIBRATION_PRIOR * mid
-        self._taken = np.zeros((2, CALIBRATION_BINS))  # [first choice or not, tenth]
-        self._chance = np.zeros((2, CALIBRATION_BINS))  # the draft's probabilities summed
-        self._judged = np.zeros(2)  # children judged [first choice or not]
-        self._mid = mid
-
-    def judge(self, logps, first, taken) -> None:
-        """Note children the target has chosen among: each one's log-prob as the draft gave it,
-        whether it was the draft's first choice there, and whether the target took it."""
-        q = np.exp(np.asarray(logps, np.float64))
-        if not len(q):
-            return
-        kinds = np.where(np.asarray(first, bool), 0, 1)
-        bins = np.minimum((q * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
-        keep = self.keep ** len(q)
-        self._taken *= keep
-        self._chance *= keep
-        self._judged *= keep
-        np.add.at(self._taken, (kinds, bins), np.asarray(taken, np.float64))
-        np.add.at(self._chance, (kinds, bins), q)
-        np.add.at(self._judged, kinds, 1.0)
-
-    def first_choices(self) -> tuple[float, float]:
-        """(how many of the draft's first choices were judged, the share the target took;
-        recent ones weighing most)."""
-        judged = float(self._judged[0])
-        return judged, float(self._taken[0].sum()) / judged if judged else 0.0
-
-    def factors(self) -> np.ndarray:
-        """[first choice or not, tenth]: the target's choices over the draft's chances; a tenth
-        little judged leans on its kind's factor over all tenths (1 before anything is judged)."""
-        overall = (self._taken.sum(axis=1, keepdims=True) + CALIBRATION_PRIOR) \
-            / (self._chance.sum(axis=1, keepdims=True) + CALIBRATION_PRIOR)
-        return (self._taken + self._prior * overall) / (self._chance + self._prior)
-
-    def scores(self, logps: np.ndarray) -> np.ndarray:
-        """Log-chances for rows of children best first (column 0: the draft's first choice), as
-        from `sampling.log_softmax_topk`."""
-        logps = np.asarray(logps, np.float64)
-        q = np.exp(logps)
-        factors = self.factors()
-        scale = np.empty_like(q)
-        scale[:, :1] = np.interp(q[:, :1], self._mid, factors[0])
-        scale[:, 1:] = np.interp(q[:, 1:], self._mid, factors[1])
-        return np.log(np.clip(q * scale, 1e-12, MAX_CHANCE))
 
 
 class _Watch:
@@ -229,12 +169,15 @@ class Hindsight:
     accepted depth is the deeper of the two walks, and `nodes` counts base + grafted nodes.
     """
 
-    def __init__(self, max_budget: int, half_life: float = HALF_LIFE, doubt: float = 0.0):
+    def __init__(self, max_budget: int, half_life: float = HALF_LIFE, doubt: float = 0.0, trust: float = 0.0):
         budgets = sorted({b for b in BUDGETS if b < max_budget} | {max_budget})
         self.budgets = np.array(budgets, np.int64)
         # Steps of "nothing accepted" assumed before any was watched: a lucky first proposal or
         # two must not make every later one look good (each weighs as one step, then fades).
         self.doubt = doubt
+        # Steps of "every budget's tree accepted whole" assumed before any was measured (a repeat:
+        # REPEAT_TRUST).
+        self.trust = trust
         self._accepted = Average(half_life, len(budgets))
         self._nodes = Average(half_life, len(budgets))
         self._walks = Average(half_life, 2)  # [tokens matched, walk ended by a miss] per proposal
@@ -293,8 +236,9 @@ class Hindsight:
 
     @property
     def known(self) -> bool:
-        """Whether any proposal was watched (finished, or still followed: a lower bound)."""
-        return self._accepted.known or bool(self._open)
+        """Whether any proposal was watched (finished, or still followed: a lower bound), or the
+        record starts trusted."""
+        return self._accepted.known or bool(self._open) or self.trust > 0
 
     @property
     def watched(self) -> int:
@@ -327,8 +271,12 @@ class Hindsight:
                 continue  # made this step: nothing known about it yet
             total = average.keep * total + value(watch)
             weight = average.keep * weight + 1.0
-        # The doubt steps came first: they fade as real steps follow.
-        weight += doubt * average.keep ** (average.count + sum(w.fed > 0 for w in self._open))
+        # The doubt steps came first: they fade as real steps follow. A trusted step (accepted,
+        # and verified, each budget's nodes whole) holds until the first real one is measured.
+        fade = average.keep ** (average.count + sum(w.fed > 0 for w in self._open))
+        trust = 0.0 if self.measured else self.trust
+        total = total + trust * self.budgets
+        weight += doubt * fade + trust
         return total / weight if weight else total
 
     def best(self, step_seconds: Callable[[np.ndarray], np.ndarray], margin: float = 0.0,
@@ -354,8 +302,10 @@ class HindsightByKind:
     proposals (every latest token held by one): 0 (not, or for one token, which may be chance),
     1 (a few tokens) or 2 (LONG_RUN tokens or more). `strength`: 0 where the proposal's longest
     match has fewer than STRONG_ORDER tokens, 1 from STRONG_ORDER, 2 from LONG_MATCH (measured
-    backward among earlier answers). Mid-copy, proposals are accepted for long stretches; in free
-    text, a match on the last token or two rarely is.
+    backward among earlier answers), 3 for a greedy request's repeat (REPEAT_MATCH tokens or more,
+    measured backward in the session's text or among earlier answers), which starts trusted.
+    Mid-copy, proposals are accepted for long stretches; in free text, a match on the last token
+    or two rarely is.
     """
 
     def __init__(self, max_budget: int, half_life: float = KIND_HALF_LIFE):
@@ -364,6 +314,8 @@ class HindsightByKind:
             for run in (0, 1, 2)
             for strength in (0, 1, 2)
         }
+        for run in (0, 1, 2):
+            self.kinds[(run, 3)] = Hindsight(max_budget, half_life, trust=REPEAT_TRUST)
         self.streak = 0  # the latest emitted tokens that some proposal held, in a row
 
     def __getitem__(self, kind: tuple[int, int]) -> Hindsight:
@@ -376,16 +328,19 @@ class HindsightByKind:
         earn trust from nothing again at each run level (a fresh process's rewrites took 7%
         more passes so); a long match with nothing of its own measured takes a strong one's."""
         run, strength = kind
+        if strength == 3:
+            return self.kinds[kind]  # a repeat's own record, trusted from the start
         for level in (2, 1) if strength == 2 else (strength,):
             for lower in range(run, -1, -1):
                 if self.kinds[(lower, level)].measured:
                     return self.kinds[(lower, level)]
         return self.kinds[kind]
 
-    def kind(self, order: int) -> tuple[int, int]:
-        """The kind of a proposal made now, whose longest match has `order` tokens."""
+    def kind(self, order: int, repeat: bool = False) -> tuple[int, int]:
+        """The kind of a proposal made now, whose longest match has `order` tokens; `repeat`: a
+        greedy request's text matched earlier text over REPEAT_MATCH tokens or more."""
         run = 2 if self.run(LONG_RUN) else 1 if self.run(2) else 0
-        return run, 2 if order >= LONG_MATCH else 1 if order >= STRONG_ORDER else 0
+        return run, 3 if repeat else 2 if order >= LONG_MATCH else 1 if order >= STRONG_ORDER else 0
 
     def run(self, tokens: int = 2) -> bool:
         """Whether the text has followed earlier proposals for the last `tokens` tokens at least
@@ -552,7 +507,7 @@ class Reach:
 
     def __init__(self, budgets, half_life: float = HALF_LIFE):
         self.budgets = np.array(sorted(set(int(b) for b in budgets)), np.int64)
-        self.keep = _decay(half_life)
+        self.keep = decay(half_life)
         self._sum = np.zeros(len(self.budgets))
         self._nodes = np.zeros(len(self.budgets))
         self._weight = np.zeros(len(self.budgets))

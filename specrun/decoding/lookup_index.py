@@ -31,6 +31,9 @@ MAX_TOKENS = 1 << 16  # history kept; older text is forgotten (memory bound: see
 # Score charged per token of depth (log 0.8): a continuation that followed once is not certain
 # to follow again, and the further it reaches the less so. The decoder may adapt it.
 TOKEN_LOGP = math.log(0.8)
+# Tokens a match is measured over, backward from the latest token (`match_lengths`): how much of
+# the text before a proposal's occurrences equals the text now (decoding.adaptive.REPEAT_MATCH).
+MATCH_SPAN = 64
 
 _SEPARATOR = -1  # ends a stretch of history: no n-gram and no continuation crosses it
 _MIN_CAPACITY = 1024
@@ -95,6 +98,9 @@ class LookupIndex:
         self._n_live = 0
         self._live_at_end = True  # the history ends with the live sequence: appends continue it
         self.last_order = 0  # the longest n-gram order the last proposal matched, or its memory match (0: none)
+        # How many tokens before the last proposal's best occurrence, here or in the memory, equal
+        # the latest ones (up to MATCH_SPAN; 0: none): the same prompt again matches all of them.
+        self.last_match = 0
 
     def __len__(self) -> int:
         """Tokens of history kept (separators and context copies included)."""
@@ -192,7 +198,7 @@ class LookupIndex:
         continuations (`memory.continuations`) join this index's in the same trie, weighed on the
         same scale.
         """
-        self.last_order = 0
+        self.last_order = self.last_match = 0
         if budget < 1 or depth < 1 or len(context) == 0:
             return None
         query = np.asarray(context[-self.orders[0] :], np.int64)
@@ -201,12 +207,14 @@ class LookupIndex:
         weights = np.empty(0)
         if len(positions):
             self.last_order = int(orders.max())
+            self.last_match = int(self.match_lengths(positions, context, MATCH_SPAN).max())
             rows, weights = self.continuations(positions, ORDER_WEIGHT ** (orders - 1), depth)
         if memory is not None:
             more, more_weights, order = memory.continuations(context, depth)
             if len(more):
                 rows, weights = np.concatenate([rows, more]), np.concatenate([weights, more_weights])
                 self.last_order = max(self.last_order, order)
+                self.last_match = max(self.last_match, order)
         if len(rows) == 0:
             return None
         parents, tokens, scores = _trie(rows, weights, token_logp)

@@ -42,14 +42,14 @@ from typing import Sequence
 import numpy as np
 
 from specrun import paths
-from specrun.decoding.lookup_index import ORDER_WEIGHT, LookupIndex
+from specrun.decoding.lookup_index import MATCH_SPAN, ORDER_WEIGHT, LookupIndex
 from specrun.files import atomic_path
 
 # 2**19 tokens (the answers of ~2,600 requests of 200 tokens): 14.5 MiB of index.
 MEMORY_TOKENS = 1 << 19
 MEMORY_ORDERS = (8, 4, 2)  # n-grams looked up: a long one finds long matches among many answers
 LEAD = 8  # prompt tokens remembered before each answer: its first tokens followed them
-LONGEST = 64  # tokens a match is measured over, backward
+LONGEST = MATCH_SPAN  # tokens a match is measured over, backward
 STRONGEST = 8  # a match longer than this weighs no more: it is as good as certain
 HALF_LIFE = 1 << 16  # tokens remembered after an occurrence that halve its weight
 REACH_PER_TOKEN = 2.0  # tokens a match may propose per token matched

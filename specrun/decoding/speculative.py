@@ -97,6 +97,7 @@ class SpeculativeDecoder:
         self.drafter.reset()
 
     def steps(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, rng: np.random.Generator) -> Iterator[Step]:
+        self.drafter.greedy = params.greedy
         self.drafter.start(len(prompt), max_tokens)
         self.sizer.start(params)
         yield from self._steps(prompt, params, max_tokens, rng)

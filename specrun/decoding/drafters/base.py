@@ -54,6 +54,9 @@ class Drafter(ABC):
     # them (the decoder sets it before each proposal): drafters that size their trees by what
     # pays (lookup, hybrid) weigh their nodes against that pass (pay.rules.best_size).
     beside: Beside = ALONE
+    # Whether the generation under way is greedy (the decoder sets it as each one starts): a
+    # greedy request's text that repeats earlier text goes on as it did (adaptive.REPEAT_MATCH).
+    greedy: bool = False
 
     @abstractmethod
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:

@@ -21,7 +21,7 @@ import numpy as np
 from specrun.core.sampling import log_softmax_topk
 from specrun.core.tree import MAX_LEAVES, DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape
-from specrun.decoding.adaptive import DraftCalibration
+from specrun.decoding.calibration import DraftCalibration
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import ModelDrafter, Proposal
 from specrun.decoding.kv import CachedSequence, probe_passes

@@ -163,7 +163,7 @@ class HybridDrafter(Drafter):
         idle = not self.drafted and self._lean_proposal is None and not self.alone.run()
         look = self.idle.looks(idle, idle and self.text.strong())
         branches = self.text.propose(lookup_budget, depth) if lookup_budget and look else None
-        kind = self.alone.kind(self.text.last_order if look else 0)
+        kind = self.alone.kind(self.text.last_order, self.text.repeats(self.greedy)) if look else self.alone.kind(0)
         if look:
             self.alone[kind].watch(branches)
         proposed = look and branches is not None
@@ -222,8 +222,9 @@ class HybridDrafter(Drafter):
         carry 20-30 tokens each (their lookup branches did) leave each kind two or three
         watches. Gemma-270M's chat answers, which repeat themselves, drafted so through copies
         that lookup alone ran 1.5x faster: a drafting step's lookup branches carried 25 tokens
-        in 180 ms where lookup alone would have carried them in 80."""
-        if record.watched >= THIN_KIND or not self.alone_on_drafts.known:
+        in 180 ms where lookup alone would have carried them in 80. A repeat's record
+        (adaptive.REPEAT_MATCH) starts trusted: it is its own from the first step."""
+        if record.watched >= THIN_KIND or record.trust or not self.alone_on_drafts.known:
             return record
         return self.alone_on_drafts if self._lean_rate(self.alone_on_drafts) > self._lean_rate(record) else record
 

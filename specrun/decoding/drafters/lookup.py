@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from specrun.decoding.adaptive import (
+    REPEAT_MATCH,
+    REPEAT_MIN,
     STRONG_ORDER,
     Average,
     Hindsight,
@@ -84,6 +86,13 @@ class SessionText:
     def last_order(self) -> int:
         """The longest n-gram order the last proposal matched (0: none)."""
         return self.index.last_order
+
+    def repeats(self, greedy: bool) -> bool:
+        """Whether the last proposal continues a greedy request's repeat: its latest text equals
+        earlier text, here or among the memory's answers, over REPEAT_MATCH tokens or more, or all
+        of it from REPEAT_MIN tokens (a short prompt sent again)."""
+        least = max(REPEAT_MIN, min(REPEAT_MATCH, len(self.index.live)))
+        return greedy and self.index.last_match >= least
 
     def strong(self) -> bool:
         """Whether the latest tokens match an earlier n-gram of STRONG_ORDER tokens or more, in
@@ -168,7 +177,7 @@ class LookupDrafter(Drafter):
         if not self.idle.looks(idle, idle and self.text.strong()):
             return None
         tree = self.text.propose(budget, depth)
-        kind = self.seen.kind(self.text.last_order)
+        kind = self.seen.kind(self.text.last_order, self.text.repeats(self.greedy))
         self.seen[kind].watch(tree)
         self.chosen = self.best_budget(self.seen.record(kind), budget, depth) if tree is not None else 0
         if self.chosen == 0:
