@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from specrun import engine
-from specrun.core.sampling import NEAR_TIE_NATS, SamplingParams, make_rng
+from specrun.core.sampling import NEAR_TIE_NATS, NearTie, SamplingParams, make_rng
 from specrun.core.tree_shapes import TreeShape
+from specrun.core.verify import Acceptance
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding import speculative
@@ -229,21 +230,40 @@ def test_a_reproducible_jsonl_line_decodes_alone_beside_lines_that_speculate(cli
     assert bad["field"] == "reproducible" and bad["line"] == 3
 
 
-def test_where_chains_verify_bit_for_bit_a_reproducible_request_keeps_chain_speculation(
+def test_a_greedy_step_keeps_what_the_first_paths_rows_chose():
+    # The walk left the first path (nodes 0..3) at node 5, a child of node 1: node 5's token was
+    # chosen by node 1's row and is emitted last, as the next root (its KV, made in another cell,
+    # dropped); what nodes 5 and 6 chose (their rows) is not kept.
+    walked = Acceptance(nodes=(0, 1, 5, 6), tokens=(11, 15, 16, 99), bonus=99, end_of_generation=False,
+                        near_ties=(NearTie(at=0, token=11, runner_up=12, gap=0.001),
+                                   NearTie(at=2, token=16, runner_up=17, gap=0.001)))
+    kept = speculative._on_first_path(walked, frozenset({2}))
+    assert kept.nodes == (0, 1) and kept.tokens == (11, 15) and kept.bonus == 15
+    assert not kept.end_of_generation and [tie.at for tie in kept.near_ties] == [0]
+    on_path = Acceptance(nodes=(0, 1, 2), tokens=(11, 12, 99), bonus=99, end_of_generation=False)
+    assert speculative._on_first_path(on_path, frozenset()) is on_path
+    ends = Acceptance(nodes=(0, 4), tokens=(2,), bonus=None, end_of_generation=True)
+    assert speculative._on_first_path(ends, frozenset({2})) == Acceptance(nodes=(0,), tokens=(2,), bonus=2, end_of_generation=True)
+
+
+def test_where_passes_are_batch_invariant_a_greedy_tree_keeps_plain_decodings_rows(
         plain_reference, tiny, contexts, monkeypatch):
     # On a build whose passes are batch invariant (no llamafile: engine.runs_batch_invariant) a
-    # chain gives plain decoding's rows bit for bit, so a greedy --reproducible request keeps
-    # speculating there, each tree cut to its best path and verified in a pass of its own.
+    # tree's first path, laid first in the batch and so in plain decoding's cells, is scored with
+    # plain decoding's rows bit for bit, and a greedy step keeps only what those rows chose. So
+    # greedy trees decode as plain decoding does there, and a --reproducible request keeps
+    # verifying trees, each in a pass of its own.
     invariant = engine.runs_batch_invariant()
     monkeypatch.setattr(speculative, "runs_batch_invariant", lambda: True)
     prompt, tokens, tops, _, _ = plain_reference
-    decoder = SpeculativeDecoder(tiny, contexts(tiny), TreeGrower(tiny, contexts(tiny), TREE), TREE)
-    ours, steps, _ = _decode(decoder, prompt, SamplingParams(logprobs=2, pinned=True))
-    drafted = [s for s in steps if s.tree_nodes]
-    assert drafted and all(s.tree_leaves == 1 and s.tree_nodes == s.tree_depth for s in drafted)
-    assert all(s.shared == 1 for s in steps) and sum(s.accepted for s in steps) > 0
-    if invariant:  # on this build, really: plain decoding's tokens and log-probs
-        assert ours == tokens and _top_two(lp for s in steps for lp in s.logprobs) == tops
+    for params in (SamplingParams(logprobs=2), SamplingParams(logprobs=2, pinned=True)):
+        decoder = SpeculativeDecoder(tiny, contexts(tiny), TreeGrower(tiny, contexts(tiny), TREE), TREE)
+        ours, steps, _ = _decode(decoder, prompt, params)
+        drafted = [s for s in steps if s.tree_nodes]
+        assert drafted and any(s.tree_leaves > 1 for s in drafted), "trees, not only chains"
+        assert all(s.shared == 1 for s in steps) and sum(s.accepted for s in steps) > 0
+        if invariant:  # on this build, really: plain decoding's tokens and log-probs
+            assert ours == tokens and _top_two(lp for s in steps for lp in s.logprobs) == tops
     # A seeded sample stays plain: its draws would follow chains sized by the clock.
     _, steps, _ = _decode(decoder, prompt, SamplingParams(temperature=1.0, seed=3))
     assert not any(s.tree_nodes for s in steps[1:])

@@ -280,3 +280,27 @@ def test_first_keeps_the_nodes_added_first_as_a_tree():
     assert kept.tolist() == [0, 1, 2] and cut.tokens.tolist() == [7, 1, 2]
     assert cut.children(0) == [1] and cut.leaves().tolist() == [2]
     assert len(tree) == 5  # the tree itself is left as it is
+
+
+def test_path_first_puts_the_first_child_path_at_the_head_of_the_batch():
+    """The first-child path (colour 0) becomes nodes 0..d, so a batch lays its tokens in
+    consecutive cells; the other nodes keep their order, every parent before its children, every
+    child list its order, and `order` maps the new ids to the old."""
+    tree = DraftTree(1)
+    a = tree.add(0, 10, -0.1)   # 1: the root's first child
+    b = tree.add(0, 20, -0.5)   # 2
+    c = tree.add(b, 21, -0.6)   # 3
+    d = tree.add(a, 11, -0.2)   # 4: a's first child
+    e = tree.add(a, 12, -0.7)   # 5
+    f = tree.add(d, 13, -0.3)   # 6: d's first child
+    moved, order = tree.path_first()
+    assert order.tolist() == [0, a, d, f, b, c, e]
+    assert moved.tokens.tolist() == tree.tokens[order].tolist() == [1, 10, 11, 13, 20, 21, 12]
+    assert moved.depths.tolist() == [0, 1, 2, 3, 1, 2, 2]
+    assert all(moved.parents[i] < i for i in range(1, len(moved)))
+    assert [moved.children(i) for i in range(len(moved))] == [[1, 4], [2, 6], [3], [], [5], [], []]
+    assert moved.colour_batch().first_colour[:4].tolist() == [0, 0, 0, 0]
+    assert np.allclose(moved.logps, tree.logps[order])
+    chain = DraftTree.chain(1, [2, 3, 4])
+    same, order = chain.path_first()
+    assert same is chain and order.tolist() == [0, 1, 2, 3]

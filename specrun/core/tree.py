@@ -246,6 +246,35 @@ class DraftTree:
             tree.add(int(new_id[parents[old]]), int(self._tokens[old]), float(self._logps[old]))
         return tree, kept
 
+    def path_first(self) -> tuple[DraftTree, np.ndarray]:
+        """Return this tree with its first-child path (the one `colour_batch` gives colour 0) as
+        nodes 0..d, the other nodes after it in their order, and their ids here (new id -> old id);
+        this tree itself where that path is 0..d already.
+
+        A batch holds a tree's nodes in id order and the KV cache gives a batch consecutive free
+        cells, so that path's tokens land in the cells plain decoding gives them, one position a
+        cell, in order: where the kernels are batch invariant (engine.runs_batch_invariant) its
+        rows are plain decoding's bit for bit, and only its rows (docs/exactness.md)."""
+        path = [0]
+        while self._children[path[-1]]:
+            path.append(self._children[path[-1]][0])
+        n = self._n
+        if path[-1] == len(path) - 1:
+            return self, np.arange(n)
+        on_path = np.zeros(n, bool)
+        on_path[path] = True
+        order = np.concatenate([np.asarray(path, np.int64), np.flatnonzero(~on_path)])
+        new_id = np.empty(n, np.int64)
+        new_id[order] = np.arange(n)
+        tree = DraftTree(int(self._tokens[0]), capacity=n)
+        tree._tokens[:n] = self._tokens[order]
+        tree._parents[:n] = new_id[self._parents[order]]
+        tree._parents[0] = -1
+        tree._depths[:n], tree._logps[:n] = self._depths[order], self._logps[order]
+        tree._children = [[int(new_id[c]) for c in self._children[old]] for old in order.tolist()]
+        tree._n = n
+        return tree, order
+
     def first(self, n: int) -> tuple[DraftTree, np.ndarray]:
         """Return a copy of the root and the n nodes added first (a parent precedes its children,
         so they form a tree) and their ids here (new id -> old id)."""

@@ -14,6 +14,7 @@ is exact because the same decode held the pending token and all of that chain be
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import time
 from typing import Iterator, Sequence
 
@@ -23,7 +24,7 @@ from specrun.core.rules import PathRules
 from specrun.core.sampling import SamplingParams, choose_token, near_tie, token_logprobs
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, network_size
-from specrun.core.verify import accept_path
+from specrun.core.verify import Acceptance, accept_path
 from specrun.decoding.adaptive import Average
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
@@ -208,8 +209,14 @@ class SpeculativeDecoder:
         # A leaf takes a sequence: a tree with more leaves than the lane has is verified in its
         # best part that fits them (the plan opens fewer sequences on a sliding-window target).
         # A reproducible request verifies the best path alone, in a pass of its own (pay.steps:
-        # only where a chain's logits are plain decoding's).
-        tree, kept = proposal.tree.with_leaves(1 if params.reproducible else len(lane.seqs))
+        # only where a chain's logits are plain decoding's), or a whole tree where the kernels
+        # are batch invariant and the request has the cache to itself: there a tree's first path
+        # (its nodes first in the batch: DraftTree.path_first) is scored with plain decoding's
+        # logits bit for bit, and a greedy step keeps only what those rows chose (_on_first_path).
+        exact_path = params.greedy and self.sizer.chains_exact and lane.gate is None
+        tree, kept = proposal.tree.with_leaves(1 if params.reproducible and not exact_path else len(lane.seqs))
+        tree, order = tree.path_first()
+        kept = kept[order]
         n_drafted = len(tree)  # (nodes from here on are filler: network_shape)
         if self.network_sizes:
             tree, kept = self._network_shape(tree, kept, min(cache.room(), self.ctx.n_batch))
@@ -231,6 +238,9 @@ class SpeculativeDecoder:
         logits = lane.run(batch, solo=params.reproducible, meanwhile=meanwhile)
         target_s = lane.pass_s  # llama.cpp's time, not the wait for other requests' batches
         acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
+        child_ranks = _child_ranks(tree, acceptance.nodes, acceptance.bonus)
+        if exact_path:
+            acceptance = _on_first_path(acceptance, self.eog)
         keep_tree_path(lane, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
         nodes = [int(kept[n]) for n in acceptance.nodes if n < n_drafted]  # the accepted path in the drafter's ids
@@ -249,7 +259,7 @@ class SpeculativeDecoder:
             draft_passes=proposal.draft_passes,
             reused_nodes=proposal.reused,
             path_ranks=proposal.path_ranks(nodes),
-            child_ranks=_child_ranks(tree, acceptance.nodes, acceptance.bonus),
+            child_ranks=child_ranks,
             accepted=len(acceptance.nodes) - 1,
             lookup_tokens=proposal.lookup_tokens(nodes),
             forced_tokens=proposal.forced_tokens(nodes),
@@ -479,6 +489,22 @@ def keep_tree_path(lane: Lane, layout, nodes: Sequence[int], p0: int) -> None:
         ctx.seq_cp(base + colour, base, p0, end)
     if layout.n_colours > 1:
         lane.keep(base, used=layout.n_colours)
+
+
+def _on_first_path(acceptance: Acceptance, eog: frozenset[int]) -> Acceptance:
+    """The accepted path cut where it leaves the tree's first path (nodes 0..d: path_first): the
+    node it leaves to was chosen by its parent's row, a first-path row, so its token is emitted
+    as the step's last (the next root, its KV dropped, computed again in the next pass at its
+    own cell); its row and the rows below it, computed in other cells, choose nothing."""
+    nodes = acceptance.nodes
+    k = 1
+    while k < len(nodes) and nodes[k] == k:
+        k += 1
+    if k == len(nodes):
+        return acceptance
+    tokens = acceptance.tokens[:k]
+    return replace(acceptance, nodes=nodes[:k], tokens=tokens, bonus=tokens[-1], end_of_generation=tokens[-1] in eog,
+                   near_ties=tuple(tie for tie in acceptance.near_ties if tie.at < k))
 
 
 def _child_ranks(tree, nodes: list[int], bonus) -> tuple[int, ...]:

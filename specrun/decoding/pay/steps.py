@@ -36,7 +36,8 @@ class StepSizer:
     def __init__(self, guard: SpeedGuard | None = None, together: Together | None = None, chains_exact: bool = False):
         self.guard = guard  # the guard of the request under way
         # A chain verifies with plain decoding's logits bit for bit (engine.runs_batch_invariant):
-        # a greedy reproducible request keeps speculation, its trees cut to their best path.
+        # a greedy reproducible request keeps speculation, its trees cut to their best path, or
+        # whole where it has the cache to itself (a tree's first path is exact there too).
         self.chains_exact = chains_exact
         self._guards: dict[str, SpeedGuard] = {}
         self._told = False  # the guard's first event was said (at info level)
