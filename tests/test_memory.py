@@ -26,7 +26,7 @@ from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.lookup import LookupDrafter
 from specrun.decoding.lookup_index import LookupIndex
-from specrun.decoding.memory import LEAD, MEMORY_ORDERS, MIN_REACH, REACH_PER_TOKEN, OutputMemory
+from specrun.decoding.memory import KEPT_PROMPT, LEAD, MEMORY_ORDERS, MIN_REACH, OLD_MAGIC, REACH_PER_TOKEN, OutputMemory
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
@@ -71,7 +71,24 @@ def test_the_answer_starts_from_the_end_of_its_prompt():
     memory.remember(prompt + ANSWER, len(prompt))
     rows, _, _ = memory.continuations([77, 78] + prompt[-LEAD:], 8)
     assert rows[0].tolist() == ANSWER[:8]
-    assert len(memory) == 1 + LEAD + len(ANSWER)  # the rest of the prompt is not kept
+    assert len(memory) == 1 + len(prompt) + len(ANSWER)  # (a short prompt is kept whole)
+
+
+def test_the_same_prompt_again_matches_all_the_prompt_kept():
+    """KEPT_PROMPT prompt tokens come with each answer, only the last LEAD of them looked up: the
+    same prompt again, in another lane, matches all of them from its first token (a repeat),
+    while text that only resembles an earlier prompt's inside finds nothing there."""
+    prompt = list(range(3000, 3100))
+    memory = OutputMemory()
+    memory.remember(prompt + ANSWER, len(prompt))
+    assert len(memory) == 1 + KEPT_PROMPT + len(ANSWER)
+    rows, _, match = memory.continuations(prompt, 8)
+    assert match == KEPT_PROMPT and rows[0].tolist() == ANSWER[:8]
+    assert memory.continuations([1, 2] + prompt[-20:], 8)[2] == 20  # a shorter match is measured as it is
+    assert len(memory.continuations(prompt[:-LEAD], 8)[0]) == 0  # the unindexed prompt is never looked up
+    index = LookupIndex()
+    index.sync(prompt)
+    assert index.propose(prompt, 8, 8, memory=memory) is not None and index.last_match == KEPT_PROMPT
 
 
 def test_more_often_and_more_recently_weigh_more():
@@ -213,6 +230,9 @@ def test_a_repeated_answer_is_drafted_from_another_requests_memory(kind, target,
           f"({fresh.stats.n_passes} passes), with the memory {with_memory:.2f} ({second.stats.n_passes} passes)")
     assert second.stats.total("lookup_tokens") > len(reference) / 2
     assert with_memory > 1.5 * alone and second.stats.n_passes < fresh.stats.n_passes / 2
+    # The memory keeps the prompt before each answer: the same prompt in another drafter is a
+    # repeat from its first step, verified as deep as the step may reach.
+    assert second.stats.steps[1].accepted == second.shape.depth
 
 
 
@@ -287,6 +307,17 @@ def test_a_saved_memory_comes_back_whole(tmp_path):
     assert back.continuations(ANSWER[:10], 8)[0].tolist() == memory.continuations(ANSWER[:10], 8)[0].tolist()
     assert OutputMemory().restore(tmp_path / "none.bin", "model A", 2000) is None  # no file: nothing to say
     assert [p.name for p in path.parent.iterdir()] == ["m.bin"]  # written atomically: no temporary left
+    prompt = list(range(1100, 1180))  # a prompt longer than what is looked up comes back as it was
+    memory.remember(prompt + ANSWER, len(prompt))
+    memory.save(path, "model A")
+    back = OutputMemory()
+    assert back.restore(path, "model A", 2000) is None
+    assert back.continuations(prompt, 8)[2] == KEPT_PROMPT and len(back.continuations(prompt[:-LEAD], 8)[0]) == 0
+    old = tmp_path / "old.bin"  # a file of the version before: every token indexed
+    old.write_bytes(OLD_MAGIC + b'{"model": "model A", "tokens": 5, "answers": 1}\n'
+                    + np.array([-1, 7, 8, 9, 10], "<i4").tobytes())
+    back = OutputMemory()
+    assert back.restore(old, "model A", 2000) is None and back.answers == 1 and len(back) == 5
 
 
 @pytest.mark.parametrize("damage", ["foreign", "cut", "garbage", "other vocabulary"])

@@ -157,26 +157,33 @@ class LookupIndex:
         self._live[self._n_live : self._n_live + len(tokens)] = tokens
         self._n_live += len(tokens)
 
-    def add_text(self, tokens: Sequence[int]) -> None:
+    def add_text(self, tokens: Sequence[int], unindexed: int = 0) -> None:
         """Index `tokens` as a stretch of their own, apart from the current sequence (which the
-        next `extend` continues in a stretch of its own too)."""
+        next `extend` continues in a stretch of its own too). The first `unindexed` of them are
+        kept without an n-gram ending at them: a match is measured back through them
+        (`match_lengths`), but they are never looked up."""
         tokens = self._as_tokens(tokens)
         if len(tokens) == 0:
             return
         self._append(np.array([_SEPARATOR], np.int32), indexed=False)
-        self._append(tokens, indexed=True)
+        self._append(tokens[:unindexed], indexed=False)
+        self._append(tokens[unindexed:], indexed=True)
         self._live_at_end = False
 
     def history(self) -> np.ndarray:
-        """Return a copy of the history kept: tokens, -1 between stretches (what `restore` takes)."""
-        return self._hist[: self._n].copy()
+        """Return a copy of the history kept (what `restore` takes): tokens, -1 between stretches,
+        and -2 - t for a token t kept unindexed."""
+        history = self._hist[: self._n].copy()
+        unindexed = ~self._indexed[: self._n] & (history >= 0)
+        history[unindexed] = -2 - history[unindexed]
+        return history
 
     def restore(self, history: np.ndarray) -> None:
         """Index a history as `history` returned it (its stretches apart), after what is kept."""
         history = np.asarray(history, np.int32)
-        if len(history) and history.min() < _SEPARATOR:
-            raise ValueError("token ids must be >= 0")
-        self._append(history, indexed=True)  # (no n-gram holds a separator, nor follows one)
+        indexed = history >= _SEPARATOR
+        tokens = np.where(indexed, history, -2 - history).astype(np.int32)
+        self._append(tokens, indexed=indexed)  # (no n-gram holds a separator, nor follows one)
         self._live_at_end = False
 
     # --- proposing -----------------------------------------------------------------------------
@@ -310,9 +317,12 @@ class LookupIndex:
             grown[: self._n_live] = self._live[: self._n_live]
             self._live = grown
 
-    def _append(self, values: np.ndarray, indexed: bool) -> None:
-        """Append values to the history, forgetting the oldest text when full, and index them."""
+    def _append(self, values: np.ndarray, indexed: bool | np.ndarray) -> None:
+        """Append values to the history, forgetting the oldest text when full, and index those
+        `indexed` says (all, none, or one flag per value)."""
         values = values[-self.max_tokens :]
+        if isinstance(indexed, np.ndarray):
+            indexed = indexed[-self.max_tokens :]
         rebuild = False
         overflow = self._n + len(values) - self.max_tokens
         if overflow > 0:

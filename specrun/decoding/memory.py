@@ -16,7 +16,9 @@ STRONGEST, as an n-gram of that order weighs in the request's own index, times a
 that halves every HALF_LIFE tokens remembered since; continuations that followed more often sum
 their weights in the trie. A match of L tokens proposes at most max(MIN_REACH, REACH_PER_TOKEN *
 L) tokens: a long match drafts far, a weak one little. The tree the target verifies is sized as
-any lookup tree is (decoding.adaptive), and its output stays the target's own.
+any lookup tree is (decoding.adaptive), and its output stays the target's own. Each answer is
+kept with the KEPT_PROMPT prompt tokens before it, the last LEAD of them indexed: the same prompt
+sent again, in any lane, matches all of them from its first token (a repeat, decoding.adaptive).
 
 Bounded: at most `max_tokens` tokens are kept (the oldest quarter forgotten when full), in
 C * (5 + 8 * len(MEMORY_ORDERS)) bytes and 4 KiB, C the power of two >= max_tokens (LookupIndex's
@@ -45,18 +47,25 @@ from specrun import paths
 from specrun.decoding.lookup_index import MATCH_SPAN, ORDER_WEIGHT, LookupIndex
 from specrun.files import atomic_path
 
-# 2**19 tokens (the answers of ~2,600 requests of 200 tokens): 14.5 MiB of index.
+# 2**19 tokens (the answers of ~2,000 requests of 200 tokens, each with 64 prompt tokens): 14.5 MiB.
 MEMORY_TOKENS = 1 << 19
 MEMORY_ORDERS = (8, 4, 2)  # n-grams looked up: a long one finds long matches among many answers
-LEAD = 8  # prompt tokens remembered before each answer: its first tokens followed them
+LEAD = 8  # prompt tokens indexed before each answer: its first tokens followed them
+# Prompt tokens kept before each answer, LEAD of them indexed, the rest only for measuring a match
+# back through them: the same prompt again (in another lane) is a repeat from its first token
+# (adaptive.REPEAT_MATCH).
+KEPT_PROMPT = MATCH_SPAN
 LONGEST = MATCH_SPAN  # tokens a match is measured over, backward
 STRONGEST = 8  # a match longer than this weighs no more: it is as good as certain
 HALF_LIFE = 1 << 16  # tokens remembered after an occurrence that halve its weight
 REACH_PER_TOKEN = 2.0  # tokens a match may propose per token matched
 MIN_REACH = 2
 # A saved memory (--memory): this line, one line of JSON (whose model, how many tokens and
-# answers), then the tokens as little-endian int32, -1 between answers.
-MAGIC = b"specrun memory of answers 1\n"
+# answers), then the tokens as little-endian int32, -1 between answers, -2 - t for a prompt token
+# t kept unindexed (LookupIndex.history). Files of the version before (every token indexed) are
+# read too.
+MAGIC = b"specrun memory of answers 2\n"
+OLD_MAGIC = b"specrun memory of answers 1\n"
 
 
 class OutputMemory:
@@ -80,8 +89,9 @@ class OutputMemory:
         """Keep an answer: `text` is prompt + answer, the answer starting at `n_prompt`."""
         if len(text) <= n_prompt:
             return
+        start = max(0, n_prompt - KEPT_PROMPT)
         with self._lock:
-            self.index.add_text(text[max(0, n_prompt - LEAD) :])
+            self.index.add_text(text[start:], unindexed=max(0, n_prompt - LEAD - start))
             self.answers += 1
 
     def continuations(self, context: Sequence[int], depth: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -129,7 +139,7 @@ class OutputMemory:
             return f"cannot read {path}: {e.strerror or e}"
         head_end = raw.find(b"\n", len(MAGIC))
         try:
-            if not raw.startswith(MAGIC) or head_end < 0:
+            if not raw.startswith((MAGIC, OLD_MAGIC)) or head_end < 0:
                 raise ValueError("not a memory file")
             head = json.loads(raw[len(MAGIC) : head_end])
             if not isinstance(head, dict):
@@ -137,7 +147,8 @@ class OutputMemory:
             if head.get("model") != model:
                 return f"ignoring the memory of answers {path}: it was written for {head.get('model')!r}, not this model; starting a fresh one"
             tokens = np.frombuffer(raw[head_end + 1 :], "<i4")
-            if len(tokens) != head["tokens"] or (len(tokens) and (tokens.min() < -1 or tokens.max() >= n_vocab)):
+            least = -1 if raw.startswith(OLD_MAGIC) else -1 - n_vocab  # (-2 - t: t kept unindexed)
+            if len(tokens) != head["tokens"] or (len(tokens) and (tokens.min() < least or tokens.max() >= n_vocab)):
                 raise ValueError("its tokens are cut short or not this vocabulary's")
             answers = int(head["answers"])
         except (ValueError, KeyError, TypeError) as e:
@@ -171,7 +182,7 @@ def saved_memories() -> list[dict]:
         try:
             with open(path, "rb") as f:
                 head = f.read(len(MAGIC) + 4096)
-            if head.startswith(MAGIC):
+            if head.startswith((MAGIC, OLD_MAGIC)):
                 fields = json.loads(head[len(MAGIC) :].split(b"\n", 1)[0])
                 entry.update(model=fields.get("model"), answers=fields.get("answers"))
         except (OSError, ValueError, AttributeError):

@@ -330,7 +330,9 @@ class HybridDrafter(Drafter):
         debt = self.draft.debt(committed, root)
         prior = self.prior or self._assumed_prior(debt)
         if prior is None:
-            return False
+            # Nothing to price the draft by: it runs, except on a greedy repeat, whose lookup
+            # proposal is the target's own earlier text (its record: adaptive.REPEAT_TRUST).
+            return proposed and alone.trust > 0
         if prior is _UNMEASURED:
             # Nothing measured yet (the answer's first step) and a long text to catch up with:
             # one plain or lookup step first, which measures the target and what lookup finds.
