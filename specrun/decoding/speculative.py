@@ -14,8 +14,8 @@ is exact because the same decode held the pending token and all of that chain be
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 import time
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import numpy as np
