@@ -53,11 +53,11 @@ def paths(tree) -> list[list[int]]:
 def test_a_long_match_drafts_far_and_a_weak_one_little():
     memory = OutputMemory()
     memory.remember([7, 8, 9] + ANSWER, 3)
-    rows, weights, order = memory.continuations([5, 5] + ANSWER[:20], 64)
+    rows, weights, order, _ = memory.continuations([5, 5] + ANSWER[:20], 64)
     assert order == 20 and len(rows) == 1  # (the match's length: from LONG_MATCH a kind of its own)
     reach = int(REACH_PER_TOKEN * 20)  # 20 tokens matched: 40 tokens proposed
     assert rows[0].tolist() == ANSWER[20 : 20 + reach] + [-1] * (64 - reach)
-    rows, weights_weak, _ = memory.continuations([5, 5] + ANSWER[18:20], 64)
+    rows, weights_weak, _, _ = memory.continuations([5, 5] + ANSWER[18:20], 64)
     reach = max(MIN_REACH, int(REACH_PER_TOKEN * 2))
     assert rows[0].tolist() == ANSWER[20 : 20 + reach] + [-1] * (64 - reach)  # 2 matched: a few
     assert weights_weak[0] < weights[0] / 100
@@ -69,7 +69,7 @@ def test_the_answer_starts_from_the_end_of_its_prompt():
     prompt = list(range(1, 40))
     memory = OutputMemory()
     memory.remember(prompt + ANSWER, len(prompt))
-    rows, _, _ = memory.continuations([77, 78] + prompt[-LEAD:], 8)
+    rows, _, _, _ = memory.continuations([77, 78] + prompt[-LEAD:], 8)
     assert rows[0].tolist() == ANSWER[:8]
     assert len(memory) == 1 + len(prompt) + len(ANSWER)  # (a short prompt is kept whole)
 
@@ -82,9 +82,10 @@ def test_the_same_prompt_again_matches_all_the_prompt_kept():
     memory = OutputMemory()
     memory.remember(prompt + ANSWER, len(prompt))
     assert len(memory) == 1 + KEPT_PROMPT + len(ANSWER)
-    rows, _, match = memory.continuations(prompt, 8)
+    rows, _, order, match = memory.continuations(prompt, 8)
     assert match == KEPT_PROMPT and rows[0].tolist() == ANSWER[:8]
-    assert memory.continuations([1, 2] + prompt[-20:], 8)[2] == 20  # a shorter match is measured as it is
+    assert order == LEAD  # (what weighs and reaches: the answer and the LEAD tokens before it)
+    assert memory.continuations([1, 2] + prompt[-20:], 8)[3] == 20  # a shorter match is measured as it is
     assert len(memory.continuations(prompt[:-LEAD], 8)[0]) == 0  # the unindexed prompt is never looked up
     index = LookupIndex()
     index.sync(prompt)
@@ -103,7 +104,7 @@ def test_more_often_and_more_recently_weigh_more():
     tree = index.propose(index.live, 16, 2, memory=memory)
     first = {int(tree.tokens[n]): float(tree.logps[n]) for n in range(1, len(tree)) if int(tree.parents[n]) == 0}
     assert first[20] > first[30] > first[10]
-    rows, weights, _ = memory.continuations(index.live, 2)
+    rows, weights, _, _ = memory.continuations(index.live, 2)
     by_token = dict(zip(rows[:, 0].tolist(), weights.tolist()))
     assert by_token[30] > by_token[10]  # the same match, newer
 
@@ -312,7 +313,7 @@ def test_a_saved_memory_comes_back_whole(tmp_path):
     memory.save(path, "model A")
     back = OutputMemory()
     assert back.restore(path, "model A", 2000) is None
-    assert back.continuations(prompt, 8)[2] == KEPT_PROMPT and len(back.continuations(prompt[:-LEAD], 8)[0]) == 0
+    assert back.continuations(prompt, 8)[3] == KEPT_PROMPT and len(back.continuations(prompt[:-LEAD], 8)[0]) == 0
     old = tmp_path / "old.bin"  # a file of the version before: every token indexed
     old.write_bytes(OLD_MAGIC + b'{"model": "model A", "tokens": 5, "answers": 1}\n'
                     + np.array([-1, 7, 8, 9, 10], "<i4").tobytes())

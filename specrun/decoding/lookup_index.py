@@ -217,11 +217,11 @@ class LookupIndex:
             self.last_match = int(self.match_lengths(positions, context, MATCH_SPAN).max())
             rows, weights = self.continuations(positions, ORDER_WEIGHT ** (orders - 1), depth)
         if memory is not None:
-            more, more_weights, order = memory.continuations(context, depth)
+            more, more_weights, order, whole = memory.continuations(context, depth)
             if len(more):
                 rows, weights = np.concatenate([rows, more]), np.concatenate([weights, more_weights])
                 self.last_order = max(self.last_order, order)
-                self.last_match = max(self.last_match, order)
+                self.last_match = max(self.last_match, whole)
         if len(rows) == 0:
             return None
         parents, tokens, scores = _trie(rows, weights, token_logp)
@@ -272,13 +272,17 @@ class LookupIndex:
         ended earlier, and the longest order that matched at each (what `propose` reads)."""
         return self._matches(np.asarray(context[-self.orders[0] :], np.int64))
 
-    def match_lengths(self, positions: np.ndarray, context: Sequence[int], longest: int) -> np.ndarray:
+    def match_lengths(self, positions: np.ndarray, context: Sequence[int], longest: int,
+                      indexed_only: bool = False) -> np.ndarray:
         """Return, per history position, how many tokens ending there equal the end of `context`
-        (at most `longest`; never across a stretch's start)."""
+        (at most `longest`; never across a stretch's start, nor, `indexed_only`, into tokens kept
+        unindexed: add_text)."""
         back = np.arange(min(longest, len(context)))
         tail = np.asarray(context[len(context) - len(back) :], np.int64)[::-1]
         index = positions[:, None] - back
         same = (index >= 0) & (self._hist[np.maximum(index, 0)] == tail)
+        if indexed_only:
+            same &= self._indexed[np.maximum(index, 0)]
         return np.logical_and.accumulate(same, axis=1).sum(axis=1)
 
     def continuations(self, positions: np.ndarray, weights: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:

@@ -94,22 +94,25 @@ class OutputMemory:
             self.index.add_text(text[start:], unindexed=max(0, n_prompt - LEAD - start))
             self.answers += 1
 
-    def continuations(self, context: Sequence[int], depth: int) -> tuple[np.ndarray, np.ndarray, int]:
+    def continuations(self, context: Sequence[int], depth: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """Return what followed earlier occurrences of the end of `context` ([m, depth] tokens,
-        -1 past each one's reach), their weights, and the longest match in tokens (up to LONGEST;
-        0: none), which a proposal reports as its order (adaptive.HindsightByKind: from
-        LONG_MATCH tokens a kind of its own)."""
+        -1 past each one's reach), their weights, the longest match in tokens over the answers and
+        the LEAD prompt tokens before each (up to LONGEST; 0: none), which weighs and reaches and
+        which a proposal reports as its order (adaptive.HindsightByKind: from LONG_MATCH tokens a
+        kind of its own), and the longest match through all the prompt kept (a repeat:
+        adaptive.REPEAT_MATCH)."""
         with self._lock:
             positions, _ = self.index.occurrences(context)
             if len(positions) == 0:
-                return np.empty((0, depth), np.int64), np.empty(0), 0
-            matched = self.index.match_lengths(positions, context, LONGEST)
+                return np.empty((0, depth), np.int64), np.empty(0), 0, 0
+            whole = self.index.match_lengths(positions, context, LONGEST)
+            matched = self.index.match_lengths(positions, context, LONGEST, indexed_only=True)
             age = len(self.index) - positions
             weights = ORDER_WEIGHT ** (np.minimum(matched, STRONGEST) - 1.0) * 0.5 ** (age / HALF_LIFE)
             rows, kept = self.index.continuations(positions, np.arange(len(positions)), depth)
         reach = np.maximum(MIN_REACH, np.ceil(REACH_PER_TOKEN * matched[kept]))
         rows[np.arange(depth)[None, :] >= reach[:, None]] = -1
-        return rows, weights[kept], int(matched.max())
+        return rows, weights[kept], int(matched.max()), int(whole.max())
 
     def match_order(self, context: Sequence[int], at_least: int) -> int:
         """The longest order (`at_least` or more) at which the end of `context` occurred among
