@@ -77,9 +77,13 @@ def _alone_then_together(calls: list, together_first: bool = False) -> tuple[lis
         with ThreadPoolExecutor(len(calls)) as pool:
             return list(pool.map(lambda call: call(), calls))
 
-    together = at_once() if together_first else None
-    alone = [call() for call in calls]
-    return alone, together if together_first else at_once()
+    if together_first:
+        together = at_once()
+        alone = [call() for call in calls]
+    else:
+        alone = [call() for call in calls]
+        together = at_once()
+    return alone, together
 
 
 def _content(reply) -> tuple:

@@ -215,8 +215,9 @@ class SpeculativeDecoder:
         # logits bit for bit, and a greedy step keeps only what those rows chose (_on_first_path).
         exact_path = params.greedy and self.sizer.chains_exact and lane.gate is None
         tree, kept = proposal.tree.with_leaves(1 if params.reproducible and not exact_path else len(lane.seqs))
-        tree, order = tree.path_first()
-        kept = kept[order]
+        if exact_path:
+            tree, order = tree.path_first()
+            kept = kept[order]
         n_drafted = len(tree)  # (nodes from here on are filler: network_shape)
         if self.network_sizes:
             tree, kept = self._network_shape(tree, kept, min(cache.room(), self.ctx.n_batch))

@@ -126,9 +126,10 @@ def choose_tree(opts: RunOptions, files: ModelFiles,
         return None, why, False, None
     choice = facts = None
     if use_profile and files.target_path is not None and files.draft_path is not None:
-        choice = profiles.choice_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory, opts.mmap)
-        facts = profiles.facts_for(files.target_path, files.draft_path, opts.threads, opts.gpu_memory,
-                                   opts.mmap) if choice else None
+        profile = profiles.load(files.target_path, files.draft_path, opts.threads, opts.gpu_memory, opts.mmap)
+        if profile is not None:  # (read once: its choice and its facts)
+            choice = profiles.choice_of(profile)
+            facts = profiles.facts_of(profile) if choice else None
     pass_s = facts.pass_s if facts is not None and 0 < (facts.pass_s or 0) < math.inf else None
     plain_s = None
     if choice is not None and choice.predicted_tokens_per_s > 0:

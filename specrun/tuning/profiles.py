@@ -172,8 +172,11 @@ def choice_for(target_path: Path, draft_path: Path | None, threads: int | None =
     if draft_path is None:
         return None
     profile = load(target_path, draft_path, threads, gpu_memory, mmap)
-    if profile is None:
-        return None
+    return choice_of(profile) if profile is not None else None
+
+
+def choice_of(profile: dict):
+    """Return the tuned tuner.Choice of a profile `load` returned (choice_for)."""
     choice = _checked_choice(profile["config"])
     if choice.kind == "plain" and "workloads" not in profile:
         path = profile_path(profile["key"])
@@ -253,12 +256,3 @@ def _checked_tree(best_tree: dict | None, check: dict) -> tuple[int, int, float]
     if not best_tree or best_tree.get("kind", "plain") == "plain" or not check.get("accepted_per_pass"):
         return None
     return int(best_tree["budget"]), int(best_tree["depth"]), float(check["accepted_per_pass"])
-
-
-def facts_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
-              gpu_memory: int | None = None, mmap: bool | None = None) -> Facts | None:
-    """Return the stored profile's facts for this pair, or None."""
-    if draft_path is None:
-        return None
-    profile = load(target_path, draft_path, threads, gpu_memory, mmap)
-    return facts_of(profile) if profile is not None else None
