@@ -19,7 +19,7 @@ Servers, started in turn on the same files (specrun's --target/--draft, by defau
 `specrun` is `specrun serve` with its defaults, `specrun-plain` the same with --no-spec (plain
 decoding: the reference every answer is compared with), `specrun-throughput` with --parallel 2
 --throughput (any cached prefix of a prompt reused, not only whole prefill batches: answers may
-part at near-ties); `base` and `base-plain` run the checkout
+part at near-ties); a `-fa-off` suffix adds --flash-attn off (`specrun-fa-off`, `specrun-plain-fa-off`); `base` and `base-plain` run the checkout
 --baseline names (e.g. `git worktree add /tmp/base <commit>`), to measure a change against its
 parent in turns. `peer-*` are llama.cpp's llama-server from --peer-bin (built from the pinned
 sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release && cmake
@@ -243,11 +243,14 @@ def summarize(server: str, trace: str, round_: int, results: list[dict]) -> dict
 
 def compare_with_plain(rows: list[dict]) -> None:
     """Give every row the number of its answers equal to plain decoding's (a `specrun-plain` row of
-    the same trace and round, else of any round) and the ratios against it."""
-    plain = {(r["trace"], r["round"]): r for r in rows if r["server"] == "specrun-plain"}
+    the same trace and round, else of any round; `specrun-plain-fa-off` for a `-fa-off` server: flash
+    attention on or off rounds otherwise, so plain decoding's own answers may differ) and the ratios
+    against it."""
+    plain = {(r["server"], r["trace"], r["round"]): r for r in rows if r["server"].startswith("specrun-plain")}
     for row in rows:
-        reference = plain.get((row["trace"], row["round"])) or next(
-            (r for (trace, _), r in plain.items() if trace == row["trace"]), None)
+        server = "specrun-plain-fa-off" if row["server"].endswith("-fa-off") else "specrun-plain"
+        reference = plain.get((server, row["trace"], row["round"])) or next(
+            (r for (s, trace, _), r in plain.items() if s == server and trace == row["trace"]), None)
         if reference is None:
             continue
         row["same_as_plain"] = sum(a == b for a, b in zip(row["texts"], reference["texts"]))
@@ -289,8 +292,10 @@ def start(name: str, args) -> _Server | None:
             return None
         repo = args.baseline if name.startswith("base") else REPO
         # (--throughput takes effect where requests may decode together: two lanes, for one agent)
-        throughput = name.endswith("-throughput")
-        return specrun_server(repo, args, 2 if throughput else 1, plain=name.endswith("-plain"), throughput=throughput)
+        base, fa_off = name.removesuffix("-fa-off"), name.endswith("-fa-off")
+        throughput = base.endswith("-throughput")
+        return specrun_server(repo, args, 2 if throughput else 1, plain=base.endswith("-plain"), throughput=throughput,
+                              extra=("--flash-attn", "off") if fa_off else ())
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None

@@ -299,14 +299,16 @@ def _start(name: str, args, parallel: int) -> _Server | None:
     return _Server(argv, url=f"http://127.0.0.1:{port}")
 
 
-def specrun_server(repo: Path, args, parallel: int, plain: bool = False, throughput: bool = False) -> _Server:
+def specrun_server(repo: Path, args, parallel: int, plain: bool = False, throughput: bool = False,
+                   extra: tuple[str, ...] = ()) -> _Server:
     """`specrun serve` of the checkout `repo` (this one, or a --baseline) on args' models, context
-    and threads, `parallel` requests at once; `plain`: with --no-spec; `throughput`: with --throughput."""
+    and threads, `parallel` requests at once; `plain`: with --no-spec; `throughput`: with --throughput;
+    `extra`: more options."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
                NO_COLOR="1")
     argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
             "--target", args.target, "--draft", args.draft, "--parallel", str(parallel),
-            *(["--threads", str(args.threads)] if args.threads else []), *(["--no-spec"] if plain else []), *(["--throughput"] if throughput else [])]
+            *(["--threads", str(args.threads)] if args.threads else []), *(["--no-spec"] if plain else []), *(["--throughput"] if throughput else []), *extra]
     return _Server(argv, env, cwd=repo)
 
 

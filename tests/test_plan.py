@@ -15,6 +15,7 @@ import pytest
 from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
 
 from specrun.core.tree_shapes import TreeShape, TreeTemplate
+from specrun import engine
 from specrun.engine import DeviceInfo, cpu_kernels_batch_invariant, devices, memory, system_info
 from specrun.hardware import placement
 from specrun.runtime.plan import PREFILL_BATCH, ContextMemory, RunOptions, build_plan
@@ -290,3 +291,39 @@ def test_contexts_keep_flash_attention_off_where_passes_run_batch_invariant(offl
     assert allocated.flash_attn is (None if invariant else True)
     monkeypatch.setattr(devices, "offload_devices", lambda: [1])  # a GPU or an RPC worker
     assert not devices.runs_batch_invariant()
+
+
+def test_flash_attention_as_the_user_asks_reaches_the_target_the_plan_and_its_simulation(offline_models, cli):
+    # --flash-attn off opens the target's context without it (llama.cpp says so), the plan's memory
+    # simulation opens the same (its compute buffer then holds the attention scores: larger), the
+    # draft keeps its default, and the whole run still writes plain decoding's text.
+    opts = replace(OPTS, flash_attn="off")
+    plan = build_plan(opts, None, devices=[], ram_free_bytes=16 * GB)
+    assert plan.target_ctx.flash_attn == "off" and plan.draft_ctx.flash_attn is None
+    contexts = plan.to_dict()["contexts"]
+    assert contexts["target"]["flash_attn"] == "off" and contexts["draft"]["flash_attn"] == engine.default_flash_attn()
+    spec = dict(n_ctx=8192, n_batch=512)  # (the scores outgrow the output rows)
+    [off] = memory.simulate(offline_models.smollm2_f32, [memory.ContextSpec(**spec, flash_attn="off")])
+    [on] = memory.simulate(offline_models.smollm2_f32, [memory.ContextSpec(**spec, flash_attn="on")])
+    assert off.compute_total > on.compute_total
+    with engine.captured_log(quiet=True) as lines, Runtime(plan) as rt:
+        assert rt.target_ctx.flash_attn == "off" and rt.target_ctx.batch_invariant is devices.runs_batch_invariant()
+        with engine.Context(rt.target, n_ctx=256, n_batch=64, flash_attn="on") as on_ctx:
+            assert not on_ctx.batch_invariant  # its kernel sums a row by the pass's size on any build
+    said = [line.split("=")[-1].strip() for line in lines if "flash_attn" in line and "=" in line]
+    assert said[:2] == ["disabled", engine.default_flash_attn()], said  # the target's, then the draft's
+    prompt = "List three uses of a paperclip."
+    texts = [cli("generate", "--raw", "-n", "40", "--temperature", "0", "--ctx-size", "512", "--flash-attn", "off", *flags,
+                 input=prompt) for flags in ([], ["--no-spec"])]
+    assert all(t.exit_code == 0 for t in texts), [t.output for t in texts]
+    assert texts[0].stdout == texts[1].stdout and texts[0].stdout.strip()
+    bad = cli("generate", "--flash-attn", "sometimes", input=prompt)
+    assert bad.exit_code == 2 and "--flash-attn 'sometimes': choose auto, on or off" in bad.output
+
+
+def test_a_tuning_profile_is_kept_apart_for_each_flash_attention_asked(offline_models):
+    f32, q4 = offline_models.smollm2_f32, offline_models.smollm2_q4
+    plain_key = profiles.profile_key(f32, q4, "fp", 2)
+    assert "flash_attn" not in plain_key  # left to the default: the key profiles had before
+    off, on = (profiles.profile_key(f32, q4, "fp", 2, flash_attn=v) for v in ("off", "on"))
+    assert len({profiles.profile_path(k) for k in (plain_key, off, on)}) == 3

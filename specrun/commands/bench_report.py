@@ -224,5 +224,6 @@ def stored_choice(opts: RunOptions, plan: Plan) -> dict | None:
     files = plan.files
     if files.draft_path is None:
         return None
-    profile = profiles.load(files.target_path, files.draft_path, opts.threads, opts.gpu_memory, opts.mmap)
+    profile = profiles.load(files.target_path, files.draft_path, opts.threads, opts.gpu_memory, opts.mmap,
+                            opts.flash_attn)
     return profile.get("config") if profile else None

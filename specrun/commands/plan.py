@@ -61,6 +61,8 @@ def plan_lines(plan: Plan) -> list[str]:
                      f"{_count(tctx.n_seq_max // tctx.parallel, 'sequence')} each, one target pass for all"
                      + (", one draft pass for all" if plan.draft_ctx is not None else "")
                      + (", an MTP sequence each" if plan.tree is not None and plan.tree.drafting.loads_mtp else ""))
+    if tctx.flash_attn is not None:
+        lines.append(f"         target flash attention {tctx.flash_attn} (--flash-attn)")
     if plan.draft_ctx is not None:
         lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
     lines.append(f"threads  {plan.threads}")

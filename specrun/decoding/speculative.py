@@ -34,7 +34,7 @@ from specrun.decoding.pay.rules import fill_pays
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
 from specrun.decoding.steps import GenerationStats, Step
-from specrun.engine import Batch, Context, runs_batch_invariant
+from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
 
 
@@ -67,7 +67,7 @@ class SpeculativeDecoder:
         self.stats = GenerationStats()
         # What each step proposes, at what size (decoding.pay): with a guard, the tree shrinks,
         # down to plain steps, while speculation is measured slower than plain decoding here.
-        self.sizer = StepSizer(guard, together, chains_exact=not self.chain_only and runs_batch_invariant())
+        self.sizer = StepSizer(guard, together, chains_exact=not self.chain_only and target_ctx.batch_invariant)
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
         # The drafter grows its tree on while the target's pass runs elsewhere (runtime sets it:

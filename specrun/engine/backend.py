@@ -110,7 +110,8 @@ def captured_log(quiet: bool = False):
         yield lines
     finally:
         with _backend_lock:
-            _captures.remove(lines)
+            # (by identity: a capture nested in another, their lines alike, must not take its place)
+            del _captures[next(i for i, other in enumerate(_captures) if other is lines)]
             _quiet -= quiet
 
 

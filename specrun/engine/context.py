@@ -154,6 +154,12 @@ def _timed_decode(ctx_ptr, batch_struct) -> tuple[int, float]:
     return rc, time.perf_counter() - t0
 
 
+def default_flash_attn() -> str:
+    """A context's flash attention unless told: off where every pass size must round alike
+    (runs_batch_invariant), else llama.cpp's "auto" (on wherever its devices have the kernel)."""
+    return "off" if runs_batch_invariant() else "auto"
+
+
 def default_threads() -> int:
     """Return the thread count llama.cpp runs best with here: the usable CPU cores."""
     try:
@@ -201,8 +207,9 @@ class Context(Owner):
         params.n_outputs_max = max(n_batch, n_seq_max)
         params.n_threads = threads
         params.n_threads_batch = threads
-        if flash_attn is None:  # off where every pass size must round alike (runs_batch_invariant)
-            flash_attn = "off" if runs_batch_invariant() else "auto"
+        flash_attn = flash_attn or default_flash_attn()
+        if flash_attn not in ("auto", "on", "off"):
+            raise EngineError(f"flash attention {flash_attn!r}: choose auto, on or off")
         params.flash_attn_type = {
             "auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO,
             "on": C.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -232,8 +239,16 @@ class Context(Owner):
         self.window = 0 if swa_full else max(0, model.n_swa)
         self.n_vocab = model.n_vocab
         self.threads = threads
+        # As asked ("auto": llama.cpp's choice); only "off" keeps a batch-invariant build's kernels
+        # batch invariant (runs_batch_invariant: its flash attention sums a row otherwise by pass size).
+        self.flash_attn = flash_attn
         self._n_outputs = 0
         model._contexts.append(self)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every pass size rounds a token alike here (runs_batch_invariant, flash attention off)."""
+        return self.flash_attn == "off" and runs_batch_invariant()
 
     def _open(self, params, refusal: str, hint: str):
         """Open the llama.cpp context for self.model with `params`; return its pointer. A refusal

@@ -48,6 +48,9 @@ class RunOptions:
     # --mmap / --no-mmap: map the target's file, or read it into memory (the layers left in RAM
     # then sit in the GPU's pinned host memory); None: as the plan decides (hardware.offload.target_mapped)
     mmap: bool | None = None
+    # --flash-attn on/off/auto: the target's attention (engine.Context); None: off on a batch-invariant
+    # build, else llama.cpp's auto (on wherever its devices have the kernel, the CPU included)
+    flash_attn: str | None = None
 
     @property
     def lookup_only(self) -> bool:

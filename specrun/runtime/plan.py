@@ -11,7 +11,8 @@
    with the target's own MTP layers, and a target that carries them drafts so when no --draft
    is given;
 3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
-   one pass (a tree split over ubatches pays the weight transfer again when offloading);
+   one pass (a tree split over ubatches pays the weight transfer again when offloading); the
+   target's attention as --flash-attn says;
 4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
    buffer grows with it), and the memory expected on each device and in RAM.
 
@@ -41,13 +42,7 @@ from specrun.limits import MAX_SEQ
 from specrun.models import headers, hub, pairing, registry, shapes
 from specrun.runtime.options import LOOKUP, ModelFiles, RunOptions
 from specrun.runtime.drafters import BEST_FIRST
-from specrun.runtime.trees import (
-    MAX_CHAINS,
-    TreePlan,
-    choose_tree,
-    fit_tree,
-    fit_tree_to_target,
-)
+from specrun.runtime.trees import MAX_CHAINS, TreePlan, choose_tree, fit_tree, fit_tree_to_target
 
 log = logging.getLogger("specrun")
 
@@ -80,6 +75,7 @@ class ContextPlan:
     # before they share the text with their colours (decoding.kv.CachedSequence.share_window).
     swa_full: bool = True
     n_outputs: int = 0  # the most rows of logits one pass asks for (every request's tree or chains)
+    flash_attn: str | None = None  # --flash-attn (a target's context): on, off or auto; None: engine.Context's default
 
     @property
     def n_ubatch(self) -> int:
@@ -232,7 +228,7 @@ def _path(path: Path | None) -> str | None:
 def _ctx_dict(ctx: ContextPlan) -> dict:
     return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
             "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells,
-            "swa_full": ctx.swa_full}
+            "swa_full": ctx.swa_full, "flash_attn": ctx.flash_attn or engine.default_flash_attn()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +357,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
     # llama.cpp's own figures for the files (not for shapes given in their place)
     parallel = opts.parallel or 1
     measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel,
-                            seq_budget)
+                            seq_budget, opts.flash_attn)
     try:
         if auto_ctx:
             widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
@@ -375,7 +371,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
                          f"using {n_ctx - 1}")
             tree = fit_tree(tree, n_ctx - 1)
             measure.tree = tree
-        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed, seq_budget)
+        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed, seq_budget, opts.flash_attn)
         if target_size is None:
             measured = measure(n_ctx)
             placed = placement.cpu_only([p for p in (target_file, draft_path) if p is not None], ram_free_bytes,
@@ -415,14 +411,14 @@ def _tree_for_models(tree: TreePlan | None, why: str, target_arch: str | None, d
     return tree, why
 
 
-def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
-              parallel: int = 1, windowed: bool = False, seq_budget: int = 0) -> tuple[ContextPlan, ContextPlan | None]:
+def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None, parallel: int = 1, windowed: bool = False,
+              seq_budget: int = 0, flash_attn: str | None = None) -> tuple[ContextPlan, ContextPlan | None]:
     """Return the target's and the draft's contexts (None: no draft model) for requests of n_ctx
     tokens, `parallel` of them decoding together (each context's sequences and cells split between
     them); `windowed`: the target has sliding-window layers, whose sequences are opened for the
-    larger of the tree's budget and `seq_budget`."""
+    larger of the tree's budget and `seq_budget`; `flash_attn`: the target's (--flash-attn)."""
     if tree is None:
-        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False), None
+        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False, flash_attn=flash_attn), None
     if tree.verify in (architectures.CHAINS, architectures.CHAIN):
         # A sequence per chain (MTP drafts one), and snapshots to roll the state back by the
         # rejected drafts.
@@ -440,6 +436,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None,
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)),
                                  min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False,
                                  n_outputs=(widest + 1) * parallel)
+    target_ctx = replace(target_ctx, flash_attn=flash_attn)
     draft_ctx = None
     if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
@@ -457,8 +454,8 @@ class ContextMemory:
     context included. A file it cannot simulate is estimated by the planner, with a note."""
 
     def __init__(self, target_path: Path | None, draft_path: Path | None, tree: TreePlan | None,
-                 draft_arch: str | None, parallel: int = 1, seq_budget: int = 0):
-        self.tree, self.draft_arch, self.parallel, self.seq_budget = tree, draft_arch, parallel, seq_budget
+                 draft_arch: str | None, parallel: int = 1, seq_budget: int = 0, flash_attn: str | None = None):
+        self.tree, self.draft_arch, self.parallel, self.seq_budget, self.flash_attn = tree, draft_arch, parallel, seq_budget, flash_attn
         self.windowed = target_path is not None and engine.gguf_has_sliding_window(target_path)
         self.mtp = tree is not None and tree.drafting.loads_mtp
         self.notes: list[str] = []
@@ -467,7 +464,7 @@ class ContextMemory:
 
     def __call__(self, n_ctx: int) -> tuple[offload.ContextBytes | None, offload.ContextBytes | None]:
         target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch, self.parallel, self.windowed,
-                                          self.seq_budget)
+                                          self.seq_budget, self.flash_attn)
         target_specs = [_spec(target_ctx)]
         if self.mtp:
             # as Runtime opens it: a sequence of n_ctx cells for each request
@@ -496,12 +493,11 @@ class ContextMemory:
 
 def _spec(ctx: ContextPlan):
     return engine.ContextSpec(ctx.cells, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq, swa_full=ctx.swa_full,
-                              n_outputs=ctx.n_outputs)
+                              n_outputs=ctx.n_outputs, flash_attn=ctx.flash_attn)
 
 
 def _loads_target_alike(plan: Plan, other: Plan) -> bool:
-    """Whether two plans load the target the same way (layers, devices, context, threads): the
-    second can then be loaded after the first's target was, once the target's pass is timed."""
+    """Whether two plans load the target alike (layers, devices, context, threads, mmap): the second loads on the first's."""
     a, b = plan.placement, other.placement
     return ((a.target_gpu_layers, a.target_tensor_split, a.op_offload, plan.target_ctx, plan.threads, plan.mmap)
             == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads, other.mmap))

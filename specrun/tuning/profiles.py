@@ -42,7 +42,7 @@ def hardware_fingerprint() -> str:
 
 def profile_key(
     target_path: Path, draft_path: Path | None, fingerprint: str | None = None, threads: int | None = None,
-    gpu_memory: int | None = None, mmap: bool | None = None,
+    gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None,
 ) -> dict:
     """Return the key a profile for this pair on this machine and llama.cpp build is stored under.
 
@@ -50,7 +50,8 @@ def profile_key(
     run without --threads uses): on a CPU the cost curves scale with it. `gpu_memory` is the
     --gpu-memory limit (an emulated smaller card places the model, and so costs, differently);
     `mmap` --mmap or --no-mmap (a target's layers in RAM copied for big passes from pinned memory
-    or from the mapped file cost differently).
+    or from the mapped file cost differently); `flash_attn` --flash-attn (on a CPU a tree pass over a
+    long context costs up to 1.8x more with it on).
     """
 
     key = {
@@ -65,6 +66,8 @@ def profile_key(
         key["gpu_memory"] = gpu_memory  # absent otherwise: profiles made before the option stay valid
     if mmap is not None:
         key["mmap"] = mmap  # (likewise)
+    if flash_attn is not None:
+        key["flash_attn"] = flash_attn  # (likewise)
     return key
 
 
@@ -101,10 +104,11 @@ def first_suggestion(target_path: Path, draft_path: Path) -> bool:
 
 
 def load(target_path: Path, draft_path: Path | None, threads: int | None = None,
-         gpu_memory: int | None = None, mmap: bool | None = None) -> dict | None:
+         gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None) -> dict | None:
     """Return the stored profile for this pair on this machine, or None (never raises for bad files)."""
     try:
-        key = profile_key(target_path, draft_path, threads=threads, gpu_memory=gpu_memory, mmap=mmap)
+        key = profile_key(target_path, draft_path, threads=threads, gpu_memory=gpu_memory, mmap=mmap,
+                          flash_attn=flash_attn)
     except OSError as e:
         log.warning("cannot identify the model files for a tuning profile: %s", e)
         return None
@@ -161,7 +165,7 @@ def _checked_choice(config) -> Choice:
 
 
 def choice_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
-               gpu_memory: int | None = None, mmap: bool | None = None):
+               gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None):
     """Return the tuned tuner.Choice for this pair, or None without a (valid) profile.
 
     Choice.kind tells the runtime what to build: "plain" (decode without the draft), "specexec"
@@ -171,7 +175,7 @@ def choice_for(target_path: Path, draft_path: Path | None, threads: int | None =
 
     if draft_path is None:
         return None
-    profile = load(target_path, draft_path, threads, gpu_memory, mmap)
+    profile = load(target_path, draft_path, threads, gpu_memory, mmap, flash_attn)
     return choice_of(profile) if profile is not None else None
 
 
