@@ -13,7 +13,8 @@ def test_bench_report_json_and_markdown(tmp_path, cli):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Say hi.\n")
     result = cli("bench", "--report", "--json", "--target", "smollm2-135m-q4", "--draft", "smollm2-tiny-random",
-                 "--budget", "3", "--max-tokens", "2", "--prompts", str(prompts), "--ctx-size", "512", "--threads", "1")
+                 "--budget", "3", "--max-tokens", "2", "--prompts", str(prompts), "--ctx-size", "512", "--threads", "1",
+                 "--flash-attn", "off")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)  # stdout holds the report alone
     assert report["pair"] == {**report["pair"], "target": "smollm2-135m-q4", "draft": "smollm2-tiny-random"}
@@ -25,6 +26,7 @@ def test_bench_report_json_and_markdown(tmp_path, cli):
     assert all(s > 0 for s in report["cost"]["target_s"].values())
     assert {1, 2, 4, 8} <= set(map(int, report["cost"]["draft_s"]))
     assert report["plain"]["tokens_per_s"] > 0 and report["placement"]["threads"] == 1
+    assert report["placement"]["target_flash_attn"] == "off"  # as asked, every mode measured so
     assert set(report["calibration"]["tau_by_budget"]) == {"1", "3"}  # trees of 1 and 3 draft tokens
     assert report["tune_choice"]["kind"] in ("plain", "specexec", "sequoia") and report["tune_choice"]["text"]
     modes = [row["mode"] for row in report["workloads"]]
@@ -33,6 +35,7 @@ def test_bench_report_json_and_markdown(tmp_path, cli):
     text = markdown(report)
     assert "| target |" in text and "| n | 1 | 2 | 4 |" in text and "hybrid (default)" in text
     assert ("| CPU kernels | one for every pass size" in text) is report["build"]["cpu_batch_invariant"]
+    assert "| target flash attention | off |" in text
     assert text.count("| prompts |") == 4 and "`specrun tune` would choose" in text
 
 

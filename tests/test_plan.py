@@ -21,6 +21,7 @@ from specrun.hardware import placement
 from specrun.runtime.plan import PREFILL_BATCH, ContextMemory, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime, drafts_while_verifying, load_arguments
 from specrun.runtime.trees import DEFAULT_SHAPE
+from specrun.server.worker import describe
 from specrun.tuning import profiles
 from specrun.tuning.cost_model import Choice
 
@@ -308,6 +309,7 @@ def test_flash_attention_as_the_user_asks_reaches_the_target_the_plan_and_its_si
     assert off.compute_total > on.compute_total
     with engine.captured_log(quiet=True) as lines, Runtime(plan) as rt:
         assert rt.target_ctx.flash_attn == "off" and rt.target_ctx.batch_invariant is devices.runs_batch_invariant()
+        assert "flash attention off (--flash-attn)" in describe(rt)  # the server's startup line
         with engine.Context(rt.target, n_ctx=256, n_batch=64, flash_attn="on") as on_ctx:
             assert not on_ctx.batch_invariant  # its kernel sums a row by the pass's size on any build
     said = [line.split("=")[-1].strip() for line in lines if "flash_attn" in line and "=" in line]

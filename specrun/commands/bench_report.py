@@ -148,6 +148,7 @@ def _placement(plan: Plan, opts: RunOptions) -> dict:
         "planned_ram_bytes": placed.ram_bytes,
         "n_ubatch": plan.target_ctx.n_ubatch,
         "threads": plan.threads,
+        "target_flash_attn": plan.target_ctx.flash_attn or engine.default_flash_attn(),  # as asked (auto: llama.cpp's)
     }
 
 
@@ -187,6 +188,8 @@ def markdown(report: dict) -> str:
                      f"{'' if p.get('target_mapped', True) else '; target read, not mapped (pinned)'} |")
     else:
         lines.append("| layers | no GPU: target and draft in RAM |")
+    if "target_flash_attn" in p:  # reports from before the option lack it
+        lines.append(f"| target flash attention | {p['target_flash_attn']} |")
     planned = ", ".join(human_size(n) for n in p["planned_device_bytes"]) or "none"
     lines.append(f"| memory planned | GPU {planned}; RAM {human_size(p['planned_ram_bytes'])} |")
     lines += ["", "Cost of one forward pass (ms) by tokens in the batch"

@@ -529,6 +529,8 @@ def describe(rt: Runtime) -> str:
     at_once = f", {len(rt.decoders)} requests at once" if len(rt.decoders) > 1 else ""
     if rt.prompts_join:
         at_once += ", prompts in the passes of their steps (--throughput)"
+    if rt.plan.target_ctx.flash_attn is not None:
+        at_once += f", flash attention {rt.plan.target_ctx.flash_attn} (--flash-attn)"
     return f"specrun serve: {rt.models.target_name} {rt.drafting()}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
 
 
