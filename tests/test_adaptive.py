@@ -10,6 +10,7 @@ from specrun.core.tree import DraftTree
 from specrun.decoding.adaptive import (
     LONG_MATCH,
     REPEAT_MATCH,
+    REPEAT_TRUST,
     DraftPrior,
     Hindsight,
     HindsightByKind,
@@ -103,6 +104,17 @@ def test_at_an_answers_last_tokens_a_budget_buys_no_more_than_the_depth_left():
     shallow, _ = hindsight.best(steep, STEP_MARGIN, depth=6)
     assert deep >= 16 and shallow <= 6, (deep, shallow)
     assert best_size(hindsight, steep, 64, depth=6) == shallow
+
+
+def test_an_answers_last_tokens_between_two_budgets_go_in_one_pass():
+    """A trusted repeat with 29 tokens left (depth 28): the grid's 24 would leave a pass of 4 after
+    it; a tree cut to the 28 takes the answer's end in one pass. Mid-answer the grid is unchanged."""
+    hindsight = Hindsight(max_budget=64, trust=REPEAT_TRUST)
+    cpu = lambda n: 0.020 + 0.002 * np.asarray(n)  # a pass's fixed cost, then each token's
+    assert hindsight.best(cpu, STEP_MARGIN, depth=28)[0] == 28
+    assert hindsight.best(cpu, STEP_MARGIN, depth=64)[0] == 64 and hindsight.best(cpu, STEP_MARGIN)[0] == 64
+    copied = twenty_accepted_of_thirty()  # 20 accepted of 30: 28 left buys no more than the 20
+    assert copied.best(cpu, STEP_MARGIN, depth=28)[0] == copied.best(cpu, STEP_MARGIN)[0]
 
 
 def test_one_dear_tree_pass_does_not_price_lookup_trees_out_for_good():

@@ -286,13 +286,24 @@ class Hindsight:
         0) by `margin`: a bet that only breaks even on estimates loses to their noise.
         `emitted_beside`: tokens other requests emit from the same pass (its rate is theirs too).
         `depth`: the deepest this step's tree may reach (an answer's last tokens), which caps
-        what any budget accepts: what deep trees accepted does not buy a wide shallow one."""
-        accepted = self.accepted() if depth is None else np.minimum(self.accepted(), depth)
-        rates = (accepted + 1.0 + emitted_beside) / step_seconds(self.nodes())
+        what any budget accepts: what deep trees accepted does not buy a wide shallow one. Where
+        it falls between two budgets, it is a budget too (accepted and nodes interpolated): a tree
+        cut to an answer's last tokens takes them in one pass, where the budget below leaves a
+        pass of a few (a repeat's last 29 tokens went in passes of 25 and 4, 106 ms, against one
+        of 29, about 81)."""
+        budgets, accepted, nodes = self.budgets, self.accepted(), self.nodes()
+        if depth is not None and budgets[0] < depth < budgets[-1] and depth not in budgets:
+            at = int(np.searchsorted(budgets, depth))
+            budgets = np.insert(budgets, at, depth)
+            accepted = np.insert(accepted, at, np.interp(depth, self.budgets, accepted))
+            nodes = np.insert(nodes, at, np.interp(depth, self.budgets, nodes))
+        if depth is not None:
+            accepted = np.minimum(accepted, depth)
+        rates = (accepted + 1.0 + emitted_beside) / step_seconds(nodes)
         i = int(np.argmax(rates))
         if i and rates[i] < rates[0] * (1.0 + margin):
             i = 0
-        return int(self.budgets[i]), float(rates[i])
+        return int(budgets[i]), float(rates[i])
 
 
 class HindsightByKind:
