@@ -14,7 +14,8 @@ against the same prompts answered one at a time.
 
 Servers: `specrun-1` is `specrun serve --parallel 1` (one request at a time), `specrun-N` is
 `--parallel N` with N the most clients (either with `-plain`: --no-spec, plain decoding; `-throughput`:
---throughput, prompts evaluated in the passes of the other requests' steps); `base-1`,
+--throughput, prompts evaluated in the passes of the other requests' steps; any of them with
+`-fa-off` last: --flash-attn off); `base-1`,
 `base-N`, `base-N-plain` are the same from the checkout --baseline names (`git worktree add
 /tmp/base HEAD~1`), to measure a change in turns with its parent; `peer-plain` is llama.cpp's `llama-server -np N`
 decoding plainly (requests batched together, no speculation), `peer-draft` the same with the
@@ -161,13 +162,13 @@ def _check_same(rows: list[dict]) -> None:
     """Mark specrun's rows whose answers differ from those specrun gives one at a time (the same
     decoding: speculative or plain) for the same prompts: a specrun-1 server's, or any specrun
     server's with one client."""
-    alone: dict[bool, dict] = {True: {}, False: {}}
+    alone: dict[tuple[bool, bool], dict] = {}
     for row in rows:
         one_at_a_time = row["server"].startswith("specrun-1") or row["clients"] == 1
         if row["server"].startswith("specrun") and one_at_a_time and "texts" in row:
-            alone[row["server"].endswith("-plain")].update(row["texts"])
+            alone.setdefault(_decoding(row["server"]), {}).update(row["texts"])
     for row in rows:
-        reference = alone[row["server"].endswith("-plain")]
+        reference = alone.get(_decoding(row["server"]), {})
         if row["server"].startswith("specrun") and reference and "texts" in row:
             row["parted"] = sum(i in reference and reference[i] != text for i, text in row["texts"].items())
             row["same_as_alone"] = row["parted"] == 0
@@ -270,6 +271,12 @@ class _Server:
             self.proc.wait(60)
 
 
+def _decoding(server: str) -> tuple[bool, bool]:
+    """What a specrun server's answers are compared within: plain decoding or not, flash attention
+    off or not (each rounds otherwise, so their answers one at a time may differ)."""
+    return server.removesuffix("-fa-off").endswith("-plain"), server.endswith("-fa-off")
+
+
 def _start(name: str, args, parallel: int) -> _Server | None:
     if name.startswith(("specrun", "base")):
         if name.startswith("base") and args.baseline is None:
@@ -277,7 +284,9 @@ def _start(name: str, args, parallel: int) -> _Server | None:
             return None
         n = 1 if name.split("-")[1] == "1" else parallel
         repo = args.baseline if name.startswith("base") else REPO
-        return specrun_server(repo, args, n, plain=name.endswith("-plain"), throughput=name.endswith("-throughput"))
+        base = name.removesuffix("-fa-off")
+        return specrun_server(repo, args, n, plain=base.endswith("-plain"), throughput=base.endswith("-throughput"),
+                              extra=("--flash-attn", "off") if name.endswith("-fa-off") else ())
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
