@@ -319,6 +319,9 @@ def test_flash_attention_as_the_user_asks_reaches_the_target_the_plan_and_its_si
                  input=prompt) for flags in ([], ["--no-spec"])]
     assert all(t.exit_code == 0 for t in texts), [t.output for t in texts]
     assert texts[0].stdout == texts[1].stdout and texts[0].stdout.strip()
+    # Beside other requests it warns: their cells in the shared cache cost every pass without it.
+    assert not plan.notes and any("--flash-attn off with 2 requests" in n for n in build_plan(
+        replace(opts, parallel=2), None, devices=[], ram_free_bytes=16 * GB).notes)
     bad = cli("generate", "--flash-attn", "sometimes", input=prompt)
     assert bad.exit_code == 2 and "--flash-attn 'sometimes': choose auto, on or off" in bad.output
 
