@@ -227,6 +227,5 @@ def stored_choice(opts: RunOptions, plan: Plan) -> dict | None:
     files = plan.files
     if files.draft_path is None:
         return None
-    profile = profiles.load(files.target_path, files.draft_path, opts.threads, opts.gpu_memory, opts.mmap,
-                            opts.flash_attn)
+    profile = profiles.load(files.target_path, files.draft_path, **opts.profile_options())
     return profile.get("config") if profile else None

@@ -109,10 +109,8 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
             choice = tuner.Choice("plain", 0, 0, 0, 0, measured.plain_tokens_per_s, 1.0)
         elif choice.kind == "plain" and best_tree.kind != "plain" and pay.check_keeps(check.tree_speedup):
             choice = best_tree  # predicted to lose, measured level or faster: it stays
-        key = profiles.profile_key(
-            rt.models.target_path, rt.models.draft_path, hardware.fingerprint(), rt.target_ctx.threads,
-            gpu_memory=opts.gpu_memory, mmap=opts.mmap, flash_attn=opts.flash_attn,
-        )
+        key = profiles.profile_key(rt.models.target_path, rt.models.draft_path, hardware.fingerprint(),
+                                   **{**opts.profile_options(), "threads": rt.target_ctx.threads})
         profile = _profile(key, rt, hardware, settings, measured, choice, best_tree, check, load_pass_s)
         untuned = _untuned_default(choice, max_budget)
         with report.progress() as progress:
@@ -390,8 +388,7 @@ def stored_profile(opts: RunOptions) -> dict:
     if models.draft_path is None:
         raise UsageError(f"no draft model for {models.target_name}: pass --draft")
     connect_workers(opts)
-    profile = profiles.load(models.target_path, models.draft_path, opts.threads, opts.gpu_memory, opts.mmap,
-                            opts.flash_attn)
+    profile = profiles.load(models.target_path, models.draft_path, **opts.profile_options())
     if profile is None:
         raise SpecrunError(
             f"no tuning profile for {models.target_name} with {models.draft_name} on this machine "

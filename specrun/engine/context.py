@@ -160,6 +160,13 @@ def default_flash_attn() -> str:
     return "off" if runs_batch_invariant() else "auto"
 
 
+def passes_batch_invariant(flash_attn: str | None = None) -> bool:
+    """Whether a context with this flash attention (None: default_flash_attn) rounds a token alike
+    in every pass size: a batch-invariant build (runs_batch_invariant) and flash attention off (its
+    kernel sums a row by the pass's size otherwise)."""
+    return (flash_attn or default_flash_attn()) == "off" and runs_batch_invariant()
+
+
 def default_threads() -> int:
     """Return the thread count llama.cpp runs best with here: the usable CPU cores."""
     try:
@@ -239,16 +246,14 @@ class Context(Owner):
         self.window = 0 if swa_full else max(0, model.n_swa)
         self.n_vocab = model.n_vocab
         self.threads = threads
-        # As asked ("auto": llama.cpp's choice); only "off" keeps a batch-invariant build's kernels
-        # batch invariant (runs_batch_invariant: its flash attention sums a row otherwise by pass size).
-        self.flash_attn = flash_attn
+        self.flash_attn = flash_attn  # as asked ("auto": llama.cpp's choice)
         self._n_outputs = 0
         model._contexts.append(self)
 
     @property
     def batch_invariant(self) -> bool:
-        """Whether every pass size rounds a token alike here (runs_batch_invariant, flash attention off)."""
-        return self.flash_attn == "off" and runs_batch_invariant()
+        """Whether every pass size rounds a token alike here (passes_batch_invariant)."""
+        return passes_batch_invariant(self.flash_attn)
 
     def _open(self, params, refusal: str, hint: str):
         """Open the llama.cpp context for self.model with `params`; return its pointer. A refusal

@@ -52,6 +52,10 @@ class RunOptions:
     # build, else llama.cpp's auto (on wherever its devices have the kernel, the CPU included)
     flash_attn: str | None = None
 
+    def profile_options(self) -> dict:
+        """The options a tuning profile is kept apart by (tuning.profiles.profile_key, load)."""
+        return {"threads": self.threads, "gpu_memory": self.gpu_memory, "mmap": self.mmap, "flash_attn": self.flash_attn}
+
     @property
     def lookup_only(self) -> bool:
         """Whether --draft lookup: lookup trees and no draft model."""

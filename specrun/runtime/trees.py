@@ -126,8 +126,7 @@ def choose_tree(opts: RunOptions, files: ModelFiles,
         return None, why, False, None
     choice = facts = None
     if use_profile and files.target_path is not None and files.draft_path is not None:
-        profile = profiles.load(files.target_path, files.draft_path, opts.threads, opts.gpu_memory, opts.mmap,
-                                opts.flash_attn)
+        profile = profiles.load(files.target_path, files.draft_path, **opts.profile_options())
         if profile is not None:  # (read once: its choice and its facts)
             choice = profiles.choice_of(profile)
             facts = profiles.facts_of(profile) if choice else None

@@ -55,7 +55,7 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         if server is not None:
             server.should_exit = True
 
-    if settings.reproducible and (opts.rpc or not engine.runs_batch_invariant() or opts.flash_attn not in (None, "off")):
+    if settings.reproducible and (opts.rpc or not engine.passes_batch_invariant(opts.flash_attn)):
         # Every request decodes in one-token passes (SamplingParams.reproducible): no draft to load.
         opts = replace(opts, no_spec=True)
     if opts.rpc:  # a lost RPC worker ends the process that loaded the target: not this one
