@@ -292,10 +292,7 @@ def start(name: str, args) -> _Server | None:
             return None
         repo = args.baseline if name.startswith("base") else REPO
         # (--throughput takes effect where requests may decode together: two lanes, for one agent)
-        base, fa_off = name.removesuffix("-fa-off"), name.endswith("-fa-off")
-        throughput = base.endswith("-throughput")
-        return specrun_server(repo, args, 2 if throughput else 1, plain=base.endswith("-plain"), throughput=throughput,
-                              extra=("--flash-attn", "off") if fa_off else ())
+        return specrun_server(repo, args, 2 if name.removesuffix("-fa-off").endswith("-throughput") else 1, name)
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None

@@ -284,9 +284,7 @@ def _start(name: str, args, parallel: int) -> _Server | None:
             return None
         n = 1 if name.split("-")[1] == "1" else parallel
         repo = args.baseline if name.startswith("base") else REPO
-        base = name.removesuffix("-fa-off")
-        return specrun_server(repo, args, n, plain=base.endswith("-plain"), throughput=base.endswith("-throughput"),
-                              extra=("--flash-attn", "off") if name.endswith("-fa-off") else ())
+        return specrun_server(repo, args, n, name)
     if args.peer_bin is None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
@@ -308,11 +306,13 @@ def _start(name: str, args, parallel: int) -> _Server | None:
     return _Server(argv, url=f"http://127.0.0.1:{port}")
 
 
-def specrun_server(repo: Path, args, parallel: int, plain: bool = False, throughput: bool = False,
-                   extra: tuple[str, ...] = ()) -> _Server:
+def specrun_server(repo: Path, args, parallel: int, name: str = "specrun") -> _Server:
     """`specrun serve` of the checkout `repo` (this one, or a --baseline) on args' models, context
-    and threads, `parallel` requests at once; `plain`: with --no-spec; `throughput`: with --throughput;
-    `extra`: more options."""
+    and threads, `parallel` requests at once; the server's `name` says the rest: `-plain` with
+    --no-spec, `-throughput` with --throughput, either with `-fa-off` last: --flash-attn off."""
+    base = name.removesuffix("-fa-off")
+    plain, throughput = base.endswith("-plain"), base.endswith("-throughput")
+    extra = ("--flash-attn", "off") if name.endswith("-fa-off") else ()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
                NO_COLOR="1")
     argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
