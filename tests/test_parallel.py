@@ -98,14 +98,16 @@ def test_the_server_says_how_many_requests_it_answers_at_once(server):
     assert meta["throughput"] is False  # the exact default
 
 
-def test_serve_throughput_says_so_and_answers_requests_together(offline_models, tmp_path):
-    """`serve --parallel 2 --throughput`: the startup line and /v1/models say so, and two requests
+def test_serve_throughput_and_flash_attention_off_say_so_and_answer_requests_together(offline_models, tmp_path):
+    """`serve --parallel 2 --throughput --flash-attn off`: the startup line and /v1/models say so,
+    the start warns that flash attention off costs passes beside other requests, and two requests
     sent at once through the official client are both answered."""
-    srv = ServerProcess(tmp_path, "--parallel", "2", "--throughput")
+    srv = ServerProcess(tmp_path, "--parallel", "2", "--throughput", "--flash-attn", "off")
     try:
         srv.wait_ready()
-        assert any("2 requests at once, prompts in the passes of their steps (--throughput)" in line
-                   for line in srv.stderr_lines), srv.stderr
+        assert any("2 requests at once, prompts in the passes of their steps (--throughput), flash attention off "
+                   "(--flash-attn)" in line for line in srv.stderr_lines), srv.stderr
+        assert any("--flash-attn off with 2 requests at once" in line for line in srv.stderr_lines), srv.stderr
         meta = httpx.get(srv.url + "/v1/models").json()["data"][0]["meta"]
         assert meta["throughput"] is True
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
