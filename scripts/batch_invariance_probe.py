@@ -2,8 +2,8 @@
 
 For each model, a prompt is prefilled and a continuation of 128 tokens is scored in several pass
 shapes; every row is compared with plain decoding's (one token a pass, cells in order):
-- `chain16` / `chain128`: the continuation in passes of 16 or 128 tokens (a tree's or a chain's
-  verify pass, a prompt's chunk);
+- `chain2` ... `chain128`: the continuation in passes of 2, 4, 8, 16 or 128 tokens (a tree's or a
+  chain's verify pass, a prompt's chunk; on CUDA quantized weights take the one-row kernel up to 8);
 - `beside`: each token in a one-token step that also holds another request's 15 tokens (a server
   pass of several requests);
 - `scattered`: one-token passes whose cells lie out of order (a tree step's rejected branches left
@@ -16,6 +16,7 @@ Usage (repository root; the offline models as the tests prepare them):
     python scripts/batch_invariance_probe.py                       # the four offline models
     python scripts/batch_invariance_probe.py --models smollm2-135m-f32 --ops
     python scripts/batch_invariance_probe.py --no-repack --flash-attn off
+    python scripts/batch_invariance_probe.py --models /path/to/model.gguf --n-gpu-layers 999   # on a GPU
 Prints one table row per model and shape: the largest |logit difference| against plain decoding
 over the 128 rows, how many rows differ at all, how many greedy choices change, and the widest
 top-two gap of plain decoding that a changed choice crossed (what a near-tie threshold must cover).
@@ -49,6 +50,7 @@ CONTINUATION = ("A bicycle stays upright mostly because the rider steers it back
                 "rider down while the turn pulls the tyres outward, and leaning balances the two forces.")
 MODELS = ("smollm2-135m-f32", "smollm2-135m-q4", "gemma3-270m-f32", "gemma3-270m-q4")
 N_CONT = 128
+CHAINS = (2, 4, 8, 16, 128)
 
 
 class GgmlTensor(ctypes.Structure):
@@ -59,6 +61,20 @@ class GgmlTensor(ctypes.Structure):
                 ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
                 ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
                 ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+
+
+def _ggml_base():
+    """llama.cpp's ggml base library as the bindings loaded it (for ggml_backend_tensor_get)."""
+    import llama_cpp
+
+    folder = Path(llama_cpp.__file__).parent / "lib"
+    lib = ctypes.CDLL(str(next(folder.glob("libggml-base.*"))))
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    return lib
+
+
+GGML_BASE = _ggml_base()
 
 
 class OpTrace:
@@ -87,8 +103,11 @@ class OpTrace:
         contiguous = all(int(t.nb[i]) == 4 * int(np.prod(dims[:i])) for i in range(axis + 1))
         if not contiguous:
             return True
-        address = t.data + self.index * int(t.nb[axis])
-        row = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), (inner,)).copy()
+        offset = self.index * int(t.nb[axis])
+        row = np.empty(inner, dtype=np.float32)
+        # ggml_backend_tensor_get reads a GPU's memory too (a host buffer is a plain copy).
+        GGML_BASE.ggml_backend_tensor_get(ctypes.c_void_p(tensor_p), row.ctypes.data_as(ctypes.c_void_p),
+                                          ctypes.c_size_t(offset), ctypes.c_size_t(4 * inner))
         name = t.name.decode(errors="replace")
         if name not in self.rows:
             self.order.append(name)
@@ -227,7 +246,7 @@ def first_differing_op(model, prompt, cont, shape, index, flash_attn):
             batch = Batch(1, 1)
             batch.set_sequence([cont[index]], len(prompt) + index, 0, "last")
         else:
-            size = {"chain16": 16, "chain128": 128}[shape]
+            size = int(shape.removeprefix("chain"))
             start = (index // size) * size
             if start:
                 head = Batch(256, 1)
@@ -252,14 +271,17 @@ def first_differing_op(model, prompt, cont, shape, index, flash_attn):
 def main() -> int:
     if args.no_repack:
         sysinfo.repacking_crashes = lambda: True  # the engine's switch for llama.cpp's extra buffer types
-    print(f"# {system_info()}\n# threads {args.threads}; repack {'off' if args.no_repack else 'on'}; "
+    print(f"# {system_info()}\n# threads {args.threads}; GPU layers {args.n_gpu_layers}; "
+          f"repack {'off' if args.no_repack else 'on'}; "
           f"flash attention {args.flash_attn}")
     print("| model | shape | max abs diff | rows differing | greedy choices changed | widest gap crossed |"
           + (" first op differing |" if args.ops else ""))
     print("|---|---|---|---|---|---|" + ("---|" if args.ops else ""))
     for alias in args.models:
-        path = Path(hub.ensure_local(registry.resolve(alias), progress=False))
-        model = engine.Model(path)
+        # a registry alias (downloaded as the tests do) or a GGUF file's path (the device kit's models)
+        path = Path(alias) if alias.endswith(".gguf") else Path(hub.ensure_local(registry.resolve(alias), progress=False))
+        label = path.name if alias.endswith(".gguf") else alias
+        model = engine.Model(path, n_gpu_layers=args.n_gpu_layers)
         prompt = model.tokenize(PROMPT)
         cont = (model.tokenize(CONTINUATION, add_special=False) * 2)[:N_CONT]
         other = model.tokenize("Write a list of ten fruits and their colours, one per line.", add_special=False)
@@ -267,8 +289,7 @@ def main() -> int:
         reference = plain_rows(ctx, prompt, cont)
         rng = np.random.default_rng(0)
         shapes = {
-            "chain16": lambda: chain_rows(ctx, prompt, cont, 16),
-            "chain128": lambda: chain_rows(ctx, prompt, cont, 128),
+            **{f"chain{n}": (lambda n=n: chain_rows(ctx, prompt, cont, n)) for n in CHAINS},
             "beside": lambda: beside_rows(ctx, prompt, cont, other),
             "scattered": lambda: scattered_rows(ctx, prompt, cont, rng),
             "tree": lambda: tree_rows(ctx, prompt, cont, rng),
@@ -277,10 +298,10 @@ def main() -> int:
             if args.shapes and shape not in args.shapes:
                 continue
             worst, differing, flips, gap, first = compare(reference, rows_of())
-            row = f"| {alias} | {shape} | {worst:.3g} | {differing}/{len(cont)} | {flips} | {gap:.3g} |"
+            row = f"| {label} | {shape} | {worst:.3g} | {differing}/{len(cont)} | {flips} | {gap:.3g} |"
             if args.ops:
                 op = "-"
-                if first >= 0 and shape in ("chain16", "chain128"):
+                if first >= 0 and shape.startswith("chain"):
                     name, delta = first_differing_op(model, prompt, cont, shape, first, args.flash_attn)
                     op = f"`{name}` ({delta:.3g})" if name else "none traced"
                 row += f" {op} |"
@@ -294,10 +315,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n-gpu-layers", type=int, default=0, help="layers on the GPU (999: all)")
     parser.add_argument("--no-repack", action="store_true", help="turn llama.cpp's repacked weight layouts off")
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--ops", action="store_true", help="name the first op whose output differs")
-    parser.add_argument("--shapes", nargs="+", choices=("chain16", "chain128", "beside", "scattered", "tree"),
+    parser.add_argument("--shapes", nargs="+", choices=(*(f"chain{n}" for n in CHAINS), "beside", "scattered", "tree"),
                         help="only these shapes (default: all)")
     args = parser.parse_args()
     sys.exit(main())

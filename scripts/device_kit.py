@@ -11,8 +11,11 @@ Steps (each also runs alone; scripts/device_kit.sh chains them):
   install   the built wheel and the carried wheels into KIT/site (PYTHONPATH)
   models    a dense-27B-shaped and a 30B-A3B-MoE-shaped Q4_K_M target, a 0.5B-shaped draft and a
             tiny random pair, all with the same real tokenizer (--fast/--tiny: scaled-down shapes)
+  variants  F16 and Q8_0 copies of the tiny target and the 0.5B shape (llama.cpp's quantize API),
+            for scripts/batch_invariance_probe.py and --exact-draft
   exactness speculative vs plain greedy on the tiny random pair (many near-ties: the strictest
-            check): identical outputs, and the top-2 logit gap where they part
+            check; --exact-target/--exact-draft choose another pair): identical outputs, and the
+            top-2 logit gap where they part
   plan      `specrun plan` against the memory nvidia-smi sees once the models are loaded
   report    `specrun bench --report --json` per emulated card (--cards 8,12,16,24)
   predict   per report, the best tree's predicted speedup with a real pair's acceptance
@@ -223,7 +226,38 @@ def models(args) -> dict:
         if not path.exists():
             synthetic.write_random_model(vocab, path, seed=seed, n_layer=layers, n_embd=128, n_head=4, n_head_kv=2, n_ff=256)
         made[name] = str(path)
+    for name in ("tiny-target", "draft-0.5b"):  # the variants step's copies, where written before
+        for suffix in VARIANTS:
+            if (copy := Path(made[name]).with_name(f"{Path(made[name]).stem}-{suffix}.gguf")).exists():
+                made[f"{name}-{suffix}"] = str(copy)
     return made
+
+
+VARIANTS = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def variants(args, made: dict) -> dict:
+    """F16 and Q8_0 copies of the tiny target and the 0.5B shape (llama.cpp's quantize API), so
+    that every common weight type's kernels are probed: `<name>-f16`, `<name>-q8_0` in `made`."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.allow_requantize = True  # the 0.5B shape is Q4_K_M: dequantized, then written anew
+    params.nthread = os.cpu_count() or 1
+    for name in ("tiny-target", "draft-0.5b"):
+        src = Path(made[name])
+        for suffix, ftype in VARIANTS.items():
+            dst = src.with_name(f"{src.stem}-{suffix}.gguf")
+            if not dst.exists():
+                params.ftype = getattr(llama_cpp, ftype)
+                part = dst.with_suffix(".part")
+                if llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), ctypes.byref(params)):
+                    raise SystemExit(f"quantizing {src.name} to {suffix} failed")
+                part.rename(dst)
+            made[f"{name}-{suffix}"] = str(dst)
+    return {name: path for name, path in made.items() if name.endswith(tuple(VARIANTS))}
 
 
 EXACTNESS_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,",
@@ -244,7 +278,8 @@ def exactness(args, made: dict) -> dict:
     from specrun.runtime.runtime import Runtime, make_decoder
     from specrun.runtime.trees import TreePlan
 
-    opts = RunOptions(target=made["tiny-target"], draft=made["tiny-draft"], ctx_size=1024, lookup=False, quiet=True)
+    opts = RunOptions(target=made[args.exact_target], draft=made[args.exact_draft], ctx_size=1024, lookup=False,
+                      quiet=True)
     cases, same, gaps = 0, 0, []
     with Runtime(opts, shape_override=TreeShape(max(EXACTNESS_BUDGETS), 16, 8, 8)) as rt:
         prompts = [rt.tokenize_prompt(p, chat=False) for p in EXACTNESS_PROMPTS]
@@ -267,7 +302,7 @@ def exactness(args, made: dict) -> dict:
                 top = np.sort(rt.target_ctx.logits_row(-1))[-2:]
                 gaps.append({"budget": budget, "position": k, "top2_gap": float(top[1] - top[0])})
                 rt.target_ctx.clear()
-    return {"cases": cases, "identical": same, "divergences": gaps}
+    return {"pair": [args.exact_target, args.exact_draft], "cases": cases, "identical": same, "divergences": gaps}
 
 
 def nvidia_smi_used() -> int | None:
@@ -361,8 +396,11 @@ def predict(args, out: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("steps", nargs="+", choices=("prepare", "build", "install", "models", "exactness", "plan",
+    parser.add_argument("steps", nargs="+", choices=("prepare", "build", "install", "models", "variants", "exactness", "plan",
                                                      "report", "predict", "measure"))
+    parser.add_argument("--exact-target", default="tiny-target", help="exactness: the target (a made model's name)")
+    parser.add_argument("--exact-draft", default="tiny-draft",
+                        help="exactness: the draft (e.g. tiny-target-q8_0 after the variants step: it accepts more)")
     parser.add_argument("--acceptance", default=None,
                         help="predict: a real pair's `bench --report --json` whose acceptance the predictions use")
     parser.add_argument("--kit", default=str(REPO / ".kit"), help="the carried folder (sdist, vocab, wheels)")
@@ -427,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
             made = made or models(args)
             if step == "models":
                 results[step] = made
+            elif step == "variants":
+                results[step] = variants(args, made)
             elif step == "exactness":
                 results[step] = exactness(args, made)
             elif step == "plan":

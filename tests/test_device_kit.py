@@ -78,3 +78,49 @@ def test_the_kit_runs_end_to_end_on_the_cpu(tmp_path, offline_models):
     assert predicted.returncode == 0, predicted.stderr[-2000:]
     (row,) = json.loads((tmp_path / "out" / "kit-results.json").read_text())["predict"]
     assert row["report"] == "report-moe-30b-a3b-2gib.json" and row["predicted_speedup"] >= 1.0
+
+
+def test_the_variants_step_writes_f16_and_q8_0_copies_that_decode_as_a_pair(tmp_path, offline_models):
+    """`variants` quantizes the tiny target and the 0.5B shape with llama.cpp's API (the probe's
+    weight types), and `exactness --exact-draft` takes such a copy as the tiny target's draft."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    common = ["--fast", "--vocab", str(offline_models.smollm2_q4), "--targets=", "--tokens", "8",
+              "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "device_kit.py"), "models", "variants", *common],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    made = json.loads((tmp_path / "out" / "kit-results.json").read_text())["variants"]
+    assert set(made) == {f"{m}-{v}" for m in ("tiny-target", "draft-0.5b") for v in ("f16", "q8_0")}
+    import gguf
+
+    for name, path in made.items():  # llama.cpp's file types: 1 MOSTLY_F16, 7 MOSTLY_Q8_0
+        field = gguf.GGUFReader(path).fields["general.file_type"]
+        assert int(field.parts[field.data[0]][0]) == {"f16": 1, "q8_0": 7}[name.rsplit("-", 1)[1]]
+    # a later call finds the copies again (`models` lists them), and the pair decodes
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "device_kit.py"), "exactness", *common,
+                           "--exact-draft", "tiny-target-q8_0"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exact = json.loads((tmp_path / "out" / "kit-results.json").read_text())["exactness"]
+    assert exact["pair"] == ["tiny-target", "tiny-target-q8_0"]
+    assert exact["cases"] == 2 * len(device_kit.EXACTNESS_PROMPTS)
+    assert exact["identical"] + len(exact["divergences"]) == exact["cases"]
+
+
+def test_the_batch_invariance_probe_reads_a_model_file_and_follows_a_row_through_the_graph(offline_models):
+    """What the device runs: the probe on a GGUF path with its layers where --n-gpu-layers puts
+    them (none here), small chains among the shapes, and the op trace read through ggml's
+    tensor_get (a GPU's memory too): every row of the table filled."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "batch_invariance_probe.py"), "--models",
+                           str(offline_models.smollm2_random), "--n-gpu-layers", "0", "--ops", "--shapes", "chain2",
+                           "chain8", "scattered"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GPU layers 0" in done.stdout
+    mine = [line for line in done.stdout.splitlines() if line.startswith(f"| {offline_models.smollm2_random.name} |")]
+    rows = {cells[2]: cells[3:8] for cells in ([c.strip() for c in line.split("|")] for line in mine)}
+    assert set(rows) == {"chain2", "chain8", "scattered"}
+    for shape, (worst, differing, flips, gap, op) in rows.items():
+        n_diff, n_rows = map(int, differing.split("/"))
+        assert n_rows == 128 and int(flips) >= 0 and float(gap) >= 0
+        assert (float(worst) > 0) == (n_diff > 0)
+        if n_diff and shape.startswith("chain"):  # the first op whose row differs, with its difference
+            assert op.startswith("`") and float(op.rsplit("(", 1)[1].rstrip(")")) > 0

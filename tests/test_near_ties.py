@@ -15,7 +15,10 @@ import httpx
 import pytest
 
 from specrun import engine
-from specrun.core.sampling import NEAR_TIE_NATS, NearTie, SamplingParams, make_rng
+import numpy as np
+
+from specrun.core.sampling import (NEAR_TIE_NATS, NEAR_TIE_NATS_OFFLOADED, NearTie, SamplingParams, make_rng, near_tie,
+                                   near_tie_nats)
 from specrun.core.tree_shapes import TreeShape
 from specrun.core.verify import Acceptance
 from specrun.decoding.drafters.best_first import TreeGrower
@@ -119,6 +122,47 @@ def test_speculative_greedy_decoding_reports_the_near_ties_of_tree_passes(plain_
             assert plain_gap > NEAR_TIE_NATS - SHAPE_NOISE, f"token {i}: a near-tie went unreported"
     from_trees = [tie for s in steps if s.tree_nodes for tie in s.near_ties]
     assert from_trees, "no near-tie was met in a tree pass"
+
+
+def test_a_target_on_a_gpu_or_worker_judges_near_ties_wider():
+    """CUDA's kernels part further between pass sizes than the CPU's (choices flipped at gaps up
+    to 0.059 on an H100): where the target computes there, a wider gap is still a near-tie."""
+    assert near_tie_nats(False) == NEAR_TIE_NATS < near_tie_nats(True) == NEAR_TIE_NATS_OFFLOADED
+    row = np.array([0.0, 3.0, 3.0 - 0.05, 1.0], dtype=np.float32)
+    assert near_tie(row, 1) is None
+    tie = near_tie(row, 1, nats=near_tie_nats(True))
+    assert (tie.token, tie.runner_up) == (1, 2) and tie.gap == pytest.approx(0.05, abs=1e-6)
+
+
+def test_an_offloaded_target_s_decoders_report_by_the_wider_threshold(plain_reference, tiny, contexts, monkeypatch):
+    """The decoders read where their target computes (engine.Model.offloaded, set here as a GPU
+    load would set it: this machine has none): plain and tree passes then report every choice
+    whose runner-up trailed by less than NEAR_TIE_NATS_OFFLOADED."""
+    prompt, plain_tokens, tops, narrow, _ = plain_reference
+    assert tiny.offloaded is False
+    monkeypatch.setattr(tiny, "offloaded", True)
+    gaps = [list(top.values())[0] - list(top.values())[1] for top in tops]
+    _, _, wide = _decode(PlainDecoder(tiny, contexts(tiny, n_seq_max=1)), prompt, SamplingParams())
+    assert [t.at for t in wide] == [i for i, gap in enumerate(gaps) if gap < NEAR_TIE_NATS_OFFLOADED]
+    assert len(wide) > len(narrow), "the tiny model should meet gaps between the two thresholds"
+    spec = SpeculativeDecoder(tiny, contexts(tiny), TreeGrower(tiny, contexts(tiny), TREE), TREE)
+    tokens, steps, ties = _decode(spec, prompt, SamplingParams())
+    same = next((i for i in range(len(tokens)) if tokens[i] != plain_tokens[i]), len(tokens))
+    reported = {t.at for t in ties}
+    for i in range(same):
+        if gaps[i] < NEAR_TIE_NATS_OFFLOADED - SHAPE_NOISE:
+            assert i in reported, f"token {i}: a gap of {gaps[i]:.4f} went unreported"
+        elif gaps[i] > NEAR_TIE_NATS_OFFLOADED + SHAPE_NOISE:
+            assert i not in reported
+    assert any(NEAR_TIE_NATS <= t.gap < NEAR_TIE_NATS_OFFLOADED for s in steps if s.tree_nodes for t in s.near_ties)
+
+
+def test_a_model_on_this_cpu_is_not_offloaded(offline_models):
+    model = engine.Model(offline_models.smollm2_random, n_gpu_layers=99)  # no GPU here: every layer stays
+    try:
+        assert model.offloaded is False
+    finally:
+        model.close()
 
 
 def test_sampled_tokens_are_not_judged(plain_reference):

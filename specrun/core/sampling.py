@@ -38,6 +38,17 @@ MAX_TOP_LOGPROBS = 20
 # tree pass and a one-token pass of the same text, so the gap between two of them by up to ~1e-2,
 # and a gap below that can flip with the shape of the pass. 0.02 covers that twice over.
 NEAR_TIE_NATS = 0.02
+# On a GPU (CUDA, an H100: scripts/batch_invariance_probe.py over random-weight F32, F16, Q8_0 and
+# Q4_K_M models) every pass of 2 tokens or more rounds otherwise than a one-token pass, by up to
+# 0.39 in a logit, and choices flipped at gaps up to 0.059 (0.021 in speculative runs):
+# 0.12 covers that twice over, where the target computes on a GPU or an RPC worker.
+NEAR_TIE_NATS_OFFLOADED = 0.12
+
+
+def near_tie_nats(offloaded: bool) -> float:
+    """Return the near-tie threshold for a target computed on this CPU (False) or on a GPU or an
+    RPC worker's device (True: their kernels part further between pass sizes)."""
+    return NEAR_TIE_NATS_OFFLOADED if offloaded else NEAR_TIE_NATS
 
 # log_softmax_topk exponentiates a logit matrix in row blocks of about this many elements, so a
 # 2048 x 262144 matrix needs a 32 MB scratch buffer rather than a 2 GB temporary.
@@ -275,7 +286,7 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
 
 @dataclass(frozen=True)
 class NearTie:
-    """A greedy choice whose runner-up trailed it by less than NEAR_TIE_NATS."""
+    """A greedy choice whose runner-up trailed it by less than the near-tie threshold (near_tie_nats)."""
 
     at: int  # the token's index: in its step's tokens (decoding.steps.Step), in the answer (GenerationStats)
     token: int  # the token chosen (the row's first maximum)
@@ -283,9 +294,10 @@ class NearTie:
     gap: float  # nats: the chosen token's logit minus the runner-up's, >= 0
 
 
-def near_tie(row: np.ndarray, token: int, at: int = 0) -> NearTie | None:
+def near_tie(row: np.ndarray, token: int, at: int = 0, nats: float = NEAR_TIE_NATS) -> NearTie | None:
     """Return the near-tie at which greedy decoding chose `token` from `row` (its first maximum,
-    as `choose_token` picks it), or None where the runner-up trails by NEAR_TIE_NATS or more.
+    as `choose_token` picks it), or None where the runner-up trails by `nats` or more
+    (near_tie_nats: where the target computes).
 
     `row` is the row the choice was made from: after penalties, logit_bias and a grammar's mask.
     One pass over the row, without a copy: the best token before `token` and the best after it.
@@ -299,7 +311,7 @@ def near_tie(row: np.ndarray, token: int, at: int = 0) -> NearTie | None:
         if float(row[after]) > second:  # equal: the lower id, as argmax would rank them
             runner_up, second = after, float(row[after])
     gap = float(row[token]) - second
-    if runner_up < 0 or not gap < NEAR_TIE_NATS:  # (a grammar that allows one token: an infinite gap)
+    if runner_up < 0 or not gap < nats:  # (a grammar that allows one token: an infinite gap)
         return None
     return NearTie(at, int(token), runner_up, gap)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrun.core.rules import PathRules
-from specrun.core.sampling import NearTie, SamplingParams, choose_token, near_tie
+from specrun.core.sampling import NEAR_TIE_NATS, NearTie, SamplingParams, choose_token, near_tie
 from specrun.core.tree import DraftTree
 
 
@@ -49,6 +49,7 @@ def accept_path(
     eog_ids: frozenset[int] | Callable[[int], bool] = frozenset(),
     max_tokens: int | None = None,
     rules: PathRules | None = None,
+    tie_nats: float = NEAR_TIE_NATS,
 ) -> Acceptance:
     """Return the accepted path and the tokens to emit, given the target's logits for every node.
 
@@ -57,7 +58,7 @@ def accept_path(
     emitted; the caller decides whether to print it) and never emits more than `max_tokens`.
     tokens[i] is drawn from row nodes[i]. `rules`, if given, shape every row the walk reads and
     follow every token it emits. A greedy walk notes each token chosen at a near-tie
-    (sampling.near_tie): a pass of another shape may have chosen the other token there.
+    (sampling.near_tie, within `tie_nats`): a pass of another shape may have chosen the other token there.
     """
     if target_logits.ndim != 2 or target_logits.shape[0] < len(tree):
         raise ValueError(f"need one logit row per tree node ({len(tree)}), got shape {target_logits.shape}")
@@ -72,7 +73,7 @@ def accept_path(
         token = choose_token(row, params, rng)
         if rules is not None:
             rules.accept(token)
-        if params.greedy and (tie := near_tie(row, token, len(tokens))) is not None:
+        if params.greedy and (tie := near_tie(row, token, len(tokens), tie_nats)) is not None:
             ties.append(tie)
         tokens.append(token)
         # The target drew `token` itself; the draft is right iff a child carries it: descend, else stop.

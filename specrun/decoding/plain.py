@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specrun.core.rules import PathRules
-from specrun.core.sampling import SamplingParams, choose_token, near_tie, token_logprobs
+from specrun.core.sampling import SamplingParams, choose_token, near_tie, near_tie_nats, token_logprobs
 from specrun.decoding.batching import Lane
 from specrun.decoding.kv import CachedSequence
 from specrun.decoding.steps import GenerationStats, Step
@@ -24,6 +24,7 @@ class PlainDecoder:
         (decoding.batching); by default all of it."""
         self.model = model
         self.ctx = ctx
+        self.tie_nats = near_tie_nats(ctx.model.offloaded)
         self.cache = CachedSequence(ctx, Batch(ctx.n_batch, 1), lane)
         self.lane = self.cache.lane
         self._one = Batch(1, 1)
@@ -59,7 +60,7 @@ class PlainDecoder:
             token = choose_token(row, params, rng)
             if rules is not None:
                 rules.accept(token)
-            tie = near_tie(row, token) if params.greedy else None
+            tie = near_tie(row, token, nats=self.tie_nats) if params.greedy else None
             # llama.cpp's time for the pass, not the wait for other requests' batches
             step = Step([token], target_s=self.lane.pass_s if i else t1 - t0,
                         total_s=time.perf_counter() - t0, shared=self.lane.shared if i else 1, from_prompt=not i)

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specrun.core.rules import PathRules
-from specrun.core.sampling import SamplingParams, choose_token, near_tie, token_logprobs
+from specrun.core.sampling import NEAR_TIE_NATS, SamplingParams, choose_token, near_tie, near_tie_nats, token_logprobs
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, network_size
 from specrun.core.verify import Acceptance, accept_path
@@ -56,6 +56,7 @@ class SpeculativeDecoder:
             raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")
         self.model = target_model
         self.ctx = target_ctx
+        self.tie_nats = near_tie_nats(target_ctx.model.offloaded)
         self.shape = shape
         self.lane = lane
         self.cache = CachedSequence(target_ctx, Batch(target_ctx.n_batch, 1), lane)
@@ -124,7 +125,7 @@ class SpeculativeDecoder:
                                                                 joins=self.cache.joins(params))
         t_start = time.perf_counter()
         rules = PathRules.of(params)
-        step = _first_step(self.cache.logits, params, rng, rules)
+        step = _first_step(self.cache.logits, params, rng, rules, tie_nats=self.tie_nats)
         step.from_prompt = True
         pending = step.tokens[0]
         step.total_s = time.perf_counter() - t_start
@@ -238,7 +239,8 @@ class SpeculativeDecoder:
         meanwhile = self.drafter.extend if overlap else None
         logits = lane.run(batch, solo=params.reproducible, meanwhile=meanwhile)
         target_s = lane.pass_s  # llama.cpp's time, not the wait for other requests' batches
-        acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
+        acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules,
+                                 tie_nats=self.tie_nats)
         child_ranks = _child_ranks(tree, acceptance.nodes, acceptance.bonus)
         if exact_path:
             acceptance = _on_first_path(acceptance, self.eog)
@@ -352,7 +354,8 @@ class SpeculativeDecoder:
                 node = child
         logits = self.lane.run(batch)[rows]  # row i: after trie node i
         target_s = self.lane.pass_s
-        acceptance = accept_path(trie, logits, params, rng, self.eog, max_tokens=remaining, rules=rules)
+        acceptance = accept_path(trie, logits, params, rng, self.eog, max_tokens=remaining, rules=rules,
+                                 tie_nats=self.tie_nats)
         chosen = owner[acceptance.nodes[-1]]
         seq = seqs[chosen]
         if len(paths) > 1:
@@ -393,17 +396,18 @@ class SpeculativeDecoder:
         row = self.lane.run(self.one, solo=params.reproducible)[-1]
         target_s = self.lane.pass_s
         cache.tokens.append(pending)
-        return _first_step(row, params, rng, rules, target_s=target_s)
+        return _first_step(row, params, rng, rules, target_s=target_s, tie_nats=self.tie_nats)
 
 
-def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules | None, target_s: float = 0.0) -> Step:
+def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules | None, target_s: float = 0.0,
+                tie_nats: float = NEAR_TIE_NATS) -> Step:
     """Return a one-token step drawn from one logit row, as plain decoding draws it."""
     shaped = row if rules is None else rules.shape(row)
     token = choose_token(shaped, params, rng)
     if rules is not None:
         rules.accept(token)
     step = Step([token], target_s=target_s)
-    if params.greedy and (tie := near_tie(shaped, token)) is not None:
+    if params.greedy and (tie := near_tie(shaped, token, nats=tie_nats)) is not None:
         step.near_ties = (tie,)
     if params.logprobs is not None:
         step.logprobs = token_logprobs(row, [token], params.logprobs)

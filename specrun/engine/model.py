@@ -69,6 +69,9 @@ class Model(Owner):
         GPU several times faster than mapped pages (None: llama.cpp's default, mapped)."""
         ensure_backend()
         self.path = check_complete_gguf(Path(path))
+        # Whether some of its layers compute on a GPU or an RPC worker's device, whose kernels
+        # part further between pass sizes than this CPU's (sampling.near_tie_nats).
+        self.offloaded = n_gpu_layers > 0 and not vocab_only and bool(offload_devices())
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
