@@ -16,6 +16,7 @@ from test_offload import QWEN25_05B_Q4KM, QWEN25_14B_Q4KM
 
 from specrun.core.tree_shapes import TreeShape, TreeTemplate
 from specrun import engine
+from specrun.core.sampling import NEAR_TIE_NATS, NEAR_TIE_NATS_OFFLOADED
 from specrun.engine import DeviceInfo, cpu_kernels_batch_invariant, devices, memory, system_info
 from specrun.hardware import placement
 from specrun.runtime.plan import PREFILL_BATCH, ContextMemory, RunOptions, build_plan
@@ -119,6 +120,14 @@ def test_specrun_plan_prints_the_plan_without_loading_weights(offline_models, cl
     kernels_line = next(line for line in text.stdout.splitlines() if line.startswith("kernels"))
     assert ("one kernel for every pass size" in kernels_line) is invariant
     assert ("-DGGML_LLAMAFILE=OFF" in kernels_line) is not invariant
+    assert "GPU or worker" not in kernels_line and data["kernels"]["offloaded"]  # (the JSON plan put layers on the GPU)
+    # with layers on a GPU the line says what CUDA's kernels do, and the wider near-tie threshold
+    assert data["kernels"]["near_tie_nats"] == NEAR_TIE_NATS_OFFLOADED
+    on_gpu = cli("plan", "--ctx-size", "1024", "--gpu", "Fake GPU=1.5GiB/2GiB", "--ram-free", "16GiB")
+    kernels_line = next(line for line in on_gpu.stdout.splitlines() if line.startswith("kernels"))
+    assert kernels_line.startswith("kernels  GPU or worker: passes of two tokens or more round unlike one-token")
+    assert f"under {NEAR_TIE_NATS_OFFLOADED} nats" in kernels_line and "--reproducible" in kernels_line
+    assert json.loads(cli("plan", "--json", "--ctx-size", "1024").stdout)["kernels"]["near_tie_nats"] == NEAR_TIE_NATS
     bad = cli("plan", "--gpu", "nonsense")
     assert bad.exit_code == 2 and "NAME=FREE" in bad.output
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from specrun import engine, ui
+from specrun.core.sampling import near_tie_nats
 from specrun.engine import DeviceInfo
 from specrun.errors import UsageError
 from specrun.files import human_size
@@ -24,7 +25,7 @@ def plan(opts: RunOptions, as_json: bool, gpus: list[str] | None = None, ram_fre
     ram = parse_bytes(ram_free, "--ram-free") if ram_free else None
     result = build_plan(opts, fetch=False, devices=devices, ram_free_bytes=ram, detailed=True)
     if as_json:
-        print(json.dumps({**result.to_dict(), "kernels": kernels()}, indent=1))
+        print(json.dumps({**result.to_dict(), "kernels": kernels(result.target_gpu_layers > 0)}, indent=1))
     else:
         for line in plan_lines(result):
             ui.write_text(line + "\n")
@@ -66,7 +67,7 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.draft_ctx is not None:
         lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
     lines.append(f"threads  {plan.threads}")
-    lines.append(f"kernels  {kernels()['text']}")
+    lines.append(f"kernels  {kernels(target['gpu_layers'] > 0)['text']}")
     parts = {place.name: _parts(place) for place in placed.breakdown}
     lines.append(f"memory   RAM: {human_size(placed.ram_bytes)} planned, {human_size(placed.ram_limit_bytes)} usable"
                  + ("" if placed.ram_fits else "  (does not fit)") + parts.get("RAM", ""))
@@ -91,16 +92,23 @@ def plan_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def kernels() -> dict:
+def kernels(offloaded: bool = False) -> dict:
     """Whether the loaded llama.cpp build's CPU kernels round a token alike in every pass size
-    (engine.cpu_kernels_batch_invariant), as `plan` and `bench --report` say it."""
+    (engine.cpu_kernels_batch_invariant), as `plan` and `bench --report` say it; with `offloaded`
+    (target layers on a GPU or an RPC worker) what those devices' kernels do, and the near-tie
+    threshold the answers are judged by there."""
     invariant = engine.cpu_kernels_batch_invariant()
     text = ("CPU: one kernel for every pass size (a build without llamafile): specrun keeps flash attention off "
             "and weights unrepacked, so a chain verifies bit for bit as plain decoding and --reproducible keeps "
             "greedy chains (docs/exactness.md)" if invariant else
             "CPU: llamafile's tinyBLAS from two tokens a pass, so multi-token passes round unlike one-token ones; "
             "a build with CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" keeps one kernel for every size (docs/exactness.md)")
-    return {"cpu_batch_invariant": invariant, "text": text}
+    if offloaded:  # measured on CUDA (docs/exactness.md, "On a GPU (CUDA), measured")
+        text = ("GPU or worker: passes of two tokens or more round unlike one-token passes (CUDA), so a greedy "
+                f"tree may part from plain decoding at a near-tie (under {near_tie_nats(True)} nats there; "
+                "--reproducible decodes in one-token passes); " + text)
+    return {"cpu_batch_invariant": invariant, "offloaded": offloaded, "near_tie_nats": near_tie_nats(offloaded),
+            "text": text}
 
 
 def _count(n: int, noun: str) -> str:
