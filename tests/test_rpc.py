@@ -86,7 +86,8 @@ class Worker:
                 if "specrun worker: serving" in line:
                     ready.set()
 
-        threading.Thread(target=read, daemon=True).start()
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
         if not ready.wait(WORKER_START_S):
             self.proc.kill()
             pytest.fail(f"the worker did not start:\n{''.join(self.stderr_lines)}", pytrace=False)
@@ -99,7 +100,11 @@ class Worker:
         """Ctrl-C it; return (exit status, what it wrote on stdout)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-        stdout, _ = self.proc.communicate(timeout=60)
+        # wait(), not communicate(), which would read stderr beside the reader thread and keep
+        # the worker's last lines from stderr_lines
+        self.proc.wait(timeout=60)
+        stdout = self.proc.stdout.read()
+        self._reader.join(30)
         return self.proc.returncode, stdout
 
 

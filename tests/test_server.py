@@ -88,13 +88,16 @@ class ServerProcess:
         """Send SIGTERM and return the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        # wait(), not communicate(): communicate would read stderr too, beside the reader thread,
+        # and keep the last lines the server wrote (a request's log line) from stderr_lines.
         try:
-            self.stdout, _ = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.communicate()
+            self.proc.wait()
             pytest.fail(f"the server did not stop within {timeout:.0f} s after SIGTERM:\n{self.stderr}", pytrace=False)
-        self._reader.join(5)
+        self.stdout = self.proc.stdout.read()  # (a server writes nothing there: the pipe never fills)
+        self._reader.join(30)
         return self.proc.returncode
 
 
