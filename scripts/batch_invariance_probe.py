@@ -10,7 +10,8 @@ shapes; every row is compared with plain decoding's (one token a pass, cells in 
   holes that later tokens filled, as speculative decoding leaves the cache);
 - `tree`: each token the first of 16 siblings in one pass (a tree of width 16, depth 1).
 Then, for the first token where a shape differs, `--ops` follows the token's row through every
-named op of the graph (llama.cpp's eval callback) and prints the first op whose output differs.
+named op of the graph (llama.cpp's eval callback) and prints the first three ops whose output
+differs (the first alone can be a last bit the next op rounds away).
 
 Usage (repository root; the offline models as the tests prepare them):
     python scripts/batch_invariance_probe.py                       # the four offline models
@@ -233,9 +234,11 @@ def compare(reference, rows):
     return float(diff.max()), int((diff > 0).sum()), len(changed), gap, first
 
 
-def first_differing_op(model, prompt, cont, shape, index, flash_attn):
+def differing_ops(model, prompt, cont, shape, index, flash_attn, n=3):
     """Follow token `index` of the continuation through the graph, alone and in `shape`; return the
-    first op (in graph order) whose row differs, with its max |difference|."""
+    first `n` ops (in graph order) whose row differs, each with its max |difference|. More than
+    one: a difference of a last bit that the next op rounds away (an RMS norm's row, then the same
+    product with its weight) is not where the logits part; the op after it that differs too is."""
     traced = {}
     for mode in ("plain", shape):
         trace = OpTrace()
@@ -260,12 +263,15 @@ def first_differing_op(model, prompt, cont, shape, index, flash_attn):
         traced[mode] = trace
         ctx.close()
     plain, other = traced["plain"], traced[shape]
+    found = []
     for name in plain.order:
         if name in other.rows and plain.rows[name].shape == other.rows[name].shape:
             delta = float(np.abs(plain.rows[name] - other.rows[name]).max())
             if delta > 0:
-                return name, delta
-    return None, 0.0
+                found.append((name, delta))
+                if len(found) == n:
+                    break
+    return found
 
 
 def main() -> int:
@@ -275,7 +281,7 @@ def main() -> int:
           f"repack {'off' if args.no_repack else 'on'}; "
           f"flash attention {args.flash_attn}")
     print("| model | shape | max abs diff | rows differing | greedy choices changed | widest gap crossed |"
-          + (" first op differing |" if args.ops else ""))
+          + (" first ops differing |" if args.ops else ""))
     print("|---|---|---|---|---|---|" + ("---|" if args.ops else ""))
     for alias in args.models:
         # a registry alias (downloaded as the tests do) or a GGUF file's path (the device kit's models)
@@ -302,8 +308,8 @@ def main() -> int:
             if args.ops:
                 op = "-"
                 if first >= 0 and shape.startswith("chain"):
-                    name, delta = first_differing_op(model, prompt, cont, shape, first, args.flash_attn)
-                    op = f"`{name}` ({delta:.3g})" if name else "none traced"
+                    found = differing_ops(model, prompt, cont, shape, first, args.flash_attn)
+                    op = ", ".join(f"`{name}` ({delta:.3g})" for name, delta in found) or "none traced"
                 row += f" {op} |"
             print(row, flush=True)
         ctx.close()
@@ -318,7 +324,7 @@ if __name__ == "__main__":
     parser.add_argument("--n-gpu-layers", type=int, default=0, help="layers on the GPU (999: all)")
     parser.add_argument("--no-repack", action="store_true", help="turn llama.cpp's repacked weight layouts off")
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
-    parser.add_argument("--ops", action="store_true", help="name the first op whose output differs")
+    parser.add_argument("--ops", action="store_true", help="name the first ops whose output differs")
     parser.add_argument("--shapes", nargs="+", choices=(*(f"chain{n}" for n in CHAINS), "beside", "scattered", "tree"),
                         help="only these shapes (default: all)")
     args = parser.parse_args()
