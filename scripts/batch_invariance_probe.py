@@ -18,6 +18,7 @@ Usage (repository root; the offline models as the tests prepare them):
     python scripts/batch_invariance_probe.py --models smollm2-135m-f32 --ops
     python scripts/batch_invariance_probe.py --no-repack --flash-attn off
     python scripts/batch_invariance_probe.py --models /path/to/model.gguf --n-gpu-layers 999   # on a GPU
+    python scripts/batch_invariance_probe.py --models smollm2-135m-q4 --context 1500   # a long cache
 Prints one table row per model and shape: the largest |logit difference| against plain decoding
 over the 128 rows, how many rows differ at all, how many greedy choices change, and the widest
 top-two gap of plain decoding that a changed choice crossed (what a near-tie threshold must cover).
@@ -119,7 +120,7 @@ class OpTrace:
 def open_context(model, n_seq, flash_attn, trace: OpTrace | None):
     """An engine.Context; with a trace, llama.cpp's eval callback is set on its params."""
     if trace is None:
-        return engine.Context(model, n_ctx=1024, n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn)
+        return engine.Context(model, n_ctx=n_ctx(), n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn)
     real = engine_backend.C.llama_init_from_model
 
     def with_callback(model_ptr, params):
@@ -129,16 +130,22 @@ def open_context(model, n_seq, flash_attn, trace: OpTrace | None):
 
     engine.context.C.llama_init_from_model = with_callback
     try:
-        return engine.Context(model, n_ctx=1024, n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn)
+        return engine.Context(model, n_ctx=n_ctx(), n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn)
     finally:
         engine.context.C.llama_init_from_model = real
+
+
+def n_ctx() -> int:
+    """The cache: room for the prompt (--context), the continuation and the other request's tokens."""
+    return 1024 + args.context
 
 
 def prefill(ctx, prompt):
     ctx.clear()
     batch = Batch(256, 1)
-    batch.set_sequence(prompt, 0, 0, "none")
-    ctx.decode(batch)
+    for start in range(0, len(prompt), 256):  # (a long --context in batches of 256)
+        batch.set_sequence(prompt[start:start + 256], start, 0, "none")
+        ctx.decode(batch)
 
 
 def plain_rows(ctx, prompt, cont):
@@ -171,7 +178,7 @@ def beside_rows(ctx, prompt, cont, other):
     ctx.decode(batch)
     rows, pos1 = [], 8
     for i, token in enumerate(cont):
-        if pos1 + 15 > 900 - len(prompt) - len(cont):  # keep the other request inside the cache
+        if pos1 + 15 > n_ctx() - 124 - len(prompt) - len(cont):  # keep the other request inside the cache
             ctx.seq_rm(1)
             pos1 = 0
         batch.clear()
@@ -277,7 +284,7 @@ def differing_ops(model, prompt, cont, shape, index, flash_attn, n=3):
 def main() -> int:
     if args.no_repack:
         sysinfo.repacking_crashes = lambda: True  # the engine's switch for llama.cpp's extra buffer types
-    print(f"# {system_info()}\n# threads {args.threads}; GPU layers {args.n_gpu_layers}; "
+    print(f"# {system_info()}\n# threads {args.threads}; GPU layers {args.n_gpu_layers}; context {args.context}; "
           f"repack {'off' if args.no_repack else 'on'}; "
           f"flash attention {args.flash_attn}")
     print("| model | shape | max abs diff | rows differing | greedy choices changed | widest gap crossed |"
@@ -289,6 +296,9 @@ def main() -> int:
         label = path.name if alias.endswith(".gguf") else alias
         model = engine.Model(path, n_gpu_layers=args.n_gpu_layers)
         prompt = model.tokenize(PROMPT)
+        if args.context:  # earlier text before the question, so that the cache holds this many cells more
+            filler = model.tokenize(CONTINUATION, add_special=False)
+            prompt = prompt[:1] + (filler * (args.context // len(filler) + 1))[:args.context] + prompt[1:]
         cont = (model.tokenize(CONTINUATION, add_special=False) * 2)[:N_CONT]
         other = model.tokenize("Write a list of ten fruits and their colours, one per line.", add_special=False)
         ctx = open_context(model, 16, args.flash_attn, None)
@@ -322,6 +332,8 @@ if __name__ == "__main__":
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-gpu-layers", type=int, default=0, help="layers on the GPU (999: all)")
+    parser.add_argument("--context", type=int, default=0,
+                        help="tokens of earlier text before the prompt (a long conversation's cache)")
     parser.add_argument("--no-repack", action="store_true", help="turn llama.cpp's repacked weight layouts off")
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--ops", action="store_true", help="name the first ops whose output differs")

@@ -112,9 +112,9 @@ def test_the_batch_invariance_probe_reads_a_model_file_and_follows_a_row_through
     tensor_get (a GPU's memory too): every row of the table filled."""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "batch_invariance_probe.py"), "--models",
                            str(offline_models.smollm2_random), "--n-gpu-layers", "0", "--ops", "--shapes", "chain2",
-                           "chain8", "scattered"], capture_output=True, text=True, timeout=600)
+                           "chain8", "scattered", "--context", "600"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "GPU layers 0" in done.stdout
+    assert "GPU layers 0; context 600;" in done.stdout  # 600 cells of earlier text: past one-token split points
     mine = [line for line in done.stdout.splitlines() if line.startswith(f"| {offline_models.smollm2_random.name} |")]
     rows = {cells[2]: cells[3:8] for cells in ([c.strip() for c in line.split("|")] for line in mine)}
     assert set(rows) == {"chain2", "chain8", "scattered"}
