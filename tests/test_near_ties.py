@@ -157,12 +157,28 @@ def test_an_offloaded_target_s_decoders_report_by_the_wider_threshold(plain_refe
     assert any(NEAR_TIE_NATS <= t.gap < NEAR_TIE_NATS_OFFLOADED for s in steps if s.tree_nodes for t in s.near_ties)
 
 
-def test_a_model_on_this_cpu_is_not_offloaded(offline_models):
-    model = engine.Model(offline_models.smollm2_random, n_gpu_layers=99)  # no GPU here: every layer stays
-    try:
-        assert model.offloaded is False
-    finally:
-        model.close()
+def test_a_model_is_offloaded_where_its_layers_reach_a_gpu_or_a_worker(offline_models, monkeypatch):
+    """Model.offloaded: layers asked for a GPU that is there, or for RPC workers' devices across
+    hosts. This machine has no GPU: every layer stays here, whatever n_gpu_layers asks; a GPU and
+    a worker are then passed in as llama.cpp would list them (the flag only; the load stays here)."""
+    from specrun.engine import model as model_module
+
+    def offloaded(**kwargs) -> bool:
+        m = engine.Model(offline_models.smollm2_random, **kwargs)
+        try:
+            return m.offloaded
+        finally:
+            m.close()
+
+    assert offloaded(n_gpu_layers=99) is False  # no GPU here
+    here = model_module.local_devices()
+    gpu = engine.DeviceInfo("CUDA0", "a GPU", "gpu", "CUDA", 8 << 30, 8 << 30)
+    monkeypatch.setattr(model_module, "local_devices", lambda: [*here, (gpu, 0)])
+    assert offloaded(n_gpu_layers=99) is True
+    assert offloaded(n_gpu_layers=0) is False
+    monkeypatch.setattr(model_module, "local_devices", lambda: here)
+    monkeypatch.setattr(model_module, "remote_hosts", lambda: ["10.0.0.2:50052"])
+    assert offloaded(n_gpu_layers=99) is False  # a worker is listed, but this model is not spread over hosts
 
 
 def test_sampled_tokens_are_not_judged(plain_reference):
