@@ -170,13 +170,11 @@ def test_a_model_is_offloaded_where_its_layers_reach_a_gpu_or_a_worker(offline_m
         finally:
             m.close()
 
-    assert offloaded(n_gpu_layers=99) is False  # no GPU here
-    here = model_module.local_devices()
-    gpu = engine.DeviceInfo("CUDA0", "a GPU", "gpu", "CUDA", 8 << 30, 8 << 30)
-    monkeypatch.setattr(model_module, "local_devices", lambda: [*here, (gpu, 0)])
+    assert model_module.local_gpus() == [] and offloaded(n_gpu_layers=99) is False  # no GPU here
+    monkeypatch.setattr(model_module, "local_gpus", lambda: [0x1])  # one GPU, as ggml would list its device
     assert offloaded(n_gpu_layers=99) is True
     assert offloaded(n_gpu_layers=0) is False
-    monkeypatch.setattr(model_module, "local_devices", lambda: here)
+    monkeypatch.setattr(model_module, "local_gpus", lambda: [])
     monkeypatch.setattr(model_module, "remote_hosts", lambda: ["10.0.0.2:50052"])
     assert offloaded(n_gpu_layers=99) is False  # a worker is listed, but this model is not spread over hosts
 

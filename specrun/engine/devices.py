@@ -139,11 +139,16 @@ def device_by_name(name: str) -> int | None:
     return ggml_lib().ggml_backend_dev_by_name(name.encode()) or None
 
 
+def local_gpus() -> list[int]:
+    """Return this machine's GPUs (integrated ones included), as ggml device pointers."""
+    return [dev for info, dev in local_devices() if info.kind in GPU_KINDS]
+
+
 def offload_devices() -> list[int]:
     """Return the devices a model spread over hosts offloads to, in the order the planner counts
     them (hardware.placement.gpus_of): the RPC workers' first (as llama.cpp orders them), then
     this machine's GPUs."""
-    return [dev for _, dev in _remote] + [dev for info, dev in local_devices() if info.kind in GPU_KINDS]
+    return [dev for _, dev in _remote] + local_gpus()
 
 
 def cpu_buffer_type() -> int:

@@ -18,8 +18,7 @@ from specrun.engine.backend import (
     raise_if_interrupted,
     recent_errors,
 )
-from specrun.engine.devices import (GPU_KINDS, cpu_buffer_type, local_devices, offload_devices, remote_hosts,
-                                    runs_batch_invariant)
+from specrun.engine.devices import cpu_buffer_type, local_gpus, offload_devices, remote_hosts, runs_batch_invariant
 from specrun.engine.gguf import check_complete_gguf
 from specrun.errors import EngineError, ModelFileError
 
@@ -72,9 +71,8 @@ class Model(Owner):
         self.path = check_complete_gguf(Path(path))
         # Whether some of its layers compute on a GPU here or (across_hosts) an RPC worker's device,
         # whose kernels part further between pass sizes than this CPU's (sampling.near_tie_nats).
-        gpus_here = any(info.kind in GPU_KINDS for info, _ in local_devices())
         self.offloaded = (n_gpu_layers > 0 and not vocab_only and not simulate
-                          and (gpus_here or (across_hosts and bool(remote_hosts()))))
+                          and (bool(local_gpus()) or (across_hosts and bool(remote_hosts()))))
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
