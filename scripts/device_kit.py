@@ -226,14 +226,21 @@ def models(args) -> dict:
         if not path.exists():
             synthetic.write_random_model(vocab, path, seed=seed, n_layer=layers, n_embd=128, n_head=4, n_head_kv=2, n_ff=256)
         made[name] = str(path)
-    for name in ("tiny-target", "draft-0.5b"):  # the variants step's copies, where written before
+    for name in VARIANT_SOURCES:  # the variants step's copies, where written before
         for suffix in VARIANTS:
-            if (copy := Path(made[name]).with_name(f"{Path(made[name]).stem}-{suffix}.gguf")).exists():
+            if (copy := _variant_path(made[name], suffix)).exists():
                 made[f"{name}-{suffix}"] = str(copy)
     return made
 
 
 VARIANTS = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+VARIANT_SOURCES = ("tiny-target", "draft-0.5b")
+
+
+def _variant_path(src: str | Path, suffix: str) -> Path:
+    """Where the variants step writes `src` in another weight type: beside it, `<stem>-<suffix>.gguf`."""
+    src = Path(src)
+    return src.with_name(f"{src.stem}-{suffix}.gguf")
 
 
 def variants(args, made: dict) -> dict:
@@ -246,10 +253,10 @@ def variants(args, made: dict) -> dict:
     params = llama_cpp.llama_model_quantize_default_params()
     params.allow_requantize = True  # the 0.5B shape is Q4_K_M: dequantized, then written anew
     params.nthread = os.cpu_count() or 1
-    for name in ("tiny-target", "draft-0.5b"):
+    for name in VARIANT_SOURCES:
         src = Path(made[name])
         for suffix, ftype in VARIANTS.items():
-            dst = src.with_name(f"{src.stem}-{suffix}.gguf")
+            dst = _variant_path(src, suffix)
             if not dst.exists():
                 params.ftype = getattr(llama_cpp, ftype)
                 part = dst.with_suffix(".part")

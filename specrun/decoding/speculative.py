@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from specrun.core.rules import PathRules
-from specrun.core.sampling import NEAR_TIE_NATS, SamplingParams, choose_token, near_tie, near_tie_nats, token_logprobs
+from specrun.core.sampling import SamplingParams, choose_token, near_tie, near_tie_nats, token_logprobs
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, network_size
 from specrun.core.verify import Acceptance, accept_path
@@ -125,7 +125,7 @@ class SpeculativeDecoder:
                                                                 joins=self.cache.joins(params))
         t_start = time.perf_counter()
         rules = PathRules.of(params)
-        step = _first_step(self.cache.logits, params, rng, rules, tie_nats=self.tie_nats)
+        step = _first_step(self.cache.logits, params, rng, rules, self.tie_nats)
         step.from_prompt = True
         pending = step.tokens[0]
         step.total_s = time.perf_counter() - t_start
@@ -396,11 +396,11 @@ class SpeculativeDecoder:
         row = self.lane.run(self.one, solo=params.reproducible)[-1]
         target_s = self.lane.pass_s
         cache.tokens.append(pending)
-        return _first_step(row, params, rng, rules, target_s=target_s, tie_nats=self.tie_nats)
+        return _first_step(row, params, rng, rules, self.tie_nats, target_s=target_s)
 
 
-def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules | None, target_s: float = 0.0,
-                tie_nats: float = NEAR_TIE_NATS) -> Step:
+def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules | None, tie_nats: float,
+                target_s: float = 0.0) -> Step:
     """Return a one-token step drawn from one logit row, as plain decoding draws it."""
     shaped = row if rules is None else rules.shape(row)
     token = choose_token(shaped, params, rng)
