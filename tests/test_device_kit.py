@@ -124,3 +124,24 @@ def test_the_batch_invariance_probe_reads_a_model_file_and_follows_a_row_through
         assert (float(worst) > 0) == (n_diff > 0)
         if n_diff and shape.startswith("chain"):  # the first op whose row differs, with its difference
             assert op.startswith("`") and float(op.rsplit("(", 1)[1].rstrip(")")) > 0
+
+
+def test_the_prefill_probe_measures_prompts_beside_others_and_resumed_inside_a_batch(offline_models):
+    """scripts/prefill_alike_probe.py on a model file (the probe docs/exactness.md's "Prefill against
+    prefill" table comes from): every case of both kinds is a row, and on this CPU with flash
+    attention the cells of a chunk in a pass under 64 tokens, and a prompt resumed in a pass of 64
+    or more after a cached chunk of 64 or more, come out bit for bit as alone and as fresh, while a
+    resumed pass under 64 tokens after a cached chunk of 200 does not (another kernel)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "prefill_alike_probe.py"), "--models",
+                           str(offline_models.smollm2_random)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mine = [line for line in done.stdout.splitlines() if line.startswith(f"| {offline_models.smollm2_random.name} |")]
+    rows = {cells[2]: (float(cells[3]), float(cells[4])) for cells in ([c.strip() for c in line.split("|")] for line in mine)}
+    beside = {case: diff for case, diff in rows.items() if case.startswith("beside:")}
+    resumed = {case: diff for case, diff in rows.items() if case.startswith("resumed:")}
+    assert len(beside) == 7 and len(resumed) == 6, done.stdout
+    under_64 = [diff for case, diff in beside.items() if int(case.rsplit("a pass of ", 1)[1].rstrip(")")) < 64]
+    assert len(under_64) == 5 and all(cells == 0 for _, cells in under_64)
+    assert resumed["resumed: cached chunk 200, 150 of it kept, a pass of 150 (fresh: 300)"] == (0, 0)
+    assert resumed["resumed: cached chunk 100, 64 of it kept, a pass of 64 (fresh: 128)"] == (0, 0)
+    assert max(resumed["resumed: cached chunk 200, 190 of it kept, a pass of 40 (fresh: 230)"]) > 0
