@@ -1,10 +1,10 @@
 """Agent traces replayed against `specrun serve` and llama-server: what repeated work costs each.
 
-    python scripts/bench_agents.py [--traces tools,refine,siblings,regenerate] [--ctx-size 4096]
+    python scripts/bench_agents.py [--traces tools,refine,siblings,regenerate,shared] [--ctx-size 4096]
                                    [--servers specrun,specrun-plain,peer-plain,peer-ngram-mod,peer-ngram-cache,peer-draft]
                                    [--peer-bin LLAMA_CPP/build/bin] [--baseline CHECKOUT] [--rounds 1] [--turns] [--per-request] [--json]
 
-Four traces this project writes (below, `TRACES`), each a list of conversations sent in order, one
+Five traces this project writes (below, `TRACES`), each a list of conversations sent in order, one
 request at a time, greedy, streamed, as an agent or a script sends them:
   tools       a tool-calling loop: a system prompt with a tool list, a task, then 10 turns, each
               answer a JSON tool call (response_format json_schema), each tool's result fed back
@@ -13,6 +13,9 @@ request at a time, greedy, streamed, as an agent or a script sends them:
   siblings    20 sibling tasks sent as separate conversations: 10 SQL queries over tables of the
               same schema, 10 JSON records of the same keys for other items
   regenerate  a 3-turn chat whose every answer is asked for twice (a user pressing "regenerate")
+  shared      8 tasks sent as separate conversations under one long system prompt (the tool list,
+              the rules and the files an agent sends every time, about 1,000 tokens): each prompt
+              parts from the one before only at its task
 Every assistant answer the server gives is put back into its conversation, as a client does.
 
 Servers, started in turn on the same files (specrun's --target/--draft, by default the demo pair):
@@ -162,12 +165,41 @@ def _siblings_trace() -> list[dict]:
     return sql + records
 
 
+SHARED_SYSTEM = (
+    TOOL_SYSTEM + "\n\nRules:\n"
+    + "\n".join(f"- {rule}" for rule in (
+        "Read a file before you change it, and change only what the task needs.",
+        "Run the tests of a module after every change to it, then the whole suite before you finish.",
+        "Keep the style of the code around you: names, quotes, line length of 100.",
+        "Never write outside the repository, and never delete a test to make a suite pass.",
+        "When a test fails, read its assertion and the code it calls before you guess at a fix.",
+        "Say in the thought what you expect the tool to show you, in one sentence."))
+    + "\n\nThe repository's files, as they are now:\n"
+    + "\n\n".join(result.split(":", 1)[1].strip() for result in TOOL_RESULTS if result.startswith("read_file"))
+    + "\n\nshop/orders.py:\n" + "\n".join(
+        f"class {name}:\n    def __init__(self, amount, status='paid'):\n        self.amount = amount\n"
+        f"        self.status = status\n\n    def describe(self):\n        return f'{name} of {{self.amount}} ({{self.status}})'\n"
+        for name in ("Order", "Refund", "Invoice", "Voucher", "Shipment", "Return", "Credit", "Payment"))
+)
+SHARED_TASKS = [
+    "Add a test for order_total with no orders.", "Make is_refund accept the status 'REFUNDED' in any case.",
+    "Find where Invoice is used and list the files.", "Rename order_total to orders_total everywhere.",
+    "Add a describe test for Shipment.", "Make Voucher amounts negative in order_total.",
+    "Run the whole test suite and report.", "Add type hints to shop/refunds.py.",
+]
+
+
+def _shared_trace() -> list[dict]:
+    return [{"system": SHARED_SYSTEM, "turns": [{"content": task}], "max_tokens": 48,
+             "response_format": _json_format("tool_call", TOOL_CALL_SCHEMA)} for task in SHARED_TASKS]
+
+
 def _regenerate_trace() -> list[dict]:
     return [{"turns": [{"content": ask, "times": 2} for ask in REGENERATE_ASKS], "max_tokens": 96}]
 
 
 TRACES = {"tools": _tools_trace, "refine": _refine_trace, "siblings": _siblings_trace,
-          "regenerate": _regenerate_trace}
+          "regenerate": _regenerate_trace, "shared": _shared_trace}
 
 
 # ---------------------------------------------------------------------------------------------

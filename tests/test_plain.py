@@ -8,7 +8,7 @@ import pytest
 from specrun import engine
 from specrun.engine import compute
 from specrun.core.sampling import SamplingParams
-from specrun.decoding.kv import CachedSequence
+from specrun.decoding.kv import RESUME_ALIGN, TILE_ROWS, CachedSequence, resumes_alike
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import generate, stream, token_ids
 from specrun.runtime.plan import WINDOW_LEAVES
@@ -158,9 +158,64 @@ def test_a_greedy_prompt_is_evaluated_as_in_an_empty_cache(target, plain, text):
         assert plain.stats.n_prefilled == len(prompt) - reused
         # What it cost: the tokens decoded again, fewer than a batch; none where the cache still
         # holds this prompt as its last prefill wrote it (the prefill's last row was kept): the
-        # same prompt again, sampled or greedy.
-        assert reused == len(prompt) or (reused % 512 == 0 and len(prompt) - reused <= 512)
+        # same prompt again, sampled or greedy. Parting inside the second batch, after a tiled pass
+        # held its tokens, it resumes there (on a multiple of RESUME_ALIGN), not at the batch's start.
+        assert reused == len(prompt) or (reused % 512 % RESUME_ALIGN == 0 and len(prompt) - reused <= 512)
         assert (reused == len(prompt)) is (before is not sharing)
+        if before is sharing and len(prompt) > 512 + TILE_ROWS:
+            assert reused > 512
+
+
+@pytest.mark.parametrize("alias", ["smollm2_f32", "gemma_q4"])
+def test_a_prompt_parting_inside_a_batch_resumes_there_as_a_fresh_prefill(offline_models, load_model, alias):
+    """Where the cached prompt's tokens came from a pass of TILE_ROWS tokens or more, a greedy
+    prompt that parts from it inside that batch keeps them up to there (on a multiple of
+    RESUME_ALIGN from the batch's start) and decodes the rest of the batch in one pass of
+    TILE_ROWS or more: its last row and its cells are a fresh prefill's bit for bit (the F32 demo
+    target, and Gemma 3's Q4_K_M, whose repacked products take tokens four at a time). Elsewhere
+    (a cached chunk under TILE_ROWS, a resumed pass that would be under it) it goes back to the
+    batch's start as before. The measurement (resumes_alike) leaves the cached text as it was."""
+    model = load_model(getattr(offline_models, alias))
+    text = model.tokenize(LIST_TEXT, add_special=False)
+    other = model.tokenize(" Now the list ends and a story begins about a fox who", add_special=False) * 20
+
+    def cells_and_row(ctx, cache, n):
+        row = np.array(cache.logits)
+        batch = engine.Batch(2, 1)
+        batch.set_sequence(other[:2], n, cache.seq, "all")
+        ctx.decode(batch)
+        after = ctx.logits().copy()
+        ctx.seq_rm(cache.seq, n, -1)
+        return row, after
+
+    def fresh(prompt):
+        ctx = engine.Context(model, n_ctx=2048, n_batch=256)
+        try:
+            cache = CachedSequence(ctx, engine.Batch(256, 1))
+            cache.sync(prompt, include_last=True, exact=True)
+            return cells_and_row(ctx, cache, len(prompt))
+        finally:
+            ctx.close()
+
+    ctx = engine.Context(model, n_ctx=2048, n_batch=256)
+    try:
+        probe = CachedSequence(ctx, engine.Batch(256, 1))
+        probe.sync(text[:300], include_last=True)
+        assert resumes_alike(ctx, probe.seq, 300, 2048)
+        assert ctx.seq_pos_max(probe.seq) == 299  # left as it was
+        cache = CachedSequence(ctx, engine.Batch(256, 1))
+        # (cached prompt, shared tokens, new prompt, tokens it keeps): 256 + 100 cached from one pass.
+        cases = [(356, 336, 406, 256 + 64), (356, 300, 500, 256 + 32), (356, 278, 428, 256),
+                 (276, 270, 400, 256), (356, 300, 310, 256)]
+        for cached, shared, n_new, kept in cases:
+            cache.sync(text[:cached], include_last=True, exact=True)
+            prompt = text[:shared] + other[: n_new - shared]
+            _, prefilled, _ = cache.sync(prompt, include_last=True, exact=True)
+            assert prefilled == n_new - kept, (cached, shared, n_new)
+            got, want = cells_and_row(ctx, cache, n_new), fresh(prompt)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (cached, shared, n_new)
+    finally:
+        ctx.close()
 
 
 # About 1,400 tokens of a list (Gemma's tokenizer): past the 1,024 cells Gemma 3 270M's window-sized

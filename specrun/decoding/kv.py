@@ -6,9 +6,21 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 from specrun.decoding.batching import Lane
 from specrun.engine import Batch
 from specrun.errors import ContextFullError, EngineError, UsageError
+
+# The fewest tokens of a pass from which llama.cpp's CPU flash attention takes its query rows in
+# tiles (GGML_FA_TILE_Q), each row's scores summed in groups of 64 cells counted from the cache's
+# first: a pass of this many or more rounds a row as any other such pass does, with the row's cells
+# in the same place (docs/exactness.md, "Prefill against prefill"). `resumes_alike` measures it.
+TILE_ROWS = 64
+# A pass resumed inside a batch starts this many tokens after the batch's start, or a multiple: CPU
+# kernels that take tokens in groups (repacked K-quants take four at a time) then group each token
+# as a fresh prefill's pass does.
+RESUME_ALIGN = 32
 
 
 class CachedSequence:
@@ -30,6 +42,12 @@ class CachedSequence:
     (`n_exact` tokens), and an exact `sync` reuses only that (see `reusable`). A prompt prefilled so
     keeps its last row too: the same prompt again (an answer regenerated, a request retried) decodes
     nothing while the cache still holds it as that prefill wrote it.
+
+    Where passes of TILE_ROWS tokens or more were measured to round a token alike whatever follows
+    it in the pass (`resumes_alike`, on a context of the request's own), a prompt that parts from a
+    cached one inside a batch keeps the cached tokens up to there too, when they were decoded in a
+    pass of that many tokens (`n_tiled`), and decodes the rest of that batch in one pass of that many
+    (going back as far as needed): what a fresh prefill computes, bit for bit.
     """
 
     def __init__(self, ctx, batch, lane: Lane | None = None):
@@ -48,6 +66,11 @@ class CachedSequence:
         # Leading tokens whose KV a fresh prefill would compute the same: decoded in whole batches
         # that start at multiples of the batch size, from exact KV.
         self.n_exact = 0
+        # Leading tokens whose KV a fresh prefill would compute the same where its passes there hold
+        # TILE_ROWS tokens or more: n_exact's, then, in the batch after, tokens decoded in one such
+        # pass from exact KV (or on from there). Used only where the context rounds so (`resumes_alike`).
+        self.n_tiled = 0
+        self._resumes: bool | None = None  # resumes_alike's answer, once asked
         # Where the last prefill ended: the tokens after it were written by decoding steps.
         self.prompt_end = 0
         # The text's length when a window-sized cache last gave back the cells behind its window.
@@ -99,8 +122,9 @@ class CachedSequence:
             return prompt[-1], 0, time.perf_counter() - t0
         self.truncate(keep)
         # From exact KV at a batch boundary the prefill runs on the grid a fresh one takes: its KV
-        # and its last row are what a prefill into an empty cache computes.
-        fresh = keep % self.batch.capacity == 0 and self.n_exact == keep
+        # and its last row are what a prefill into an empty cache computes. So it does resumed inside
+        # a batch, after tokens a pass of TILE_ROWS or more decoded, in a pass of as many.
+        fresh = (keep % self.batch.capacity == 0 and self.n_exact == keep) or self._resumed(keep, len(prompt))
         todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
         self.extend(todo, want_last_logits=include_last, meanwhile=meanwhile, joins=joins)
         self.prompt_end = self.n_cached
@@ -115,7 +139,9 @@ class CachedSequence:
 
         `exact` keeps only what a fresh prefill would compute the same, where the prompt parts
         from the cached text inside an earlier prompt: the shared part is cut back to the last
-        multiple of the batch size, fewer than a batch of tokens to decode again. Where it runs on
+        multiple of the batch size, fewer than a batch of tokens to decode again, or where that
+        batch's cached tokens came from a tiled pass, to a multiple of RESUME_ALIGN inside it
+        that leaves the rest of the batch a pass of TILE_ROWS tokens at least (see the class doc). Where it runs on
         into a previous answer (the next turn of a conversation), that answer's KV came from
         decoding steps, which no prefill computes the same: it is kept (as it is on a recurrent
         state, which cannot be cut back).
@@ -135,10 +161,30 @@ class CachedSequence:
             return keep if keep == len(self.tokens) else 0  # a recurrent state cannot go back to an earlier prefix
         aligned = keep - keep % self.batch.capacity
         if exact and keep <= self.prompt_end and aligned <= self.n_exact:
-            keep = aligned
+            # Inside the batch, as far as its cached tokens were decoded in a tiled pass, leaving the
+            # rest of the batch a pass of TILE_ROWS tokens at least (see the class doc).
+            resume = min(keep, self.n_tiled, min(aligned + self.batch.capacity, len(prompt)) - TILE_ROWS)
+            resume -= (resume - aligned) % RESUME_ALIGN
+            keep = resume if resume > aligned and self._resumed(resume, len(prompt)) else aligned
         if keep < len(self.tokens) and not self.ctx.can_cut(self.seq, keep):
             return 0  # a window-sized cache no longer holds the window before the cut: start over
         return keep
+
+    def _resumed(self, keep: int, n: int) -> bool:
+        """Whether a prefill of n tokens resumed after `keep` computes a fresh prefill's KV and last
+        row: inside a batch whose first tokens were decoded exactly (n_exact), the rest of that batch
+        one pass of TILE_ROWS tokens at least, on a context of this request's own whose passes were
+        measured to round so (`resumes_alike`, asked once)."""
+        size = self.batch.capacity
+        aligned = keep - keep % size
+        if (keep == aligned or (keep - aligned) % RESUME_ALIGN or self.n_exact < aligned or self.n_tiled < keep
+                or min(aligned + size, n) - keep < TILE_ROWS):
+            return False
+        if self.lane.gate is not None or self.ctx.has_state or self.ctx.window:
+            return False  # other requests' cells: a resumed pass need not land where a fresh one would
+        if self._resumes is None:
+            self._resumes = resumes_alike(self.ctx, self.seq, self.n_cached, self.lane.n_ctx)
+        return bool(self._resumes)
 
     def _holds_last_prompt(self, prompt: Sequence[int]) -> bool:
         """Whether `prompt` is the last prompt prefilled (see sync) and the cache still holds it as
@@ -207,6 +253,7 @@ class CachedSequence:
         if n < len(self._last_prompt):
             self._last_prompt, self._last_row = (), None
         self.n_exact = min(self.n_exact, n)
+        self.n_tiled = min(self.n_tiled, n)
         self.prompt_end = min(self.prompt_end, n)
         self.compacted = min(self.compacted, n)
 
@@ -243,12 +290,62 @@ class CachedSequence:
             if rows is not None:
                 self.logits = rows[-1]
             self.tokens.extend(chunk)
-            if not joins and start == self.n_exact and len(chunk) == step:  # a whole batch, from exact KV and at a batch boundary
-                self.n_exact = self.n_cached
+            if joins:
+                continue
+            if start == self.n_exact and len(chunk) == step:  # a whole batch, from exact KV and at a batch boundary
+                self.n_exact = self.n_tiled = self.n_cached
+            elif len(chunk) >= TILE_ROWS and start == self.n_tiled and start % step % RESUME_ALIGN == 0:
+                # A tiled pass from exact KV (or on from one in its batch): what a fresh prefill's pass
+                # of TILE_ROWS tokens or more computes, the whole batch where it ends one.
+                if self.n_cached % step == 0:
+                    self.n_exact = self.n_tiled = self.n_cached
+                else:
+                    self.n_tiled = self.n_cached
 
     def room(self) -> int:
         """Return how many more tokens fit in the context."""
         return self.lane.n_ctx - self.n_cached
+
+
+def resumes_alike(ctx, seq: int, start: int, n_ctx: int) -> bool | None:
+    """Measure whether this context computes a token alike in one pass with the tokens after it and
+    in a pass resumed from it, where both hold TILE_ROWS tokens or more and the tokens before it were
+    decoded in a longer pass and cut back (what CachedSequence's reuse inside a batch rests on;
+    docs/exactness.md, "Prefill against prefill"): 131 tokens in one pass, against 100, cut back to
+    64, and the 67 after in one pass; their last rows, and the rows of a two-token pass on their
+    cells, compared bit for bit. In `seq` from position `start` on (after the text it holds, which
+    is left as it was); None where the context has no room for it now, False where its batches
+    are too small."""
+    n, first, kept = TILE_ROWS + 2 * RESUME_ALIGN + 3, TILE_ROWS + 36, 2 * RESUME_ALIGN
+    if ctx.n_batch < n:
+        return False
+    if n_ctx - start < n + 2:
+        return None
+    text = [(7 * i + 11) % ctx.n_vocab for i in range(n + 2)]
+    batch = Batch(n, 1)
+
+    def decode(begin: int, end: int, logits: str) -> None:
+        batch.set_sequence(text[begin:end], start + begin, seq, logits)
+        ctx.decode(batch)
+
+    def outcome() -> tuple[np.ndarray, np.ndarray]:
+        last = ctx.logits_row(-1).copy()
+        decode(n, n + 2, "all")
+        after = ctx.logits().copy()
+        ctx.seq_rm(seq, start, -1)
+        return last, after
+
+    try:
+        decode(0, n, "last")
+        fresh = outcome()
+        decode(0, first, "none")
+        ctx.seq_rm(seq, start + kept, -1)
+        decode(kept, n, "last")
+        return all(np.array_equal(a, b) for a, b in zip(fresh, outcome()))
+    except EngineError:
+        return False
+    finally:
+        ctx.seq_rm(seq, start, -1)
 
 
 def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 1, logits: str = "last") -> dict[int, float] | None:
