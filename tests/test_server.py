@@ -545,6 +545,32 @@ def test_a_greedy_answer_is_the_same_whatever_ran_before(fast_server):
     assert cached == [0, prompt, prompt]
 
 
+def test_tasks_under_one_long_system_prompt_resume_inside_its_batch_and_answer_as_fresh(fast_server):
+    """An agent's separate tasks under one long system prompt part from the cached prompt inside a
+    batch: on a slot of its own, measured at start to allow it (decoding.kv.resumes_alike), the
+    next task keeps the cache up to a multiple of 32 tokens before where they part (not the batch's
+    start: nothing under 512 tokens), and gets, to the last digit of its log-probs, the answer it
+    gets when its prompt is evaluated whole."""
+    client = openai.OpenAI(base_url=fast_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    system = {"role": "system", "content": "You are a coding agent. " + " ".join(
+        f"Rule {i}: keep file {i} tidy and test it." for i in range(40))}
+
+    def task(text: str):
+        return client.chat.completions.create(model=TARGET, messages=[system, {"role": "user", "content": text}],
+                                              max_tokens=8, temperature=0, logprobs=True)
+
+    client.chat.completions.create(model=TARGET, messages=ADA, max_tokens=4, temperature=0)  # nothing shared
+    task("Fix the failing test.")
+    resumed = task("List the files.")
+    client.chat.completions.create(model=TARGET, messages=ADA, max_tokens=4, temperature=0)
+    whole = task("List the files.")
+    cached = resumed.usage.prompt_tokens_details.cached_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0 and resumed.usage.prompt_tokens > 200
+    assert cached > 0 and cached % 32 == 0 and resumed.usage.prompt_tokens - cached >= 64
+    assert resumed.usage.prompt_tokens - cached < 64 + 32 + 16  # the task's own tokens, and the rest of a pass
+    assert (resumed.choices[0].message.content, _logprobs(resumed)) == (whole.choices[0].message.content, _logprobs(whole))
+
+
 def test_a_greedy_prompt_gets_the_same_first_token_under_speculation(client):
     """Issue 37, item 8, with trees: the prompt's evaluation (which gives the first token) no longer
     depends on what ran before; later tokens come from tree passes, whose shape does (see README)."""

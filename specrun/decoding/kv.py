@@ -180,6 +180,11 @@ class CachedSequence:
         if (keep == aligned or (keep - aligned) % RESUME_ALIGN or self.n_exact < aligned or self.n_tiled < keep
                 or min(aligned + size, n) - keep < TILE_ROWS):
             return False
+        return self.measure_resumes()
+
+    def measure_resumes(self) -> bool:
+        """Whether this cache may resume a prefill inside a batch (see `_resumed`): measured once
+        (`resumes_alike`), on a context of its own; a server asks before its first request."""
         if self.lane.gate is not None or self.ctx.has_state or self.ctx.window:
             return False  # other requests' cells: a resumed pass need not land where a fresh one would
         if self._resumes is None:

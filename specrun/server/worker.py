@@ -309,6 +309,10 @@ class GenerationWorker(QueueWorker):
             rt.target.max_token_bytes
             rt.chat_format.control
             grammar.prepare(rt.target)
+            # And whether a prompt that parts from a cached one inside a batch may resume there
+            # (decoding.kv.resumes_alike: 0.7 s on the demo target, the second request's otherwise).
+            for decoder in rt.decoders:
+                decoder.cache.measure_resumes()
         except BaseException:
             rt.close()
             raise
