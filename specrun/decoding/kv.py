@@ -123,8 +123,10 @@ class CachedSequence:
         self.truncate(keep)
         # From exact KV at a batch boundary the prefill runs on the grid a fresh one takes: its KV
         # and its last row are what a prefill into an empty cache computes. So it does resumed inside
-        # a batch, after tokens a pass of TILE_ROWS or more decoded, in a pass of as many.
-        fresh = (keep % self.batch.capacity == 0 and self.n_exact == keep) or self._resumed(keep, len(prompt))
+        # a batch, after tokens a pass of TILE_ROWS or more decoded, in a pass of as many. (Asked
+        # only where a kept row needs it: a draft's catch-up never measures.)
+        fresh = keep_row and ((keep % self.batch.capacity == 0 and self.n_exact == keep)
+                              or self._resumed(keep, len(prompt)))
         todo = list(prompt[keep:]) if include_last else list(prompt[keep:-1])
         self.extend(todo, want_last_logits=include_last, meanwhile=meanwhile, joins=joins)
         self.prompt_end = self.n_cached
