@@ -55,6 +55,14 @@ N_CONT = 128
 CHAINS = (2, 4, 8, 16, 128)
 
 
+def model_file(alias: str) -> tuple[Path, str]:
+    """A --models entry's file and its name in the table: a registry alias (downloaded as the tests
+    do) or a GGUF file's path (the device kit's models)."""
+    if alias.endswith(".gguf"):
+        return Path(alias), Path(alias).name
+    return Path(hub.ensure_local(registry.resolve(alias), progress=False)), alias
+
+
 class GgmlTensor(ctypes.Structure):
     """ggml.h's struct ggml_tensor of the pinned llama.cpp (GGML_MAX_DIMS 4, GGML_MAX_SRC 10)."""
 
@@ -291,9 +299,7 @@ def main() -> int:
           + (" first ops differing |" if args.ops else ""))
     print("|---|---|---|---|---|---|" + ("---|" if args.ops else ""))
     for alias in args.models:
-        # a registry alias (downloaded as the tests do) or a GGUF file's path (the device kit's models)
-        path = Path(alias) if alias.endswith(".gguf") else Path(hub.ensure_local(registry.resolve(alias), progress=False))
-        label = path.name if alias.endswith(".gguf") else alias
+        path, label = model_file(alias)
         model = engine.Model(path, n_gpu_layers=args.n_gpu_layers)
         prompt = model.tokenize(PROMPT)
         if args.context:  # earlier text before the question, so that the cache holds this many cells more

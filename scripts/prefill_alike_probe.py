@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specrun import engine  # noqa: E402
 from specrun.engine import Batch  # noqa: E402
 from specrun.engine.devices import system_info  # noqa: E402
-from specrun.models import hub, registry  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch_invariance_probe import MODELS, model_file  # noqa: E402  (scripts/, beside this one)
 
-MODELS = ("smollm2-135m-f32", "smollm2-135m-q4", "gemma3-270m-f32", "gemma3-270m-q4")
 TEXT_FILES = ("README.md", "docs/exactness.md", "docs/how-it-works.md")
 # (other request's tokens before the chunk, after it, whether they ask for logits)
 BESIDE = ((0, 2, False), (0, 2, True), (0, 12, True), (12, 0, True), (0, 33, True), (0, 34, True), (0, 100, True))
@@ -111,8 +111,7 @@ def main() -> int:
     print("| model | case | last row | cells |")
     print("|---|---|---|---|")
     for alias in args.models:
-        path = Path(alias) if alias.endswith(".gguf") else Path(hub.ensure_local(registry.resolve(alias), progress=False))
-        label = path.name if alias.endswith(".gguf") else alias
+        path, label = model_file(alias)
         model = engine.Model(path, n_gpu_layers=args.n_gpu_layers)
         text = model.tokenize("\n".join((repo / f).read_text() for f in TEXT_FILES), add_special=False)
         if len(text) < 3002:

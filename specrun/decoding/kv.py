@@ -144,9 +144,9 @@ class CachedSequence:
         multiple of the batch size, fewer than a batch of tokens to decode again, or where that
         batch's cached tokens came from a tiled pass, to a multiple of RESUME_ALIGN inside it
         that leaves the rest of the batch a pass of TILE_ROWS tokens at least (see the class
-        doc). Where it runs on into a previous answer (the next turn of a conversation), that answer's KV came from
-        decoding steps, which no prefill computes the same: it is kept (as it is on a recurrent
-        state, which cannot be cut back).
+        doc). Where it runs on into a previous answer (the next turn of a conversation), that
+        answer's KV came from decoding steps, which no prefill computes the same: it is kept (as
+        it is on a recurrent state, which cannot be cut back).
 
         A window-sized cache (engine.Context.window) is cut back only where it still holds the
         window before the cut; elsewhere nothing is reused, as llama.cpp's server does.
