@@ -8,7 +8,9 @@ shapes; every row is compared with plain decoding's (one token a pass, cells in 
   pass of several requests);
 - `scattered`: one-token passes whose cells lie out of order (a tree step's rejected branches left
   holes that later tokens filled, as speculative decoding leaves the cache);
-- `tree`: each token the first of 16 siblings in one pass (a tree of width 16, depth 1).
+- `tree`: each token the first of 16 siblings in one pass (a tree of width 16, depth 1);
+- `offset`: plain decoding's passes, the prompt's and each token's, with another request's 37
+  cells before the prompt's in the cache (a server lane whose text sits after another's).
 Then, for the first token where a shape differs, `--ops` follows the token's row through every
 named op of the graph (llama.cpp's eval callback) and prints the first three ops whose output
 differs (the first alone can be a last bit the next op rounds away).
@@ -19,6 +21,7 @@ Usage (repository root; the offline models as the tests prepare them):
     python scripts/batch_invariance_probe.py --no-repack --flash-attn off
     python scripts/batch_invariance_probe.py --models /path/to/model.gguf --n-gpu-layers 999   # on a GPU
     python scripts/batch_invariance_probe.py --models smollm2-135m-q4 --context 1500   # a long cache
+    python scripts/batch_invariance_probe.py --kv-type q8_0             # a quantized KV cache
 Prints one table row per model and shape: the largest |logit difference| against plain decoding
 over the 128 rows, how many rows differ at all, how many greedy choices change, and the widest
 top-two gap of plain decoding that a changed choice crossed (what a near-tie threshold must cover).
@@ -128,7 +131,8 @@ class OpTrace:
 def open_context(model, n_seq, flash_attn, trace: OpTrace | None):
     """An engine.Context; with a trace, llama.cpp's eval callback is set on its params."""
     if trace is None:
-        return engine.Context(model, n_ctx=n_ctx(), n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn)
+        return engine.Context(model, n_ctx=n_ctx(), n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn,
+                              kv_type=args.kv_type)
     real = engine_backend.C.llama_init_from_model
 
     def with_callback(model_ptr, params):
@@ -138,7 +142,8 @@ def open_context(model, n_seq, flash_attn, trace: OpTrace | None):
 
     engine.context.C.llama_init_from_model = with_callback
     try:
-        return engine.Context(model, n_ctx=n_ctx(), n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn)
+        return engine.Context(model, n_ctx=n_ctx(), n_batch=256, n_seq_max=n_seq, threads=args.threads, flash_attn=flash_attn,
+                              kv_type=args.kv_type)
     finally:
         engine.context.C.llama_init_from_model = real
 
@@ -148,23 +153,33 @@ def n_ctx() -> int:
     return 1024 + args.context
 
 
-def prefill(ctx, prompt):
-    ctx.clear()
+def prefill(ctx, prompt, clear=True):
+    if clear:
+        ctx.clear()
     batch = Batch(256, 1)
     for start in range(0, len(prompt), 256):  # (a long --context in batches of 256)
         batch.set_sequence(prompt[start:start + 256], start, 0, "none")
         ctx.decode(batch)
 
 
-def plain_rows(ctx, prompt, cont):
+def plain_rows(ctx, prompt, cont, clear=True):
     """Plain decoding's rows: one token a pass, cells in order."""
-    prefill(ctx, prompt)
+    prefill(ctx, prompt, clear)
     one, rows = Batch(1, 1), []
     for i, token in enumerate(cont):
         one.set_sequence([token], len(prompt) + i, 0, "last")
         ctx.decode(one)
         rows.append(ctx.logits_row(-1).copy())
     return np.array(rows)
+
+
+def offset_rows(ctx, prompt, cont, other):
+    """Plain decoding's rows, the prompt's cells after another request's 37 (sequence 1)."""
+    ctx.clear()
+    batch = Batch(256, 2)
+    batch.set_sequence((other * 4)[:37], 0, 1, "none")
+    ctx.decode(batch)
+    return plain_rows(ctx, prompt, cont, clear=False)
 
 
 def chain_rows(ctx, prompt, cont, size):
@@ -294,7 +309,7 @@ def main() -> int:
         sysinfo.repacking_crashes = lambda: True  # the engine's switch for llama.cpp's extra buffer types
     print(f"# {system_info()}\n# threads {args.threads}; GPU layers {args.n_gpu_layers}; context {args.context}; "
           f"repack {'off' if args.no_repack else 'on'}; "
-          f"flash attention {args.flash_attn}")
+          f"flash attention {args.flash_attn}; KV cache {args.kv_type}")
     print("| model | shape | max abs diff | rows differing | greedy choices changed | widest gap crossed |"
           + (" first ops differing |" if args.ops else ""))
     print("|---|---|---|---|---|---|" + ("---|" if args.ops else ""))
@@ -315,6 +330,7 @@ def main() -> int:
             "beside": lambda: beside_rows(ctx, prompt, cont, other),
             "scattered": lambda: scattered_rows(ctx, prompt, cont, rng),
             "tree": lambda: tree_rows(ctx, prompt, cont, rng),
+            "offset": lambda: offset_rows(ctx, prompt, cont, other),
         }
         for shape, rows_of in shapes.items():
             if args.shapes and shape not in args.shapes:
@@ -342,8 +358,9 @@ if __name__ == "__main__":
                         help="tokens of earlier text before the prompt (a long conversation's cache)")
     parser.add_argument("--no-repack", action="store_true", help="turn llama.cpp's repacked weight layouts off")
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--kv-type", choices=tuple(engine.KV_TYPES), default="f16", help="the KV cache's cells (--kv-type)")
     parser.add_argument("--ops", action="store_true", help="name the first ops whose output differs")
-    parser.add_argument("--shapes", nargs="+", choices=(*(f"chain{n}" for n in CHAINS), "beside", "scattered", "tree"),
+    parser.add_argument("--shapes", nargs="+", choices=(*(f"chain{n}" for n in CHAINS), "beside", "scattered", "tree", "offset"),
                         help="only these shapes (default: all)")
     args = parser.parse_args()
     sys.exit(main())

@@ -10,7 +10,9 @@ mode with its profiles in DIR (`default@/tmp/none,default@/tmp/tuned`: a profile
 in one run; the later ones' ratios to the first are printed); MODE%SITE runs the mode with
 llama-cpp-python imported from SITE, another build installed with `pip install --target SITE`
 (`plain,plain%/tmp/nolf,default,default%/tmp/nolf`: a build without llamafile against the
-installed one; the later ones' ratios to the mode alone are printed). They alternate
+installed one; the later ones' ratios to the mode alone are printed); MODE+--OPTION=VALUE adds
+`generate` options to that mode alone (`plain,plain+--kv-type=q8_0,default,default+--kv-type=q8_0`:
+a quantized KV cache against the default one; ratios to the mode alone printed). They alternate
 prompt by prompt (and round by round, in the other order), so a drifting machine hits all alike.
 Tokens/s counts decoding after the prefill (the draft's catch-up included), from each answer's
 own stats; model loading is not timed. SPECRUN_PROFILES picks the profile directory (a fresh
@@ -39,6 +41,8 @@ def _run(mode: str, requests: list[dict], tokens: int, extra: list[str]) -> list
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         for request in requests:
             f.write(json.dumps({**request, "max_tokens": tokens, "chat": True}) + "\n")
+    mode, *more = mode.split("+")
+    extra = [*extra, *(part for option in more for part in option.split("=", 1))]
     mode, _, site = mode.partition("%")
     flags, _, profiles = mode.partition("@")
     env = dict(os.environ)
@@ -99,6 +103,8 @@ def main() -> None:
                 if other in rate and rate[other]:
                     print(f"{name:>8}  default / {other}: x{rate['default'] / rate[other]:.3f}", flush=True)
         for m in modes:
+            if "+" in m and rate.get(m.partition("+")[0]):
+                print(f"{name:>8}  {m} / {m.partition('+')[0]}: x{rate[m] / rate[m.partition('+')[0]]:.3f}", flush=True)
             if "%" in m and rate.get(m.partition("%")[0]):
                 print(f"{name:>8}  {m} / {m.partition('%')[0]}: x{rate[m] / rate[m.partition('%')[0]]:.3f}", flush=True)
         profiled = [m for m in modes if "@" in m]

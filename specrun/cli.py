@@ -15,7 +15,7 @@ import typer
 
 from specrun import __version__
 from specrun.cli_options import (
-    TargetOpt, DraftOpt, GpuLayersOpt, GpuMemoryOpt, MmapOpt, FlashAttnOpt, CtxOpt, AutoCtxOpt, ReasoningFormatOpt, ChatTemplateOpt,
+    TargetOpt, DraftOpt, GpuLayersOpt, GpuMemoryOpt, MmapOpt, FlashAttnOpt, KvTypeOpt, CtxOpt, AutoCtxOpt, ReasoningFormatOpt, ChatTemplateOpt,
     ThreadsOpt, BudgetOpt, DepthOpt, NoSpecOpt, LookupOpt, MemoryOpt, VerboseOpt, ParallelOpt, ThroughputOpt, RpcOpt,
     TemperatureOpt, TopKOpt, TopPOpt, MinPOpt, SeedOpt, PresenceOpt, FrequencyOpt, RepeatOpt, SystemOpt,
 )
@@ -63,7 +63,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
                  gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None, throughput=False,
-                 mmap=None, flash_attn=None):
+                 mmap=None, flash_attn=None, kv_type=None):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -75,6 +75,12 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
             raise UsageError(f"--gpu-memory {gpu_memory!r}: the limit must be more than 0")
     if flash_attn not in (None, "auto", "on", "off"):
         raise UsageError(f"--flash-attn {flash_attn!r}: choose auto, on or off")
+    from specrun.engine import KV_TYPES
+
+    if kv_type is not None and kv_type not in KV_TYPES:
+        raise UsageError(f"--kv-type {kv_type!r}: choose {', '.join(KV_TYPES)}")
+    if kv_type not in (None, "f16") and flash_attn == "off":
+        raise UsageError(f"--kv-type {kv_type} needs flash attention: drop --flash-attn off")
     endpoints = ()
     if rpc:
         from specrun.engine.rpc import parse_endpoints
@@ -83,7 +89,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
         parallel=parallel, memory=memory, memory_scope=memory_scope, throughput=throughput, mmap=mmap,
-        flash_attn=flash_attn)
+        flash_attn=flash_attn, kv_type=kv_type)
 
 
 def _version_callback(value: bool) -> None:
@@ -158,6 +164,7 @@ def generate(
     gpu_memory: GpuMemoryOpt = None,
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
+    kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
@@ -187,7 +194,7 @@ def generate(
             raise UsageError("--system needs chat mode (drop --raw)")
         if (parallel > 1 or throughput) and not jsonl:
             raise UsageError(f"{'--parallel' if parallel > 1 else '--throughput'} needs --jsonl: only JSONL requests are decoded together")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
@@ -243,6 +250,7 @@ def chat(
     gpu_memory: GpuMemoryOpt = None,
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
+    kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
@@ -259,7 +267,7 @@ def chat(
         from specrun.commands import chat as chat_command
         from specrun.runtime.request import Request
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, rpc=rpc, memory=memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, memory=memory)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
         chat_command.chat(opts, request, max_tokens, _chat_settings(reasoning_format, chat_template))
 
@@ -298,6 +306,7 @@ def serve(
     gpu_memory: GpuMemoryOpt = None,
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
+    kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
@@ -318,7 +327,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose, reproducible=reproducible,
@@ -371,6 +380,7 @@ def bench(
     gpu_memory: GpuMemoryOpt = None,
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
+    kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
@@ -382,7 +392,7 @@ def bench(
     with _user_errors():
         from specrun.commands import bench as bench_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc)
         if report:
             from specrun.commands import bench_report
 
@@ -415,6 +425,7 @@ def tune(
     gpu_memory: GpuMemoryOpt = None,
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
+    kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
@@ -431,7 +442,7 @@ def tune(
             if e.name not in ("specrun.tuning", "specrun.commands.tune"):
                 raise
             raise SpecrunError(f"`specrun tune` is not available in this build (the {e.name} module is missing)") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc)
         tune_command.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
 
 
@@ -457,6 +468,7 @@ def plan(
     gpu_memory: GpuMemoryOpt = None,
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
+    kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
@@ -471,7 +483,7 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, rpc=rpc, parallel=parallel)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel)
         plan_command.plan(opts, as_json, gpu, ram_free)
 
 

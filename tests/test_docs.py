@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = ROOT / "scripts"
 # Options of other programs that the docs name for comparison.
-OTHER_TOOLS_OPTIONS = {"--fit", "--n-cpu-moe"}  # llama.cpp's own, beside specrun's automatic placement
+OTHER_TOOLS_OPTIONS = {"--fit", "--n-cpu-moe", "--cache-type-k/-v"}  # llama.cpp's own (placement, the KV cache type)
 SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}
 SEPARATORS = {"|", "||", "&&", ";"}
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")

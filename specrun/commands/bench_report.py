@@ -148,7 +148,8 @@ def _placement(plan: Plan, opts: RunOptions) -> dict:
         "planned_ram_bytes": placed.ram_bytes,
         "n_ubatch": plan.target_ctx.n_ubatch,
         "threads": plan.threads,
-        "target_flash_attn": plan.target_ctx.flash_attn or engine.default_flash_attn(),  # as asked (auto: llama.cpp's)
+        "target_flash_attn": plan.target_ctx.flash_attn or engine.default_flash_attn(plan.target_ctx.kv_type),  # as asked (auto: llama.cpp's)
+        "target_kv_type": plan.target_ctx.kv_type or "f16",
     }
 
 
@@ -190,6 +191,8 @@ def markdown(report: dict) -> str:
         lines.append("| layers | no GPU: target and draft in RAM |")
     if "target_flash_attn" in p:  # reports from before the option lack it
         lines.append(f"| target flash attention | {p['target_flash_attn']} |")
+    if "target_kv_type" in p:  # (likewise)
+        lines.append(f"| target KV cache | {p['target_kv_type']} |")
     planned = ", ".join(human_size(n) for n in p["planned_device_bytes"]) or "none"
     lines.append(f"| memory planned | GPU {planned}; RAM {human_size(p['planned_ram_bytes'])} |")
     lines += ["", "Cost of one forward pass (ms) by tokens in the batch"

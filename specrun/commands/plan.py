@@ -64,6 +64,8 @@ def plan_lines(plan: Plan) -> list[str]:
                      + (", an MTP sequence each" if plan.tree is not None and plan.tree.drafting.loads_mtp else ""))
     if tctx.flash_attn is not None:
         lines.append(f"         target flash attention {tctx.flash_attn} (--flash-attn)")
+    if tctx.kv_type is not None:
+        lines.append(f"         target KV cache {tctx.kv_type} (--kv-type)")
     if plan.draft_ctx is not None:
         lines.append(f"         draft batch {plan.draft_ctx.n_batch}, {plan.draft_ctx.n_seq_max} sequences")
     lines.append(f"threads  {plan.threads}")

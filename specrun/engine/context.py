@@ -154,17 +154,36 @@ def _timed_decode(ctx_ptr, batch_struct) -> tuple[int, float]:
     return rc, time.perf_counter() - t0
 
 
-def default_flash_attn() -> str:
-    """A context's flash attention unless told: off where every pass size must round alike
-    (runs_batch_invariant), else llama.cpp's "auto" (on wherever its devices have the kernel)."""
+# --kv-type: the KV cache's element type, keys and values alike (llama.cpp's --cache-type-k/-v).
+# A quantized one needs flash attention, whose CPU kernel then takes one query row at a time over
+# the cells in their order, whatever the pass holds or where the cells sit (docs/exactness.md).
+KV_TYPES = {"f16": C.GGML_TYPE_F16, "q8_0": C.GGML_TYPE_Q8_0, "q4_0": C.GGML_TYPE_Q4_0}
+DEFAULT_KV_TYPE = "f16"
+
+
+def kv_quantized(kv_type: str | None) -> bool:
+    """Whether a KV cache of this type (None: DEFAULT_KV_TYPE) holds quantized cells."""
+    return (kv_type or DEFAULT_KV_TYPE) != "f16"
+
+
+def default_flash_attn(kv_type: str | None = None) -> str:
+    """A context's flash attention unless told: on for a quantized KV cache (llama.cpp needs it
+    there); else off where every pass size must round alike (runs_batch_invariant), else
+    llama.cpp's "auto" (on wherever its devices have the kernel)."""
+    if kv_quantized(kv_type):
+        return "on"
     return "off" if runs_batch_invariant() else "auto"
 
 
-def passes_batch_invariant(flash_attn: str | None = None) -> bool:
-    """Whether a context with this flash attention (None: default_flash_attn) rounds a token alike
-    in every pass size: a batch-invariant build (runs_batch_invariant) and flash attention off (its
-    kernel sums a row by the pass's size otherwise)."""
-    return (flash_attn or default_flash_attn()) == "off" and runs_batch_invariant()
+def passes_batch_invariant(flash_attn: str | None = None, kv_type: str | None = None) -> bool:
+    """Whether a context with this flash attention (None: default_flash_attn) and KV type rounds a
+    token alike in every pass size, beside any other sequence's cells: a batch-invariant build
+    (runs_batch_invariant), and flash attention off, or on over a quantized cache (the CPU kernel
+    sums a row of an f16 cache by the pass's size and the cells' places, of a quantized one a row
+    at a time over its cells in order)."""
+    if not runs_batch_invariant():
+        return False
+    return kv_quantized(kv_type) or (flash_attn or default_flash_attn(kv_type)) == "off"
 
 
 def default_threads() -> int:
@@ -190,6 +209,7 @@ class Context(Owner):
         kv_unified: bool = True,
         op_offload: bool | None = None,
         n_rs_seq: int = 0,
+        kv_type: str | None = None,
     ):
         """`n_rs_seq`: recurrent-state snapshots kept per sequence, so a model with a recurrent
         state can roll back that many tokens of its last decode (llama.cpp keeps 0 for models that
@@ -214,9 +234,15 @@ class Context(Owner):
         params.n_outputs_max = max(n_batch, n_seq_max)
         params.n_threads = threads
         params.n_threads_batch = threads
-        flash_attn = flash_attn or default_flash_attn()
+        flash_attn = flash_attn or default_flash_attn(kv_type)
         if flash_attn not in ("auto", "on", "off"):
             raise EngineError(f"flash attention {flash_attn!r}: choose auto, on or off")
+        kv_type = kv_type or DEFAULT_KV_TYPE
+        if kv_type not in KV_TYPES:
+            raise EngineError(f"KV cache type {kv_type!r}: choose {', '.join(KV_TYPES)}")
+        if kv_quantized(kv_type) and flash_attn == "off":
+            raise EngineError(f"a {kv_type} KV cache needs flash attention: leave it on (auto)")
+        params.type_k = params.type_v = KV_TYPES[kv_type]
         params.flash_attn_type = {
             "auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO,
             "on": C.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -247,13 +273,14 @@ class Context(Owner):
         self.n_vocab = model.n_vocab
         self.threads = threads
         self.flash_attn = flash_attn  # as asked ("auto": llama.cpp's choice)
+        self.kv_type = kv_type
         self._n_outputs = 0
         model._contexts.append(self)
 
     @property
     def batch_invariant(self) -> bool:
         """Whether every pass size rounds a token alike here (passes_batch_invariant)."""
-        return passes_batch_invariant(self.flash_attn)
+        return passes_batch_invariant(self.flash_attn, self.kv_type)
 
     def _open(self, params, refusal: str, hint: str):
         """Open the llama.cpp context for self.model with `params`; return its pointer. A refusal

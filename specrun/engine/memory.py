@@ -157,6 +157,7 @@ class ContextSpec:
     swa_full: bool = True  # sliding-window layers keep every cell (engine.Context)
     n_outputs: int = 0  # the most rows of logits one pass asks for (Allocation.with_outputs)
     flash_attn: str | None = None  # engine.Context's flash_attn (None: its default)
+    kv_type: str | None = None  # engine.Context's kv_type (None: f16)
 
 
 # A hybrid's recurrent state at least this large (simulated without rollback snapshots) is counted
@@ -274,7 +275,8 @@ def _open(model: Model, spec: ContextSpec) -> Context:
     if spec.mtp:
         return MtpContext(model, spec.n_ctx, n_batch=spec.n_batch, threads=1, n_seq_max=spec.n_seq_max)
     return Context(model, n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max, threads=1,
-                   n_rs_seq=spec.n_rs_seq, swa_full=spec.swa_full, flash_attn=spec.flash_attn)
+                   n_rs_seq=spec.n_rs_seq, swa_full=spec.swa_full, flash_attn=spec.flash_attn,
+                   kv_type=spec.kv_type)
 
 
 def _record_key(path: Path, spec: ContextSpec, load: dict) -> dict:

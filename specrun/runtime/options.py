@@ -51,10 +51,17 @@ class RunOptions:
     # --flash-attn on/off/auto: the target's attention (engine.Context); None: off on a batch-invariant
     # build, else llama.cpp's auto (on wherever its devices have the kernel, the CPU included)
     flash_attn: str | None = None
+    # --kv-type f16/q8_0/q4_0: the target's KV cache cells (engine.Context); None: f16
+    kv_type: str | None = None
 
     def profile_options(self) -> dict:
         """The options a tuning profile is kept apart by (tuning.profiles.profile_key, load)."""
-        return {"threads": self.threads, "gpu_memory": self.gpu_memory, "mmap": self.mmap, "flash_attn": self.flash_attn}
+        return {"threads": self.threads, "gpu_memory": self.gpu_memory, "mmap": self.mmap, "flash_attn": self.flash_attn,
+                "kv_type": self.kv_type}
+
+    def target_context(self) -> dict:
+        """What the options set of the target's context (runtime.plan.ContextPlan's fields)."""
+        return {"flash_attn": self.flash_attn, "kv_type": self.kv_type}
 
     @property
     def lookup_only(self) -> bool:

@@ -76,6 +76,7 @@ class ContextPlan:
     swa_full: bool = True
     n_outputs: int = 0  # the most rows of logits one pass asks for (every request's tree or chains)
     flash_attn: str | None = None  # --flash-attn (a target's context): on, off or auto; None: engine.Context's default
+    kv_type: str | None = None  # --kv-type (a target's context): its KV cache's cells; None: f16
 
     @property
     def n_ubatch(self) -> int:
@@ -227,8 +228,8 @@ def _path(path: Path | None) -> str | None:
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
     return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
-            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells,
-            "swa_full": ctx.swa_full, "flash_attn": ctx.flash_attn or engine.default_flash_attn()}
+            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells, "swa_full": ctx.swa_full,
+            "flash_attn": ctx.flash_attn or engine.default_flash_attn(ctx.kv_type), "kv_type": ctx.kv_type or "f16"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +361,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         notes.append(f"--flash-attn off with {parallel} requests at once: a pass attends over every request's text in the "
                      "shared cache, masked cells included, which flash attention skips: slower once they hold long texts")
     measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel,
-                            seq_budget, opts.flash_attn)
+                            seq_budget, opts.target_context())
     try:
         if auto_ctx:
             widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
@@ -374,7 +375,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
                          f"using {n_ctx - 1}")
             tree = fit_tree(tree, n_ctx - 1)
             measure.tree = tree
-        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed, seq_budget, opts.flash_attn)
+        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed, seq_budget, opts.target_context())
         if target_size is None:
             measured = measure(n_ctx)
             placed = placement.cpu_only([p for p in (target_file, draft_path) if p is not None], ram_free_bytes,
@@ -415,13 +416,13 @@ def _tree_for_models(tree: TreePlan | None, why: str, target_arch: str | None, d
 
 
 def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None, parallel: int = 1, windowed: bool = False,
-              seq_budget: int = 0, flash_attn: str | None = None) -> tuple[ContextPlan, ContextPlan | None]:
+              seq_budget: int = 0, target: dict | None = None) -> tuple[ContextPlan, ContextPlan | None]:
     """Return the target's and the draft's contexts (None: no draft model) for requests of n_ctx
     tokens, `parallel` of them decoding together (each context's sequences and cells split between
     them); `windowed`: the target has sliding-window layers, whose sequences are opened for the
-    larger of the tree's budget and `seq_budget`; `flash_attn`: the target's (--flash-attn)."""
+    larger of the tree's budget and `seq_budget`; `target`: more of the target's (RunOptions.target_context)."""
     if tree is None:
-        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False, flash_attn=flash_attn), None
+        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False, **(target or {})), None
     if tree.verify in (architectures.CHAINS, architectures.CHAIN):
         # A sequence per chain (MTP drafts one), and snapshots to roll the state back by the
         # rejected drafts.
@@ -439,7 +440,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None, paralle
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)),
                                  min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False,
                                  n_outputs=(widest + 1) * parallel)
-    target_ctx = replace(target_ctx, flash_attn=flash_attn)
+    target_ctx = replace(target_ctx, **(target or {}))
     draft_ctx = None
     if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
@@ -457,8 +458,8 @@ class ContextMemory:
     context included. A file it cannot simulate is estimated by the planner, with a note."""
 
     def __init__(self, target_path: Path | None, draft_path: Path | None, tree: TreePlan | None,
-                 draft_arch: str | None, parallel: int = 1, seq_budget: int = 0, flash_attn: str | None = None):
-        self.tree, self.draft_arch, self.parallel, self.seq_budget, self.flash_attn = tree, draft_arch, parallel, seq_budget, flash_attn
+                 draft_arch: str | None, parallel: int = 1, seq_budget: int = 0, target: dict | None = None):
+        self.tree, self.draft_arch, self.parallel, self.seq_budget, self.target = tree, draft_arch, parallel, seq_budget, target
         self.windowed = target_path is not None and engine.gguf_has_sliding_window(target_path)
         self.mtp = tree is not None and tree.drafting.loads_mtp
         self.notes: list[str] = []
@@ -467,7 +468,7 @@ class ContextMemory:
 
     def __call__(self, n_ctx: int) -> tuple[offload.ContextBytes | None, offload.ContextBytes | None]:
         target_ctx, draft_ctx = _contexts(self.tree, n_ctx, self.draft_arch, self.parallel, self.windowed,
-                                          self.seq_budget, self.flash_attn)
+                                          self.seq_budget, self.target)
         target_specs = [_spec(target_ctx)]
         if self.mtp:
             # as Runtime opens it: a sequence of n_ctx cells for each request
@@ -496,7 +497,7 @@ class ContextMemory:
 
 def _spec(ctx: ContextPlan):
     return engine.ContextSpec(ctx.cells, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq, swa_full=ctx.swa_full,
-                              n_outputs=ctx.n_outputs, flash_attn=ctx.flash_attn)
+                              n_outputs=ctx.n_outputs, flash_attn=ctx.flash_attn, kv_type=ctx.kv_type)
 
 
 def _loads_target_alike(plan: Plan, other: Plan) -> bool:

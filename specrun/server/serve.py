@@ -55,9 +55,13 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         if server is not None:
             server.should_exit = True
 
-    if settings.reproducible and (opts.rpc or not engine.passes_batch_invariant(opts.flash_attn)):
+    if settings.reproducible and (opts.rpc or not engine.passes_batch_invariant(opts.flash_attn, opts.kv_type)):
         # Every request decodes in one-token passes (SamplingParams.reproducible): no draft to load.
         opts = replace(opts, no_spec=True)
+    if settings.reproducible and opts.parallel != 1 and not engine.kv_quantized(opts.kv_type):
+        ui.warn("--reproducible beside other requests: in an f16 KV cache a prompt of 64 tokens or more, or a "
+                "cache past 511 cells, rounds by where its cells sit; --kv-type q8_0 keeps every answer "
+                "plain decoding's (docs/exactness.md)")
     if opts.rpc:  # a lost RPC worker ends the process that loaded the target: not this one
         if (opts.parallel or 1) > 1:
             ui.warn("--rpc: the server answers one request at a time (the target's process relays one job at once)")

@@ -535,6 +535,8 @@ def describe(rt: Runtime) -> str:
         at_once += ", prompts in the passes of their steps (--throughput)"
     if rt.plan.target_ctx.flash_attn is not None:
         at_once += f", flash attention {rt.plan.target_ctx.flash_attn} (--flash-attn)"
+    if rt.plan.target_ctx.kv_type is not None:
+        at_once += f", {rt.plan.target_ctx.kv_type} KV cache (--kv-type)"
     return f"specrun serve: {rt.models.target_name} {rt.drafting()}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
 
 

@@ -43,6 +43,7 @@ def hardware_fingerprint() -> str:
 def profile_key(
     target_path: Path, draft_path: Path | None, fingerprint: str | None = None, threads: int | None = None,
     gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None,
+    kv_type: str | None = None,
 ) -> dict:
     """Return the key a profile for this pair on this machine and llama.cpp build is stored under.
 
@@ -51,7 +52,8 @@ def profile_key(
     --gpu-memory limit (an emulated smaller card places the model, and so costs, differently);
     `mmap` --mmap or --no-mmap (a target's layers in RAM copied for big passes from pinned memory
     or from the mapped file cost differently); `flash_attn` --flash-attn (on a CPU a tree pass over a
-    long context costs up to 1.8x more with it on).
+    long context costs up to 1.8x more with it on); `kv_type` --kv-type (a quantized cache's passes
+    cost otherwise).
     """
 
     key = {
@@ -68,6 +70,8 @@ def profile_key(
         key["mmap"] = mmap  # (likewise)
     if flash_attn is not None:
         key["flash_attn"] = flash_attn  # (likewise)
+    if kv_type is not None:
+        key["kv_type"] = kv_type  # (likewise)
     return key
 
 
@@ -104,11 +108,12 @@ def first_suggestion(target_path: Path, draft_path: Path) -> bool:
 
 
 def load(target_path: Path, draft_path: Path | None, threads: int | None = None,
-         gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None) -> dict | None:
+         gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None,
+         kv_type: str | None = None) -> dict | None:
     """Return the stored profile for this pair on this machine, or None (never raises for bad files)."""
     try:
         key = profile_key(target_path, draft_path, threads=threads, gpu_memory=gpu_memory, mmap=mmap,
-                          flash_attn=flash_attn)
+                          flash_attn=flash_attn, kv_type=kv_type)
     except OSError as e:
         log.warning("cannot identify the model files for a tuning profile: %s", e)
         return None
@@ -165,7 +170,8 @@ def _checked_choice(config) -> Choice:
 
 
 def choice_for(target_path: Path, draft_path: Path | None, threads: int | None = None,
-               gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None):
+               gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None,
+               kv_type: str | None = None):
     """Return the tuned tuner.Choice for this pair, or None without a (valid) profile.
 
     Choice.kind tells the runtime what to build: "plain" (decode without the draft), "specexec"
@@ -175,7 +181,7 @@ def choice_for(target_path: Path, draft_path: Path | None, threads: int | None =
 
     if draft_path is None:
         return None
-    profile = load(target_path, draft_path, threads, gpu_memory, mmap, flash_attn)
+    profile = load(target_path, draft_path, threads, gpu_memory, mmap, flash_attn, kv_type)
     return choice_of(profile) if profile is not None else None
 
 
