@@ -215,20 +215,25 @@ def beside_rows(ctx, prompt, cont, other):
 
 
 def scattered_rows(ctx, prompt, cont, rng):
-    """One-token passes after decoy tokens took cells and were removed: cells out of position order."""
+    """One-token passes whose cells lie out of position order: every fourth token, decoy tokens of
+    another colour take the next cells first, the token the cell after them, then the decoys go,
+    so the tokens after it fill the holes before its cell (a tree step's rejected branches leave
+    holes that later tokens fill, as speculative decoding leaves the cache)."""
     prefill(ctx, prompt)
     one, decoys, rows = Batch(1, 2), Batch(16, 2), []
     for i, token in enumerate(cont):
-        if i % 4 == 0:  # a rejected branch: tokens of another colour, then dropped
+        holes = i % 4 == 0
+        if holes:
             decoys.clear()
             for j in range(int(rng.integers(1, 6))):
                 decoys.add(int(rng.integers(0, 1000)), len(prompt) + i + j, [1], False)
             ctx.seq_cp(0, 1)
             ctx.decode(decoys)
-            ctx.seq_rm(1)
         one.set_sequence([token], len(prompt) + i, 0, "last")
         ctx.decode(one)
         rows.append(ctx.logits_row(-1).copy())
+        if holes:
+            ctx.seq_rm(1)
     return np.array(rows)
 
 

@@ -10,6 +10,7 @@ Usage (repository root; the demo pair as the tests prepare it):
     python scripts/exact_decode_probe.py
     python scripts/exact_decode_probe.py --flash-attn off --no-repack --shapes chain8 tree64
     PYTHONPATH=/path/to/a/build/without/llamafile python scripts/exact_decode_probe.py --flash-attn off --no-repack
+    python scripts/exact_decode_probe.py --target smollm2-135m-q4 --kv-type q8_0   # a Q4_1 target, a quantized cache
 Prints one table row per verify shape: answers identical, answers whose log-probs are all
 bit-identical, and the largest |log-prob difference| seen.
 """
@@ -71,6 +72,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-repack", action="store_true", help="turn llama.cpp's repacked weight layouts off")
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), default="f16", help="the target's KV cache (--kv-type)")
     args = parser.parse_args()
     if args.no_repack:
         sysinfo.repacking_crashes = lambda: True  # the engine's switch for llama.cpp's extra buffer types
@@ -87,10 +89,11 @@ def main() -> int:
     target, draft = (name if Path(name).exists() else str(hub.ensure_local(registry.resolve(name), progress=False))
                      for name in (args.target, args.draft))
     print(f"# {system_info()}\n# threads {args.threads}; repack {'off' if args.no_repack else 'on'}; "
-          f"flash attention {args.flash_attn}; {len(texts)} prompts, {args.max_tokens} tokens")
+          f"flash attention {args.flash_attn}; KV cache {args.kv_type}; {len(texts)} prompts, {args.max_tokens} tokens")
     print("| verified as | answers identical | log-probs bit-identical | max abs log-prob diff |")
     print("|---|---|---|---|")
-    opts = RunOptions(target=target, draft=draft, ctx_size=2048, lookup=False, quiet=True, threads=args.threads)
+    opts = RunOptions(target=target, draft=draft, ctx_size=2048, lookup=False, quiet=True, threads=args.threads,
+                      kv_type=args.kv_type)
     largest = max(SHAPES[name].budget for name in args.shapes)
     with Runtime(opts, shape_override=TreeShape(largest, 16, 8, 8)) as rt:
         prompts = [rt.tokenize_prompt(text, chat=True) for text in texts]

@@ -59,9 +59,9 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         # Every request decodes in one-token passes (SamplingParams.reproducible): no draft to load.
         opts = replace(opts, no_spec=True)
     if settings.reproducible and opts.parallel != 1 and not engine.kv_quantized(opts.kv_type):
-        ui.warn("--reproducible beside other requests: in an f16 KV cache a prompt of 64 tokens or more, or a "
-                "cache past 511 cells, rounds by where its cells sit; --kv-type q8_0 keeps every answer "
-                "plain decoding's (docs/exactness.md)")
+        ui.warn("--reproducible beside other requests: an f16 KV cache rounds a prompt of 64 tokens or more, or a "
+                "cache past 511 cells, by where its cells sit; --kv-type q8_0 does not, --parallel 1 neither "
+                "(docs/exactness.md)")
     if opts.rpc:  # a lost RPC worker ends the process that loaded the target: not this one
         if (opts.parallel or 1) > 1:
             ui.warn("--rpc: the server answers one request at a time (the target's process relays one job at once)")
