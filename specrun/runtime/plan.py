@@ -357,9 +357,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
     # llama.cpp's own figures for the files (not for shapes given in their place)
     parallel = opts.parallel or 1
-    if opts.flash_attn == "off" and parallel > 1:  # (docs/benchmarks.md, "Flash attention on a CPU")
-        notes.append(f"--flash-attn off with {parallel} requests at once: a pass attends over every request's text in the "
-                     "shared cache, masked cells included, which flash attention skips: slower once they hold long texts")
+    notes += opts.context_notes(tree is not None, parallel)
     measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel,
                             seq_budget, opts.target_context())
     try:
