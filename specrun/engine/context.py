@@ -156,7 +156,8 @@ def _timed_decode(ctx_ptr, batch_struct) -> tuple[int, float]:
 
 # --kv-type: the KV cache's element type, keys and values alike (llama.cpp's --cache-type-k/-v).
 # A quantized one needs flash attention, whose CPU kernel then takes one query row at a time over
-# the cells in their order, whatever the pass holds or where the cells sit (docs/exactness.md).
+# the cells in their order, however many tokens the pass holds and wherever the cells sit, so long
+# as they lie in position order (docs/exactness.md, "A quantized KV cache").
 KV_TYPES = {"f16": C.GGML_TYPE_F16, "q8_0": C.GGML_TYPE_Q8_0, "q4_0": C.GGML_TYPE_Q4_0}
 DEFAULT_KV_TYPE = "f16"
 
@@ -177,10 +178,11 @@ def default_flash_attn(kv_type: str | None = None) -> str:
 
 def passes_batch_invariant(flash_attn: str | None = None, kv_type: str | None = None) -> bool:
     """Whether a context with this flash attention (None: default_flash_attn) and KV type rounds a
-    token alike in every pass size, beside any other sequence's cells: a batch-invariant build
-    (runs_batch_invariant), and flash attention off, or on over a quantized cache (the CPU kernel
-    sums a row of an f16 cache by the pass's size and the cells' places, of a quantized one a row
-    at a time over its cells in order)."""
+    token alike in every pass size: a batch-invariant build (runs_batch_invariant), and flash
+    attention off, or on over a quantized cache (the CPU kernel sums a row of an f16 cache by the
+    pass's size and the cells' places, of a quantized one a row at a time over its cells in
+    order, which also keeps it from moving with where they sit). Measured for F32 and Q4_1
+    weights; a K-quant target's passes of 16 tokens and more differ even so (docs/exactness.md)."""
     if not runs_batch_invariant():
         return False
     return kv_quantized(kv_type) or (flash_attn or default_flash_attn(kv_type)) == "off"
