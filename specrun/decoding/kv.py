@@ -355,6 +355,54 @@ def resumes_alike(ctx, seq: int, start: int, n_ctx: int) -> bool | None:
         ctx.seq_rm(seq, start, -1)
 
 
+# A tree's first path laid first in a pass of this many tokens, against one-token passes (chains_alike).
+PATH_TOKENS, TREE_PASS = 16, 72
+
+
+def chains_alike(ctx) -> bool:
+    """Whether this context scores a tree's first path, laid first in a pass of TREE_PASS tokens
+    (the rest other branches), with the one-token passes' logits bit for bit: what a greedy step
+    that keeps only the first path's choices rests on (DraftTree.path_first, docs/exactness.md).
+    Measured once per context, while its cache is empty (a run's start: nothing else decodes
+    then); False where it cannot be. A Q4_1 target over a quantized cache does on the default
+    build; an F32 one does not (tinyBLAS from two tokens), nor any over an f16 cache (tiled
+    attention from 64 query rows)."""
+    known = getattr(ctx, "_chains_alike", None)
+    if known is not None:
+        return known
+    if ctx.has_state or ctx.window or ctx.n_batch < TREE_PASS or ctx.n_seq_max < 2 or ctx.n_ctx < TREE_PASS + 8:
+        return False
+    if any(ctx.seq_pos_max(seq) >= 0 for seq in range(ctx.n_seq_max)):
+        return False  # (not cached: measured at the next start)
+    prefix = [(7 * i + 11) % ctx.n_vocab for i in range(8)]
+    path = [(7 * i + 11) % ctx.n_vocab for i in range(8, 8 + PATH_TOKENS)]
+    branches = [(5 * i + 3) % ctx.n_vocab for i in range(TREE_PASS - PATH_TOKENS)]
+    batch = Batch(TREE_PASS, 2)
+    try:
+        batch.set_sequence(prefix, 0, 0, "none")
+        ctx.decode(batch)
+        alone = []
+        for i, token in enumerate(path):
+            batch.set_sequence([token], 8 + i, 0, "last")
+            ctx.decode(batch)
+            alone.append(ctx.logits_row(-1).copy())
+        ctx.seq_rm(0, 8, -1)
+        ctx.seq_cp(0, 1, -1, -1)
+        batch.clear()
+        for i, token in enumerate(path):
+            batch.add(token, 8 + i, (0,), True)
+        for j, token in enumerate(branches):
+            batch.add(token, 8 + j, (1,), False)
+        ctx.decode(batch)
+        alike = all(np.array_equal(a, b) for a, b in zip(alone, ctx.logits()[:PATH_TOKENS]))
+    except EngineError:
+        alike = False
+    finally:
+        ctx.clear()
+    ctx._chains_alike = alike
+    return alike
+
+
 def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 1, logits: str = "last") -> dict[int, float] | None:
     """Seconds of one pass over n tokens, for each n of `sizes` (at most n_batch and what the
     context holds), asking for the `logits` of the last token or of all ('last', 'all'): the least

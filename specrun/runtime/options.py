@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specrun.engine import kv_quantized, passes_batch_invariant
-
 DEFAULT_CTX = 4096
 # `--draft lookup` names no model: trees come from earlier occurrences in the session's text.
 LOOKUP = "lookup"
@@ -61,17 +59,12 @@ class RunOptions:
         return {"threads": self.threads, "gpu_memory": self.gpu_memory, "mmap": self.mmap, "flash_attn": self.flash_attn,
                 "kv_type": self.kv_type}
 
-    def context_notes(self, speculating: bool, parallel: int) -> list[str]:
+    def context_notes(self, parallel: int) -> list[str]:
         """What the target context's options cost here, said at start (Plan.notes)."""
         notes = []
         if self.flash_attn == "off" and parallel > 1:  # (docs/benchmarks.md, "Flash attention on a CPU")
             notes.append(f"--flash-attn off with {parallel} requests at once: a pass attends over every request's text in "
                          "the shared cache, masked cells included, which flash attention skips: slower once they hold long texts")
-        if speculating and kv_quantized(self.kv_type) and not passes_batch_invariant(self.flash_attn, self.kv_type):
-            # (docs/exactness.md, "A quantized KV cache": scripts/exact_decode_probe.py --kv-type q8_0)
-            notes.append(f"--kv-type {self.kv_type} with speculation on this build: a tree's pass rounds unlike a one-token "
-                         "pass, and the cache's quantized cells can carry that into whole steps: greedy answers may part from "
-                         "plain decoding's more often (the F32 demo target: 3 of 9 at 96 tokens, none with f16)")
         return notes
 
     def target_context(self) -> dict:

@@ -357,7 +357,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             draft_size = sizes[1] if sizes else _model_size(files.draft_name, draft_path)
     # llama.cpp's own figures for the files (not for shapes given in their place)
     parallel = opts.parallel or 1
-    notes += opts.context_notes(tree is not None, parallel)
+    notes += opts.context_notes(parallel)
     measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel,
                             seq_budget, opts.target_context())
     try:

@@ -132,6 +132,13 @@ class Runtime:
             self.close()
             raise
         self.decoder = self.decoders[0]
+        sizer = getattr(self.decoder, "sizer", None)
+        if (sizer is not None and not self.decoder.chain_only and engine.kv_quantized(plan.target_ctx.kv_type)
+                and not sizer.chains_exact):
+            # (docs/exactness.md, "A quantized KV cache": measured by kv.chains_alike as the decoders opened)
+            ui.warn(f"--kv-type {plan.target_ctx.kv_type} with speculation: this target's tree passes round unlike its "
+                    "one-token passes here, and the cache's quantized cells can carry that into whole steps: greedy "
+                    "answers may part from plain decoding's more often (the F32 demo target: 3 of 9 at 96 tokens)")
         if plan.untuned and not quiet and not self.profile_set_aside:
             self._suggest_tuning()
 
