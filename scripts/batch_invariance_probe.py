@@ -363,7 +363,7 @@ if __name__ == "__main__":
                         help="tokens of earlier text before the prompt (a long conversation's cache)")
     parser.add_argument("--no-repack", action="store_true", help="turn llama.cpp's repacked weight layouts off")
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
-    parser.add_argument("--kv-type", choices=tuple(engine.KV_TYPES), default="f16", help="the KV cache's cells (--kv-type)")
+    parser.add_argument("--kv-type", choices=tuple(engine.KV_TYPES), default=engine.DEFAULT_KV_TYPE, help="the KV cache's cells (--kv-type)")
     parser.add_argument("--ops", action="store_true", help="name the first ops whose output differs")
     parser.add_argument("--shapes", nargs="+", choices=(*(f"chain{n}" for n in CHAINS), "beside", "scattered", "tree", "offset"),
                         help="only these shapes (default: all)")

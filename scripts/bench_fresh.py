@@ -103,10 +103,10 @@ def main() -> None:
                 if other in rate and rate[other]:
                     print(f"{name:>8}  default / {other}: x{rate['default'] / rate[other]:.3f}", flush=True)
         for m in modes:
-            if "+" in m and rate.get(m.partition("+")[0]):
-                print(f"{name:>8}  {m} / {m.partition('+')[0]}: x{rate[m] / rate[m.partition('+')[0]]:.3f}", flush=True)
-            if "%" in m and rate.get(m.partition("%")[0]):
-                print(f"{name:>8}  {m} / {m.partition('%')[0]}: x{rate[m] / rate[m.partition('%')[0]]:.3f}", flush=True)
+            for mark in "+%":  # a mode with more options, or on another build, against the mode alone
+                alone = m.partition(mark)[0]
+                if mark in m and rate.get(alone):
+                    print(f"{name:>8}  {m} / {alone}: x{rate[m] / rate[alone]:.3f}", flush=True)
         profiled = [m for m in modes if "@" in m]
         for m in profiled[1:]:
             print(f"{name:>8}  {m} / {profiled[0]}: x{rate[m] / rate[profiled[0]]:.3f}", flush=True)

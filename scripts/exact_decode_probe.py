@@ -27,6 +27,7 @@ from specrun import sysinfo  # noqa: E402
 from specrun.core.sampling import SamplingParams  # noqa: E402
 from specrun.core.tree_shapes import TreeShape  # noqa: E402
 from specrun.decoding.stream import make_rng  # noqa: E402
+from specrun.engine import DEFAULT_KV_TYPE, KV_TYPES  # noqa: E402
 from specrun.engine import context as engine_context  # noqa: E402
 from specrun.engine.devices import system_info  # noqa: E402
 from specrun.experiments.workloads import workload_prompts  # noqa: E402
@@ -72,7 +73,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-repack", action="store_true", help="turn llama.cpp's repacked weight layouts off")
     parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
-    parser.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), default="f16", help="the target's KV cache (--kv-type)")
+    parser.add_argument("--kv-type", choices=tuple(KV_TYPES), default=DEFAULT_KV_TYPE, help="the target's KV cache (--kv-type)")
     args = parser.parse_args()
     if args.no_repack:
         sysinfo.repacking_crashes = lambda: True  # the engine's switch for llama.cpp's extra buffer types

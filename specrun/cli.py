@@ -75,11 +75,11 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
             raise UsageError(f"--gpu-memory {gpu_memory!r}: the limit must be more than 0")
     if flash_attn not in (None, "auto", "on", "off"):
         raise UsageError(f"--flash-attn {flash_attn!r}: choose auto, on or off")
-    from specrun.engine import KV_TYPES
+    from specrun.engine import KV_TYPES, kv_quantized
 
     if kv_type is not None and kv_type not in KV_TYPES:
         raise UsageError(f"--kv-type {kv_type!r}: choose {', '.join(KV_TYPES)}")
-    if kv_type not in (None, "f16") and flash_attn == "off":
+    if kv_quantized(kv_type) and flash_attn == "off":
         raise UsageError(f"--kv-type {kv_type} needs flash attention: drop --flash-attn off")
     endpoints = ()
     if rpc:

@@ -149,7 +149,7 @@ def _placement(plan: Plan, opts: RunOptions) -> dict:
         "n_ubatch": plan.target_ctx.n_ubatch,
         "threads": plan.threads,
         "target_flash_attn": plan.target_ctx.flash_attn or engine.default_flash_attn(plan.target_ctx.kv_type),  # as asked (auto: llama.cpp's)
-        "target_kv_type": plan.target_ctx.kv_type or "f16",
+        "target_kv_type": plan.target_ctx.kv_type or engine.DEFAULT_KV_TYPE,
     }
 
 

@@ -71,7 +71,7 @@ class SpeculativeDecoder:
         # Chains round as one-token passes: on a batch-invariant build, or measured where a quantized
         # cache's attention reads cells one by one (kv.chains_alike: a Q4_1 target's trees then verify
         # bit for bit, their first path laid first, docs/exactness.md).
-        exact = target_ctx.batch_invariant or (kv_quantized(getattr(target_ctx, "kv_type", None)) and chains_alike(target_ctx))
+        exact = target_ctx.batch_invariant or (kv_quantized(target_ctx.kv_type) and chains_alike(target_ctx))
         self.sizer = StepSizer(guard, together, chains_exact=not self.chain_only and exact)
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True

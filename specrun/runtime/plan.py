@@ -229,7 +229,7 @@ def _path(path: Path | None) -> str | None:
 def _ctx_dict(ctx: ContextPlan) -> dict:
     return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
             "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells, "swa_full": ctx.swa_full,
-            "flash_attn": ctx.flash_attn or engine.default_flash_attn(ctx.kv_type), "kv_type": ctx.kv_type or "f16"}
+            "flash_attn": ctx.flash_attn or engine.default_flash_attn(ctx.kv_type), "kv_type": ctx.kv_type or engine.DEFAULT_KV_TYPE}
 
 
 # ---------------------------------------------------------------------------------------------
