@@ -367,7 +367,7 @@ def test_simulated_allocations_are_kept_apart_from_the_memory_of_answers_and_bou
 
     home = tmp_path / "specrun"
     monkeypatch.setenv("SPECRUN_HOME", str(home))
-    monkeypatch.setattr(engine_memory, "MAX_RECORDS", 2)
+    monkeypatch.setattr(engine_memory.RECORDS, "keep", 2)
     folder = home / "allocations"
     folder.mkdir(parents=True)
     for i, name in enumerate(("oldest", "older", "old")):
@@ -385,5 +385,5 @@ def test_simulated_allocations_are_kept_apart_from_the_memory_of_answers_and_bou
     os.utime(record, (900_000, 900_000))  # stored long ago: reading it makes it the most recent
     assert again.context(spec) == first
     (folder / "newer.json").write_text("{}")
-    engine_memory._prune(folder, 2)
+    engine_memory.RECORDS.prune()
     assert record.exists() and not (folder / "old.json").exists()

@@ -306,13 +306,13 @@ def test_a_greedy_step_keeps_what_the_first_paths_rows_chose():
 
 def test_where_passes_are_batch_invariant_a_greedy_tree_keeps_plain_decodings_rows(
         plain_reference, tiny, contexts, monkeypatch):
-    # On a build whose passes are batch invariant (no llamafile: Context.batch_invariant) a
-    # tree's first path, laid first in the batch and so in plain decoding's cells, is scored with
-    # plain decoding's rows bit for bit, and a greedy step keeps only what those rows chose. So
-    # greedy trees decode as plain decoding does there, and a --reproducible request keeps
-    # verifying trees, each in a pass of its own.
+    # Where the target's passes are measured batch invariant (kv.chains_exact: a build without
+    # llamafile, F32 weights) a tree's first path, laid first in the batch and so in plain
+    # decoding's cells, is scored with plain decoding's rows bit for bit, and a greedy step keeps
+    # only what those rows chose. So greedy trees decode as plain decoding does there, and a
+    # --reproducible request keeps verifying trees, each in a pass of its own.
     invariant = engine.runs_batch_invariant()
-    monkeypatch.setattr(engine.Context, "batch_invariant", property(lambda ctx: True))
+    monkeypatch.setattr(speculative, "chains_exact", lambda ctx: True)
     prompt, tokens, tops, _, _ = plain_reference
     for params in (SamplingParams(logprobs=2), SamplingParams(logprobs=2, pinned=True)):
         decoder = SpeculativeDecoder(tiny, contexts(tiny), TreeGrower(tiny, contexts(tiny), TREE), TREE)

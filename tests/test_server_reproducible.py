@@ -94,7 +94,7 @@ def test_serve_reproducible_decodes_every_request_so(pinned, plain):
     assert any("--kv-type q8_0 does not" in line for line in pinned.stderr_lines), pinned.stderr
     # One-token passes need no draft model, and the server loads none (chains keep theirs).
     ready = next(line for line in pinned.stderr_lines if "every request reproducible" in line)
-    assert ("smollm2-135m-q4" in ready) is CHAINS, ready
+    assert ("smollm2-135m-q4" in ready) is CHAINS and ("greedy in chains" in ready) is CHAINS, ready
     for server, reproducible in ((pinned, True), (plain, False)):  # /v1/models says which it is
         [entry] = _client(server).models.list().data
         assert entry.model_extra["meta"]["reproducible"] is reproducible
@@ -137,3 +137,22 @@ def test_ollama_options_ask_for_a_reproducible_answer():
     body = ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}], "options": {"reproducible": True}})
     assert body.options.request(None).reproducible
     assert not ChatBody.model_validate({"messages": []}).options.request(None).reproducible
+
+
+# A draft model cheaper than the target (random weights: the hybrid's lookup does the drafting on
+# a text that repeats itself), so that speculation pays.
+LIST = "Copy this list exactly, twice: apples, pears, plums, grapes, cherries, lemons, limes, figs, dates, kiwis."
+Q4_QUANTIZED = ("--target", "smollm2-135m-q4", "--draft", "smollm2-tiny-random", "--kv-type", "q8_0", "--threads", "1", "--parallel", "1")
+
+
+def test_serve_reproducible_keeps_its_draft_where_a_quantized_cache_measures_chains_exact(tmp_path_factory):
+    """A Q4_1 target over a q8_0 cache scores a tree's first path as one-token passes (measured at
+    start: decoding.kv.chains_exact), so --reproducible keeps the draft model and its greedy
+    requests verify chains, plain decoding's answer bit for bit."""
+    with running_server(tmp_path_factory.mktemp("serve-q4-plain"), "--no-spec", *Q4_QUANTIZED) as plain_q4:
+        reference, _ = _ask(plain_q4, LIST)
+    with running_server(tmp_path_factory.mktemp("serve-q4-pinned"), "--reproducible", *Q4_QUANTIZED) as pinned_q4:
+        ready = next(line for line in pinned_q4.stderr_lines if "every request reproducible" in line)
+        assert "greedy in chains that verify as one-token passes" in ready and "smollm2-tiny-random" in ready, ready
+        ours, timings = _ask(pinned_q4, LIST)
+    assert ours == reference and timings["draft_n"] > 0

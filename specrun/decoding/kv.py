@@ -9,8 +9,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrun.decoding.batching import Lane
-from specrun.engine import Batch
+from specrun.engine import Batch, kv_quantized, list_devices, llama_version_info, system_info
 from specrun.errors import ContextFullError, EngineError, UsageError
+from specrun.files import file_key
+from specrun.records import Records
 
 # The fewest tokens of a pass from which llama.cpp's CPU flash attention takes its query rows in
 # tiles (GGML_FA_TILE_Q), each row's scores summed in groups of 64 cells counted from the cache's
@@ -355,52 +357,101 @@ def resumes_alike(ctx, seq: int, start: int, n_ctx: int) -> bool | None:
         ctx.seq_rm(seq, start, -1)
 
 
-# A tree's first path laid first in a pass of this many tokens, against one-token passes (chains_alike).
-PATH_TOKENS, TREE_PASS = 16, 72
+# A tree's first path laid first in passes of these sizes, against one-token passes (chains_alike):
+# (path tokens, pass tokens), a small tree's pass and one past flash attention's tiles (TILE_ROWS).
+CHAIN_SHAPES = ((4, 8), (16, 72))
+PREFIX = 8  # tokens in the cache before the path
+# What chains_alike measured, per model file, build, placement and context options: each start of
+# a run would otherwise pay it again (0.3-0.7 s on the demo models, more for a large one on a CPU).
+CHAIN_RECORDS = Records("kernels", "kernel record", 256)
+CHAINS_METHOD = 1  # (a change to the measurement leaves the records of the old one unread)
+
+
+def chains_exact(ctx) -> bool:
+    """Whether a greedy tree's first path, laid first in its pass, is scored on this target
+    context with plain decoding's logits bit for bit, so that greedy trees verify as plain
+    decoding (DraftTree.path_first, docs/exactness.md): measured (chains_alike) where the build
+    claims one kernel for every pass size (Context.batch_invariant) or the cache is quantized;
+    elsewhere the attention or the matrix products sum by the pass's size, and it is not."""
+    return (ctx.batch_invariant or kv_quantized(ctx.kv_type)) and chains_alike(ctx)
 
 
 def chains_alike(ctx) -> bool:
-    """Whether this context scores a tree's first path, laid first in a pass of TREE_PASS tokens
-    (the rest other branches), with the one-token passes' logits bit for bit: what a greedy step
-    that keeps only the first path's choices rests on (DraftTree.path_first, docs/exactness.md).
-    Measured once per context, while its cache is empty (a run's start: nothing else decodes
-    then); False where it cannot be. A Q4_1 target over a quantized cache does on the default
-    build; an F32 one does not (tinyBLAS from two tokens), nor any over an f16 cache (tiled
-    attention from 64 query rows)."""
+    """Whether this context scores a tree's first path, laid first in a pass with other branches
+    after it, with the one-token passes' logits bit for bit, in each of CHAIN_SHAPES. Measured
+    once per model file, build, placement and context options (kept in the cache folder), while
+    the cache is empty (a run's start: nothing else decodes then); False where it cannot be.
+    On the default build a Q4_1 target over a quantized cache does; an F32 one does not
+    (tinyBLAS from two tokens), nor any over an f16 cache (tiled attention from 64 query rows).
+    On a build without llamafile F32 and Q4_1 targets do, a Q4_K_M one does not."""
     known = getattr(ctx, "_chains_alike", None)
     if known is not None:
         return known
-    if ctx.has_state or ctx.window or ctx.n_batch < TREE_PASS or ctx.n_seq_max < 2 or ctx.n_ctx < TREE_PASS + 8:
+    n_pass = max(shape[1] for shape in CHAIN_SHAPES)
+    if ctx.has_state or ctx.window or ctx.n_batch < n_pass or ctx.n_seq_max < 2 or ctx.n_ctx < PREFIX + n_pass:
         return False
+    key = _chains_key(ctx)
+    record = CHAIN_RECORDS.read(key) if key else None
+    if record is not None and isinstance(record.get("alike"), bool):
+        ctx._chains_alike = record["alike"]
+        return ctx._chains_alike
     if any(ctx.seq_pos_max(seq) >= 0 for seq in range(ctx.n_seq_max)):
-        return False  # (not cached: measured at the next start)
-    prefix = [(7 * i + 11) % ctx.n_vocab for i in range(8)]
-    path = [(7 * i + 11) % ctx.n_vocab for i in range(8, 8 + PATH_TOKENS)]
-    branches = [(5 * i + 3) % ctx.n_vocab for i in range(TREE_PASS - PATH_TOKENS)]
-    batch = Batch(TREE_PASS, 2)
+        return False  # (not kept: measured at the next start)
+    began = time.perf_counter()
+    alike = _measure_chains(ctx)
+    ctx._chains_alike = alike
+    if key:
+        CHAIN_RECORDS.store(key, {"alike": alike, "seconds": round(time.perf_counter() - began, 3)})
+    return alike
+
+
+def _chains_key(ctx) -> dict | None:
+    """What chains_alike's answer for `ctx` is kept under (None: its model file cannot be read)."""
+    model = ctx.model
+    try:
+        file = file_key(model.path)
+    except OSError:
+        return None
+    devices = [[d.name, d.description, d.host] for d in list_devices()] if model.offloaded else []
+    return {"file": file, "placement": model.placement, "devices": devices, "llama": llama_version_info(),
+            "system": system_info(), "flash_attn": ctx.flash_attn, "kv_type": ctx.kv_type, "threads": ctx.threads,
+            "n_batch": ctx.n_batch, "shapes": CHAIN_SHAPES, "method": CHAINS_METHOD}
+
+
+def _measure_chains(ctx) -> bool:
+    """chains_alike's measurement: PREFIX tokens, then the path's tokens one a pass, then each
+    shape's pass (the path on sequence 0 asking for its rows, branches on sequence 1), compared."""
+    vocab = ctx.n_vocab
+    n_path = max(shape[0] for shape in CHAIN_SHAPES)
+    prefix = [(7 * i + 11) % vocab for i in range(PREFIX)]
+    path = [(7 * i + 11) % vocab for i in range(PREFIX, PREFIX + n_path)]
+    branches = [(5 * i + 3) % vocab for i in range(max(n - p for p, n in CHAIN_SHAPES))]
+    batch = Batch(max(shape[1] for shape in CHAIN_SHAPES), 2)
     try:
         batch.set_sequence(prefix, 0, 0, "none")
         ctx.decode(batch)
         alone = []
         for i, token in enumerate(path):
-            batch.set_sequence([token], 8 + i, 0, "last")
+            batch.set_sequence([token], PREFIX + i, 0, "last")
             ctx.decode(batch)
             alone.append(ctx.logits_row(-1).copy())
-        ctx.seq_rm(0, 8, -1)
-        ctx.seq_cp(0, 1, -1, -1)
-        batch.clear()
-        for i, token in enumerate(path):
-            batch.add(token, 8 + i, (0,), True)
-        for j, token in enumerate(branches):
-            batch.add(token, 8 + j, (1,), False)
-        ctx.decode(batch)
-        alike = all(np.array_equal(a, b) for a, b in zip(alone, ctx.logits()[:PATH_TOKENS]))
+        for n_path, n_pass in CHAIN_SHAPES:
+            ctx.seq_rm(0, PREFIX, -1)
+            ctx.seq_rm(1, -1, -1)
+            ctx.seq_cp(0, 1, -1, -1)
+            batch.clear()
+            for i, token in enumerate(path[:n_path]):
+                batch.add(token, PREFIX + i, (0,), True)
+            for j, token in enumerate(branches[: n_pass - n_path]):
+                batch.add(token, PREFIX + j, (1,), False)
+            ctx.decode(batch)
+            if not all(np.array_equal(a, b) for a, b in zip(alone, ctx.logits()[:n_path])):
+                return False
+        return True
     except EngineError:
-        alike = False
+        return False
     finally:
         ctx.clear()
-    ctx._chains_alike = alike
-    return alike
 
 
 def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 1, logits: str = "last") -> dict[int, float] | None:

@@ -28,13 +28,13 @@ from specrun.core.verify import Acceptance, accept_path
 from specrun.decoding.adaptive import Average
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
-from specrun.decoding.kv import CachedSequence, chains_alike
+from specrun.decoding.kv import CachedSequence, chains_exact
 from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.rules import fill_pays
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
 from specrun.decoding.steps import GenerationStats, Step
-from specrun.engine import Batch, Context, kv_quantized
+from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
 
 
@@ -68,11 +68,10 @@ class SpeculativeDecoder:
         self.stats = GenerationStats()
         # What each step proposes, at what size (decoding.pay): with a guard, the tree shrinks,
         # down to plain steps, while speculation is measured slower than plain decoding here.
-        # Chains round as one-token passes: on a batch-invariant build, or measured where a quantized
-        # cache's attention reads cells one by one (kv.chains_alike: a Q4_1 target's trees then verify
-        # bit for bit, their first path laid first, docs/exactness.md).
-        exact = target_ctx.batch_invariant or (kv_quantized(target_ctx.kv_type) and chains_alike(target_ctx))
-        self.sizer = StepSizer(guard, together, chains_exact=not self.chain_only and exact)
+        # Chains round as one-token passes where measured so (kv.chains_exact): on a batch-invariant
+        # build, or where a quantized cache's attention reads cells one by one (a Q4_1 target's trees
+        # then verify bit for bit, their first path laid first, docs/exactness.md).
+        self.sizer = StepSizer(guard, together, chains_exact=not self.chain_only and chains_exact(target_ctx))
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
         # The drafter grows its tree on while the target's pass runs elsewhere (runtime sets it:

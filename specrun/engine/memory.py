@@ -15,8 +15,6 @@ A simulation needs the file's header and its full size, not its data: a header-o
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -27,8 +25,8 @@ from specrun.engine.context import Context
 from specrun.engine.devices import runs_batch_invariant
 from specrun.engine.model import Model
 from specrun.engine.mtp import MtpContext
-from specrun.files import atomic_write_json, file_key, read_json
-from specrun.paths import cache_dir
+from specrun.files import file_key
+from specrun.records import Records
 
 MIB = 1024**2
 
@@ -179,6 +177,8 @@ RECORD_METHOD = 3
 # go. Every plan's search simulates contexts of several sizes, and every model file (a new
 # download, a test's) keys its own: an unbounded folder had grown to 3,500 files on one machine.
 MAX_RECORDS = 1024
+# (Not in memory/, where the memory of answers is saved: decoding.memory, paths.memory_dir.)
+RECORDS = Records("allocations", "memory record", MAX_RECORDS)
 
 
 class Simulation:
@@ -199,16 +199,14 @@ class Simulation:
         if spec.n_outputs:
             return self.context(replace(spec, n_outputs=0)).with_outputs(spec.n_outputs, spec.n_seq_max)
         if spec not in self._known:
-            record = _record_path(self.path, spec, self._load)
-            cached = read_json(record, dict, "memory record") if record else None
-            if cached is not None and cached.get("key") == _record_key(self.path, spec, self._load):
+            key = _record_key(self.path, spec, self._load)
+            cached = RECORDS.read(key) if key else None
+            if cached is not None:
                 allocation = Allocation.from_dict(cached["allocation"])
-                _touch(record)  # (used now: the last the pruning drops)
             else:
                 allocation = self._simulate(spec)
-                if record is not None:
-                    _store(record, {"key": _record_key(self.path, spec, self._load),
-                                    "allocation": allocation.to_record()})
+                if key:
+                    RECORDS.store(key, {"allocation": allocation.to_record()})
             self._known[spec] = allocation
         return self._known[spec]
 
@@ -279,49 +277,12 @@ def _open(model: Model, spec: ContextSpec) -> Context:
                    kv_type=spec.kv_type)
 
 
-def _record_key(path: Path, spec: ContextSpec, load: dict) -> dict:
-    # A build that runs batch invariant allocates for flash attention off and unrepacked weights.
-    return {"file": file_key(path), "context": asdict(spec), "load": load, "llama": llama_version_info(),
-            "batch_invariant": runs_batch_invariant(), "method": RECORD_METHOD}
-
-
-def _record_path(path: Path, spec: ContextSpec, load: dict) -> Path | None:
-    """Where this simulation's figures are kept (None: the file cannot be read)."""
+def _record_key(path: Path, spec: ContextSpec, load: dict) -> dict | None:
+    """What a simulation's figures are kept under (None: the file cannot be read). A build that
+    runs batch invariant allocates for flash attention off and unrepacked weights."""
     try:
-        key = json.dumps(_record_key(path, spec, load), sort_keys=True)
+        file = file_key(path)
     except OSError:
         return None
-    # (Not in memory/, where the memory of answers is saved: decoding.memory, paths.memory_dir.)
-    return cache_dir() / "allocations" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
-
-
-def _store(record: Path, data: dict) -> None:
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(record, data)
-        _prune(record.parent, MAX_RECORDS)
-    except OSError:  # a read-only cache only costs the next run a simulation
-        pass
-
-
-def _touch(record: Path) -> None:
-    try:
-        record.touch()
-    except OSError:  # a read-only cache: its records are never pruned either
-        pass
-
-
-def _prune(folder: Path, keep: int) -> None:
-    """Delete the least recently used records of `folder` beyond `keep` (stored or read: their
-    times; another process's deleting them first is fine: each is only a simulation saved)."""
-    records = list(folder.glob("*.json"))
-    if len(records) <= keep:
-        return
-    stored = []
-    for path in records:
-        try:
-            stored.append((path.stat().st_mtime, path))
-        except OSError:
-            continue
-    for _, old in sorted(stored)[: len(stored) - keep]:
-        old.unlink(missing_ok=True)
+    return {"file": file, "context": asdict(spec), "load": load, "llama": llama_version_info(),
+            "batch_invariant": runs_batch_invariant(), "method": RECORD_METHOD}

@@ -104,6 +104,10 @@ class Model(Owner):
         # CPU with AMX they also crash on multi-token Q4_1 batches (sysinfo.repacking_crashes).
         if sysinfo.repacking_crashes() or runs_batch_invariant():
             params.use_extra_bufts = False
+        # How it was placed, as what a context measured on it is kept under (decoding.kv.chains_alike).
+        self.placement = {"n_gpu_layers": n_gpu_layers, "tensor_split": list(tensor_split), "main_gpu": main_gpu,
+                          "experts_in_ram": experts_in_ram, "across_hosts": across_hosts,
+                          "repacked": bool(params.use_extra_bufts)}
         recent_errors.clear()
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
         try:

@@ -132,15 +132,26 @@ class Runtime:
             self.close()
             raise
         self.decoder = self.decoders[0]
-        sizer = getattr(self.decoder, "sizer", None)
-        if (sizer is not None and not self.decoder.chain_only and engine.kv_quantized(plan.target_ctx.kv_type)
-                and not sizer.chains_exact):
-            # (docs/exactness.md, "A quantized KV cache": measured by kv.chains_alike as the decoders opened)
-            ui.warn(f"--kv-type {plan.target_ctx.kv_type} with speculation: this target's tree passes round unlike its "
-                    "one-token passes here, and the cache's quantized cells can carry that into whole steps: greedy "
-                    "answers may part from plain decoding's more often (the F32 demo target: 3 of 9 at 96 tokens)")
+        self._say_how_trees_verify()
         if plan.untuned and not quiet and not self.profile_set_aside:
             self._suggest_tuning()
+
+    def _say_how_trees_verify(self) -> None:
+        """Warn where greedy trees were expected to verify as plain decoding bit for bit (a build
+        without llamafile) or a quantized cache can carry a tree pass's rounding into whole steps,
+        and the target context measured otherwise as the decoders opened (kv.chains_exact)."""
+        sizer = getattr(self.decoder, "sizer", None)
+        if sizer is None or self.decoder.chain_only or sizer.chains_exact:
+            return
+        ctx = self.target_ctx
+        if engine.kv_quantized(ctx.kv_type):  # (docs/exactness.md, "A quantized KV cache")
+            ui.warn(f"--kv-type {ctx.kv_type} with speculation: this target's tree passes round unlike its "
+                    "one-token passes here, and the cache's quantized cells can carry that into whole steps: greedy "
+                    "answers may part from plain decoding's more often (the F32 demo target: 3 of 9 at 96 tokens)")
+        elif ctx.batch_invariant:  # (docs/exactness.md, "One kernel for every pass size")
+            ui.warn("this build computes every pass size with one kernel, yet this target's tree passes measure unlike "
+                    "its one-token passes (its weights' kernels sum by the pass's size): greedy answers may part from "
+                    "plain decoding's at near-ties, as on the default build")
 
     def _load(self, path, op_offload: bool | None = None, **placement):
         model = engine.Model(path, **placement)

@@ -55,7 +55,10 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         if server is not None:
             server.should_exit = True
 
-    if settings.reproducible and (opts.rpc or not engine.passes_batch_invariant(opts.flash_attn, opts.kv_type)):
+    # Greedy chains verify as one-token passes only where measured so as the decoders open
+    # (decoding.kv.chains_exact): a build without llamafile, or a quantized cache's attention.
+    could_chain = engine.passes_batch_invariant(opts.flash_attn, opts.kv_type) or engine.kv_quantized(opts.kv_type)
+    if settings.reproducible and (opts.rpc or not could_chain):
         # Every request decodes in one-token passes (SamplingParams.reproducible): no draft to load.
         opts = replace(opts, no_spec=True)
     if settings.reproducible and opts.parallel != 1 and not engine.kv_quantized(opts.kv_type):

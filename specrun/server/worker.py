@@ -214,8 +214,8 @@ class QueueWorker:
             if not self._stopping.is_set():
                 self.state = "ready"
                 if self.reproducible:
-                    # (one-token passes, or greedy chains where they round as those do: pay.steps)
-                    description += ", every request reproducible (passes of its own)"
+                    passes = "greedy in chains that verify as one-token passes" if self._chains_exact() else "one token each"
+                    description += f", every request reproducible (passes of its own, {passes})"
                 self._on_ready(self, description)
             self._serve_until_stopped()
         finally:
@@ -224,6 +224,9 @@ class QueueWorker:
 
     def _load(self) -> str:
         raise NotImplementedError
+
+    def _chains_exact(self) -> bool:  # whether greedy chains verify as one-token passes (kv.chains_exact)
+        return False
 
     def _serve(self, job: Job) -> None:
         raise NotImplementedError
@@ -295,6 +298,9 @@ class GenerationWorker(QueueWorker):
         self._reading = threading.Condition()
         self._n_reading = 0
         self._unloading = False
+
+    def _chains_exact(self) -> bool:
+        return any(getattr(getattr(decoder, "sizer", None), "chains_exact", False) for decoder in self.runtime.decoders)
 
     def _load(self) -> str:
         rt = Runtime(self.opts)

@@ -1,0 +1,113 @@
+"""Whether greedy trees verify as plain decoding bit for bit is measured on the loaded target, not
+assumed from the build (decoding.kv.chains_exact): a tree's first path laid first in a pass with
+other branches, against the same tokens in one-token passes, bit for bit (kv.chains_alike). A build
+without llamafile runs F32 and Q4_1 targets so and a Q4_K_M one not (docs/exactness.md), so the
+answer is measured on every target where it could be true, once per model file, build, placement
+and context options, and kept in the cache folder: later starts read it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specrun import engine
+from specrun.decoding import kv
+from specrun.runtime.plan import RunOptions
+from specrun.runtime.runtime import Runtime
+
+
+def _context(path, **options):
+    model = engine.Model(path)
+    ctx = engine.Context(model, n_ctx=512, n_batch=128, n_seq_max=4, threads=1, **options)
+    return model, ctx
+
+
+def _close(model, ctx) -> None:
+    ctx.close()
+    model.close()
+
+
+def _measured(monkeypatch) -> list:
+    """Count the measurements made from now on (each still runs)."""
+    calls = []
+    measure = kv._measure_chains
+
+    def counted(ctx):
+        calls.append(ctx)
+        return measure(ctx)
+
+    monkeypatch.setattr(kv, "_measure_chains", counted)
+    return calls
+
+
+def test_the_measurement_is_kept_per_model_and_options_and_read_by_the_next_start(offline_models, tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path))
+    measured = _measured(monkeypatch)
+    q4 = offline_models.smollm2_q4
+    model, ctx = _context(q4, kv_type="q8_0")
+    assert kv.chains_alike(ctx) and len(measured) == 1
+    assert ctx.seq_pos_max(0) == -1 and ctx.seq_pos_max(1) == -1  # (the cache left empty)
+    _close(model, ctx)
+    [record] = (tmp_path / "kernels").glob("*.json")
+    kept = json.loads(record.read_text())
+    assert kept["alike"] is True and kept["key"]["kv_type"] == "q8_0" and kept["key"]["file"]["size"] == q4.stat().st_size
+    # The next start with the same model and options reads it; other options measure their own.
+    model, ctx = _context(q4, kv_type="q8_0")
+    assert kv.chains_alike(ctx) and len(measured) == 1
+    _close(model, ctx)
+    model, ctx = _context(q4)  # an f16 cache: tiled attention from 64 query rows, on any build
+    assert not kv.chains_alike(ctx) and len(measured) == 2
+    _close(model, ctx)
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 2
+    # A damaged record is one warning and a new measurement, kept in its place.
+    record.write_text("{not json")
+    model, ctx = _context(q4, kv_type="q8_0")
+    assert kv.chains_alike(ctx) and len(measured) == 3
+    _close(model, ctx)
+    assert json.loads(record.read_text())["alike"] is True
+    # A cache that holds text is not measured (a run's start is), and nothing is kept for it.
+    model, ctx = _context(q4, kv_type="q4_0")
+    batch = engine.Batch(8, 1)
+    batch.set_sequence([1, 2, 3], 0, 0, "last")
+    ctx.decode(batch)
+    assert not kv.chains_alike(ctx) and len(measured) == 3
+    _close(model, ctx)
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 2
+
+
+def test_only_targets_whose_trees_could_verify_exactly_are_measured(offline_models, tmp_path, monkeypatch):
+    # An f16 cache on a build with llamafile sums a tree pass by its size (tinyBLAS, tiled
+    # attention): not exact, and not measured. Where the build claims one kernel for every pass
+    # size, the claim is measured: on this build the F32 demo target's passes refute it.
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path))
+    measured = _measured(monkeypatch)
+    model, ctx = _context(offline_models.smollm2_f32, flash_attn="off")
+    claimed = ctx.batch_invariant
+    assert kv.chains_exact(ctx) is (claimed and kv.chains_alike(ctx))
+    assert len(measured) == int(claimed)
+    monkeypatch.setattr(engine.Context, "batch_invariant", property(lambda ctx: True))
+    alike = kv.chains_alike(ctx)
+    assert kv.chains_exact(ctx) is alike and len(measured) == 1
+    assert alike is engine.runs_batch_invariant()  # (F32: tinyBLAS from two tokens where llamafile is built)
+    _close(model, ctx)
+
+
+@pytest.mark.skipif(engine.runs_batch_invariant(), reason="the F32 target's trees do verify exactly on this build")
+def test_a_build_claim_the_target_refutes_is_said_at_start_and_trees_verify_as_on_any_build(offline_models,
+                                                                                           monkeypatch, capsys):
+    # As on a build without llamafile with a K-quant target: the build says one kernel for every
+    # pass size, the target's tree passes measure otherwise. The run says so, and its greedy steps
+    # keep the acceptance walk (no first-path rule, which holds only where chains are exact).
+    monkeypatch.setattr(engine.Context, "batch_invariant", property(lambda ctx: True))
+    opts = RunOptions(threads=1, ctx_size=512, quiet=True, flash_attn="off")
+    with Runtime(opts) as rt:
+        assert not rt.decoder.sizer.chains_exact and not rt.decoder.chain_only
+    said = capsys.readouterr().err
+    assert "this build computes every pass size with one kernel, yet this target's tree passes" in said, said
+    monkeypatch.setattr(engine.Context, "batch_invariant", property(lambda ctx: False))
+    with Runtime(opts) as rt:  # no claim: nothing to say (greedy near-ties are docs/exactness.md's)
+        assert not rt.decoder.sizer.chains_exact
+    assert "tree passes" not in capsys.readouterr().err
