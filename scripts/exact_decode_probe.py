@@ -12,7 +12,8 @@ Usage (repository root; the demo pair as the tests prepare it):
     PYTHONPATH=/path/to/a/build/without/llamafile python scripts/exact_decode_probe.py --flash-attn off --no-repack
     python scripts/exact_decode_probe.py --target smollm2-135m-q4 --kv-type q8_0   # a Q4_1 target, a quantized cache
 Prints one table row per verify shape: answers identical, answers whose log-probs are all
-bit-identical, and the largest |log-prob difference| seen.
+bit-identical, the largest |log-prob difference| seen before an answer parts, and where one parts,
+plain decoding's gap there between its choice and the runner-up (a near-tie, or not).
 """
 
 from __future__ import annotations
@@ -57,10 +58,24 @@ def answer(decoder, prompt, max_tokens):
 
 
 def largest_difference(a, b) -> float:
+    """The largest |log-prob difference| of the same token at the same place, up to where the two
+    answers part (after it they score different texts)."""
     worst = 0.0
     for (lp_a, top_a), (lp_b, top_b) in zip(a, b):
         worst = max(worst, abs(lp_a - lp_b), *(abs(x[1] - y[1]) for x, y in zip(top_a, top_b) if x[0] == y[0]))
+        if top_a and top_b and top_a[0][0] != top_b[0][0]:  # (greedy: the first is the choice)
+            break
     return worst
+
+
+def parting_gap(tokens, plain_tokens, plain_logprobs) -> float | None:
+    """Where an answer parts from plain decoding's: plain decoding's gap there between its choice
+    and the runner-up, in nats (None: it does not part)."""
+    for i, (ours, theirs) in enumerate(zip(tokens, plain_tokens)):
+        if ours != theirs:
+            top = plain_logprobs[i][1]
+            return top[0][1] - top[1][1] if len(top) > 1 else None
+    return None
 
 
 def main() -> int:
@@ -91,8 +106,9 @@ def main() -> int:
                      for name in (args.target, args.draft))
     print(f"# {system_info()}\n# threads {args.threads}; repack {'off' if args.no_repack else 'on'}; "
           f"flash attention {args.flash_attn}; KV cache {args.kv_type}; {len(texts)} prompts, {args.max_tokens} tokens")
-    print("| verified as | answers identical | log-probs bit-identical | max abs log-prob diff |")
-    print("|---|---|---|---|")
+    print("| verified as | answers identical | log-probs bit-identical | max abs log-prob diff before parting "
+          "| plain's top-two gap where each parted (nats) |")
+    print("|---|---|---|---|---|")
     opts = RunOptions(target=target, draft=draft, ctx_size=2048, lookup=False, quiet=True, threads=args.threads,
                       kv_type=args.kv_type)
     largest = max(SHAPES[name].budget for name in args.shapes)
@@ -104,12 +120,17 @@ def main() -> int:
             decoder = make_decoder(tree, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, guard=False)
             same_text = same_logprobs = 0
             worst = 0.0
+            gaps = []
             for prompt, (tokens, logprobs) in zip(prompts, plain):
                 got_tokens, got_logprobs = answer(decoder, prompt, args.max_tokens)
                 same_text += got_tokens == tokens
                 same_logprobs += got_tokens == tokens and got_logprobs == logprobs
                 worst = max(worst, largest_difference(got_logprobs, logprobs))
-            print(f"| {name} | {same_text}/{len(prompts)} | {same_logprobs}/{len(prompts)} | {worst:.3g} |", flush=True)
+                gap = parting_gap(got_tokens, tokens, logprobs)
+                if gap is not None:
+                    gaps.append(f"{gap:.3g}")
+            print(f"| {name} | {same_text}/{len(prompts)} | {same_logprobs}/{len(prompts)} | {worst:.3g} | "
+                  f"{', '.join(gaps) or '-'} |", flush=True)
     return 0
 
 

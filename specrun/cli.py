@@ -151,7 +151,7 @@ def generate(
     grammar: Annotated[Optional[Path], typer.Option("--grammar", help="The answer follows this GBNF (llama.cpp) or Lark grammar file.")] = None,
     logprobs: Annotated[Optional[int], typer.Option("--logprobs", min=0, max=20, help="With --json: each token's log-prob and this many likeliest alternatives.")] = None,
     parse_special: Annotated[bool, typer.Option("--parse-special/--no-parse-special", help="In a raw prompt (--raw), special-token text such as <|im_start|> becomes special tokens, as in llama.cpp's tools; --no-parse-special keeps it text. Chat messages are always text.")] = True,
-    reproducible: Annotated[bool, typer.Option("--reproducible", help="The same answer whatever else runs: passes of its own from a fresh prefill (greedy: plain decoding's answer bit for bit): one token each, at plain decoding's speed, or greedy chains on a build without llamafile (docs/exactness.md).")] = False,
+    reproducible: Annotated[bool, typer.Option("--reproducible", help="The same answer whatever else runs: passes of its own from a fresh prefill (greedy: plain decoding's answer bit for bit): one token each, at plain decoding's speed, or greedy chains where the target's chains measure as one-token passes at start (a build without llamafile; a Q4_1 target with --kv-type q8_0; docs/exactness.md).")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print a summary on stderr.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and stats.")] = False,
     lines: Annotated[bool, typer.Option("--lines", help="Each input line (stdin or --file) is a prompt of its own; models load once.")] = False,
@@ -315,7 +315,7 @@ def serve(
     no_spec: NoSpecOpt = False,
     lookup: LookupOpt = None,
     memory: MemoryOpt = False,
-    reproducible: Annotated[bool, typer.Option("--reproducible", help="Decode every request as generate --reproducible does: the same answer whatever else runs (passes of its own from a fresh prefill; greedy: plain decoding's answer bit for bit), at plain decoding's speed, or in greedy chains on a build without llamafile. A request cannot turn it off.")] = False,
+    reproducible: Annotated[bool, typer.Option("--reproducible", help="Decode every request as generate --reproducible does: the same answer whatever else runs (passes of its own from a fresh prefill; greedy: plain decoding's answer bit for bit), at plain decoding's speed, or in greedy chains where the target's chains measure as one-token passes at start (a build without llamafile; a Q4_1 target with --kv-type q8_0). A request cannot turn it off.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat UIs, editors, scripts)."""
