@@ -17,10 +17,9 @@ import pytest
 from specrun import engine
 import numpy as np
 
-from specrun.core.sampling import (NEAR_TIE_NATS, NEAR_TIE_NATS_OFFLOADED, NearTie, SamplingParams, make_rng, near_tie,
+from specrun.core.sampling import (NEAR_TIE_NATS, NEAR_TIE_NATS_OFFLOADED, SamplingParams, make_rng, near_tie,
                                    near_tie_nats)
 from specrun.core.tree_shapes import TreeShape
-from specrun.core.verify import Acceptance
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding import speculative
@@ -286,22 +285,6 @@ def test_a_reproducible_jsonl_line_decodes_alone_beside_lines_that_speculate(cli
     assert (pinned["stats"]["max_tree_nodes"] > 0) is engine.runs_batch_invariant()
     assert free["id"] == "free" and "error" not in free
     assert bad["field"] == "reproducible" and bad["line"] == 3
-
-
-def test_a_greedy_step_keeps_what_the_first_paths_rows_chose():
-    # The walk left the first path (nodes 0..3) at node 5, a child of node 1: node 5's token was
-    # chosen by node 1's row and is emitted last, as the next root (its KV, made in another cell,
-    # dropped); what nodes 5 and 6 chose (their rows) is not kept.
-    walked = Acceptance(nodes=(0, 1, 5, 6), tokens=(11, 15, 16, 99), bonus=99, end_of_generation=False,
-                        near_ties=(NearTie(at=0, token=11, runner_up=12, gap=0.001),
-                                   NearTie(at=2, token=16, runner_up=17, gap=0.001)))
-    kept = speculative._on_first_path(walked, frozenset({2}))
-    assert kept.nodes == (0, 1) and kept.tokens == (11, 15) and kept.bonus == 15
-    assert not kept.end_of_generation and [tie.at for tie in kept.near_ties] == [0]
-    on_path = Acceptance(nodes=(0, 1, 2), tokens=(11, 12, 99), bonus=99, end_of_generation=False)
-    assert speculative._on_first_path(on_path, frozenset()) is on_path
-    ends = Acceptance(nodes=(0, 4), tokens=(2,), bonus=None, end_of_generation=True)
-    assert speculative._on_first_path(ends, frozenset({2})) == Acceptance(nodes=(0,), tokens=(2,), bonus=2, end_of_generation=True)
 
 
 def test_where_passes_are_batch_invariant_a_greedy_tree_keeps_plain_decodings_rows(

@@ -304,3 +304,9 @@ def test_path_first_puts_the_first_child_path_at_the_head_of_the_batch():
     chain = DraftTree.chain(1, [2, 3, 4])
     same, order = chain.path_first()
     assert same is chain and order.tolist() == [0, 1, 2, 3]
+    # A grammar's forced run is the path laid first as far as the tree carries it (the target
+    # takes it), then first children: b -> c here, c a leaf.
+    forced, order = tree.path_first(along=[20, 21, 99])
+    assert order.tolist() == [0, b, c, a, d, e, f] and forced.tokens[:3].tolist() == [1, 20, 21]
+    partly, order = tree.path_first(along=[10, 12])
+    assert order.tolist()[:3] == [0, a, e]

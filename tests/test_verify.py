@@ -49,6 +49,43 @@ def test_greedy_walk_follows_the_target_and_adds_its_bonus():
     assert not acc.end_of_generation
 
 
+class CountingRules:
+    """Rules that shape nothing and count the tokens they hear (as a grammar's matcher follows them)."""
+
+    def __init__(self):
+        self.heard = []
+
+    def shape(self, row):
+        return row
+
+    def accept(self, token):
+        self.heard.append(token)
+
+
+def test_a_first_path_walk_stops_where_the_target_leaves_that_path():
+    # path_first lays the first-child path 0 -> [1] -> [3] as nodes 0, 1, 2. The target takes
+    # token 1 at the root (on the path), then token 1 again: [4], off the path. Its token was
+    # chosen by a first-path row and ends the step; no row off the path is read, and the rules
+    # hear exactly the tokens emitted.
+    tree, order = example_tree().path_first()
+    assert list(order[:3]) == [0, 1, 3]
+    rows = {0: 1, 1: 1}  # new id -> the target's choice; every other row would choose 0
+    logits = one_hot_logits(8, *(rows.get(i, 0) for i in range(len(tree))))
+    rules = CountingRules()
+    walked = accept_path(tree, logits, GREEDY, make_rng(0), rules=rules, first_path=True)
+    off = tree.find_child(1, 1)
+    assert off != 2 and walked.left_to == off
+    assert walked.nodes == (0, 1) and walked.tokens == (1, 1) and walked.bonus == 1 and rules.heard == [1, 1]
+    whole = accept_path(tree, logits, GREEDY, make_rng(0))  # the walk goes on below [4] without it
+    assert whole.nodes == (0, 1, off) and whole.tokens == (1, 1, 0) and whole.left_to is None
+    # A walk that stays on the path is the same either way; an end token off it ends the answer.
+    on = one_hot_logits(8, 1, 3, 5, 0, 0, 0)
+    assert accept_path(tree, on, GREEDY, make_rng(0), first_path=True) == accept_path(tree, on, GREEDY, make_rng(0))
+    ends = accept_path(tree, one_hot_logits(8, 2, 0, 0, 0, 0, 0), GREEDY, make_rng(0), eog_ids=frozenset({2}),
+                       first_path=True)
+    assert ends.nodes == (0,) and ends.tokens == (2,) and ends.bonus == 2 and ends.end_of_generation
+
+
 def test_greedy_walk_rejecting_at_the_root_emits_one_token():
     acc = accept_path(example_tree(), one_hot_logits(8, 7, 0, 0, 0, 0, 0), GREEDY, make_rng(0))
     assert acc.nodes == (0,) and acc.tokens == (7,) and acc.bonus == 7 and acc.accepted_depth == 0

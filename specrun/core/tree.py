@@ -8,6 +8,7 @@ order llama.cpp needs in a batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -246,16 +247,23 @@ class DraftTree:
             tree.add(int(new_id[parents[old]]), int(self._tokens[old]), float(self._logps[old]))
         return tree, kept
 
-    def path_first(self) -> tuple[DraftTree, np.ndarray]:
-        """Return this tree with its first-child path (the one `colour_batch` gives colour 0) as
-        nodes 0..d, the other nodes after it in their order, and their ids here (new id -> old id);
-        this tree itself where that path is 0..d already.
+    def path_first(self, along: Sequence[int] = ()) -> tuple[DraftTree, np.ndarray]:
+        """Return this tree with its first path as nodes 0..d, the other nodes after it in their
+        order, and their ids here (new id -> old id); this tree itself where that path is 0..d
+        already. The first path follows the tokens `along` from the root as far as children carry
+        them (a grammar's forced run: the target takes it), then first children (the path
+        `colour_batch` gives colour 0).
 
         A batch holds a tree's nodes in id order and the KV cache gives a batch consecutive free
         cells, so that path's tokens land in the cells plain decoding gives them, one position a
         cell, in order: where the kernels are batch invariant (engine.runs_batch_invariant) its
         rows are plain decoding's bit for bit, and only its rows (docs/exactness.md)."""
         path = [0]
+        for token in along:
+            child = self.find_child(path[-1], token)
+            if child is None:
+                break
+            path.append(child)
         while self._children[path[-1]]:
             path.append(self._children[path[-1]][0])
         n = self._n

@@ -34,6 +34,7 @@ class Acceptance:
     # None when the walk stopped on a tree node (end-of-generation or max_tokens reached there)
     end_of_generation: bool  # tokens[-1] ends generation
     near_ties: tuple[NearTie, ...] = ()  # greedy: tokens chosen at a near-tie (`at`: index in tokens)
+    left_to: int | None = None  # first_path: the node off the first path that carried `bonus`
 
     @property
     def accepted_depth(self) -> int:
@@ -50,6 +51,7 @@ def accept_path(
     max_tokens: int | None = None,
     rules: PathRules | None = None,
     tie_nats: float = NEAR_TIE_NATS,
+    first_path: bool = False,
 ) -> Acceptance:
     """Return the accepted path and the tokens to emit, given the target's logits for every node.
 
@@ -59,6 +61,12 @@ def accept_path(
     tokens[i] is drawn from row nodes[i]. `rules`, if given, shape every row the walk reads and
     follow every token it emits. A greedy walk notes each token chosen at a near-tie
     (sampling.near_tie, within `tie_nats`): a pass of another shape may have chosen the other token there.
+
+    `first_path`: the walk stops where it leaves the tree's first path (nodes 0..d, laid first in
+    the pass: DraftTree.path_first): the token the target drew there, from a first-path row, is
+    emitted last as the bonus (the node that carried it is `left_to`), and no row off that path is
+    read, so every emitted token was chosen by a row computed in the cells plain decoding gives
+    those positions (docs/exactness.md).
     """
     if target_logits.ndim != 2 or target_logits.shape[0] < len(tree):
         raise ValueError(f"need one logit row per tree node ({len(tree)}), got shape {target_logits.shape}")
@@ -78,8 +86,8 @@ def accept_path(
         tokens.append(token)
         # The target drew `token` itself; the draft is right iff a child carries it: descend, else stop.
         child = tree.find_child(node, token)
-        if child is None:
-            return Acceptance(tuple(nodes), tuple(tokens), token, bool(is_eog(token)), tuple(ties))
+        if child is None or (first_path and child != len(nodes)):
+            return Acceptance(tuple(nodes), tuple(tokens), token, bool(is_eog(token)), tuple(ties), left_to=child)
         node = child
         nodes.append(child)
         if is_eog(token) or len(tokens) >= limit:

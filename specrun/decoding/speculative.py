@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import replace
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -24,7 +23,7 @@ from specrun.core.rules import PathRules
 from specrun.core.sampling import SamplingParams, choose_token, near_tie, near_tie_nats, token_logprobs
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, network_size
-from specrun.core.verify import Acceptance, accept_path
+from specrun.core.verify import accept_path
 from specrun.decoding.adaptive import Average
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
@@ -72,6 +71,13 @@ class SpeculativeDecoder:
         # build, or where a quantized cache's attention reads cells one by one (a Q4_1 target's trees
         # then verify bit for bit, their first path laid first, docs/exactness.md).
         self.sizer = StepSizer(guard, together, chains_exact=not self.chain_only and chains_exact(target_ctx))
+        # Where the target's attention runs on this CPU, a greedy step with the cache to itself
+        # keeps its cells in position order as plain decoding's, its tree's first path laid first
+        # and only what that path chose kept (verify.accept_path), even where its rows round otherwise:
+        # a tree's other branches leave their holes after the text, not inside it, where the next
+        # tokens would move every later row's sums (a Q4_1 target's trees of 8-32 nodes gave plain
+        # decoding's answer in 9 of 9 prompts, 4-6 without; docs/exactness.md, "Cells in order").
+        self.cells_in_order = not target_model.offloaded
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
         # The drafter grows its tree on while the target's pass runs elsewhere (runtime sets it:
@@ -167,7 +173,7 @@ class SpeculativeDecoder:
             if forced:
                 proposal = graft_forced(proposal, pending, forced, min(self.ctx.n_batch, room) - 1,
                                         chain=self.chain_only, max_leaves=len(self.lane.seqs))
-            step = self._verify(proposal, pending, params, rng, remaining, rules, forced=only_forced)
+            step = self._verify(proposal, pending, params, rng, remaining, rules, forced=only_forced, along=forced)
             step.total_s = time.perf_counter() - t_start
             step.shared = self.lane.shared
             stats.steps.append(step)
@@ -201,8 +207,9 @@ class SpeculativeDecoder:
             self.sizer.record(step)
 
     def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int,
-                rules: PathRules | None = None, forced: bool = False) -> Step:
-        """Score root + tree with one target pass, walk it, and keep the accepted path in the cache."""
+                rules: PathRules | None = None, forced: bool = False, along: Sequence[int] = ()) -> Step:
+        """Score root + tree with one target pass, walk it, and keep the accepted path in the cache
+        (`along`: a grammar's forced run, which a tree's first path follows)."""
 
         ctx, cache, batch, lane = self.ctx, self.cache, self.tree_batch, self.lane
         p0 = cache.n_cached
@@ -216,11 +223,12 @@ class SpeculativeDecoder:
         # only where a chain's logits are plain decoding's), or a whole tree where the kernels
         # are batch invariant and the request has the cache to itself: there a tree's first path
         # (its nodes first in the batch: DraftTree.path_first) is scored with plain decoding's
-        # logits bit for bit, and a greedy step keeps only what those rows chose (_on_first_path).
-        exact_path = params.greedy and self.sizer.chains_exact and lane.gate is None
-        tree, kept = proposal.tree.with_leaves(1 if params.reproducible and not exact_path else len(lane.seqs))
-        if exact_path:
-            tree, order = tree.path_first()
+        # logits bit for bit, and a greedy step keeps only what those rows chose (accept_path's first_path);
+        # on this CPU a greedy step does so too, for its cells' order (cells_in_order).
+        first_path = params.greedy and lane.gate is None and (self.sizer.chains_exact or self.cells_in_order)
+        tree, kept = proposal.tree.with_leaves(1 if params.reproducible and not first_path else len(lane.seqs))
+        if first_path:
+            tree, order = tree.path_first(along)
             kept = kept[order]
         n_drafted = len(tree)  # (nodes from here on are filler: network_shape)
         if self.network_sizes:
@@ -243,10 +251,8 @@ class SpeculativeDecoder:
         logits = lane.run(batch, solo=params.reproducible, meanwhile=meanwhile)
         target_s = lane.pass_s  # llama.cpp's time, not the wait for other requests' batches
         acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules,
-                                 tie_nats=self.tie_nats)
-        child_ranks = _child_ranks(tree, acceptance.nodes, acceptance.bonus)
-        if exact_path:
-            acceptance = _on_first_path(acceptance, self.eog)
+                                 tie_nats=self.tie_nats, first_path=first_path)
+        child_ranks = _child_ranks(tree, acceptance.nodes, acceptance.bonus, acceptance.left_to)
         keep_tree_path(lane, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
         nodes = [int(kept[n]) for n in acceptance.nodes if n < n_drafted]  # the accepted path in the drafter's ids
@@ -499,25 +505,10 @@ def keep_tree_path(lane: Lane, layout, nodes: Sequence[int], p0: int) -> None:
         lane.keep(base, used=layout.n_colours)
 
 
-def _on_first_path(acceptance: Acceptance, eog: frozenset[int]) -> Acceptance:
-    """The accepted path cut where it leaves the tree's first path (nodes 0..d: path_first): the
-    node it leaves to was chosen by its parent's row, a first-path row, so its token is emitted
-    as the step's last (the next root, its KV dropped, computed again in the next pass at its
-    own cell); its row and the rows below it, computed in other cells, choose nothing."""
-    nodes = acceptance.nodes
-    k = 1
-    while k < len(nodes) and nodes[k] == k:
-        k += 1
-    if k == len(nodes):
-        return acceptance
-    tokens = acceptance.tokens[:k]
-    return replace(acceptance, nodes=nodes[:k], tokens=tokens, bonus=tokens[-1], end_of_generation=tokens[-1] in eog,
-                   near_ties=tuple(tie for tie in acceptance.near_ties if tie.at < k))
-
-
-def _child_ranks(tree, nodes: list[int], bonus) -> tuple[int, ...]:
+def _child_ranks(tree, nodes: list[int], bonus, left_to: int | None = None) -> tuple[int, ...]:
     """For each visited node (the accepted path `nodes`, then a `bonus` token drawn past it, if
-    any): 1 + position of the chosen child among its children, 0 if none.
+    any): 1 + position of the chosen child among its children (`left_to`: the child that carried
+    the bonus where the walk kept to the first path), 0 if none.
 
     Children are stored best-first and pruning keeps a prefix of them, so position = draft rank.
     """
@@ -525,6 +516,8 @@ def _child_ranks(tree, nodes: list[int], bonus) -> tuple[int, ...]:
     for depth, node in enumerate(nodes):
         if depth + 1 < len(nodes):
             ranks.append(tree.children(node).index(nodes[depth + 1]) + 1)
+        elif left_to is not None:
+            ranks.append(tree.children(node).index(left_to) + 1)
         elif bonus is not None and tree.children(node):
             ranks.append(0)
     return tuple(ranks)
