@@ -128,17 +128,26 @@ def test_on_a_cpu_greedy_trees_keep_their_cells_in_order_and_a_q4_1_targets_answ
     from specrun.runtime.trees import TreePlan
 
     q4 = str(offline_models.smollm2_q4)
-    shape = TreeShape(16, 16, 8, 8)
+    shape, large = TreeShape(16, 16, 8, 8), TreeShape(64, 16, 8, 8)
     opts = RunOptions(target=q4, draft=q4, ctx_size=1024, lookup=False, quiet=True, threads=2)
 
     def answer(decoder, prompt):
         steps = list(decoder.steps(prompt, SamplingParams(), 96, make_rng(None)))
         return [t for s in steps for t in s.tokens], steps
 
-    with Runtime(opts, shape_override=shape) as rt:
+    with Runtime(opts, shape_override=large) as rt:
         tree = make_decoder(TreePlan(shape, BEST_FIRST, "flags"), rt.target, rt.target_ctx, rt.draft, rt.draft_ctx,
                             guard=False)
         assert tree.cells_in_order and not tree.sizer.chains_exact  # (f16: not bit for bit, in order)
+        # A tree of 64 nodes would take a pass of 65 tokens: the f16 cache's attention tiles such
+        # a pass, a row's cells grouped by place (2 of the 9 prompts' answers were plain decoding's),
+        # so the step verifies the first 62 nodes, its first path among them (9 of 9).
+        wide = make_decoder(TreePlan(large, BEST_FIRST, "flags"), rt.target, rt.target_ctx, rt.draft, rt.draft_ctx,
+                            guard=False)
+        prompt = rt.tokenize_prompt("Explain why the sky is blue to a ten-year-old.", chat=True)
+        plain, _ = answer(make_decoder(None, rt.target, rt.target_ctx), prompt)
+        ours, steps = answer(wide, prompt)
+        assert ours == plain and 32 < max(s.tree_nodes for s in steps) <= kv.TILE_ROWS - 2
         for text in ("Explain why the sky is blue to a ten-year-old.",
                      "Write a short story about a lighthouse keeper who finds a message in a bottle."):
             prompt = rt.tokenize_prompt(text, chat=True)
