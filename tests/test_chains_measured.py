@@ -88,7 +88,7 @@ def test_only_targets_whose_trees_could_verify_exactly_are_measured(offline_mode
     claimed = ctx.batch_invariant
     assert kv.chains_exact(ctx) is (claimed and kv.chains_alike(ctx))
     assert len(measured) == int(claimed)
-    monkeypatch.setattr(engine.Context, "batch_invariant", property(lambda ctx: True))
+    monkeypatch.setattr("specrun.engine.context.runs_batch_invariant", lambda: True)
     alike = kv.chains_alike(ctx)
     assert kv.chains_exact(ctx) is alike and len(measured) == 1
     assert alike is engine.runs_batch_invariant()  # (F32: tinyBLAS from two tokens where llamafile is built)
@@ -101,13 +101,13 @@ def test_a_build_claim_the_target_refutes_is_said_at_start_and_trees_verify_as_o
     # As on a build without llamafile with a K-quant target: the build says one kernel for every
     # pass size, the target's tree passes measure otherwise. The run says so, and its greedy steps
     # keep the acceptance walk (no first-path rule, which holds only where chains are exact).
-    monkeypatch.setattr(engine.Context, "batch_invariant", property(lambda ctx: True))
+    monkeypatch.setattr("specrun.engine.context.runs_batch_invariant", lambda: True)
     opts = RunOptions(threads=1, ctx_size=512, quiet=True, flash_attn="off")
     with Runtime(opts) as rt:
         assert not rt.decoder.sizer.chains_exact and not rt.decoder.chain_only
     said = capsys.readouterr().err
     assert "this build computes every pass size with one kernel, yet this target's tree passes" in said, said
-    monkeypatch.setattr(engine.Context, "batch_invariant", property(lambda ctx: False))
+    monkeypatch.setattr("specrun.engine.context.runs_batch_invariant", lambda: False)
     with Runtime(opts) as rt:  # no claim: nothing to say (greedy near-ties are docs/exactness.md's)
         assert not rt.decoder.sizer.chains_exact
     assert "tree passes" not in capsys.readouterr().err

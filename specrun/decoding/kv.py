@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrun.decoding.batching import Lane
-from specrun.engine import Batch, kv_quantized, list_devices, llama_version_info, system_info
+from specrun.engine import Batch, chains_may_match, list_devices, llama_version_info, system_info
 from specrun.errors import ContextFullError, EngineError, UsageError
 from specrun.files import file_key
 from specrun.records import Records
@@ -360,6 +360,7 @@ def resumes_alike(ctx, seq: int, start: int, n_ctx: int) -> bool | None:
 # A tree's first path laid first in passes of these sizes, against one-token passes (chains_alike):
 # (path tokens, pass tokens), a small tree's pass and one past flash attention's tiles (TILE_ROWS).
 CHAIN_SHAPES = ((4, 8), (16, 72))
+PATH_TOKENS, PASS_TOKENS = max(p for p, _ in CHAIN_SHAPES), max(n for _, n in CHAIN_SHAPES)
 PREFIX = 8  # tokens in the cache before the path
 # What chains_alike measured, per model file, build, placement and context options: each start of
 # a run would otherwise pay it again (0.3-0.7 s on the demo models, more for a large one on a CPU).
@@ -370,10 +371,10 @@ CHAINS_METHOD = 1  # (a change to the measurement leaves the records of the old 
 def chains_exact(ctx) -> bool:
     """Whether a greedy tree's first path, laid first in its pass, is scored on this target
     context with plain decoding's logits bit for bit, so that greedy trees verify as plain
-    decoding (DraftTree.path_first, docs/exactness.md): measured (chains_alike) where the build
-    claims one kernel for every pass size (Context.batch_invariant) or the cache is quantized;
-    elsewhere the attention or the matrix products sum by the pass's size, and it is not."""
-    return (ctx.batch_invariant or kv_quantized(ctx.kv_type)) and chains_alike(ctx)
+    decoding (DraftTree.path_first, docs/exactness.md): measured (chains_alike) where its options
+    may (engine.chains_may_match: a build that claims one kernel for every pass size, or a
+    quantized cache); elsewhere it is not."""
+    return chains_may_match(ctx.flash_attn, ctx.kv_type) and chains_alike(ctx)
 
 
 def chains_alike(ctx) -> bool:
@@ -387,8 +388,7 @@ def chains_alike(ctx) -> bool:
     known = getattr(ctx, "_chains_alike", None)
     if known is not None:
         return known
-    n_pass = max(shape[1] for shape in CHAIN_SHAPES)
-    if ctx.has_state or ctx.window or ctx.n_batch < n_pass or ctx.n_seq_max < 2 or ctx.n_ctx < PREFIX + n_pass:
+    if ctx.has_state or ctx.window or ctx.n_batch < PASS_TOKENS or ctx.n_seq_max < 2 or ctx.n_ctx < PREFIX + PASS_TOKENS:
         return False
     key = _chains_key(ctx)
     record = CHAIN_RECORDS.read(key) if key else None
@@ -422,11 +422,10 @@ def _measure_chains(ctx) -> bool:
     """chains_alike's measurement: PREFIX tokens, then the path's tokens one a pass, then each
     shape's pass (the path on sequence 0 asking for its rows, branches on sequence 1), compared."""
     vocab = ctx.n_vocab
-    n_path = max(shape[0] for shape in CHAIN_SHAPES)
     prefix = [(7 * i + 11) % vocab for i in range(PREFIX)]
-    path = [(7 * i + 11) % vocab for i in range(PREFIX, PREFIX + n_path)]
+    path = [(7 * i + 11) % vocab for i in range(PREFIX, PREFIX + PATH_TOKENS)]
     branches = [(5 * i + 3) % vocab for i in range(max(n - p for p, n in CHAIN_SHAPES))]
-    batch = Batch(max(shape[1] for shape in CHAIN_SHAPES), 2)
+    batch = Batch(PASS_TOKENS, 2)
     try:
         batch.set_sequence(prefix, 0, 0, "none")
         ctx.decode(batch)

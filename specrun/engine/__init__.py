@@ -21,7 +21,7 @@ from specrun.engine.backend import (
     llama_version_info,
 )
 from specrun.engine.context import (
-    DEFAULT_KV_TYPE, KV_TYPES, Batch, Context, Detokenizer, default_flash_attn, default_threads, kv_quantized, passes_batch_invariant,
+    DEFAULT_KV_TYPE, KV_TYPES, Batch, Context, Detokenizer, chains_may_match, default_flash_attn, default_threads, kv_quantized, passes_batch_invariant,
 )
 from specrun.engine.devices import (
     DeviceInfo,
@@ -51,5 +51,5 @@ from specrun.limits import MAX_SEQ
 __all__ = [
     "GGUF_MAGIC", "MAX_SEQ", "Allocation", "Batch", "captured_log", "ContextSpec", "Simulation", "Context", "Detokenizer", "DeviceInfo", "Model", "MtpContext", "backend_names", "check_mtp_support", "cpu_kernels_batch_invariant",
     "embeddings_nextn_row", "enable_target_rows", "n_layer_nextn",
-    "DEFAULT_KV_TYPE", "KV_TYPES", "check_gguf_file", "default_flash_attn", "default_threads", "gguf_architecture", "gguf_data_bytes", "gguf_has_mtp_layers", "gguf_has_sliding_window", "gguf_header_facts", "kv_quantized", "list_devices", "llama_version_info", "passes_batch_invariant", "remote_devices", "runs_batch_invariant", "quantize", "system_info",
+    "DEFAULT_KV_TYPE", "KV_TYPES", "chains_may_match", "check_gguf_file", "default_flash_attn", "default_threads", "gguf_architecture", "gguf_data_bytes", "gguf_has_mtp_layers", "gguf_has_sliding_window", "gguf_header_facts", "kv_quantized", "list_devices", "llama_version_info", "passes_batch_invariant", "remote_devices", "runs_batch_invariant", "quantize", "system_info",
 ]

@@ -188,6 +188,14 @@ def passes_batch_invariant(flash_attn: str | None = None, kv_type: str | None = 
     return kv_quantized(kv_type) or (flash_attn or default_flash_attn(kv_type)) == "off"
 
 
+def chains_may_match(flash_attn: str | None = None, kv_type: str | None = None) -> bool:
+    """Whether a context with these options may score a tree's chains as its one-token passes,
+    for decoding.kv.chains_exact to measure on the loaded target: where every pass size is claimed
+    to round alike (passes_batch_invariant) or a quantized cache's attention reads a row's cells
+    one by one; elsewhere its attention or matrix products sum by the pass's size."""
+    return kv_quantized(kv_type) or passes_batch_invariant(flash_attn, kv_type)
+
+
 def default_threads() -> int:
     """Return the thread count llama.cpp runs best with here: the usable CPU cores."""
     try:

@@ -136,12 +136,17 @@ class Runtime:
         if plan.untuned and not quiet and not self.profile_set_aside:
             self._suggest_tuning()
 
+    @property
+    def chains_exact(self) -> bool:
+        """Whether greedy chains verify as one-token passes here, bit for bit (kv.chains_exact,
+        measured as the decoders opened; every decoder shares the target's context)."""
+        return getattr(getattr(self.decoder, "sizer", None), "chains_exact", False)
+
     def _say_how_trees_verify(self) -> None:
         """Warn where greedy trees were expected to verify as plain decoding bit for bit (a build
         without llamafile) or a quantized cache can carry a tree pass's rounding into whole steps,
         and the target context measured otherwise as the decoders opened (kv.chains_exact)."""
-        sizer = getattr(self.decoder, "sizer", None)
-        if sizer is None or self.decoder.chain_only or sizer.chains_exact:
+        if getattr(self.decoder, "sizer", None) is None or self.decoder.chain_only or self.chains_exact:
             return
         ctx = self.target_ctx
         if engine.kv_quantized(ctx.kv_type):  # (docs/exactness.md, "A quantized KV cache")

@@ -56,9 +56,8 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
             server.should_exit = True
 
     # Greedy chains verify as one-token passes only where measured so as the decoders open
-    # (decoding.kv.chains_exact): a build without llamafile, or a quantized cache's attention.
-    could_chain = engine.passes_batch_invariant(opts.flash_attn, opts.kv_type) or engine.kv_quantized(opts.kv_type)
-    if settings.reproducible and (opts.rpc or not could_chain):
+    # (decoding.kv.chains_exact), and only where the target context's options may.
+    if settings.reproducible and (opts.rpc or not engine.chains_may_match(opts.flash_attn, opts.kv_type)):
         # Every request decodes in one-token passes (SamplingParams.reproducible): no draft to load.
         opts = replace(opts, no_spec=True)
     if settings.reproducible and opts.parallel != 1 and not engine.kv_quantized(opts.kv_type):

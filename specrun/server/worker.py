@@ -300,7 +300,7 @@ class GenerationWorker(QueueWorker):
         self._unloading = False
 
     def _chains_exact(self) -> bool:
-        return any(getattr(getattr(decoder, "sizer", None), "chains_exact", False) for decoder in self.runtime.decoders)
+        return self.runtime.chains_exact
 
     def _load(self) -> str:
         rt = Runtime(self.opts)
