@@ -63,7 +63,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
                  gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None, throughput=False,
-                 mmap=None, flash_attn=None, kv_type=None):
+                 mmap=None, flash_attn=None, kv_type=None, reproducible=False):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -89,7 +89,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
         parallel=parallel, memory=memory, memory_scope=memory_scope, throughput=throughput, mmap=mmap,
-        flash_attn=flash_attn, kv_type=kv_type)
+        flash_attn=flash_attn, kv_type=kv_type, reproducible=reproducible)
 
 
 def _version_callback(value: bool) -> None:
@@ -194,7 +194,8 @@ def generate(
             raise UsageError("--system needs chat mode (drop --raw)")
         if (parallel > 1 or throughput) and not jsonl:
             raise UsageError(f"{'--parallel' if parallel > 1 else '--throughput'} needs --jsonl: only JSONL requests are decoded together")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput,
+                            reproducible=reproducible and not jsonl)  # (--jsonl: each line says)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(

@@ -156,3 +156,33 @@ def test_serve_reproducible_keeps_its_draft_where_a_quantized_cache_measures_cha
         assert "greedy in chains that verify as one-token passes" in ready and "smollm2-tiny-random" in ready, ready
         ours, timings = _ask(pinned_q4, LIST)
     assert ours == reference and timings["draft_n"] > 0
+
+
+def test_serve_reproducible_loads_no_draft_where_chains_measure_otherwise(tmp_path_factory):
+    """The F32 demo target over a q8_0 cache: where its chains round unlike its one-token passes
+    (the default build: llamafile's kernels from two tokens on), every request of a reproducible
+    server decodes one token a pass, so the draft model is not loaded and no warning about
+    speculation's answers is shown; where they measure exact (a build without llamafile) it stays."""
+    f32_quantized = ("--kv-type", "q8_0", "--threads", "1", "--parallel", "1")
+    with running_server(tmp_path_factory.mktemp("serve-f32-q8"), "--reproducible", *f32_quantized) as srv:
+        ready = next(line for line in srv.stderr_lines if "every request reproducible" in line)
+        answer, timings = _ask(srv, LIST)
+    chains = "greedy in chains that verify as one-token passes" in ready
+    assert chains is CHAINS, ready
+    if chains:
+        assert "smollm2-135m-q4" in ready, ready
+    else:
+        assert "one token each" in ready and "without a draft (plain decoding)" in ready, ready
+        assert not any("with speculation" in line for line in srv.stderr_lines), srv.stderr
+        assert timings["draft_n"] == 0 and len(answer) == N_TOKENS
+
+
+def test_serve_reproducible_takes_any_drafter_option(plain, tmp_path_factory):
+    """--reproducible beside --draft lookup: where nothing may draft, the server decodes plainly
+    rather than refusing the pair of options, and answers as plain decoding does."""
+    with running_server(tmp_path_factory.mktemp("serve-pinned-lookup"), "--reproducible", "--draft", "lookup", *ALIKE) as srv:
+        ready = next(line for line in srv.stderr_lines if "every request reproducible" in line)
+        ours, _ = _ask(srv, LIST)
+    assert ("greedy in chains" in ready) is CHAINS, ready
+    reference, _ = _ask(plain, LIST)
+    assert [token for token, _ in ours] == [token for token, _ in reference]

@@ -53,6 +53,10 @@ class RunOptions:
     flash_attn: str | None = None
     # --kv-type f16/q8_0/q4_0: the target's KV cache cells (engine.Context); None: f16
     kv_type: str | None = None
+    # serve --reproducible, generate --reproducible (but --jsonl, whose lines may say otherwise):
+    # every request is decoded as a reproducible one, so nothing drafts unless the target's greedy
+    # chains measure as its one-token passes (decoding.kv.chains_exact; the Runtime decides)
+    reproducible: bool = False
 
     def profile_options(self) -> dict:
         """The options a tuning profile is kept apart by (tuning.profiles.profile_key, load)."""

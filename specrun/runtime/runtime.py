@@ -14,7 +14,7 @@ from dataclasses import replace
 from specrun import engine, ui
 from specrun.chat.session import ChatFormat
 from specrun.decoding.batching import Lane, PassGate
-from specrun.decoding.kv import probe_context
+from specrun.decoding.kv import chains_exact, probe_context
 from specrun.decoding.memory import OutputMemory, memory_note, memory_path
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
@@ -67,6 +67,9 @@ class Runtime:
 
     def __init__(self, plan: Plan | RunOptions, shape_override=None):
         if isinstance(plan, RunOptions):
+            if plan.reproducible and (plan.rpc or not engine.chains_may_match(plan.flash_attn, plan.kv_type)):
+                # Every request decodes in one-token passes (SamplingParams.reproducible): nothing drafts.
+                plan = replace(plan, no_spec=True, lookup=None, draft=None)
             self.opts = plan
             plan = build_plan(plan, shape_override)
         else:
@@ -90,6 +93,10 @@ class Runtime:
                     self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"], plan.threads)
                 if plan.check is not None:
                     plan = self._checked(plan, quiet)
+                if self.opts is not None and self.opts.reproducible and plan.speculative and not chains_exact(self.target_ctx):
+                    # Every request decodes in one-token passes here (SamplingParams.reproducible).
+                    plan = replace(plan, tree=None, draft_ctx=None, untuned=False, why=(
+                        "every request reproducible, and this target's chains round unlike its one-token passes here"))
                 _, draft_load = load_arguments(plan)
                 if plan.draft_loaded:
                     self.draft = self._load(plan.files.draft_path, **draft_load)

@@ -55,11 +55,9 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         if server is not None:
             server.should_exit = True
 
-    # Greedy chains verify as one-token passes only where measured so as the decoders open
-    # (decoding.kv.chains_exact), and only where the target context's options may.
-    if settings.reproducible and (opts.rpc or not engine.chains_may_match(opts.flash_attn, opts.kv_type)):
-        # Every request decodes in one-token passes (SamplingParams.reproducible): no draft to load.
-        opts = replace(opts, no_spec=True)
+    # Every request reproducible: the runtime loads a draft only where greedy chains measure as
+    # one-token passes (RunOptions.reproducible).
+    opts = replace(opts, reproducible=settings.reproducible)
     if settings.reproducible and opts.parallel != 1 and not engine.kv_quantized(opts.kv_type):
         ui.warn("--reproducible beside other requests: an f16 KV cache rounds a prompt of 64 tokens or more, or a "
                 "cache past 511 cells, by where its cells sit; --kv-type q8_0 does not, --parallel 1 neither "
