@@ -13,7 +13,7 @@ from specrun.hardware.offload import (
     Device,
     ModelSize,
     compute_buffer_bytes,
-    kv_cache_bytes,
+    kv_bytes_per_layer,
     plan_offload,
 )
 
@@ -63,10 +63,27 @@ def test_no_gpu_keeps_everything_in_ram():
     assert plan.fits and plan.warnings == ()
 
 
+def kv_cache_bytes(model: ModelSize, n_ctx: int, kv_type: str | None = None) -> int:
+    return model.n_layer * kv_bytes_per_layer(model, n_ctx, kv_type)
+
+
 def test_kv_cache_follows_the_formula():
     # 2 (K, V) * 48 layers * 4096 cells * 8 kv heads * 128 dims * 2 bytes (f16)
     assert kv_cache_bytes(QWEN25_14B_Q4KM, 4096) == 2 * 48 * 4096 * 1024 * 2
     assert kv_cache_bytes(QWEN25_14B_Q4KM, 4000) == kv_cache_bytes(QWEN25_14B_Q4KM, 4096)  # padded
+    # --kv-type: ggml's blocks of 32 values, q8_0 in 34 bytes, q4_0 in 18
+    assert kv_cache_bytes(QWEN25_14B_Q4KM, 4096, "q8_0") == 2 * 48 * 4096 * 1024 * 34 // 32
+    assert kv_cache_bytes(QWEN25_14B_Q4KM, 4096, "q4_0") == 2 * 48 * 4096 * 1024 * 18 // 32
+
+
+def test_a_quantized_kv_cache_leaves_room_for_more_layers():
+    """Where llama.cpp's simulation cannot run (a shape planned before the download), the
+    planner's own formula counts the target's cache at --kv-type's bytes: more layers fit."""
+    card = [Device("GPU0", 10 * GB, 10 * GB)]
+    f16 = plan_offload(QWEN25_14B_Q4KM, None, card, RAM, 32768, 512)
+    q8 = plan_offload(QWEN25_14B_Q4KM, None, card, RAM, 32768, 512, kv_type="q8_0")
+    assert 0 < f16.target_gpu_layers < q8.target_gpu_layers
+    assert q8.device_bytes[0] <= 10 * GB - DEFAULT_MARGIN_BYTES
 
 
 @pytest.mark.parametrize(

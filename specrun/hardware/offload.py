@@ -27,8 +27,9 @@ MIB = 1024**2
 # fragmentation, and estimation error in the buffers below.
 DEFAULT_MARGIN_BYTES = 512 * MIB
 
-# The KV cache holds f16 keys and values, in cells rounded up to a multiple of 256.
-KV_BYTES_PER_VALUE = 2
+# The KV cache's bytes a key or value (--kv-type; ggml's blocks of 32: q8_0 an f16 scale and 32
+# bytes, q4_0 a scale and 16), in cells rounded up to a multiple of 256.
+KV_BYTES_PER_VALUE = {"f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}
 KV_CELL_PADDING = 256
 
 # CUDA (and Metal, Vulkan, SYCL) run a matmul on RAM-resident weights on the GPU, copied over, from this many
@@ -173,15 +174,10 @@ def target_mapped(plan: OffloadPlan, devices: Sequence[Device]) -> bool | None:
     return False if op_offload_step(plan, devices) and plan.ram_fits else None
 
 
-def kv_bytes_per_layer(model: ModelSize, n_ctx: int) -> int:
-    """Return the f16 K and V cache of one layer for n_ctx cells."""
+def kv_bytes_per_layer(model: ModelSize, n_ctx: int, kv_type: str | None = None) -> int:
+    """Return the K and V cache of one layer for n_ctx cells, of the type given (None: f16)."""
     cells = math.ceil(n_ctx / KV_CELL_PADDING) * KV_CELL_PADDING
-    return cells * (model.n_embd_k_gqa + model.n_embd_v_gqa) * KV_BYTES_PER_VALUE
-
-
-def kv_cache_bytes(model: ModelSize, n_ctx: int) -> int:
-    """Return the whole KV cache: 2 (K and V) * n_layer * n_ctx * n_embd_kv * 2 bytes."""
-    return model.n_layer * kv_bytes_per_layer(model, n_ctx)
+    return math.ceil(cells * (model.n_embd_k_gqa + model.n_embd_v_gqa) * KV_BYTES_PER_VALUE[kv_type or "f16"])
 
 
 def compute_buffer_bytes(model: ModelSize, n_ctx: int, n_tokens: int, flash_attn: bool = False) -> int:
@@ -302,7 +298,7 @@ class _Buffers:
 
     @classmethod
     def of(cls, model: ModelSize, n_ctx: int, n_tokens: int, flash_attn: bool,
-           measured: ContextBytes | None = None) -> _Buffers:
+           measured: ContextBytes | None = None, kv_type: str | None = None) -> _Buffers:
         """The buffers llama.cpp sizes (`measured`: its simulation; the context spread evenly over
         the layers, each placed with its layer), else estimated from the model's shape."""
         copies = OP_OFFLOAD_COPIED_TENSORS * model.largest_tensor()
@@ -311,7 +307,7 @@ class _Buffers:
                        weight_copies=copies, weight_copies_no_output=max(copies, model.output_bytes),
                        logits=measured.output)
         return cls(
-            kv_layer=kv_bytes_per_layer(model, n_ctx),
+            kv_layer=kv_bytes_per_layer(model, n_ctx, kv_type),
             compute=compute_buffer_bytes(model, n_ctx, n_tokens, flash_attn),
             weight_copies=copies,
             weight_copies_no_output=max(copies, model.output_bytes),
@@ -466,6 +462,7 @@ def plan_offload(
     gpu_layers_override: int | None = None,
     flash_attn: bool = False,
     measured: tuple[ContextBytes | None, ContextBytes | None] = (None, None),
+    kv_type: str | None = None,
 ) -> OffloadPlan:
     """Return where the target's layers and the draft go, and the memory that needs.
 
@@ -482,7 +479,8 @@ def plan_offload(
        RAM minus the margin. Weights are memory-mapped, so that still runs, reading from disk.
 
     `measured` holds the target's and the draft's context figures as llama.cpp sizes them (its
-    simulation with the run's parameters); a model without them is estimated from its shape.
+    simulation with the run's parameters); a model without them is estimated from its shape, the
+    target's cache of `kv_type` (--kv-type; the draft's stays f16).
     `gpu_layers_override` (the user's --gpu-layers; negative = all) replaces the search in step 2;
     the plan still reports the predicted memory and warns when a device would overflow. It does
     not move the draft.
@@ -509,7 +507,7 @@ def plan_offload(
         else:
             ram = ram.plus(draft.file_bytes, draft_context, draft_buffers.compute, draft_buffers.logits)
 
-    buffers = _Buffers.of(target, n_ctx, n_tokens, flash_attn, measured[0])
+    buffers = _Buffers.of(target, n_ctx, n_tokens, flash_attn, measured[0], kv_type)
     slots = target.n_layer + 1
     overridden = gpu_layers_override is not None
     cpu_expert_layers, on_gpus = 0, target

@@ -158,13 +158,15 @@ def plan(
     override: int | None = None,
     ram_free_bytes: int | None = None,
     measured: Measured | None = None,
+    kv_type: str | None = None,
 ) -> offload.OffloadPlan:
     """Return where the target's layers and the draft go on these GPUs, for contexts of n_ctx
     cells whose forward passes hold up to n_ubatch tokens (the compute buffer grows with it);
-    `measured(n_ctx)` gives llama.cpp's own context figures for both models."""
+    `measured(n_ctx)` gives llama.cpp's own context figures for both models (else the target's
+    cache is estimated at `kv_type`'s bytes)."""
     placed = offload.plan_offload(
         target, draft, list(gpus), sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes,
-        n_ctx, n_ubatch, gpu_layers_override=override, measured=_measured(measured, n_ctx),
+        n_ctx, n_ubatch, gpu_layers_override=override, measured=_measured(measured, n_ctx), kv_type=kv_type,
     )
     if gpus:
         for warning in placed.warnings:
@@ -188,6 +190,7 @@ def largest_context(
     override: int | None = None,
     ram_free_bytes: int | None = None,
     measured: Measured | None = None,
+    kv_type: str | None = None,
 ) -> tuple[int, str]:
     """Return the context to use when none is asked for, and why: the target's trained context,
     lowered (as llama.cpp's --fit does) until the plan fits without moving more target layers (or
@@ -200,7 +203,7 @@ def largest_context(
 
     def placed(n_ctx: int) -> offload.OffloadPlan:
         return offload.plan_offload(target, draft, list(gpus), free, n_ctx, min(n_ubatch, n_ctx),
-                                    gpu_layers_override=override, measured=_measured(measured, n_ctx))
+                                    gpu_layers_override=override, measured=_measured(measured, n_ctx), kv_type=kv_type)
 
     base = placed(floor)
 

@@ -364,7 +364,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         if auto_ctx:
             widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
             n_ctx, ctx_why = placement.largest_context(target_size, draft_size, gpus, widest, opts.gpu_layers,
-                                                       ram_free_bytes, measured=measure)
+                                                       ram_free_bytes, measured=measure, kv_type=opts.kv_type)
         else:
             n_ctx, ctx_why = opts.ctx_size, "--ctx-size"
         if tree is not None and tree.verified.budget + 1 > n_ctx:
@@ -381,7 +381,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         else:
             placed = placement.plan(
                 target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
-                ram_free_bytes=ram_free_bytes, measured=measure,
+                ram_free_bytes=ram_free_bytes, measured=measure, kv_type=opts.kv_type,
             )
         notes.extend(measure.notes)
         plan = Plan(
