@@ -11,7 +11,8 @@ answer, a raw completion, an Ollama chat, a stream the client drops after a few 
 request the server must refuse (over the context; a field of the wrong type). Every --sample-s
 seconds it notes the server's RSS, threads and open files. At the end: the samples, the counts of
 answers by status, whether any was a 5xx, and whether Ctrl-C stopped the server cleanly (exit 0).
-A line that keeps rising after the first minutes is a leak; one that levels off is a cache filling.
+A line that keeps rising after the first minutes is a leak; one that levels off is a cache filling
+(each sample also says what the memory of earlier answers holds: `/v1/models`' meta.answers_memory).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def main() -> None:
     statuses: Counter = Counter()
     lock = threading.Lock()
     stop = time.monotonic() + args.minutes * 60
-    samples = [_sample(pid, 0.0)]
+    samples = [_sample(pid, 0.0, url)]
     t0 = time.monotonic()
 
     def client(c: int) -> None:
@@ -62,11 +63,11 @@ def main() -> None:
         t.start()
     while time.monotonic() < stop:
         time.sleep(min(args.sample_s, max(0.0, stop - time.monotonic())))
-        samples.append(_sample(pid, time.monotonic() - t0))
+        samples.append(_sample(pid, time.monotonic() - t0, url))
     for t in threads:
         t.join()
     time.sleep(2)
-    samples.append(_sample(pid, time.monotonic() - t0))  # idle again
+    samples.append(_sample(pid, time.monotonic() - t0, url))  # idle again
     server.proc.send_signal(signal.SIGINT)
     try:
         code = server.proc.wait(60)
@@ -128,17 +129,21 @@ def _request(http: httpx.Client, i: int, prompt: str, args) -> int | str:
         return type(e).__name__
 
 
-def _sample(pid: int, at_s: float) -> dict:
+def _sample(pid: int, at_s: float, url: str) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
     rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
     threads = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:"))
+    # The memory of earlier answers, which grows (by doubling) up to its bound: /v1/models says it.
+    memory = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["meta"].get("answers_memory") or {}
     return {"at_s": round(at_s, 1), "rss_mib": round(rss, 1), "threads": threads,
-            "open_files": len(os.listdir(f"/proc/{pid}/fd"))}
+            "open_files": len(os.listdir(f"/proc/{pid}/fd")), "memory_answers": memory.get("answers"),
+            "memory_mib": round(memory["bytes"] / 2**20, 1) if memory else None}
 
 
 def _table(report: dict) -> str:
-    lines = ["| at (s) | RSS (MiB) | threads | open files |", "|---|---|---|---|"]
-    lines += [f"| {s['at_s']} | {s['rss_mib']} | {s['threads']} | {s['open_files']} |" for s in report["samples"]]
+    lines = ["| at (s) | RSS (MiB) | threads | open files | memory of answers: answers / MiB |", "|---|---|---|---|---|"]
+    lines += [f"| {s['at_s']} | {s['rss_mib']} | {s['threads']} | {s['open_files']} | {s['memory_answers']} / {s['memory_mib']} |"
+              for s in report["samples"]]
     lines += ["", f"{report['requests']} requests: {report['statuses']}; 5xx: {report['server_errors']}; "
                   f"exit code after Ctrl-C: {report['exit_code_after_ctrl_c']}"]
     return "\n".join(lines)

@@ -159,6 +159,9 @@ def test_chat_answer_with_usage_and_timings(client):
     assert timings["predicted_n"] == reply.usage.completion_tokens
     assert timings["prompt_n"] + timings["cache_n"] == reply.usage.prompt_tokens
     assert timings["draft_n_accepted"] <= timings["draft_n"]
+    # The answer joined the memory of answers, which /v1/models measures (the soak watches it grow).
+    memory = client.models.list().data[0].model_extra["meta"]["answers_memory"]
+    assert memory["answers"] >= 1 and memory["tokens"] > reply.usage.completion_tokens and memory["bytes"] > 0
 
 
 def test_chat_stream_arrives_in_pieces(client):

@@ -187,6 +187,15 @@ class RequestGuard:
 # Routes
 
 
+def _answers_memory(worker: QueueWorker) -> dict | None:
+    """The memory of earlier answers (decoding.memory) as it stands: answers, tokens and bytes
+    kept (None where the runtime lives in another process: --rpc)."""
+    memory = getattr(getattr(worker, "runtime", None), "memory", None)
+    if memory is None:
+        return None
+    return {"answers": memory.answers, "tokens": len(memory), "bytes": memory.nbytes()}
+
+
 def _add_routes(app: FastAPI, worker: QueueWorker) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -206,7 +215,8 @@ def _add_routes(app: FastAPI, worker: QueueWorker) -> None:
                  "meta": {"draft": info.draft, "drafter": info.drafter, "n_ctx": info.n_ctx,
                           "n_ctx_train": info.n_ctx_train, "tree_budget": info.tree_budget,
                           "reproducible": worker.reproducible,  # serve --reproducible: every request
-                          "throughput": info.throughput}}  # serve --throughput (with --parallel N > 1)
+                          "throughput": info.throughput,  # serve --throughput (with --parallel N > 1)
+                          "answers_memory": _answers_memory(worker)}}
         return JSONResponse({"object": "list", "data": [entry]})
 
     @app.get("/props")
