@@ -173,7 +173,7 @@ def test_serve_reproducible_loads_no_draft_where_chains_measure_otherwise(tmp_pa
         assert "smollm2-135m-q4" in ready, ready
     else:
         assert "one token each" in ready and "without a draft (plain decoding)" in ready, ready
-        assert not any("with speculation" in line for line in srv.stderr_lines), srv.stderr
+        assert not any("with speculation" in line or "memory plan is off" in line for line in srv.stderr_lines), srv.stderr
         assert timings["draft_n"] == 0 and len(answer) == N_TOKENS
 
 

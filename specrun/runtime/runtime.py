@@ -89,14 +89,12 @@ class Runtime:
         with engine.captured_log() as lines:  # what llama.cpp says it allocated, checked below
             try:
                 self.target = self._load(plan.files.target_path, **target_load)
+                if self.opts is not None and self.opts.reproducible and plan.speculative:
+                    plan = self._reproducible(plan, lines, target_load["op_offload"], shape_override)
                 with engine.captured_log() as target_lines:
                     self.target_ctx = self._context(self.target, plan.target_ctx, target_load["op_offload"], plan.threads)
                 if plan.check is not None:
                     plan = self._checked(plan, quiet)
-                if self.opts is not None and self.opts.reproducible and plan.speculative and not chains_exact(self.target_ctx):
-                    # Every request decodes in one-token passes here (SamplingParams.reproducible).
-                    plan = replace(plan, tree=None, draft_ctx=None, untuned=False, why=(
-                        "every request reproducible, and this target's chains round unlike its one-token passes here"))
                 _, draft_load = load_arguments(plan)
                 if plan.draft_loaded:
                     self.draft = self._load(plan.files.draft_path, **draft_load)
@@ -164,6 +162,24 @@ class Runtime:
             ui.warn("this build computes every pass size with one kernel, yet this target's tree passes measure unlike "
                     "its one-token passes (its weights' kernels sum by the pass's size): greedy answers may part from "
                     "plain decoding's at near-ties, as on the default build")
+
+    def _reproducible(self, plan: Plan, lines: list[str], op_offload: bool | None, shape_override) -> Plan:
+        """Every request decodes reproducibly (RunOptions.reproducible): keep the plan where the
+        target's greedy chains measure as its one-token passes (kv.chains_exact, on a context opened
+        for it and closed), else plan plain decoding: its requests decode one token a pass
+        (SamplingParams.reproducible), so no draft loads. What llama.cpp logs meanwhile leaves
+        `lines`, the run's allocations."""
+        start = len(lines)
+        ctx = self._context(self.target, plan.target_ctx, op_offload, plan.threads)
+        try:
+            exact = chains_exact(ctx)
+        finally:
+            self._owned.remove(ctx)
+            ctx.close()
+        if not exact:
+            plan = build_plan(replace(self.opts, no_spec=True, lookup=None, draft=None), shape_override)
+        del lines[start:]  # (that context's allocations, and a simulated load's for the plan, are not the run's)
+        return plan
 
     def _load(self, path, op_offload: bool | None = None, **placement):
         model = engine.Model(path, **placement)
