@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_CTX = 4096
@@ -57,6 +57,10 @@ class RunOptions:
     # every request is decoded as a reproducible one, so nothing drafts unless the target's greedy
     # chains measure as its one-token passes (decoding.kv.chains_exact; the Runtime decides)
     reproducible: bool = False
+
+    def plain(self) -> RunOptions:
+        """These options decoding plainly: no draft model, lookup or MTP layers asked for."""
+        return replace(self, no_spec=True, lookup=None, draft=None)
 
     def profile_options(self) -> dict:
         """The options a tuning profile is kept apart by (tuning.profiles.profile_key, load)."""

@@ -69,7 +69,7 @@ class Runtime:
         if isinstance(plan, RunOptions):
             if plan.reproducible and (plan.rpc or not engine.chains_may_match(plan.flash_attn, plan.kv_type)):
                 # Every request decodes in one-token passes (SamplingParams.reproducible): nothing drafts.
-                plan = replace(plan, no_spec=True, lookup=None, draft=None)
+                plan = plan.plain()
             self.opts = plan
             plan = build_plan(plan, shape_override)
         else:
@@ -166,18 +166,20 @@ class Runtime:
     def _reproducible(self, plan: Plan, lines: list[str], op_offload: bool | None, shape_override) -> Plan:
         """Every request decodes reproducibly (RunOptions.reproducible): keep the plan where the
         target's greedy chains measure as its one-token passes (kv.chains_exact, on a context opened
-        for it and closed), else plan plain decoding: its requests decode one token a pass
+        for it and closed: the run's options, one batch of cells, whose answer the run's context
+        reads from the record kept), else plan plain decoding: its requests decode one token a pass
         (SamplingParams.reproducible), so no draft loads. What llama.cpp logs meanwhile leaves
         `lines`, the run's allocations."""
         start = len(lines)
-        ctx = self._context(self.target, plan.target_ctx, op_offload, plan.threads)
+        probe = replace(plan.target_ctx, n_ctx=plan.target_ctx.n_batch, parallel=1)
+        ctx = self._context(self.target, probe, op_offload, plan.threads)
         try:
             exact = chains_exact(ctx)
         finally:
             self._owned.remove(ctx)
             ctx.close()
         if not exact:
-            plan = build_plan(replace(self.opts, no_spec=True, lookup=None, draft=None), shape_override)
+            plan = build_plan(self.opts.plain(), shape_override)
         del lines[start:]  # (that context's allocations, and a simulated load's for the plan, are not the run's)
         return plan
 
