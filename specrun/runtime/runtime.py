@@ -23,7 +23,7 @@ from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.together import Together
 from specrun.files import human_size
 from specrun.hardware import offload
-from specrun.models import pairing
+from specrun.models import pairing, registry
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, build_plan
 from specrun.runtime.trees import TreePlan
 from specrun.tuning import profiles
@@ -68,7 +68,10 @@ class Runtime:
     def __init__(self, plan: Plan | RunOptions, shape_override=None):
         if isinstance(plan, RunOptions):
             if plan.reproducible and (plan.rpc or not engine.chains_may_match(plan.flash_attn, plan.kv_type)):
-                # Every request decodes in one-token passes (SamplingParams.reproducible): nothing drafts.
+                # Every request decodes in one-token passes (SamplingParams.reproducible): nothing
+                # drafts. A draft named by mistake is still an error, as where it would load.
+                if plan.draft is not None and not (plan.lookup_only or plan.mtp_only):
+                    registry.resolve(plan.draft)
                 plan = plan.plain()
             self.opts = plan
             plan = build_plan(plan, shape_override)
