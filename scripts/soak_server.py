@@ -9,8 +9,9 @@ requests one after the other, every one a prompt of its own (the built-in prompt
 that makes them new), in turn: a streamed chat answer, a whole one with log-probs, a JSON-schema
 answer, a raw completion, an Ollama chat, a stream the client drops after a few pieces, and a
 request the server must refuse (over the context; a field of the wrong type). Every --sample-s
-seconds it notes the server's RSS, threads and open files. At the end: the samples, the counts of
-answers by status, whether any was a 5xx, and whether Ctrl-C stopped the server cleanly (exit 0).
+seconds it notes the server's RSS (and its anonymous part, apart from mapped model pages), threads
+and open files. At the end: the samples, the counts of answers by status, whether any was a 5xx,
+and whether Ctrl-C stopped the server cleanly (exit 0).
 A line that keeps rising after the first minutes is a leak; one that levels off is a cache filling
 (each sample also says what the memory of earlier answers holds: `/v1/models`' meta.answers_memory).
 """
@@ -130,19 +131,24 @@ def _request(http: httpx.Client, i: int, prompt: str, args) -> int | str:
 
 
 def _sample(pid: int, at_s: float, url: str) -> dict:
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
-    threads = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:"))
+    status = {line.split(":")[0]: line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+              if len(line.split()) > 1}
+    # RSS in all, and its anonymous part (the heap: malloc's arenas, Python's objects, llama.cpp's
+    # buffers) apart from pages of mapped files (the model's weights, read in as they are used).
+    rss, anon = int(status["VmRSS"]) / 1024, int(status.get("RssAnon", 0)) / 1024
+    threads = int(status["Threads"])
     # The memory of earlier answers, which grows (by doubling) up to its bound: /v1/models says it.
     memory = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["meta"].get("answers_memory") or {}
-    return {"at_s": round(at_s, 1), "rss_mib": round(rss, 1), "threads": threads,
+    return {"at_s": round(at_s, 1), "rss_mib": round(rss, 1), "anon_mib": round(anon, 1), "threads": threads,
             "open_files": len(os.listdir(f"/proc/{pid}/fd")), "memory_answers": memory.get("answers"),
             "memory_mib": round(memory["bytes"] / 2**20, 1) if memory else None}
 
 
 def _table(report: dict) -> str:
-    lines = ["| at (s) | RSS (MiB) | threads | open files | memory of answers: answers / MiB |", "|---|---|---|---|---|"]
-    lines += [f"| {s['at_s']} | {s['rss_mib']} | {s['threads']} | {s['open_files']} | {s['memory_answers']} / {s['memory_mib']} |"
+    lines = ["| at (s) | RSS (MiB) | of it anonymous | threads | open files | memory of answers: answers / MiB |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {s['at_s']} | {s['rss_mib']} | {s['anon_mib']} | {s['threads']} | {s['open_files']} | "
+              f"{s['memory_answers']} / {s['memory_mib']} |"
               for s in report["samples"]]
     lines += ["", f"{report['requests']} requests: {report['statuses']}; 5xx: {report['server_errors']}; "
                   f"exit code after Ctrl-C: {report['exit_code_after_ctrl_c']}"]
