@@ -9,6 +9,7 @@ that concern the server (a lone surrogate, an empty API key).
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import subprocess
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from specrun.server import serve
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server import CTX, LISTENING_RE, STARTUP_S, ServerProcess, _env, _free_port, _health_until_ready  # noqa: E402
@@ -263,3 +266,44 @@ def test_a_lone_surrogate_is_named(server):
     reply = httpx.post(server.url + "/v1/chat/completions", content=raw, timeout=30)
     assert reply.status_code == 400
     assert "surrogate" in reply.json()["error"]["message"] and "\\ud800" in reply.json()["error"]["message"]
+
+
+ARENAS_SCRIPT = r"""
+import ctypes, os, sys, tempfile, threading
+from specrun.server.serve import bound_malloc_arenas
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
+libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+bound = bound_malloc_arenas() if sys.argv[1] == "bound" else False
+together = threading.Barrier(8)
+def request():  # a request's thread: allocates while the others are alive
+    block = libc.malloc(4096)
+    together.wait()
+    libc.free(block)
+threads = [threading.Thread(target=request) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+with tempfile.TemporaryFile() as f:
+    out = libc.fdopen(os.dup(f.fileno()), b"w")
+    libc.malloc_info(0, out)
+    libc.fclose(out)
+    f.seek(0)
+    print(bound, f.read().count(b"<heap nr="))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_the_servers_heap_keeps_two_arenas_however_many_requests_run_at_once():
+    # Each request decodes in a thread of its own; glibc would give each thread an arena of its
+    # own (up to 8 a core), each keeping what it freed: the server's RSS grew in steps for an hour.
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    runs = {how: subprocess.run([sys.executable, "-c", ARENAS_SCRIPT, how], capture_output=True, text=True, env=env)
+            for how in ("bound", "default")}
+    assert all(run.returncode == 0 for run in runs.values()), runs
+    (bound, bounded), (_, default) = (run.stdout.split() for run in (runs["bound"], runs["default"]))
+    assert bound == "True" and int(bounded) <= serve.MALLOC_ARENAS < int(default)
+    # A user's own MALLOC_ARENA_MAX is theirs: glibc reads it, specrun leaves it.
+    mine = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT, "bound"], capture_output=True, text=True,
+                          env=dict(env, MALLOC_ARENA_MAX="5"))
+    assert mine.stdout.split()[0] == "False" and 2 < int(mine.stdout.split()[1]) <= 5

@@ -13,7 +13,10 @@ process exits with status 0.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
+import os
+import platform
 import signal
 import socket
 from dataclasses import replace
@@ -34,6 +37,11 @@ GRACEFUL_STOP_S = 10
 LISTEN_BACKLOG = 128
 # An idle connection is closed this long after its last answer (clients reconnect as needed).
 KEEP_ALIVE_S = 5
+# glibc's malloc gives each new thread an arena of its own, up to 8 per core, and an arena keeps
+# what it freed for its own later use: a request decoded in a thread of its own (worker.py) makes
+# the server's heap grow in steps for hours under mixed requests. Two arenas bound it.
+MALLOC_ARENAS = 2
+M_ARENA_MAX = -8  # mallopt's parameter (glibc's malloc.h)
 
 
 def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queue_size: int,
@@ -43,6 +51,7 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         ui.warn(f"listening on {host} without an API key: anyone who can reach this machine can use it "
                 "(set --api-key or SPECRUN_API_KEY)")
     resolve_models(opts)  # fetches what is missing, before the port is taken
+    bound_malloc_arenas()
     sock = _bind(host, port)
     url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
     server: StoppingServer | None = None
@@ -87,6 +96,17 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
             signal.signal(sig, handler)
     if worker.load_error is not None:
         raise worker.load_error
+
+
+def bound_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Have glibc's malloc keep at most `arenas` arenas from now on; return whether it does (not
+    off glibc, nor where the user set MALLOC_ARENA_MAX, which glibc then reads itself)."""
+    if os.environ.get("MALLOC_ARENA_MAX") or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return ctypes.CDLL(None).mallopt(M_ARENA_MAX, arenas) == 1
+    except (OSError, AttributeError):
+        return False
 
 
 class StoppingServer(uvicorn.Server):
