@@ -9,8 +9,8 @@ requests one after the other, every one a prompt of its own (the built-in prompt
 that makes them new), in turn: a streamed chat answer, a whole one with log-probs, a JSON-schema
 answer, a raw completion, an Ollama chat, a stream the client drops after a few pieces, and a
 request the server must refuse (over the context; a field of the wrong type). Every --sample-s
-seconds it notes the server's RSS (and its anonymous part, apart from mapped model pages), threads
-and open files. At the end: the samples, the counts of answers by status, whether any was a 5xx,
+seconds it notes the server's RSS (its anonymous part apart from mapped model pages, and of that,
+llama.cpp's buffers apart from the heap), threads and open files. At the end: the samples, the counts of answers by status, whether any was a 5xx,
 and whether Ctrl-C stopped the server cleanly (exit 0).
 A line that keeps rising after the first minutes is a leak; one that levels off is a cache filling
 (each sample also says what the memory of earlier answers holds: `/v1/models`' meta.answers_memory).
@@ -137,17 +137,40 @@ def _sample(pid: int, at_s: float, url: str) -> dict:
     # buffers) apart from pages of mapped files (the model's weights, read in as they are used).
     rss, anon = int(status["VmRSS"]) / 1024, int(status.get("RssAnon", 0)) / 1024
     threads = int(status["Threads"])
+    buffers = _buffers_mib(pid)
     # The memory of earlier answers, which grows (by doubling) up to its bound: /v1/models says it.
     memory = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["meta"].get("answers_memory") or {}
-    return {"at_s": round(at_s, 1), "rss_mib": round(rss, 1), "anon_mib": round(anon, 1), "threads": threads,
+    return {"at_s": round(at_s, 1), "rss_mib": round(rss, 1), "anon_mib": round(anon, 1),
+            "buffers_mib": round(buffers, 1), "heap_mib": round(anon - buffers, 1), "threads": threads,
             "open_files": len(os.listdir(f"/proc/{pid}/fd")), "memory_answers": memory.get("answers"),
             "memory_mib": round(memory["bytes"] / 2**20, 1) if memory else None}
 
 
+# llama.cpp's buffers (KV cache, compute, logits) are single allocations larger than any heap of
+# malloc's (64 MiB at most): mapped apart, their pages resident once a pass first touches them.
+BUFFER_MIN_MIB = 64
+
+
+def _buffers_mib(pid: int) -> float:
+    """Resident MiB of the process's anonymous mappings larger than BUFFER_MIN_MIB: llama.cpp's
+    buffers, whose resident part grows with the largest pass so far (a pass of n outputs touches n
+    rows of logits) up to what they were allocated, while the rest of the anonymous RSS is the heap."""
+    resident, size = 0.0, 0.0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5:  # a mapping's first line: its range, then its fields
+            low, high = (int(x, 16) for x in head[0].split("-"))
+            size = (high - low) / 2**20 if len(head) == 5 else 0.0  # (a path: a mapped file)
+        elif head[0] == "Anonymous:" and size > BUFFER_MIN_MIB:
+            resident += int(head[1]) / 1024
+    return resident
+
+
 def _table(report: dict) -> str:
-    lines = ["| at (s) | RSS (MiB) | of it anonymous | threads | open files | memory of answers: answers / MiB |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {s['at_s']} | {s['rss_mib']} | {s['anon_mib']} | {s['threads']} | {s['open_files']} | "
+    lines = ["| at (s) | RSS (MiB) | of it anonymous | llama.cpp's buffers | the rest (heap) | threads | open files | "
+             "memory of answers: answers / MiB |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {s['at_s']} | {s['rss_mib']} | {s['anon_mib']} | {s['buffers_mib']} | {s['heap_mib']} | "
+              f"{s['threads']} | {s['open_files']} | "
               f"{s['memory_answers']} / {s['memory_mib']} |"
               for s in report["samples"]]
     lines += ["", f"{report['requests']} requests: {report['statuses']}; 5xx: {report['server_errors']}; "
