@@ -38,8 +38,9 @@ LISTEN_BACKLOG = 128
 # An idle connection is closed this long after its last answer (clients reconnect as needed).
 KEEP_ALIVE_S = 5
 # glibc's malloc gives each new thread an arena of its own, up to 8 per core, and an arena keeps
-# what it freed for its own later use: a request decoded in a thread of its own (worker.py) makes
-# the server's heap grow in steps for hours under mixed requests. Two arenas bound it.
+# what it freed for its own later use: with each request decoded in a thread of its own
+# (worker.py), the heap grew twice as much over an hour of mixed requests as with two arenas
+# (docs/benchmarks.md, the soak).
 MALLOC_ARENAS = 2
 M_ARENA_MAX = -8  # mallopt's parameter (glibc's malloc.h)
 
