@@ -10,8 +10,9 @@ that makes them new), in turn: a streamed chat answer, a whole one with log-prob
 answer, a raw completion, an Ollama chat, a stream the client drops after a few pieces, and a
 request the server must refuse (over the context; a field of the wrong type). Every --sample-s
 seconds it notes the server's RSS (its anonymous part apart from mapped model pages, and of that,
-llama.cpp's buffers apart from the heap), threads and open files. At the end: the samples, the counts of answers by status, whether any was a 5xx,
-and whether Ctrl-C stopped the server cleanly (exit 0).
+llama.cpp's buffers apart from the heap), threads and open files. At the end: the samples, the
+counts of answers by status, whether any was a 5xx, and whether Ctrl-C stopped the server cleanly
+(exit 0).
 A line that keeps rising after the first minutes is a leak; one that levels off is a cache filling
 (each sample also says what the memory of earlier answers holds: `/v1/models`' meta.answers_memory).
 """
@@ -170,8 +171,7 @@ def _table(report: dict) -> str:
     lines = ["| at (s) | RSS (MiB) | of it anonymous | llama.cpp's buffers | the rest (heap) | threads | open files | "
              "memory of answers: answers / MiB |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {s['at_s']} | {s['rss_mib']} | {s['anon_mib']} | {s['buffers_mib']} | {s['heap_mib']} | "
-              f"{s['threads']} | {s['open_files']} | "
-              f"{s['memory_answers']} / {s['memory_mib']} |"
+              f"{s['threads']} | {s['open_files']} | {s['memory_answers']} / {s['memory_mib']} |"
               for s in report["samples"]]
     lines += ["", f"{report['requests']} requests: {report['statuses']}; 5xx: {report['server_errors']}; "
                   f"exit code after Ctrl-C: {report['exit_code_after_ctrl_c']}"]
