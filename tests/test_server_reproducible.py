@@ -186,3 +186,27 @@ def test_serve_reproducible_takes_any_drafter_option(plain, tmp_path_factory):
     assert ("greedy in chains" in ready) is CHAINS, ready
     reference, _ = _ask(plain, LIST)
     assert [token for token, _ in ours] == [token for token, _ in reference]
+
+
+def test_a_reproducible_server_fetches_no_draft_it_will_not_load(monkeypatch):
+    # `serve` fetches what is missing before it binds the port; where every request decodes one
+    # token a pass (no chain may verify exactly) that is not the draft model, which never loads.
+    from specrun.errors import UsageError
+    from specrun.runtime.plan import RunOptions
+    from specrun.server import serve
+    from specrun.server.app import ServerSettings
+
+    fetched = []
+
+    def resolve_models(opts):  # where the fetch starts: note what it is asked for, go no further
+        fetched.append(opts)
+        raise UsageError("stopped before fetching")
+
+    monkeypatch.setattr(serve, "resolve_models", resolve_models)
+    opts = RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4")
+    for reproducible in (False, True):
+        with pytest.raises(UsageError):
+            serve.serve(opts, "127.0.0.1", 0, ServerSettings(reproducible=reproducible), queue_size=4)
+    asked, pinned = fetched
+    assert asked.draft == "smollm2-135m-q4"
+    assert pinned.draft == (None if not engine.chains_may_match() else "smollm2-135m-q4")

@@ -62,17 +62,24 @@ def check_allocation(plan: Plan, allocated: engine.Allocation) -> None:
                     f"{human_size(planned_bytes)}: the memory plan is off (please report it)")
 
 
+def options_as_loaded(opts: RunOptions) -> RunOptions:
+    """`opts` as the Runtime loads them (and `serve` fetches them): a reproducible run where no
+    greedy chain may verify exactly decodes one token a pass (SamplingParams.reproducible), so it
+    asks for no draft model, lookup or MTP layers; a draft named by mistake is still an error, as
+    where it would load. (Where a chain may, the Runtime measures the loaded target's.)"""
+    if not opts.reproducible or not (opts.rpc or not engine.chains_may_match(opts.flash_attn, opts.kv_type)):
+        return opts
+    if opts.draft is not None and not (opts.lookup_only or opts.mtp_only):
+        registry.resolve(opts.draft)
+    return opts.plain()
+
+
 class Runtime:
     """Loaded target (and draft) models with their contexts, and the decoder to use."""
 
     def __init__(self, plan: Plan | RunOptions, shape_override=None):
         if isinstance(plan, RunOptions):
-            if plan.reproducible and (plan.rpc or not engine.chains_may_match(plan.flash_attn, plan.kv_type)):
-                # Every request decodes in one-token passes (SamplingParams.reproducible): nothing
-                # drafts. A draft named by mistake is still an error, as where it would load.
-                if plan.draft is not None and not (plan.lookup_only or plan.mtp_only):
-                    registry.resolve(plan.draft)
-                plan = plan.plain()
+            plan = options_as_loaded(plan)
             self.opts = plan
             plan = build_plan(plan, shape_override)
         else:

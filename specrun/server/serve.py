@@ -27,6 +27,7 @@ from specrun import engine, ui
 from specrun.chat.reasoning import ChatSettings
 from specrun.errors import UsageError
 from specrun.runtime.plan import RunOptions, resolve_models
+from specrun.runtime.runtime import options_as_loaded
 from specrun.server.app import ServerSettings, create_app
 from specrun.server.connections import connection_limit, guarded_protocol
 from specrun.server.isolated import IsolatedWorker
@@ -51,7 +52,10 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
     if not _is_loopback(host) and not settings.api_key:
         ui.warn(f"listening on {host} without an API key: anyone who can reach this machine can use it "
                 "(set --api-key or SPECRUN_API_KEY)")
-    resolve_models(opts)  # fetches what is missing, before the port is taken
+    # Every request reproducible: the runtime loads a draft only where greedy chains measure as
+    # one-token passes (RunOptions.reproducible), and nothing it will not load is fetched.
+    opts = replace(opts, reproducible=settings.reproducible)
+    resolve_models(options_as_loaded(opts))  # fetches what is missing, before the port is taken
     bound_malloc_arenas()
     sock = _bind(host, port)
     url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
@@ -65,9 +69,6 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
         if server is not None:
             server.should_exit = True
 
-    # Every request reproducible: the runtime loads a draft only where greedy chains measure as
-    # one-token passes (RunOptions.reproducible).
-    opts = replace(opts, reproducible=settings.reproducible)
     if settings.reproducible and opts.parallel != 1 and not engine.kv_quantized(opts.kv_type):
         ui.warn("--reproducible beside other requests: an f16 KV cache rounds a prompt of 64 tokens or more, or a "
                 "cache past 511 cells, by where its cells sit; --kv-type q8_0 does not, --parallel 1 neither "
