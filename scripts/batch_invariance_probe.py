@@ -148,9 +148,14 @@ def open_context(model, n_seq, flash_attn, trace: OpTrace | None):
         engine.context.C.llama_init_from_model = real
 
 
+BESIDE = 15  # the other request's tokens in each of the `beside` shape's passes
+
+
 def n_ctx() -> int:
-    """The cache: room for the prompt (--context), the continuation and the other request's tokens."""
-    return 1024 + args.context
+    """The cache: room for the prompt (--context), the continuation and all the other request's
+    tokens of the `beside` shape, so that none of its cells is ever freed: a freed cell before the
+    request's last one is a hole its next token fills, out of order (the `scattered` shape)."""
+    return 1024 + args.context + BESIDE * N_CONT
 
 
 def prefill(ctx, prompt, clear=True):
@@ -201,14 +206,11 @@ def beside_rows(ctx, prompt, cont, other):
     ctx.decode(batch)
     rows, pos1 = [], 8
     for i, token in enumerate(cont):
-        if pos1 + 15 > n_ctx() - 124 - len(prompt) - len(cont):  # keep the other request inside the cache
-            ctx.seq_rm(1)
-            pos1 = 0
         batch.clear()
         batch.add(token, len(prompt) + i, [0], True)
-        for j in range(15):
+        for j in range(BESIDE):
             batch.add(other[(pos1 + j) % len(other)], pos1 + j, [1], False)
-        pos1 += 15
+        pos1 += BESIDE
         ctx.decode(batch)
         rows.append(ctx.logits_row(0).copy())
     return np.array(rows)
