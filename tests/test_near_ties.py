@@ -273,11 +273,12 @@ def test_reproducible_is_plain_decoding_bit_for_bit(cli):
         assert ours["stats"]["max_tree_nodes"] == 0 and ours["stats"]["n_passes"] == theirs["stats"]["n_passes"]
 
 
-def test_a_misspelt_draft_is_an_error_where_a_reproducible_run_loads_none(cli):
+@pytest.mark.parametrize("plainly", ["--reproducible", "--no-spec"])
+def test_a_misspelt_draft_is_an_error_where_a_run_loads_none(cli, plainly):
     # Where nothing would draft the draft is not loaded, yet a name that names no model is still
     # the user's mistake to hear about (one line, exit 2), not something silently ignored.
     args = [a if a != "smollm2-135m-q4" else "smollm2-135m-q44" for a in SPEC_F32]
-    result = cli("generate", "-n", "4", "--reproducible", *args, STORY)
+    result = cli("generate", "-n", "4", plainly, *args, STORY)
     assert result.exit_code != 0 and result.stdout == ""
     assert "unknown model 'smollm2-135m-q44'" in result.stderr and "Traceback" not in result.stderr
 

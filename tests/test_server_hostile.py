@@ -308,3 +308,24 @@ def test_the_servers_heap_keeps_two_arenas_however_many_requests_run_at_once():
     mine = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT, "bound"], capture_output=True, text=True,
                           env=dict(env, MALLOC_ARENA_MAX="5"))
     assert mine.stdout.split()[0] == "False" and 2 < int(mine.stdout.split()[1]) <= 5
+
+
+CHILD_SCRIPT = r"""
+from multiprocessing import Pipe
+from specrun.chat.reasoning import ChatSettings
+from specrun.runtime.options import RunOptions
+from specrun.server import isolated, serve
+serve.bound_malloc_arenas = lambda: print("arenas bound")
+parent, child = Pipe()
+parent.send(("stop",))  # the child reads it first and ends
+isolated._child_main(child, RunOptions(target="smollm2-135m-q4", no_spec=True, threads=1, ctx_size=256, quiet=True),
+                     ChatSettings(), False)
+"""
+
+
+def test_the_rpc_servers_child_process_keeps_two_arenas_too(offline_models, tmp_path):
+    # Over RPC workers (`serve --rpc`) the answers decode in a child process's threads: its heap
+    # is bounded as the server's own.
+    run = subprocess.run([sys.executable, "-c", CHILD_SCRIPT], capture_output=True, text=True, env=_env(tmp_path), timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["arenas bound"]

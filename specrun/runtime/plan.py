@@ -548,6 +548,8 @@ def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
     draft_spec = None
     if opts.no_spec and (opts.lookup is True or opts.lookup_only or opts.mtp_only):
         raise UsageError("--no-spec decodes without drafting: it does not go with --lookup, --draft lookup or --draft mtp")
+    if opts.no_spec and opts.draft is not None:
+        registry.resolve(opts.draft)  # not loaded, but a misspelt name is still the error it is elsewhere
     # A target that carries MTP layers drafts with them unless a draft model is named (the file
     # says so once on disk; the registry's `mtp = true` before the download).
     target_path = None

@@ -209,7 +209,10 @@ class _PipedJob(Job):
 
 def _child_main(conn: Connection, opts: RunOptions, chat: ChatSettings, verbose: bool) -> None:
     """Load the models, answer the jobs the parent sends, end when it says stop (or is gone)."""
+    from specrun.server.serve import bound_malloc_arenas  # (serve imports this module)
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    bound_malloc_arenas()  # the answers decode in this process's threads
     ui.setup_logging(verbose)
     lock = threading.Lock()
 
