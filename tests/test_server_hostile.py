@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specrun.server import serve
+from specrun.server import heap
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server import CTX, LISTENING_RE, STARTUP_S, ServerProcess, _env, _free_port, _health_until_ready  # noqa: E402
@@ -270,7 +270,7 @@ def test_a_lone_surrogate_is_named(server):
 
 ARENAS_SCRIPT = r"""
 import ctypes, os, sys, tempfile, threading
-from specrun.server.serve import bound_malloc_arenas
+from specrun.server.heap import bound_malloc_arenas
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
@@ -303,7 +303,7 @@ def test_the_servers_heap_keeps_two_arenas_however_many_requests_run_at_once():
             for how in ("bound", "default")}
     assert all(run.returncode == 0 for run in runs.values()), runs
     (bound, bounded), (_, default) = (run.stdout.split() for run in (runs["bound"], runs["default"]))
-    assert bound == "True" and int(bounded) <= serve.MALLOC_ARENAS < int(default)
+    assert bound == "True" and int(bounded) <= heap.MALLOC_ARENAS < int(default)
     # A user's own MALLOC_ARENA_MAX is theirs: glibc reads it, specrun leaves it.
     mine = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT, "bound"], capture_output=True, text=True,
                           env=dict(env, MALLOC_ARENA_MAX="5"))
@@ -314,8 +314,8 @@ CHILD_SCRIPT = r"""
 from multiprocessing import Pipe
 from specrun.chat.reasoning import ChatSettings
 from specrun.runtime.options import RunOptions
-from specrun.server import isolated, serve
-serve.bound_malloc_arenas = lambda: print("arenas bound")
+from specrun.server import isolated
+isolated.bound_malloc_arenas = lambda: print("arenas bound")
 parent, child = Pipe()
 parent.send(("stop",))  # the child reads it first and ends
 isolated._child_main(child, RunOptions(target="smollm2-135m-q4", no_spec=True, threads=1, ctx_size=256, quiet=True),

@@ -24,6 +24,7 @@ from specrun.chat.reasoning import ChatSettings
 from specrun.engine import rpc
 from specrun.errors import SpecrunError
 from specrun.runtime.options import RunOptions
+from specrun.server.heap import bound_malloc_arenas
 from specrun.server.jobs import POLL_S, Failed, Finished, Job, shutting_down
 from specrun.server.schemas import APIError
 from specrun.server.worker import GenerationWorker, QueueWorker
@@ -209,8 +210,6 @@ class _PipedJob(Job):
 
 def _child_main(conn: Connection, opts: RunOptions, chat: ChatSettings, verbose: bool) -> None:
     """Load the models, answer the jobs the parent sends, end when it says stop (or is gone)."""
-    from specrun.server.serve import bound_malloc_arenas  # (serve imports this module)
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
     bound_malloc_arenas()  # the answers decode in this process's threads
     ui.setup_logging(verbose)

@@ -13,10 +13,7 @@ process exits with status 0.
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
-import os
-import platform
 import signal
 import socket
 from dataclasses import replace
@@ -30,6 +27,7 @@ from specrun.runtime.plan import RunOptions, resolve_models
 from specrun.runtime.runtime import options_as_loaded
 from specrun.server.app import ServerSettings, create_app
 from specrun.server.connections import connection_limit, guarded_protocol
+from specrun.server.heap import bound_malloc_arenas
 from specrun.server.isolated import IsolatedWorker
 from specrun.server.worker import GenerationWorker, QueueWorker
 
@@ -38,12 +36,6 @@ GRACEFUL_STOP_S = 10
 LISTEN_BACKLOG = 128
 # An idle connection is closed this long after its last answer (clients reconnect as needed).
 KEEP_ALIVE_S = 5
-# glibc's malloc gives each new thread an arena of its own, up to 8 per core, and an arena keeps
-# what it freed for its own later use: with each request decoded in a thread of its own
-# (worker.py), the heap grew twice as much over an hour of mixed requests as with two arenas
-# (docs/benchmarks.md, the soak).
-MALLOC_ARENAS = 2
-M_ARENA_MAX = -8  # mallopt's parameter (glibc's malloc.h)
 
 
 def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queue_size: int,
@@ -98,17 +90,6 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
             signal.signal(sig, handler)
     if worker.load_error is not None:
         raise worker.load_error
-
-
-def bound_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-    """Have glibc's malloc keep at most `arenas` arenas from now on; return whether it does (not
-    off glibc, nor where the user set MALLOC_ARENA_MAX, which glibc then reads itself)."""
-    if os.environ.get("MALLOC_ARENA_MAX") or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        return ctypes.CDLL(None).mallopt(M_ARENA_MAX, arenas) == 1
-    except (OSError, AttributeError):
-        return False
 
 
 class StoppingServer(uvicorn.Server):
