@@ -9,6 +9,7 @@ plain decoding's (a `--no-spec` run on a quiet machine).
 
     python scripts/bench_reproducible.py                      # 20 runs per kind, the demo pair
     python scripts/bench_reproducible.py --runs 6 --kinds reproducible default
+    python scripts/bench_reproducible.py --target smollm2-135m-q4 --kv-type q8_0 --kinds jsonl-parallel
 
 Kinds: `default` (generate as it runs untuned), `reproducible` (generate --reproducible),
 `jsonl-parallel` (the same request as one line of two in generate --jsonl --parallel 2, the other
@@ -126,8 +127,10 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=None, help="a fixed tree size (default: as a run chooses)")
     parser.add_argument("--target", default=None)
     parser.add_argument("--draft", default=None)
+    parser.add_argument("--kv-type", default=None, help="the target's KV cache cells (plain decoding's too)")
     args = parser.parse_args()
-    models = [*(["--target", args.target] if args.target else []), *(["--draft", args.draft] if args.draft else [])]
+    models = [*(["--target", args.target] if args.target else []), *(["--draft", args.draft] if args.draft else []),
+              *(["--kv-type", args.kv_type] if args.kv_type else [])]
     common = models + (["--budget", str(args.budget)] if args.budget else [])
     reference = json.loads(specrun("generate", PROMPT, "--json", "--no-spec", "--max-tokens", str(args.max_tokens),
                                    *models))
