@@ -15,7 +15,8 @@ import typer
 
 from specrun import __version__
 from specrun.cli_options import (
-    TargetOpt, DraftOpt, GpuLayersOpt, GpuMemoryOpt, MmapOpt, FlashAttnOpt, KvTypeOpt, CtxOpt, AutoCtxOpt, ReasoningFormatOpt, ChatTemplateOpt,
+    TargetOpt, DraftOpt, GpuLayersOpt, GpuMemoryOpt, MmapOpt, FlashAttnOpt, KvTypeOpt, KvSplitOpt,
+    CtxOpt, AutoCtxOpt, ReasoningFormatOpt, ChatTemplateOpt,
     ThreadsOpt, BudgetOpt, DepthOpt, NoSpecOpt, LookupOpt, MemoryOpt, VerboseOpt, ParallelOpt, ThroughputOpt, RpcOpt,
     TemperatureOpt, TopKOpt, TopPOpt, MinPOpt, SeedOpt, PresenceOpt, FrequencyOpt, RepeatOpt, SystemOpt,
 )
@@ -63,7 +64,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
                  gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None, throughput=False,
-                 mmap=None, flash_attn=None, kv_type=None, reproducible=False):
+                 mmap=None, flash_attn=None, kv_type=None, reproducible=False, kv_split=False):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -89,7 +90,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
         parallel=parallel, memory=memory, memory_scope=memory_scope, throughput=throughput, mmap=mmap,
-        flash_attn=flash_attn, kv_type=kv_type, reproducible=reproducible)
+        flash_attn=flash_attn, kv_type=kv_type, reproducible=reproducible, kv_split=kv_split)
 
 
 def _version_callback(value: bool) -> None:
@@ -165,6 +166,7 @@ def generate(
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
     kv_type: KvTypeOpt = None,
+    kv_split: KvSplitOpt = False,
     rpc: RpcOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
@@ -195,7 +197,7 @@ def generate(
         if (parallel > 1 or throughput) and not jsonl:
             raise UsageError(f"{'--parallel' if parallel > 1 else '--throughput'} needs --jsonl: only JSONL requests are decoded together")
         opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput,
-                            reproducible=reproducible and not jsonl)  # (--jsonl: each line says)
+                            reproducible=reproducible and not jsonl, kv_split=kv_split)  # (--jsonl: each line says)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
         request = Request(
@@ -308,6 +310,7 @@ def serve(
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
     kv_type: KvTypeOpt = None,
+    kv_split: KvSplitOpt = False,
     rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
@@ -328,7 +331,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput, kv_split=kv_split)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose, reproducible=reproducible,
@@ -470,6 +473,7 @@ def plan(
     mmap: MmapOpt = None,
     flash_attn: FlashAttnOpt = None,
     kv_type: KvTypeOpt = None,
+    kv_split: KvSplitOpt = False,
     rpc: RpcOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
@@ -484,7 +488,7 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, kv_split=kv_split)
         plan_command.plan(opts, as_json, gpu, ram_free)
 
 

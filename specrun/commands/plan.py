@@ -59,7 +59,9 @@ def plan_lines(plan: Plan) -> list[str]:
     )
     if tctx.parallel > 1:
         lines.append(f"         {tctx.parallel} requests at once: {tctx.cells} KV cells ({tctx.n_ctx} each), "
-                     f"{_count(tctx.n_seq_max // tctx.parallel, 'sequence')} each, one target pass for all"
+                     f"{_count(tctx.n_seq_max // tctx.parallel, 'sequence')} each"
+                     + (" in a KV cache of its own (--kv-split: chains verified)" if tctx.split else "")
+                     + ", one target pass for all"
                      + (", one draft pass for all" if plan.draft_ctx is not None else "")
                      + (", an MTP sequence each" if plan.tree is not None and plan.tree.drafting.loads_mtp else ""))
     if tctx.flash_attn is not None:

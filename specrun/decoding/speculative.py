@@ -48,10 +48,11 @@ class SpeculativeDecoder:
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
         lane = lane if lane is not None else Lane(target_ctx)
-        # A recurrent state rolls back only in the sequence that made it: verify chains (module doc).
-        self.chain_only = target_ctx.has_state
+        # A recurrent state rolls back only in the sequence that made it, and a split cache holds
+        # no token of several sequences: verify chains (module doc).
+        self.chain_only = target_ctx.has_state or target_ctx.split
         self.n_chains = len(lane.seqs) if self.chain_only else 0
-        if self.chain_only and target_ctx.n_rs_seq < 1:
+        if target_ctx.has_state and target_ctx.n_rs_seq < 1:
             raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")
         self.model = target_model
         self.ctx = target_ctx
@@ -154,7 +155,7 @@ class SpeculativeDecoder:
             remaining = max_tokens - stats.n_generated
             # Never draft deeper than what may still be emitted, nor more nodes than fit the cache.
             depth = min(shape.depth, remaining - 1, room - 1)
-            if self.chain_only:
+            if self.ctx.has_state:
                 depth = min(depth, self.ctx.n_rs_seq)
             budget = self.sizer.size(self.lane.budget(min(shape.budget, room - 1)), params)
             proposal = None
@@ -344,7 +345,7 @@ class SpeculativeDecoder:
         """
         ctx, cache, tree = self.ctx, self.cache, proposal.tree
         p0, main = cache.n_cached, cache.seq
-        paths = best_chains(tree, min(self.n_chains, ctx.n_seq_max), ctx.n_rs_seq)
+        paths = best_chains(tree, min(self.n_chains, ctx.n_seq_max), ctx.n_rs_seq if ctx.has_state else len(tree))
         length = max(len(path) for path in paths)
         trie = DraftTree(int(tree.tokens[0]), capacity=len(paths) * length + 1)
         rows, owner = [0], [0]  # per trie node: its logits row in the batch, the chain it came from

@@ -264,6 +264,7 @@ class Context(Owner):
         params.swa_full = swa_full
         # A split-per-sequence cache cannot hold tokens shared by several tree colours.
         params.kv_unified = kv_unified
+        self.split = not kv_unified  # a cache per sequence (--kv-split)
         params.no_perf = True
         params.n_rs_seq = n_rs_seq if model.has_state else 0
         ptr = self._open(params, "cannot create a context", "out of memory?")

@@ -156,6 +156,7 @@ class ContextSpec:
     n_outputs: int = 0  # the most rows of logits one pass asks for (Allocation.with_outputs)
     flash_attn: str | None = None  # engine.Context's flash_attn (None: its default)
     kv_type: str | None = None  # engine.Context's kv_type (None: f16)
+    split: bool = False  # a cache per sequence (engine.Context's kv_unified off)
 
 
 # A hybrid's recurrent state at least this large (simulated without rollback snapshots) is counted
@@ -274,7 +275,7 @@ def _open(model: Model, spec: ContextSpec) -> Context:
         return MtpContext(model, spec.n_ctx, n_batch=spec.n_batch, threads=1, n_seq_max=spec.n_seq_max)
     return Context(model, n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_seq_max=spec.n_seq_max, threads=1,
                    n_rs_seq=spec.n_rs_seq, swa_full=spec.swa_full, flash_attn=spec.flash_attn,
-                   kv_type=spec.kv_type)
+                   kv_type=spec.kv_type, kv_unified=not spec.split)
 
 
 def _record_key(path: Path, spec: ContextSpec, load: dict) -> dict | None:

@@ -53,6 +53,9 @@ class RunOptions:
     flash_attn: str | None = None
     # --kv-type f16/q8_0/q4_0: the target's KV cache cells (engine.Context); None: f16
     kv_type: str | None = None
+    # --kv-split: with several requests decoding together, each its own cache in the target's
+    # context (llama.cpp's kv_unified off), verifying chains: its cells stay in its own order
+    kv_split: bool = False
     # serve --reproducible, generate --reproducible (but --jsonl, whose lines may say otherwise):
     # every request is decoded as a reproducible one, so nothing drafts unless the target's greedy
     # chains measure as its one-token passes (decoding.kv.chains_exact; the Runtime decides)
@@ -73,11 +76,13 @@ class RunOptions:
         if self.flash_attn == "off" and parallel > 1:  # (docs/benchmarks.md, "Flash attention on a CPU")
             notes.append(f"--flash-attn off with {parallel} requests at once: a pass attends over every request's text in "
                          "the shared cache, masked cells included, which flash attention skips: slower once they hold long texts")
+        if self.kv_split and parallel == 1:
+            notes.append("--kv-split with one request at a time does nothing: that request has the cache to itself")
         return notes
 
     def target_context(self) -> dict:
         """What the options set of the target's context (runtime.plan.ContextPlan's fields)."""
-        return {"flash_attn": self.flash_attn, "kv_type": self.kv_type}
+        return {"flash_attn": self.flash_attn, "kv_type": self.kv_type, "split": self.kv_split}
 
     @property
     def lookup_only(self) -> bool:
@@ -106,3 +111,11 @@ class ModelFiles:
     # The target's own MTP layers draft (--draft mtp, or a target that carries them and no --draft).
     mtp: bool = False
     mtp_why: str = ""
+
+
+def with_target_options(ctx, target: dict | None, parallel: int):
+    """The target's context plan (runtime.plan.ContextPlan) with its options (RunOptions.target_context):
+    a split cache (--kv-split) where several requests decode together holds one sequence for each."""
+    target = dict(target or {})
+    split = bool(target.pop("split", False)) and parallel > 1
+    return replace(ctx, **target, split=split, **({"n_seq_max": parallel} if split else {}))

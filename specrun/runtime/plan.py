@@ -40,7 +40,7 @@ from specrun.files import once_per_version
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
 from specrun.models import headers, hub, pairing, registry, shapes
-from specrun.runtime.options import LOOKUP, ModelFiles, RunOptions
+from specrun.runtime.options import LOOKUP, ModelFiles, RunOptions, with_target_options
 from specrun.runtime.drafters import BEST_FIRST
 from specrun.runtime.trees import MAX_CHAINS, TreePlan, choose_tree, fit_tree, fit_tree_to_target
 
@@ -64,9 +64,7 @@ class ContextPlan:
     n_batch: int
     n_seq_max: int
     n_rs_seq: int = 0  # recurrent-state snapshots per sequence (rollback of a verified chain)
-    # Requests decoding together in this context, each in a range of its sequences with n_ctx
-    # cells of its own (decoding.batching).
-    parallel: int = 1
+    parallel: int = 1  # requests decoding together, each a range of its sequences and n_ctx cells (decoding.batching)
     # Sliding-window layers keep every cell: a draft model's context (each tree node a sequence
     # holding the whole text, and llama.cpp reuses a cell its window has passed only when one
     # sequence holds it) and chains (a hybrid's state and window cells are not given back apart).
@@ -77,6 +75,7 @@ class ContextPlan:
     n_outputs: int = 0  # the most rows of logits one pass asks for (every request's tree or chains)
     flash_attn: str | None = None  # --flash-attn (a target's context): on, off or auto; None: engine.Context's default
     kv_type: str | None = None  # --kv-type (a target's context): its KV cache's cells; None: f16
+    split: bool = False  # --kv-split (a target's context shared by requests): a cache for each, one sequence
 
     @property
     def n_ubatch(self) -> int:
@@ -228,7 +227,7 @@ def _path(path: Path | None) -> str | None:
 
 def _ctx_dict(ctx: ContextPlan) -> dict:
     return {"n_ctx": ctx.n_ctx, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "n_seq_max": ctx.n_seq_max,
-            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells, "swa_full": ctx.swa_full,
+            "n_rs_seq": ctx.n_rs_seq, "parallel": ctx.parallel, "cells": ctx.cells, "swa_full": ctx.swa_full, "split": ctx.split,
             "flash_attn": ctx.flash_attn or engine.default_flash_attn(ctx.kv_type), "kv_type": ctx.kv_type or engine.DEFAULT_KV_TYPE}
 
 
@@ -420,7 +419,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None, paralle
     them); `windowed`: the target has sliding-window layers, whose sequences are opened for the
     larger of the tree's budget and `seq_budget`; `target`: more of the target's (RunOptions.target_context)."""
     if tree is None:
-        return ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False, **(target or {})), None
+        return with_target_options(ContextPlan(n_ctx, min(n_ctx, PREFILL_BATCH), parallel, parallel=parallel, swa_full=False), target, parallel), None
     if tree.verify in (architectures.CHAINS, architectures.CHAIN):
         # A sequence per chain (MTP drafts one), and snapshots to roll the state back by the
         # rejected drafts.
@@ -438,7 +437,7 @@ def _contexts(tree: TreePlan | None, n_ctx: int, draft_arch: str | None, paralle
         target_ctx = ContextPlan(n_ctx, min(n_ctx, max(PREFILL_BATCH, tree.verified.budget + 1)),
                                  min(MAX_SEQ, per_request * parallel), parallel=parallel, swa_full=False,
                                  n_outputs=(widest + 1) * parallel)
-    target_ctx = replace(target_ctx, **(target or {}))
+    target_ctx = with_target_options(target_ctx, target, parallel)
     draft_ctx = None
     if tree.drafting.loads_draft_model:
         # A draft with a recurrent state keeps one state per tree sequence: only as many as
@@ -495,7 +494,7 @@ class ContextMemory:
 
 def _spec(ctx: ContextPlan):
     return engine.ContextSpec(ctx.cells, ctx.n_batch, ctx.n_seq_max, ctx.n_rs_seq, swa_full=ctx.swa_full,
-                              n_outputs=ctx.n_outputs, flash_attn=ctx.flash_attn, kv_type=ctx.kv_type)
+                              n_outputs=ctx.n_outputs, flash_attn=ctx.flash_attn, kv_type=ctx.kv_type, split=ctx.split)
 
 
 def _loads_target_alike(plan: Plan, other: Plan) -> bool:

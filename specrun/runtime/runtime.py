@@ -201,7 +201,8 @@ class Runtime:
     def _context(self, model, sizes: ContextPlan, op_offload: bool | None, threads: int):
         ctx = engine.Context(model, n_ctx=sizes.cells, n_batch=sizes.n_batch, n_seq_max=sizes.n_seq_max,
                              threads=threads, op_offload=op_offload, n_rs_seq=sizes.n_rs_seq,
-                             swa_full=sizes.swa_full, flash_attn=sizes.flash_attn, kv_type=sizes.kv_type)
+                             swa_full=sizes.swa_full, flash_attn=sizes.flash_attn, kv_type=sizes.kv_type,
+                             kv_unified=not sizes.split)
         self._owned.append(ctx)
         return ctx
 
