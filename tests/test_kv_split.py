@@ -11,8 +11,16 @@ each answer is then the one it gets alone, bit for bit, whatever the others do.
 from __future__ import annotations
 
 import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
 
 from specrun.runtime.plan import RunOptions, build_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_server import running_server  # noqa: E402
 
 GB = 1 << 30
 MODELS = ["--target", "smollm2-135m-q4", "--draft", "lookup", "--kv-type", "q8_0", "--ctx-size", "1024"]
@@ -51,3 +59,23 @@ def test_the_plan_says_so(cli):
     shown = cli("plan", "--parallel", "2", "--kv-split", "--ctx-size", "512")
     assert shown.exit_code == 0, shown.output
     assert "1 sequence each in a KV cache of its own (--kv-split: chains verified)" in shown.stdout
+
+
+def _chat(server, content: str) -> tuple[str, dict]:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    reply = client.chat.completions.create(model="specrun", messages=[{"role": "user", "content": content}],
+                                           max_tokens=48, temperature=0)
+    return reply.choices[0].message.content, reply.model_extra["timings"]
+
+
+def test_a_server_with_a_cache_per_request_answers_each_as_alone(offline_models, tmp_path):
+    # Three clients at once through the official client; every answer is the --no-spec server's.
+    with running_server(tmp_path / "alone", "--no-spec", *MODELS[:2], *MODELS[4:6], "--parallel", "1") as alone:
+        reference = {name: _chat(alone, prompt)[0] for name, prompt in PROMPTS.items()}
+    with running_server(tmp_path / "split", *MODELS[:6], "--parallel", "3", "--kv-split") as split:
+        assert "3 requests at once, a KV cache each (--kv-split)" in split.stderr
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = {name: pool.submit(_chat, split, prompt) for name, prompt in PROMPTS.items()}
+            answers = {name: f.result() for name, f in futures.items()}
+    assert {name: text for name, (text, _) in answers.items()} == reference
+    assert sum(timings["shared_passes"] for _, timings in answers.values()) > 0  # (they did share passes)

@@ -537,12 +537,12 @@ class GenerationWorker(QueueWorker):
 def describe(rt: Runtime) -> str:
     """Return the line that says what is being served, as `specrun chat` says it."""
     at_once = f", {len(rt.decoders)} requests at once" if len(rt.decoders) > 1 else ""
+    at_once += ", a KV cache each (--kv-split)" if rt.plan.target_ctx.split else ""
     if rt.prompts_join:
         at_once += ", prompts in the passes of their steps (--throughput)"
-    if rt.plan.target_ctx.flash_attn is not None:
-        at_once += f", flash attention {rt.plan.target_ctx.flash_attn} (--flash-attn)"
-    if rt.plan.target_ctx.kv_type is not None:
-        at_once += f", {rt.plan.target_ctx.kv_type} KV cache (--kv-type)"
+    ctx = rt.plan.target_ctx
+    at_once += f", flash attention {ctx.flash_attn} (--flash-attn)" if ctx.flash_attn is not None else ""
+    at_once += f", {ctx.kv_type} KV cache (--kv-type)" if ctx.kv_type is not None else ""
     return f"specrun serve: {rt.models.target_name} {rt.drafting()}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
 
 
