@@ -34,10 +34,11 @@ The rules of the gate:
   at one gate or the other, the draft's first (a request still drafting is on its way to the
   target's gate, and its tree should join that pass). One pass runs at a time, whichever the
   context: they share the machine's cores.
-- A target with a recurrent state splits a batch into ubatches that hold as many tokens of every
-  sequence, and rolls a state back only within the ubatch that made it: there, steps go together
-  only where every sequence of every step holds as many tokens (chains of one length), so the
-  pass stays one ubatch as each step's is alone.
+- A target with a recurrent state, or a cache per request (--kv-split), splits a batch into
+  ubatches that hold as many tokens of every sequence (from sequences in ascending order; a
+  recurrent state rolls back only within the ubatch that made it): there, steps go together only
+  where every sequence of every step holds as many tokens (chains of one length), in the order of
+  their sequences, so the pass stays one ubatch.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ class PassGate:
         requests the pass held, the seconds it took, where the batch's first token sat in the
         pass and how many tokens it held in all. A failed pass raises its error in every lane it
         held."""
-        handed = _Handed(batch, solo, self._kind(batch) if self.ctx.has_state else 0)
+        handed = _Handed(batch, solo, self._kind(batch) if self.ctx.has_state or self.ctx.split else 0)
         room = self.room
         with self._cond:
             room.members.add(lane.owner)
@@ -281,7 +282,8 @@ class PassGate:
     # -- the lane whose arrival completed the set runs the pass (holding the condition's lock,
     # which it lets go while llama.cpp decodes) --
     def _lead(self) -> None:
-        chosen = self._choose()
+        # (a split cache's pass is one ubatch only where its sequences ascend one by one)
+        chosen = sorted(self._choose(), key=lambda lane: lane.base)
         handed = [self._waiting.pop(lane) for lane in chosen]
         self.room.running = True
         self._cond.release()
