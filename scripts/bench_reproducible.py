@@ -10,6 +10,7 @@ plain decoding's (a `--no-spec` run on a quiet machine).
     python scripts/bench_reproducible.py                      # 20 runs per kind, the demo pair
     python scripts/bench_reproducible.py --runs 6 --kinds reproducible default
     python scripts/bench_reproducible.py --target smollm2-135m-q4 --kv-type q8_0 --kinds jsonl-parallel
+    python scripts/bench_reproducible.py --target smollm2-135m-q4 --draft smollm2-135m-q4 --kv-type q8_0 --kv-split
 
 Kinds: `default` (generate as it runs untuned), `reproducible` (generate --reproducible),
 `jsonl-parallel` (the same request as one line of two in generate --jsonl --parallel 2, the other
@@ -28,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 PROMPT = "Explain in a few sentences why the sky is blue, and why sunsets are red."
 OTHER = "List five animals that live in the sea, with one fact about each."
@@ -52,9 +52,9 @@ def specrun(*args: str, stdin: str | None = None) -> str:
     return done.stdout
 
 
-def answer(kind: str, common: list[str], max_tokens: int) -> list[int] | str:
+def answer(kind: str, common: list[str], max_tokens: int, shared: tuple[str, ...] = ()) -> list[int] | str:
     if kind.startswith("serve"):
-        return served(kind.endswith("reproducible"), common, max_tokens)
+        return served(kind.endswith("reproducible"), [*common, *shared], max_tokens)
     if kind in ("default", "reproducible"):
         flags = ["--reproducible"] if kind == "reproducible" else []
         out = specrun("generate", PROMPT, "--json", "--max-tokens", str(max_tokens), *flags, *common)
@@ -63,7 +63,7 @@ def answer(kind: str, common: list[str], max_tokens: int) -> list[int] | str:
     if kind.endswith("reproducible"):
         line["reproducible"] = True
     lines = [json.dumps({"prompt": OTHER, "max_tokens": max_tokens, "id": "other"}), json.dumps(line)]
-    out = specrun("generate", "--jsonl", "--parallel", "2", *common, stdin="\n".join(lines) + "\n")
+    out = specrun("generate", "--jsonl", "--parallel", "2", *common, *shared, stdin="\n".join(lines) + "\n")
     results = [json.loads(row) for row in out.splitlines() if row.strip()]
     return next(r["token_ids"] for r in results if r.get("id") == "probe")
 
@@ -128,6 +128,7 @@ def main() -> int:
     parser.add_argument("--target", default=None)
     parser.add_argument("--draft", default=None)
     parser.add_argument("--kv-type", default=None, help="the target's KV cache cells (plain decoding's too)")
+    parser.add_argument("--kv-split", action="store_true", help="a KV cache per request where requests share passes")
     args = parser.parse_args()
     models = [*(["--target", args.target] if args.target else []), *(["--draft", args.draft] if args.draft else []),
               *(["--kv-type", args.kv_type] if args.kv_type else [])]
@@ -142,7 +143,7 @@ def main() -> int:
         for i in range(args.runs):
             load = start_load(LOADS[i % len(LOADS)], common)
             try:
-                answers.append(answer(kind, common, args.max_tokens))
+                answers.append(answer(kind, common, args.max_tokens, ("--kv-split",) if args.kv_split else ()))
             finally:
                 stop_load(load)
         first = sum(a == answers[0] for a in answers)
