@@ -264,7 +264,7 @@ class PassGate:
         requests the pass held, the seconds it took, where the batch's first token sat in the
         pass and how many tokens it held in all. A failed pass raises its error in every lane it
         held."""
-        handed = _Handed(batch, solo, self._kind(batch) if self.ctx.has_state or self.ctx.split else 0)
+        handed = _Handed(batch, solo, self._kind(batch) if self.ctx.chains_only else 0)
         room = self.room
         with self._cond:
             room.members.add(lane.owner)

@@ -48,9 +48,7 @@ class SpeculativeDecoder:
         if target_ctx.n_batch < min(shape.budget, MAX_BUDGET) + 1:
             raise ValueError(f"target n_batch {target_ctx.n_batch} cannot hold a tree of {shape.budget} nodes + root")
         lane = lane if lane is not None else Lane(target_ctx)
-        # A recurrent state rolls back only in the sequence that made it, and a split cache holds
-        # no token of several sequences: verify chains (module doc).
-        self.chain_only = target_ctx.has_state or target_ctx.split
+        self.chain_only = target_ctx.chains_only  # (module doc)
         self.n_chains = len(lane.seqs) if self.chain_only else 0
         if target_ctx.has_state and target_ctx.n_rs_seq < 1:
             raise ValueError(f"{target_model.path.name} cannot roll its recurrent state back: decode it plainly")

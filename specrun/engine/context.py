@@ -207,6 +207,8 @@ def default_threads() -> int:
 class Context(Owner):
     """Owner of a llama_context: KV cache, decode, logits."""
 
+    split = False  # a cache per sequence (--kv-split: kv_unified off); an MtpContext's never is
+
     def __init__(
         self,
         model: Model,
@@ -287,6 +289,13 @@ class Context(Owner):
         self.kv_type = kv_type
         self._n_outputs = 0
         model._contexts.append(self)
+
+    @property
+    def chains_only(self) -> bool:
+        """Whether trees verify here as chains, a sequence each, and llama.cpp splits a pass into
+        ubatches of as many tokens per sequence: a recurrent state (rolled back only in the
+        sequence that made it) or a cache per sequence (which holds no token of several)."""
+        return self.has_state or self.split
 
     @property
     def batch_invariant(self) -> bool:

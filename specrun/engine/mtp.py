@@ -109,7 +109,6 @@ class MtpContext(Context):
         params.n_seq_max = n_seq_max
         params.n_outputs_max = max(n_batch, n_seq_max)
         params.kv_unified = True  # as the target's: a request's text takes the cells it needs
-        self.split = False
         if threads:
             params.n_threads = params.n_threads_batch = threads
         params.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
