@@ -492,10 +492,12 @@ def test_a_request_edits_its_lane_only_while_no_pass_runs(offline_models, load_m
 
 
 @pytest.mark.slow
-def test_sampling_through_draft_trees_in_shared_passes_has_the_plain_distribution(offline_models, load_model):
+@pytest.mark.parametrize("split", [False, True], ids=["one-cache", "kv-split"])
+def test_sampling_through_draft_trees_in_shared_passes_has_the_plain_distribution(offline_models, load_model, split):
     """Chi-square: at T=1 the first tokens two requests sample through draft-model trees, their
     target passes shared (and their draft passes where they meet), follow plain sampling's
-    distribution (promise 1 holds beside other requests too).
+    distribution (promise 1 holds beside other requests too); with a cache per request
+    (--kv-split) each verifies its tree's best chain.
 
     The tiny random model is the target and its own draft, as in test_speculative's sampled tests
     (the walk and the gates do not care which model made the logits): 2000 samples a side in less
@@ -508,8 +510,9 @@ def test_sampling_through_draft_trees_in_shared_passes_has_the_plain_distributio
     prompt = target.tokenize("Once upon a time, in a small village,", add_special=True)
     owned = []
 
-    def context(model, requests: int, batch: int = 64):
-        ctx = engine.Context(model, n_ctx=256 * requests, n_batch=batch, n_seq_max=MAX_SEQ, threads=1)
+    def context(model, requests: int, batch: int = 64, split: bool = False):
+        ctx = engine.Context(model, n_ctx=256 * requests, n_batch=batch, n_seq_max=requests if split else MAX_SEQ,
+                             threads=1, kv_unified=not split)
         owned.append(ctx)
         return ctx
 
@@ -517,7 +520,9 @@ def test_sampling_through_draft_trees_in_shared_passes_has_the_plain_distributio
         plain = PlainDecoder(target, context(target, 1))
         rng = make_rng(1)
         plain_samples = [first_tokens(plain, prompt, params, rng) for _ in range(2 * per_lane)]
-        gate, _, lanes, decoders = _tree_decoders(target, draft, context(target, 2), context(draft, 2), shape, 2)
+        gate, _, lanes, decoders = _tree_decoders(target, draft, context(target, 2, split=split), context(draft, 2),
+                                                  shape, 2)
+        assert all(d.chain_only for d in decoders) is split
         shared_drafted = [0, 0]
 
         def sample(i: int) -> list:
@@ -546,10 +551,10 @@ def _tree_decoders(target, draft, target_ctx, draft_ctx, shape, n: int):
     """n requests' lanes of one target and one draft context (a gate each, one room), each with a
     decoder whose draft-model trees are grown in its draft lane, drafting with the model beside the
     others (one turn, the first); return (gate, draft gate, target lanes, decoders)."""
-    per = MAX_SEQ // n
+    per, target_per = MAX_SEQ // n, target_ctx.n_seq_max // n  # (a cache per request: one sequence each)
     gate = PassGate(target_ctx)
     draft_gate = PassGate(draft_ctx, gate.room, first=True)
-    lanes = [Lane(target_ctx, range(i * per, (i + 1) * per), 256, gate) for i in range(n)]
+    lanes = [Lane(target_ctx, range(i * target_per, (i + 1) * target_per), 256, gate) for i in range(n)]
     draft_lanes = [Lane(draft_ctx, range(i * per, (i + 1) * per), 256, draft_gate) for i in range(n)]
     together = Together(window=10**6)
     decoders = [SpeculativeDecoder(target, target_ctx, TreeGrower(draft, draft_ctx, shape, d), shape, lane=lane,
