@@ -2,7 +2,7 @@
 
     python scripts/bench_rpc.py [--pair demo] [--pair gemma] [--workers 1] [--workers 2]
                                 [--latency-ms 0 0.5 2 5] [--bandwidth-mbit 1000] [--max-tokens 64]
-                                [--workload all] [--quick] [--no-tune] [--llama-bin DIR]
+                                [--workload all] [--head workers|here] [--quick] [--no-tune] [--llama-bin DIR]
                                 [--llama-modes "server plain,speculative-simple"] [--draft-max 3 8 16] [--json]
 
 For each pair, number of local RPC workers (`specrun worker` on 127.0.0.1) and one-way latency,
@@ -188,7 +188,8 @@ def _specrun(args: list[str], env: dict) -> str:
 
 def _bench(pair: tuple[str, str], rpc: str, args, env: dict) -> list[dict]:
     out = _specrun(["bench", "--json", "--target", pair[0], "--draft", pair[1], "--rpc", rpc, "--threads",
-                    str(args.threads), "--max-tokens", str(args.max_tokens), "--workload", args.workload], env)
+                    str(args.threads), "--max-tokens", str(args.max_tokens), "--workload", args.workload,
+                    "--head", args.head], env)
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -207,10 +208,11 @@ def _summary(rows: list[dict]) -> dict:
 
 def _tuned(pair: tuple[str, str], rpc: str, args, env: dict) -> tuple[dict, dict]:
     """Tune for this setting; return (bench summary with the profile, tune's stored choice)."""
-    tune = ["tune", "--json", "--target", pair[0], "--draft", pair[1], "--rpc", rpc, "--threads", str(args.threads)]
+    tune = ["tune", "--json", "--target", pair[0], "--draft", pair[1], "--rpc", rpc, "--threads", str(args.threads),
+            "--head", args.head]
     _specrun(tune + (["--quick"] if args.quick else []), env)
     shown = json.loads(_specrun(["tune", "--show", "--json", "--target", pair[0], "--draft", pair[1], "--rpc", rpc,
-                                 "--threads", str(args.threads)], env))
+                                 "--threads", str(args.threads), "--head", args.head], env))
     return _summary(_bench(pair, rpc, args, env)), shown
 
 
@@ -353,7 +355,8 @@ def main() -> None:
 def _measure(pair_name: str, pair: tuple[str, str], n_workers: int, latency_ms: float, rpc: str, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="specrun-rpc-profiles-") as profiles:
         env = _env(SPECRUN_PROFILES=profiles)  # each setting tunes for itself
-        result = {"pair": pair_name, "workers": n_workers, "latency_ms": latency_ms,
+        result = {"pair": pair_name, "workers": n_workers, "latency_ms": latency_ms, "bandwidth_mbit": args.bandwidth_mbit,
+                  "head": args.head,
                   "untuned": _summary(_bench(pair, rpc, args, env))}
         if not args.no_tune:
             result["tuned"], profile = _tuned(pair, rpc, args, env)
@@ -367,7 +370,8 @@ def _measure(pair_name: str, pair: tuple[str, str], n_workers: int, latency_ms: 
 
 def _report_one(result: dict, as_json: bool) -> None:
     out = sys.stderr if as_json else sys.stdout
-    head = f"{result['pair']:>5} · {result['workers']} worker(s) · {result['latency_ms']:g} ms one way"
+    head = (f"{result['pair']:>5} · {result['workers']} worker(s) · {result['latency_ms']:g} ms one way · "
+            f"{result['bandwidth_mbit']:g} Mbit/s · head {result['head']}")
     for workload, row in result["untuned"].items():
         tuned = result.get("tuned", {}).get(workload, {})
         llama = {name: speeds.get(workload) for name, speeds in result.get("llama.cpp", {}).items()}
@@ -391,6 +395,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--workload", default="all", help="chat, code, rewrite or all")
     parser.add_argument("--threads", type=int, default=1, help="threads of the process that runs the model")
     parser.add_argument("--worker-threads", type=int, default=1, help="threads of each worker")
+    parser.add_argument("--head", choices=["workers", "here"], default="workers",
+                        help="where specrun's runs compute the target's output layer (specrun's --head; llama.cpp's runs keep theirs)")
     parser.add_argument("--quick", action="store_true", help="tune --quick")
     parser.add_argument("--no-tune", action="store_true", help="plain and default only")
     parser.add_argument("--llama-bin", type=Path, help="a llama.cpp build with RPC: its llama-speculative-simple and llama-server")

@@ -18,18 +18,11 @@ from specrun.cli_options import (
     TargetOpt, DraftOpt, GpuLayersOpt, GpuMemoryOpt, MmapOpt, FlashAttnOpt, KvTypeOpt, KvSplitOpt,
     CtxOpt, AutoCtxOpt, ReasoningFormatOpt, ChatTemplateOpt,
     ThreadsOpt, BudgetOpt, DepthOpt, NoSpecOpt, LookupOpt, MemoryOpt, VerboseOpt, ParallelOpt, ThroughputOpt, RpcOpt,
-    TemperatureOpt, TopKOpt, TopPOpt, MinPOpt, SeedOpt, PresenceOpt, FrequencyOpt, RepeatOpt, SystemOpt,
+    TemperatureOpt, TopKOpt, TopPOpt, MinPOpt, SeedOpt, PresenceOpt, FrequencyOpt, RepeatOpt, SystemOpt, HeadOpt,
+    examples as _examples,
 )
 from specrun.errors import SpecrunError, UsageError
 from specrun.limits import RPC_DEFAULT_PORT
-
-
-def _examples(*lines: str, note: tuple[str, ...] = ()) -> str:
-    """Return an epilog of example command lines, kept as written (click rewraps other paragraphs)."""
-    text = "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
-    if note:
-        text += "\n\n\b\n" + "\n".join(note)
-    return text
 
 
 app = typer.Typer(
@@ -64,7 +57,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup=None, quiet=False,
                  gpu_memory=None, rpc=None, parallel: int | None = 1, memory=False, memory_scope=None, throughput=False,
-                 mmap=None, flash_attn=None, kv_type=None, reproducible=False, kv_split=False):
+                 mmap=None, flash_attn=None, kv_type=None, reproducible=False, kv_split=False, head=None):
     from specrun.runtime.plan import RunOptions
 
     limit = None
@@ -90,7 +83,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
         parallel=parallel, memory=memory, memory_scope=memory_scope, throughput=throughput, mmap=mmap,
-        flash_attn=flash_attn, kv_type=kv_type, reproducible=reproducible, kv_split=kv_split)
+        flash_attn=flash_attn, kv_type=kv_type, reproducible=reproducible, kv_split=kv_split, head=head if head == "here" else None)
 
 
 def _version_callback(value: bool) -> None:
@@ -168,6 +161,7 @@ def generate(
     kv_type: KvTypeOpt = None,
     kv_split: KvSplitOpt = False,
     rpc: RpcOpt = None,
+    head: HeadOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -196,7 +190,7 @@ def generate(
             raise UsageError("--system needs chat mode (drop --raw)")
         if (parallel > 1 or throughput) and not jsonl:
             raise UsageError(f"{'--parallel' if parallel > 1 else '--throughput'} needs --jsonl: only JSONL requests are decoded together")
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, throughput=throughput,
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, head=head, parallel=parallel, memory=memory, throughput=throughput,
                             reproducible=reproducible and not jsonl, kv_split=kv_split)  # (--jsonl: each line says)
         if logprobs is not None and not (as_json or jsonl):
             raise UsageError("--logprobs needs --json (or --jsonl): log-probs are reported in the JSON output")
@@ -255,6 +249,7 @@ def chat(
     flash_attn: FlashAttnOpt = None,
     kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
+    head: HeadOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -270,7 +265,7 @@ def chat(
         from specrun.commands import chat as chat_command
         from specrun.runtime.request import Request
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, memory=memory)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, head=head, memory=memory)
         request = Request(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, system=system)
         chat_command.chat(opts, request, max_tokens, _chat_settings(reasoning_format, chat_template))
 
@@ -312,6 +307,7 @@ def serve(
     kv_type: KvTypeOpt = None,
     kv_split: KvSplitOpt = False,
     rpc: RpcOpt = None,
+    head: HeadOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -331,7 +327,7 @@ def serve(
             if e.name not in ("fastapi", "uvicorn", "pydantic", "starlette"):
                 raise
             raise SpecrunError(f"`specrun serve` needs the {e.name} package, part of a normal install: pip install --upgrade specrun") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput, kv_split=kv_split)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, head=head, parallel=parallel, memory=memory, memory_scope=api_key, throughput=throughput, kv_split=kv_split)
         if api_key is not None and not api_key.strip():
             raise UsageError("--api-key (or SPECRUN_API_KEY) is empty: give a key, or leave it out to serve without one")
         settings = ServerSettings(api_key=api_key, cors_origins=tuple(cors or ()), verbose=verbose, reproducible=reproducible,
@@ -386,6 +382,7 @@ def bench(
     flash_attn: FlashAttnOpt = None,
     kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
+    head: HeadOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     lookup: LookupOpt = None,
@@ -396,7 +393,7 @@ def bench(
     with _user_errors():
         from specrun.commands import bench as bench_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, None, depth, False, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, head=head)
         if report:
             from specrun.commands import bench_report
 
@@ -431,6 +428,7 @@ def tune(
     flash_attn: FlashAttnOpt = None,
     kv_type: KvTypeOpt = None,
     rpc: RpcOpt = None,
+    head: HeadOpt = None,
     ctx_size: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -446,7 +444,7 @@ def tune(
             if e.name not in ("specrun.tuning", "specrun.commands.tune"):
                 raise
             raise SpecrunError(f"`specrun tune` is not available in this build (the {e.name} module is missing)") from None
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, None, False, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, head=head)
         tune_command.run_tune(opts, quick=quick, show=show, as_json=as_json, plot=plot)
 
 
@@ -475,6 +473,7 @@ def plan(
     kv_type: KvTypeOpt = None,
     kv_split: KvSplitOpt = False,
     rpc: RpcOpt = None,
+    head: HeadOpt = None,
     ctx_size: AutoCtxOpt = None,
     threads: ThreadsOpt = None,
     budget: BudgetOpt = None,
@@ -488,7 +487,7 @@ def plan(
     with _user_errors():
         from specrun.commands import plan as plan_command
 
-        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, parallel=parallel, kv_split=kv_split)
+        opts = _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no_spec, lookup, gpu_memory=gpu_memory, mmap=mmap, flash_attn=flash_attn, kv_type=kv_type, rpc=rpc, head=head, parallel=parallel, kv_split=kv_split)
         plan_command.plan(opts, as_json, gpu, ram_free)
 
 

@@ -220,6 +220,39 @@ def test_greedy_output_over_a_worker_is_local_greedy_output(worker, cli, tmp_pat
     assert any(name.startswith("RPC0[") for name in _model_buffers(stderr)), "no target layer went to the worker"
 
 
+def test_with_head_here_the_output_layer_stays_here_and_the_answer_is_the_same(worker, cli, tmp_path):
+    """--head here: the target's output layer (for the demo target, its tied embedding's copy,
+    49,152 x 576 floats) loads on this machine, not the worker, so a pass sends hidden states over
+    the network, not a row of logits per tree node; the greedy answer is the one given locally and
+    with the head on the worker (the same CPU kernels compute it), and `plan` says where it is."""
+    args = ["--target", "smollm2-135m-f32", "--draft", "smollm2-135m-q4", "--budget", "12", "--depth", "4", PROMPT]
+    local = cli("generate", "--json", "--ctx-size", "1024", "--max-tokens", "40", *args)
+    assert local.exit_code == 0, local.output
+    there, there_log = _generate_json(tmp_path, "--max-tokens", "40", "--rpc", worker.endpoint, "--verbose", *args)
+    here, here_log = _generate_json(tmp_path, "--max-tokens", "40", "--rpc", worker.endpoint, "--head", "here",
+                                    "--verbose", *args)
+    assert here["token_ids"] == there["token_ids"] == json.loads(local.stdout)["token_ids"]
+    assert here["accepted_per_pass"] > 1.0
+    on_worker = {name: size for name, size in _model_buffers(there_log).items() if name.startswith("RPC0[")}
+    head_on_worker = {name: size for name, size in _model_buffers(here_log).items() if name.startswith("RPC0[")}
+    assert on_worker.keys() == head_on_worker.keys() and len(on_worker) == 1
+    moved = sum(on_worker.values()) - sum(head_on_worker.values())
+    assert moved >= 49152 * 576 * 4, (on_worker, head_on_worker)  # the whole output matrix, F32
+    shown = _specrun(tmp_path, "plan", "--rpc", worker.endpoint, "--head", "here")
+    assert shown.returncode == 0, shown.stderr
+    assert "output layer here (--head here)" in shown.stdout
+    as_json = _specrun(tmp_path, "plan", "--json", "--rpc", worker.endpoint, "--head", "here")
+    assert json.loads(as_json.stdout)["target"]["head_here"] is True
+
+
+def test_head_takes_here_or_workers_and_here_without_a_worker_says_it_does_nothing(cli):
+    bad = cli("plan", "--head", "nowhere")
+    assert bad.exit_code == 2 and "'nowhere': choose here or workers" in bad.output
+    alone = cli("plan", "--head", "here")
+    assert alone.exit_code == 0, alone.output
+    assert "--head here without --rpc does nothing" in alone.output
+
+
 # A pass over the worker, timed as the cost curves time it: `decode` returns once the pass is done
 # and its logits are back (llama_decode alone returns once the pass is sent), so reading them
 # right after costs nothing. Prints the seconds of each, per pass.

@@ -42,6 +42,8 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.mmap is False:
         lines.append("         read into memory, not mapped" + (": its layers in RAM sit in the GPU's pinned memory, "
                      "which big passes copy over faster" if plan.placement.target_cpu_layers and plan.devices else ""))
+    if plan.head_here:
+        lines.append("         output layer here (--head here): a pass's hidden states cross the network, not its rows of logits")
     if draft is not None:
         lines.append(f"draft    {draft['name']}  {_where(draft['path'])}")
         lines.append(f"         {'whole on ' + draft['device'] if draft['gpu_layers'] else 'in RAM'}")

@@ -31,12 +31,23 @@ class _BufferOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
-def _experts_in_ram(n_layers: int):
-    """Return the override array (NULL-terminated) that keeps layers 0..n-1's experts in RAM."""
-    layers = "|".join(str(i) for i in range(n_layers))
-    pattern = rf"^blk\.({layers})\.ffn_(up|down|gate_up|gate)_(ch|)exps".encode()
-    overrides = (_BufferOverride * 2)()
-    overrides[0].pattern, overrides[0].buft = pattern, cpu_buffer_type()
+# The output layer's tensors (llama.cpp's last slot): the output norm and matrix, and the token
+# embedding's copy a model with a tied head loads there (its input copy stays in RAM anyway).
+HEAD_TENSORS = rb"^(output|output_norm|token_embd)\.(weight|bias)$"
+
+
+def _in_ram(experts_layers: int, head: bool):
+    """Return the override array (NULL-terminated) that keeps layers 0..n-1's experts, and with
+    `head` the output layer, in RAM, wherever their slots go."""
+    patterns = []
+    if experts_layers > 0:
+        layers = "|".join(str(i) for i in range(experts_layers))
+        patterns.append(rf"^blk\.({layers})\.ffn_(up|down|gate_up|gate)_(ch|)exps".encode())
+    if head:
+        patterns.append(HEAD_TENSORS)
+    overrides = (_BufferOverride * (len(patterns) + 1))()
+    for override, pattern in zip(overrides, patterns):
+        override.pattern, override.buft = pattern, cpu_buffer_type()
     return overrides
 
 
@@ -55,6 +66,7 @@ class Model(Owner):
         experts_in_ram: int = 0,
         across_hosts: bool = False,
         mmap: bool | None = None,
+        head_here: bool = False,
     ):
         """Load a model. `tensor_split` (per GPU) spreads offloaded layers as planned; `main_gpu`
         puts the whole model on one GPU (llama.cpp's split mode "none"); `load_mtp` also loads its
@@ -66,7 +78,9 @@ class Model(Owner):
         this machine's GPUs: `tensor_split` counts them in that order. `mmap` False reads the
         weights into memory instead of mapping the file: llama.cpp then puts the layers left in
         RAM in the GPU's pinned host memory, which its passes of 32 tokens and more copy to the
-        GPU several times faster than mapped pages (None: llama.cpp's default, mapped)."""
+        GPU several times faster than mapped pages (None: llama.cpp's default, mapped).
+        `head_here` computes the output layer on this machine's CPU wherever its slot goes (an RPC
+        worker): hidden states of n_embd floats cross the network, not a logits row per token."""
         ensure_backend()
         self.path = check_complete_gguf(Path(path))
         # Whether some of its layers compute on a GPU here or (across_hosts) an RPC worker's device,
@@ -88,8 +102,8 @@ class Model(Owner):
             # llama.cpp reads llama_max_devices() floats; keep the array alive while loading.
             self._split = (ctypes.c_float * C.llama_max_devices())(*tensor_split)
             params.tensor_split = self._split
-        if experts_in_ram > 0:
-            self._overrides = _experts_in_ram(experts_in_ram)
+        if experts_in_ram > 0 or head_here:
+            self._overrides = _in_ram(experts_in_ram, head_here)
             params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         if across_hosts and remote_hosts():
             # llama.cpp reads a NULL-terminated array; without one it offloads to this machine's
@@ -108,6 +122,8 @@ class Model(Owner):
         self.placement = {"n_gpu_layers": n_gpu_layers, "tensor_split": list(tensor_split), "main_gpu": main_gpu,
                           "experts_in_ram": experts_in_ram, "across_hosts": across_hosts,
                           "repacked": bool(params.use_extra_bufts)}
+        if head_here:
+            self.placement["head_here"] = True  # (only then: the keys of what was kept before stay as they were)
         recent_errors.clear()
         ptr = C.llama_model_load_from_file(str(self.path).encode(), params)
         try:

@@ -48,6 +48,10 @@ class RunOptions:
     # --mmap / --no-mmap: map the target's file, or read it into memory (the layers left in RAM
     # then sit in the GPU's pinned host memory); None: as the plan decides (hardware.offload.target_mapped)
     mmap: bool | None = None
+    # --head here/workers: with --rpc, where the target's output layer computes: "here" keeps it
+    # on this machine (hidden states cross the network, not a logits row per token); None or
+    # "workers": llama.cpp's placement, with the last layers
+    head: str | None = None
     # --flash-attn on/off/auto: the target's attention (engine.Context); None: off on a batch-invariant
     # build, else llama.cpp's auto (on wherever its devices have the kernel, the CPU included)
     flash_attn: str | None = None
@@ -68,7 +72,7 @@ class RunOptions:
     def profile_options(self) -> dict:
         """The options a tuning profile is kept apart by (tuning.profiles.profile_key, load)."""
         return {"threads": self.threads, "gpu_memory": self.gpu_memory, "mmap": self.mmap, "flash_attn": self.flash_attn,
-                "kv_type": self.kv_type}
+                "kv_type": self.kv_type, "head": self.head}
 
     def context_notes(self, parallel: int) -> list[str]:
         """What the target context's options cost here, said at start (Plan.notes)."""
@@ -76,6 +80,8 @@ class RunOptions:
         if self.flash_attn == "off" and parallel > 1:  # (docs/benchmarks.md, "Flash attention on a CPU")
             notes.append(f"--flash-attn off with {parallel} requests at once: a pass attends over every request's text in "
                          "the shared cache, masked cells included, which flash attention skips: slower once they hold long texts")
+        if self.head == "here" and not self.rpc:
+            notes.append("--head here without --rpc does nothing: the output layer computes on this machine already")
         if self.kv_split and parallel == 1:
             notes.append("--kv-split with one request at a time does nothing: that request has the cache to itself")
         return notes

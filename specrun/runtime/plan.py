@@ -106,6 +106,7 @@ class Plan:
     check: ProfileCheck | None = None  # a tuning profile decided: what the load re-times
     round_trips: tuple[tuple[str, float], ...] = ()  # (RPC worker, seconds of a round trip to it)
     mmap: bool | None = None  # the target's file mapped, or read (offload.target_mapped); None: llama.cpp's way
+    head_here: bool = False  # --head here: the target's output layer computes on this machine, not an RPC worker
 
     def checked(self, target_pass_s: float | None) -> Plan:
         """Return the plan to load once the target's one-token pass is timed (None: could not
@@ -148,8 +149,7 @@ class Plan:
 
     @property
     def draft_gpu_layers(self) -> int:
-        p = self.placement
-        return p.draft_gpu_layers if p.draft_device is not None else 0
+        return self.placement.draft_gpu_layers if self.placement.draft_device is not None else 0
 
     def to_dict(self) -> dict:
         f = self.files
@@ -162,7 +162,7 @@ class Plan:
                     "grows_to": self.tree.grow, "verified_budget": self.tree.verified.budget}
         return {
             "target": {"name": f.target_name, "path": _path(f.target_path), "gpu_layers": self.target_gpu_layers,
-                       "layer_slots": self.placement.target_n_slots, "mmap": self.mmap is not False,
+                       "layer_slots": self.placement.target_n_slots, "mmap": self.mmap is not False, "head_here": self.head_here,
                        "experts_in_ram_layers": self.placement.cpu_expert_layers},
             "draft": None if f.draft_name is None or not self.draft_loaded else {
                 "name": f.draft_name, "path": _path(f.draft_path), "gpu_layers": self.draft_gpu_layers,
@@ -389,6 +389,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
             round_trips=tuple((host, rpc.round_trip_s(host) or 0.0) for host in dict.fromkeys(d.host for d in gpus if d.host)),
             mmap=opts.mmap if opts.mmap is not None else offload.target_mapped(placed, gpus),
+            head_here=opts.head == "here" and any(d.host for d in gpus),
         )
         if pass_s is not None:
             fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False,
@@ -500,8 +501,8 @@ def _spec(ctx: ContextPlan):
 def _loads_target_alike(plan: Plan, other: Plan) -> bool:
     """Whether two plans load the target alike (layers, devices, context, threads, mmap): the second loads on the first's."""
     a, b = plan.placement, other.placement
-    return ((a.target_gpu_layers, a.target_tensor_split, a.op_offload, plan.target_ctx, plan.threads, plan.mmap)
-            == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads, other.mmap))
+    return ((a.target_gpu_layers, a.target_tensor_split, a.op_offload, plan.target_ctx, plan.threads, plan.mmap, plan.head_here)
+            == (b.target_gpu_layers, b.target_tensor_split, b.op_offload, other.target_ctx, other.threads, other.mmap, other.head_here))
 
 
 def _header_copy(name: str, notes: list[str]) -> Path:

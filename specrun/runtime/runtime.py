@@ -377,6 +377,7 @@ def load_arguments(plan: Plan) -> tuple[dict, dict]:
     remote = sum(1 for d in plan.devices if d.host)
     if remote:
         target["across_hosts"] = True  # the draft stays on this machine (its devices only)
+        target["head_here"] = plan.head_here
     if placed.draft_device is None:
         draft["op_offload"] = False
     elif len(plan.devices) - remote > 1:

@@ -43,7 +43,7 @@ def hardware_fingerprint() -> str:
 def profile_key(
     target_path: Path, draft_path: Path | None, fingerprint: str | None = None, threads: int | None = None,
     gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None,
-    kv_type: str | None = None,
+    kv_type: str | None = None, head: str | None = None,
 ) -> dict:
     """Return the key a profile for this pair on this machine and llama.cpp build is stored under.
 
@@ -53,7 +53,7 @@ def profile_key(
     `mmap` --mmap or --no-mmap (a target's layers in RAM copied for big passes from pinned memory
     or from the mapped file cost differently); `flash_attn` --flash-attn (on a CPU a tree pass over a
     long context costs up to 1.8x more with it on); `kv_type` --kv-type (a quantized cache's passes
-    cost otherwise).
+    cost otherwise); `head` --head here (over RPC workers, a tree's pass moves no logits rows).
     """
 
     key = {
@@ -72,6 +72,8 @@ def profile_key(
         key["flash_attn"] = flash_attn  # (likewise)
     if kv_type is not None:
         key["kv_type"] = kv_type  # (likewise)
+    if head is not None:
+        key["head"] = head  # (likewise)
     return key
 
 
@@ -109,11 +111,11 @@ def first_suggestion(target_path: Path, draft_path: Path) -> bool:
 
 def load(target_path: Path, draft_path: Path | None, threads: int | None = None,
          gpu_memory: int | None = None, mmap: bool | None = None, flash_attn: str | None = None,
-         kv_type: str | None = None) -> dict | None:
+         kv_type: str | None = None, head: str | None = None) -> dict | None:
     """Return the stored profile for this pair on this machine, or None (never raises for bad files)."""
     try:
         key = profile_key(target_path, draft_path, threads=threads, gpu_memory=gpu_memory, mmap=mmap,
-                          flash_attn=flash_attn, kv_type=kv_type)
+                          flash_attn=flash_attn, kv_type=kv_type, head=head)
     except OSError as e:
         log.warning("cannot identify the model files for a tuning profile: %s", e)
         return None
