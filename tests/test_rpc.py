@@ -241,6 +241,8 @@ def test_with_head_here_the_output_layer_stays_here_and_the_answer_is_the_same(w
     shown = _specrun(tmp_path, "plan", "--rpc", worker.endpoint, "--head", "here")
     assert shown.returncode == 0, shown.stderr
     assert "output layer here (--head here)" in shown.stdout
+    default = _specrun(tmp_path, "plan", "--rpc", worker.endpoint)
+    assert "output layer on a worker" in default.stdout and "output layer here" not in default.stdout
     as_json = _specrun(tmp_path, "plan", "--json", "--rpc", worker.endpoint, "--head", "here")
     assert json.loads(as_json.stdout)["target"]["head_here"] is True
 
