@@ -463,8 +463,10 @@ def plan_offload(
     flash_attn: bool = False,
     measured: tuple[ContextBytes | None, ContextBytes | None] = (None, None),
     kv_type: str | None = None,
+    head_here: bool = False,
 ) -> OffloadPlan:
-    """Return where the target's layers and the draft go, and the memory that needs.
+    """Return where the target's layers and the draft go, and the memory that needs (with
+    `head_here`, --head here, an output layer whose slot goes to an RPC worker is held in RAM too).
 
     1. The draft goes whole onto the GPU with the most room, if it fits with its KV cache and
        compute buffer: it runs many small passes, which RAM-resident weights would make slow.
@@ -529,13 +531,13 @@ def plan_offload(
                 gpu_layers, op_offload = slots, False
         places = _target_on_devices(on_gpus, buffers, gpu_layers, op_offload, placement.counts, places)
 
-    # what stays in RAM: the input layer, the slots not offloaded and their KV cache, the CPU
-    # backend's compute buffer and the host logits buffer
+    # what stays in RAM: the input layer, the slots not offloaded and their KV cache, the CPU backend's
+    # compute buffer and the host logits buffer (and the output layer, where none is or --head here keeps it)
     cpu_layers = min(slots - gpu_layers, target.n_layer)
     experts_in_ram = sum(target.expert_bytes[:cpu_expert_layers])
     ram = ram.plus(target.input_bytes + sum(target.layer_bytes[:cpu_layers]) + experts_in_ram,
                    cpu_layers * buffers.kv_layer, buffers.compute, buffers.logits)
-    if gpu_layers == 0:
+    if gpu_layers == 0 or (head_here and [d for d, n in zip(devices, placement.counts) if n][-1].host):  # (its slot: the last)
         ram = ram.plus(model=target.output_bytes - target.tied_bytes)
 
     ram_limit = max(0, ram_free_bytes - margin_bytes)

@@ -159,14 +159,16 @@ def plan(
     ram_free_bytes: int | None = None,
     measured: Measured | None = None,
     kv_type: str | None = None,
+    head_here: bool = False,
 ) -> offload.OffloadPlan:
     """Return where the target's layers and the draft go on these GPUs, for contexts of n_ctx
     cells whose forward passes hold up to n_ubatch tokens (the compute buffer grows with it);
     `measured(n_ctx)` gives llama.cpp's own context figures for both models (else the target's
-    cache is estimated at `kv_type`'s bytes)."""
+    cache is estimated at `kv_type`'s bytes); `head_here`: --head here (offload.plan_offload)."""
     placed = offload.plan_offload(
         target, draft, list(gpus), sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes,
         n_ctx, n_ubatch, gpu_layers_override=override, measured=_measured(measured, n_ctx), kv_type=kv_type,
+        head_here=head_here,
     )
     if gpus:
         for warning in placed.warnings:

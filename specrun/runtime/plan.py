@@ -380,7 +380,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         else:
             placed = placement.plan(
                 target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
-                ram_free_bytes=ram_free_bytes, measured=measure, kv_type=opts.kv_type,
+                ram_free_bytes=ram_free_bytes, measured=measure, kv_type=opts.kv_type, head_here=opts.head == "here",
             )
         notes.extend(measure.notes)
         plan = Plan(
