@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+
 def _choice(value: str | None, *choices: str) -> str | None:
     """Accept one of `choices` (or nothing given)."""
     if value is not None and value not in choices:

@@ -199,11 +199,12 @@ def test_a_70b_target_spans_two_workers_and_the_draft_stays_on_this_machine():
     here = plan_offload(LLAMA31_70B_Q4KM, QWEN25_05B_Q4KM, workers_only, 24 * gib, 4096, 65, head_here=True)
     head = LLAMA31_70B_Q4KM.output_bytes - LLAMA31_70B_Q4KM.tied_bytes
     assert head > 0 and here.ram_bytes - there.ram_bytes == head
+    assert here.head_in_ram and not there.head_in_ram
     assert here.target_tensor_split == there.target_tensor_split
     last_on_this_gpu = placement.gpus_of([DeviceInfo("CUDA0", "RTX 6000", "gpu", "CUDA", 47 * gib, 48 * gib), devices[1], devices[2]])
     a, b = (plan_offload(LLAMA31_70B_Q4KM, QWEN25_05B_Q4KM, last_on_this_gpu, 24 * gib, 4096, 65, head_here=h) for h in (False, True))
     assert [int(n) for n in a.target_tensor_split][-1] > 0  # the last slots, the output layer's among them, on CUDA0
-    assert a.ram_bytes == b.ram_bytes
+    assert a.ram_bytes == b.ram_bytes and not b.head_in_ram  # (so the head is not moved off that GPU either)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -261,6 +261,7 @@ class OffloadPlan:
     breakdown: tuple[PlaceBytes, ...] = ()  # per device, then RAM: device_bytes and ram_bytes by kind
     cpu_expert_layers: int = 0  # the first N layers keep their routed experts in RAM (MoE models)
     measured: bool = False  # the context figures are llama.cpp's own (its simulation), not estimates
+    head_in_ram: bool = False  # --head here kept the output layer in RAM, off the RPC worker its slot (the last) went to
 
     @property
     def gpu_fits(self) -> bool:
@@ -465,8 +466,7 @@ def plan_offload(
     kv_type: str | None = None,
     head_here: bool = False,
 ) -> OffloadPlan:
-    """Return where the target's layers and the draft go, and the memory that needs (with
-    `head_here`, --head here, an output layer whose slot goes to an RPC worker is held in RAM too).
+    """Return where the target's layers and the draft go, and the memory that needs (`head_here`: see head_in_ram).
 
     1. The draft goes whole onto the GPU with the most room, if it fits with its KV cache and
        compute buffer: it runs many small passes, which RAM-resident weights would make slow.
@@ -531,13 +531,13 @@ def plan_offload(
                 gpu_layers, op_offload = slots, False
         places = _target_on_devices(on_gpus, buffers, gpu_layers, op_offload, placement.counts, places)
 
-    # what stays in RAM: the input layer, the slots not offloaded and their KV cache, the CPU backend's
-    # compute buffer and the host logits buffer (and the output layer, where none is or --head here keeps it)
+    # in RAM: the input layer, the slots not offloaded, their KV cache, the CPU's compute and the host logits buffers
     cpu_layers = min(slots - gpu_layers, target.n_layer)
     experts_in_ram = sum(target.expert_bytes[:cpu_expert_layers])
     ram = ram.plus(target.input_bytes + sum(target.layer_bytes[:cpu_layers]) + experts_in_ram,
                    cpu_layers * buffers.kv_layer, buffers.compute, buffers.logits)
-    if gpu_layers == 0 or (head_here and [d for d, n in zip(devices, placement.counts) if n][-1].host):  # (its slot: the last)
+    head_in_ram = head_here and gpu_layers > 0 and bool([d for d, n in zip(devices, placement.counts) if n][-1].host)
+    if gpu_layers == 0 or head_in_ram:
         ram = ram.plus(model=target.output_bytes - target.tied_bytes)
 
     ram_limit = max(0, ram_free_bytes - margin_bytes)
@@ -567,7 +567,7 @@ def plan_offload(
         warnings=tuple(warnings),
         breakdown=(*places, ram),
         measured=measured[0] is not None,
-        cpu_expert_layers=cpu_expert_layers,
+        cpu_expert_layers=cpu_expert_layers, head_in_ram=head_in_ram,
     )
 
 

@@ -389,7 +389,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
             round_trips=tuple((host, rpc.round_trip_s(host) or 0.0) for host in dict.fromkeys(d.host for d in gpus if d.host)),
             mmap=opts.mmap if opts.mmap is not None else offload.target_mapped(placed, gpus),
-            head_here=opts.head == "here" and any(d.host for d in gpus),
+            head_here=placed.head_in_ram,
         )
         if pass_s is not None:
             fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False,
