@@ -32,16 +32,24 @@ PROMPTS = {
 
 
 def test_each_request_in_a_split_cache_writes_what_it_writes_alone(cli):
-    lines = "".join(json.dumps({"prompt": p, "id": name, "max_tokens": 64}) + "\n" for name, p in PROMPTS.items())
-    together = cli("generate", "--jsonl", "--parallel", "2", "--kv-split", *MODELS, input=lines)
-    assert together.exit_code == 0, together.output
-    results = {r["id"]: r for r in map(json.loads, together.stdout.splitlines())}
+    alone = {}
     for name, prompt in PROMPTS.items():
-        alone = cli("generate", "--json", "-n", "64", "--no-spec", *MODELS[:2], *MODELS[4:], prompt)
-        assert alone.exit_code == 0, alone.output
-        assert results[name]["token_ids"] == json.loads(alone.stdout)["token_ids"], name
-    repeats = results["repeats"]["stats"]
-    assert repeats["n_passes"] < repeats["n_tokens"] and repeats["shared_passes"] > 0  # (chains verified beside others)
+        done = cli("generate", "--json", "-n", "64", "--no-spec", *MODELS[:2], *MODELS[4:], prompt)
+        assert done.exit_code == 0, done.output
+        alone[name] = json.loads(done.stdout)["token_ids"]
+    lines = "".join(json.dumps({"prompt": p, "id": name, "max_tokens": 64}) + "\n" for name, p in PROMPTS.items())
+    # Whether lookup's chains pay is sized by this run's measured passes: on a busy moment of a long
+    # suite a run may decode the list in plain steps, which would prove nothing of chains verified
+    # beside others. Every run must write the answers alone; one of three must have speculated.
+    for _ in range(3):
+        together = cli("generate", "--jsonl", "--parallel", "2", "--kv-split", *MODELS, input=lines)
+        assert together.exit_code == 0, together.output
+        results = {r["id"]: r for r in map(json.loads, together.stdout.splitlines())}
+        assert {name: results[name]["token_ids"] for name in PROMPTS} == alone
+        repeats = results["repeats"]["stats"]
+        if repeats["n_passes"] < repeats["n_tokens"] and repeats["shared_passes"] > 0:
+            break  # chains verified beside others
+    assert repeats["n_passes"] < repeats["n_tokens"] and repeats["shared_passes"] > 0, repeats
 
 
 def test_the_plan_opens_a_sequence_per_request_in_a_split_cache():
