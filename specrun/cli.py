@@ -67,8 +67,9 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
         limit = parse_bytes(gpu_memory, "--gpu-memory")
         if limit <= 0:
             raise UsageError(f"--gpu-memory {gpu_memory!r}: the limit must be more than 0")
-    if flash_attn not in (None, "auto", "on", "off"):
-        raise UsageError(f"--flash-attn {flash_attn!r}: choose auto, on or off")
+    for name, value, choices in (("--flash-attn", flash_attn, ("auto", "on", "off")), ("--head", head, ("here", "workers"))):
+        if value not in (None, *choices):
+            raise UsageError(f"{name} {value!r}: choose {', '.join(choices[:-1])} or {choices[-1]}")
     from specrun.engine import KV_TYPES, kv_quantized
 
     if kv_type is not None and kv_type not in KV_TYPES:

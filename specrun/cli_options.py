@@ -8,13 +8,6 @@ from typing import Annotated, Optional
 import typer
 
 
-def _choice(value: str | None, *choices: str) -> str | None:
-    """Accept one of `choices` (or nothing given)."""
-    if value is not None and value not in choices:
-        raise typer.BadParameter(f"{value!r}: choose {' or '.join(choices)}.")
-    return value
-
-
 # ---- options shared by chat, generate, bench and tune (declared once) ----
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias, .gguf path or hf:owner/repo/file.gguf (default: the offline demo pair).")]
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (default: the target family's recommended draft), or 'lookup': trees from the session's own text, no draft model, or 'mtp': chains from the target's own MTP layers (the default for a target that carries them).")]
@@ -37,7 +30,7 @@ MemoryOpt = Annotated[bool, typer.Option("--memory", help="Keep the memory of an
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp logs, chosen settings and tracebacks.")]
 ParallelOpt = Annotated[Optional[int], typer.Option("--parallel", min=1, max=64, help="Requests decoded together, their target passes shared (default: as many as fit at the context one request gets, 4 at most).")]
 ThroughputOpt = Annotated[bool, typer.Option("--throughput", help="With requests decoding together: a prompt is evaluated in the passes of the others' steps, as llama-server does, not in passes of its own; faster with many clients, but an answer may part from the same request alone at a near-tie (docs/exactness.md).")]
-HeadOpt = Annotated[Optional[str], typer.Option("--head", metavar="here|workers", callback=lambda value: _choice(value, "here", "workers"), show_default=False, help="With --rpc: where the target's output layer computes. workers (llama.cpp's placement, with the last layers) sends a row of logits back over the network for every token a pass verifies (n_vocab floats: 192 KiB for the demo pair, 594 KiB for a 152k vocabulary); here computes it on this machine's CPU from hidden states (n_embd floats a token), for slow links and small models: 33-token passes of the demo target 4.7x cheaper over 100 Mbit/s, but this CPU reads the whole output matrix every pass (docs/rpc.md)  [default: workers].")]
+HeadOpt = Annotated[Optional[str], typer.Option("--head", metavar="here|workers", show_default=False, help="With --rpc: where the target's output layer computes. workers (llama.cpp's placement, with the last layers) sends a row of logits back over the network for every token a pass verifies (n_vocab floats: 192 KiB for the demo pair, 594 KiB for a 152k vocabulary); here computes it on this machine's CPU from hidden states (n_embd floats a token), for slow links and small models: 33-token passes of the demo target 4.7x cheaper over 100 Mbit/s, but this CPU reads the whole output matrix every pass (docs/rpc.md)  [default: workers].")]
 RpcOpt = Annotated[Optional[list[str]], typer.Option("--rpc", metavar="HOST:PORT[,...]", envvar="SPECRUN_RPC", show_envvar=True, help="Spread the target's layers over these RPC workers too (`specrun worker` on each machine); the draft stays here.")]
 
 # ---- sampling options shared by chat and generate ----
