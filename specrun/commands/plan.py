@@ -44,7 +44,7 @@ def plan_lines(plan: Plan) -> list[str]:
                      "which big passes copy over faster" if plan.placement.target_cpu_layers and plan.devices else ""))
     if plan.head_here:
         lines.append("         output layer here (--head here): a pass's hidden states cross the network, not its rows of logits")
-    elif plan.devices and all(d.host for d in plan.devices) and target["gpu_layers"] >= target["layer_slots"]:
+    elif (holding := [d for d, n in zip(plan.devices, plan.device_layers()) if n]) and holding[-1].host:  # (its slot: the last)
         lines.append("         output layer on a worker: a row of logits crosses the network for every token a pass verifies "
                      "(--head here computes it here: for links slower than gigabit, docs/rpc.md)")
     if draft is not None:
