@@ -2,7 +2,7 @@
 
     python scripts/bench_rpc.py [--pair demo] [--pair gemma] [--workers 1] [--workers 2]
                                 [--latency-ms 0 0.5 2 5] [--bandwidth-mbit 1000] [--max-tokens 64]
-                                [--workload all] [--head workers|here] [--quick] [--no-tune] [--llama-bin DIR]
+                                [--workload all] [--head auto|workers|here] [--quick] [--no-tune] [--llama-bin DIR]
                                 [--llama-modes "server plain,speculative-simple"] [--draft-max 3 8 16] [--json]
 
 For each pair, number of local RPC workers (`specrun worker` on 127.0.0.1) and one-way latency,
@@ -111,8 +111,12 @@ class DelayProxy(LoopbackProxy):
                 if not data:
                     _close(sink)
                     return
+                # Sent once the link has carried it, received the delay after: a payload takes
+                # its size over the bandwidth on top of the latency, as on a wire. (Delivering at
+                # the later of the two hid up to delay x bandwidth bytes in the latency: 6 MiB at
+                # 50 ms and 1 Gbit/s, a 33-token pass's rows of logits for the demo pair.)
                 free_at = max(free_at, arrived) + len(data) / self.bytes_per_s
-                _sleep_until(max(free_at, arrived + self.delay_s))
+                _sleep_until(free_at + self.delay_s)
                 try:
                     sink.sendall(data)
                 except OSError:
@@ -395,7 +399,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--workload", default="all", help="chat, code, rewrite or all")
     parser.add_argument("--threads", type=int, default=1, help="threads of the process that runs the model")
     parser.add_argument("--worker-threads", type=int, default=1, help="threads of each worker")
-    parser.add_argument("--head", choices=["workers", "here"], default="workers",
+    parser.add_argument("--head", choices=["auto", "workers", "here"], default="auto",
                         help="where specrun's runs compute the target's output layer (specrun's --head; llama.cpp's runs keep theirs)")
     parser.add_argument("--quick", action="store_true", help="tune --quick")
     parser.add_argument("--no-tune", action="store_true", help="plain and default only")

@@ -67,7 +67,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
         limit = parse_bytes(gpu_memory, "--gpu-memory")
         if limit <= 0:
             raise UsageError(f"--gpu-memory {gpu_memory!r}: the limit must be more than 0")
-    for name, value, choices in (("--flash-attn", flash_attn, ("auto", "on", "off")), ("--head", head, ("here", "workers"))):
+    for name, value, choices in (("--flash-attn", flash_attn, ("auto", "on", "off")), ("--head", head, ("auto", "here", "workers"))):
         if value not in (None, *choices):
             raise UsageError(f"{name} {value!r}: choose {', '.join(choices[:-1])} or {choices[-1]}")
     from specrun.engine import KV_TYPES, kv_quantized
@@ -84,7 +84,7 @@ def _run_options(target, draft, gpu_layers, ctx_size, threads, budget, depth, no
         target=target, draft=draft, gpu_layers=gpu_layers, ctx_size=ctx_size, threads=threads,
         budget=budget, depth=depth, no_spec=no_spec, lookup=lookup, quiet=quiet, gpu_memory=limit, rpc=endpoints,
         parallel=parallel, memory=memory, memory_scope=memory_scope, throughput=throughput, mmap=mmap,
-        flash_attn=flash_attn, kv_type=kv_type, reproducible=reproducible, kv_split=kv_split, head=head if head == "here" else None)
+        flash_attn=flash_attn, kv_type=kv_type, reproducible=reproducible, kv_split=kv_split, head=None if head == "auto" else head)
 
 
 def _version_callback(value: bool) -> None:

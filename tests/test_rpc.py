@@ -254,15 +254,64 @@ def test_with_head_here_the_output_layer_stays_here_and_the_answer_is_the_same(w
     shown = _specrun(tmp_path, "plan", "--rpc", worker.endpoint, "--head", "here")
     assert shown.returncode == 0, shown.stderr
     assert "output layer here (--head here)" in shown.stdout
-    default = _specrun(tmp_path, "plan", "--rpc", worker.endpoint)
-    assert "output layer on a worker" in default.stdout and "output layer here" not in default.stdout
+    kept = _specrun(tmp_path, "plan", "--rpc", worker.endpoint, "--head", "workers")
+    assert "output layer on a worker" in kept.stdout and "output layer here" not in kept.stdout
     as_json = _specrun(tmp_path, "plan", "--json", "--rpc", worker.endpoint, "--head", "here")
     assert json.loads(as_json.stdout)["target"]["head_here"] is True
 
 
-def test_head_takes_here_or_workers_and_here_without_a_worker_says_it_does_nothing(cli):
+def test_by_default_the_output_layer_goes_where_a_pass_measures_faster(worker, tmp_path):
+    """No --head: where the output layer's slot goes to a worker, its rows of logits are fetched
+    over the link and the layer's product timed here at start, and the faster place is taken.
+    Over 100 Mbit/s the demo target's 16 rows of logits (3 MiB) take ~250 ms, the layer a few ms
+    on this CPU: here, and the plan gives both figures; --head workers keeps it on the worker."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_rpc import DelayProxy
+
+    proxy = DelayProxy(("127.0.0.1", worker.port), delay_s=0.002, bytes_per_s=12.5e6)
+    try:
+        endpoint = f"127.0.0.1:{proxy.port}"
+        args = ["--target", "smollm2-135m-f32", "--draft", "smollm2-135m-q4", "--rpc", endpoint]
+        shown = _specrun(tmp_path, "plan", "--json", *args)
+        assert shown.returncode == 0, shown.stderr
+        target = json.loads(shown.stdout)["target"]
+        assert target["head_here"] is True, target
+        measured = re.fullmatch(r"the logits of a 16-token pass take ([\d.]+) ms to come back from (\S+), "
+                                r"the output layer ~([\d.]+) ms here", target["head_why"])
+        assert measured and measured[2] == endpoint, target["head_why"]
+        assert float(measured[1]) > 16 * 49152 * 4 / 12.5e6 * 1e3 * 0.9 > float(measured[3]) > 0
+        kept = _specrun(tmp_path, "plan", *args, "--head", "workers")
+        assert "output layer on a worker" in kept.stdout and "measured: the logits" not in kept.stdout
+        plain = _specrun(tmp_path, "plan", "--json", "--no-spec", *args)
+        assert json.loads(plain.stdout)["target"]["head_why"].startswith("the logits of a 1-token pass")
+    finally:
+        proxy.close()
+
+
+def test_the_output_layer_is_placed_here_where_its_product_takes_less_than_its_rows_of_logits(monkeypatch):
+    """The choice weighs the measured trip of a pass's rows of logits (less the hidden states that
+    would cross instead) against the layer's product timed here, for the pass's rows."""
+    asked = []
+
+    def fetch_s(worker, sizes):
+        asked.append(sizes)
+        return {size: 0.001 + size / 1.25e6 for size in sizes}  # 10 Mbit/s
+
+    monkeypatch.setattr(rpc, "fetch_s", fetch_s)
+    target = LLAMA31_70B_Q4KM  # (8.2 MB of logits for 16 tokens: 6.5 s at 10 Mbit/s)
+    here, why = placement.head_pays_here(target, "10.0.0.2:50052", 16)
+    assert asked == [(16 * target.n_embd * 4, 16 * target.n_vocab * 4)]
+    logits_ms = 16 * (target.n_vocab - target.n_embd) * 4 / 1.25e6 * 1e3
+    assert here is True and f"take {logits_ms:.1f} ms to come back from 10.0.0.2:50052" in why
+    monkeypatch.setattr(rpc, "fetch_s", lambda worker, sizes: {size: 0.001 + size / 1.25e11 for size in sizes})
+    assert placement.head_pays_here(target, "10.0.0.2:50052", 16)[0] is False  # 1 Tbit/s: nothing to gain here
+    one, sixteen = (placement.head_seconds(576, 49152, rows) for rows in (1, 16))
+    assert 0 < one < sixteen
+
+
+def test_head_takes_auto_here_or_workers_and_here_without_a_worker_says_it_does_nothing(cli):
     bad = cli("plan", "--head", "nowhere")
-    assert bad.exit_code == 2 and "'nowhere': choose here or workers" in bad.output
+    assert bad.exit_code == 2 and "'nowhere': choose auto, here or workers" in bad.output
     alone = cli("plan", "--head", "here")
     assert alone.exit_code == 0, alone.output
     assert "--head here without --rpc does nothing" in alone.output

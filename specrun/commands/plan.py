@@ -42,11 +42,13 @@ def plan_lines(plan: Plan) -> list[str]:
     if plan.mmap is False:
         lines.append("         read into memory, not mapped" + (": its layers in RAM sit in the GPU's pinned memory, "
                      "which big passes copy over faster" if plan.placement.target_cpu_layers and plan.devices else ""))
+    measured = f" (measured: {placed.head_why})" if placed.head_why else " (--head here)"
     if plan.head_here:
-        lines.append("         output layer here (--head here): a pass's hidden states cross the network, not its rows of logits")
+        lines.append(f"         output layer here{measured}: a pass's hidden states cross the network, not its rows of logits")
     elif (holding := [d for d, n in zip(plan.devices, plan.device_layers()) if n]) and holding[-1].host:  # (its slot: the last)
-        lines.append("         output layer on a worker: a row of logits crosses the network for every token a pass verifies "
-                     "(--head here computes it here: for links slower than gigabit, docs/rpc.md)")
+        lines.append("         output layer on a worker: a row of logits crosses the network for every token a pass verifies"
+                     + (f" (measured: {placed.head_why}; --head here computes it here)" if placed.head_why else
+                        " (--head here computes it here: for links slower than gigabit, docs/rpc.md)"))
     if draft is not None:
         lines.append(f"draft    {draft['name']}  {_where(draft['path'])}")
         lines.append(f"         {'whole on ' + draft['device'] if draft['gpu_layers'] else 'in RAM'}")

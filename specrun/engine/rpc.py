@@ -258,6 +258,52 @@ def round_trips_now() -> str:
     return "RPC round trips now: " + ", ".join(timed) if timed else ""
 
 
+class _InitParams(ctypes.Structure):  # ggml_init_params
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+_fetched: dict[tuple[str, int], float] = {}  # (endpoint, bytes): seconds, as measured once a process
+
+
+def fetch_s(endpoint: str, sizes: Sequence[int], repeats: int = 2) -> dict[int, float]:
+    """Return {bytes: seconds} that reading that many bytes back from a connected worker takes
+    (the least of `repeats` reads of a buffer on its first device, over the connection passes
+    use: what a pass's results take to come back over this link). Measured once a process per
+    size; call it between passes."""
+    lib, p = ggml_lib(), ctypes.c_void_p
+    signatures = {"ggml_init": ([_InitParams], p), "ggml_free": ([p], None),
+                  "ggml_new_tensor_1d": ([p, ctypes.c_int, ctypes.c_int64], p),
+                  "ggml_backend_buft_alloc_buffer": ([p, ctypes.c_size_t], p),
+                  "ggml_backend_buffer_get_base": ([p], p), "ggml_backend_buffer_free": ([p], None),
+                  "ggml_backend_tensor_alloc": ([p, p, p], ctypes.c_int),
+                  "ggml_backend_tensor_get": ([p, p, ctypes.c_size_t, ctypes.c_size_t], None)}
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    todo = sorted({size for size in sizes if (endpoint, size) not in _fetched})
+    if todo:
+        largest = -(-max(todo) // 4) * 4
+        ctx = lib.ggml_init(_InitParams(1 << 12, None, True))
+        tensor = lib.ggml_new_tensor_1d(ctx, 0, largest // 4)  # (GGML_TYPE_F32)
+        buffer = lib.ggml_backend_buft_alloc_buffer(lib.ggml_backend_dev_buffer_type(_first_device[endpoint]), largest)
+        try:
+            if not buffer or lib.ggml_backend_tensor_alloc(buffer, tensor, lib.ggml_backend_buffer_get_base(buffer)):
+                raise EngineError(f"the RPC worker at {endpoint} could not hold a buffer of {largest} bytes")
+            host = ctypes.create_string_buffer(largest)
+            for size in todo:
+                timings = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    lib.ggml_backend_tensor_get(tensor, host, 0, size)
+                    timings.append(time.perf_counter() - start)
+                _fetched[endpoint, size] = min(timings)
+        finally:
+            if buffer:
+                lib.ggml_backend_buffer_free(buffer)
+            lib.ggml_free(ctx)
+    return {size: _fetched[endpoint, size] for size in sizes}
+
+
 # ---------------------------------------------------------------------------------------------
 # A worker that goes away
 

@@ -9,9 +9,7 @@ and output matrix) as slot n_layer. `n_gpu_layers = g` puts the last g slots on 
 offloads only the output layer, g = n_layer + 1 offloads everything. The input layer (token
 embedding) always stays in RAM. With several GPUs, slot i_gpu_start + i goes to the first device
 whose cumulative `tensor_split` share exceeds i / g; we pass per-device slot counts as
-`tensor_split`, so the split is exactly the one planned here.
-
-All sizes are estimates with a safety margin (the engine can still meet an allocation failure).
+`tensor_split`, so the split is exactly the one planned here. All sizes are estimates with a safety margin (the engine can still meet an allocation failure).
 """
 
 from __future__ import annotations
@@ -262,6 +260,7 @@ class OffloadPlan:
     cpu_expert_layers: int = 0  # the first N layers keep their routed experts in RAM (MoE models)
     measured: bool = False  # the context figures are llama.cpp's own (its simulation), not estimates
     head_in_ram: bool = False  # --head here kept the output layer in RAM, off the RPC worker its slot (the last) went to
+    head_why: str = ""  # why it is where it is, where that was measured (hardware.placement.plan)
 
     @property
     def gpu_fits(self) -> bool:

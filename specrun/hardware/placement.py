@@ -3,16 +3,23 @@
 Reads the models' shapes with vocab-only loads (no weights), asks `offload.plan_offload` how many
 target layers fit on the GPUs next to the draft, the KV cache and the largest tree, and returns
 llama.cpp's n_gpu_layers for each. Without a GPU everything stays in RAM and nothing is read.
+Where the target's output layer would go to an RPC worker, whether it computes faster here is
+measured (`head_pays_here`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from specrun import engine, sysinfo
+from specrun.engine import rpc
 from specrun.engine.devices import GPU_KINDS
 from specrun.errors import ModelFileError
 from specrun.hardware import offload
@@ -159,23 +166,79 @@ def plan(
     ram_free_bytes: int | None = None,
     measured: Measured | None = None,
     kv_type: str | None = None,
-    head_here: bool = False,
+    head_here: bool | None = False,
+    head_rows: int = 1,
 ) -> offload.OffloadPlan:
     """Return where the target's layers and the draft go on these GPUs, for contexts of n_ctx
     cells whose forward passes hold up to n_ubatch tokens (the compute buffer grows with it);
     `measured(n_ctx)` gives llama.cpp's own context figures for both models (else the target's
-    cache is estimated at `kv_type`'s bytes); `head_here`: --head here (offload.plan_offload)."""
-    placed = offload.plan_offload(
-        target, draft, list(gpus), sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes,
-        n_ctx, n_ubatch, gpu_layers_override=override, measured=_measured(measured, n_ctx), kv_type=kv_type,
-        head_here=head_here,
-    )
+    cache is estimated at `kv_type`'s bytes); `head_here`: --head here (offload.plan_offload),
+    None: here where the output layer's slot goes to an RPC worker and `head_pays_here` for
+    passes of `head_rows` tokens."""
+    def placed_with(head: bool) -> offload.OffloadPlan:
+        return offload.plan_offload(
+            target, draft, list(gpus), sysinfo.ram_bytes()[1] if ram_free_bytes is None else ram_free_bytes,
+            n_ctx, n_ubatch, gpu_layers_override=override, measured=_measured(measured, n_ctx), kv_type=kv_type,
+            head_here=head,
+        )
+
+    placed = placed_with(bool(head_here))
+    if head_here is None and (worker := head_worker(placed, gpus)) is not None:
+        here, why = head_pays_here(target, worker, head_rows)
+        log.info("the output layer %s: %s", "here" if here else "on the worker", why)
+        placed = replace(placed_with(True) if here else placed, head_why=why)
     if gpus:
         for warning in placed.warnings:
             log.warning("%s", warning)
         where = f"on {gpus[placed.draft_device].name}" if placed.draft_device is not None else "in RAM"
         log.info("placement: target %d of %d layers on GPU, draft %s", placed.target_gpu_layers, placed.target_n_slots, where)
     return placed
+
+
+# Tokens a speculative pass verifies, as weighed when placing the output layer by measurement: a
+# tree of the size passes over a network grow to (plain decoding weighs one).
+HEAD_ROWS = 16
+# The output layer's product is timed on a slice of its matrix of at most this many floats (64 MiB:
+# more than a CPU's caches hold, so that the matrix is read from memory, as a whole layer is).
+_HEAD_SLICE_FLOATS = 1 << 24
+
+
+def head_worker(placed: offload.OffloadPlan, gpus: Sequence[offload.Device]) -> str | None:
+    """Return the connected RPC worker the target's last offloaded slot (its output layer) went
+    to, if it went to one."""
+    holding = [device for device, n in zip(gpus, placed.target_tensor_split) if n]
+    host = holding[-1].host if holding else ""
+    return host if host and rpc.round_trip_s(host) is not None else None
+
+
+def head_pays_here(target: offload.ModelSize, worker: str, rows: int) -> tuple[bool, str]:
+    """Return whether the target's output layer computes here sooner than a pass of `rows` tokens
+    brings its rows of logits back from `worker`, and one line with both figures. The logits'
+    trip is measured over the link (engine.rpc.fetch_s: rows x n_vocab floats, less the rows x
+    n_embd floats of hidden states that cross it instead); the layer here is a product of its
+    shape timed on this CPU in F32 (the matrix read once, then every row: a quantized layer
+    reads less), the worker's own time for it taken as nothing."""
+    hidden, logits = rows * target.n_embd * 4, rows * target.n_vocab * 4
+    fetched = rpc.fetch_s(worker, (hidden, logits))
+    link_s = max(0.0, fetched[logits] - fetched[hidden])
+    here_s = head_seconds(target.n_embd, target.n_vocab, rows)
+    why = (f"the logits of a {rows}-token pass take {link_s * 1e3:.1f} ms to come back from {worker}, "
+           f"the output layer ~{here_s * 1e3:.1f} ms here")
+    return link_s > here_s, why
+
+
+def head_seconds(n_embd: int, n_vocab: int, rows: int, repeats: int = 3) -> float:
+    """Return the seconds this CPU takes for an output layer's product over `rows` hidden states:
+    the least of `repeats` timings of a slice of its F32 matrix, scaled to n_vocab columns."""
+    columns = max(1, min(n_vocab, _HEAD_SLICE_FLOATS // max(n_embd, 1)))
+    matrix = np.full((n_embd, columns), 0.01, dtype=np.float32)
+    hidden = np.full((rows, n_embd), 0.5, dtype=np.float32)
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.matmul(hidden, matrix)
+        timings.append(time.perf_counter() - start)
+    return min(timings) * n_vocab / columns
 
 
 # A context chosen for the user is never below this (unless the model was trained for less), and

@@ -48,9 +48,9 @@ class RunOptions:
     # --mmap / --no-mmap: map the target's file, or read it into memory (the layers left in RAM
     # then sit in the GPU's pinned host memory); None: as the plan decides (hardware.offload.target_mapped)
     mmap: bool | None = None
-    # --head here/workers: with --rpc, where the target's output layer computes: "here" keeps it
-    # on this machine (hidden states cross the network, not a logits row per token); None or
-    # "workers": llama.cpp's placement, with the last layers
+    # --head here/workers/auto: with --rpc, where the target's output layer computes: "here" keeps
+    # it on this machine (hidden states cross the network, not a logits row per token); "workers":
+    # llama.cpp's placement, with the last layers; None (auto): here where that measures faster
     head: str | None = None
     # --flash-attn on/off/auto: the target's attention (engine.Context); None: off on a batch-invariant
     # build, else llama.cpp's auto (on wherever its devices have the kernel, the CPU included)
@@ -64,6 +64,11 @@ class RunOptions:
     # every request is decoded as a reproducible one, so nothing drafts unless the target's greedy
     # chains measure as its one-token passes (decoding.kv.chains_exact; the Runtime decides)
     reproducible: bool = False
+
+    @property
+    def head_here(self) -> bool | None:
+        """--head as hardware.placement.plan takes it: True, False, or None to measure."""
+        return {"here": True, "workers": False}.get(self.head)
 
     def plain(self) -> RunOptions:
         """These options decoding plainly: no draft model, lookup or MTP layers asked for."""

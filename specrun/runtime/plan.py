@@ -106,7 +106,7 @@ class Plan:
     check: ProfileCheck | None = None  # a tuning profile decided: what the load re-times
     round_trips: tuple[tuple[str, float], ...] = ()  # (RPC worker, seconds of a round trip to it)
     mmap: bool | None = None  # the target's file mapped, or read (offload.target_mapped); None: llama.cpp's way
-    head_here: bool = False  # --head here: the target's output layer computes on this machine, not an RPC worker
+    head_here: bool = False  # the target's output layer computes on this machine, not an RPC worker (--head)
 
     def checked(self, target_pass_s: float | None) -> Plan:
         """Return the plan to load once the target's one-token pass is timed (None: could not
@@ -163,7 +163,7 @@ class Plan:
         return {
             "target": {"name": f.target_name, "path": _path(f.target_path), "gpu_layers": self.target_gpu_layers,
                        "layer_slots": self.placement.target_n_slots, "mmap": self.mmap is not False, "head_here": self.head_here,
-                       "experts_in_ram_layers": self.placement.cpu_expert_layers},
+                       "experts_in_ram_layers": self.placement.cpu_expert_layers, "head_why": self.placement.head_why},
             "draft": None if f.draft_name is None or not self.draft_loaded else {
                 "name": f.draft_name, "path": _path(f.draft_path), "gpu_layers": self.draft_gpu_layers,
                 "device": (self.devices[self.placement.draft_device].name
@@ -380,8 +380,8 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
         else:
             placed = placement.plan(
                 target_size, draft_size, gpus, n_ctx, target_ctx.n_ubatch, override=opts.gpu_layers,
-                ram_free_bytes=ram_free_bytes, measured=measure, kv_type=opts.kv_type, head_here=opts.head == "here",
-            )
+                ram_free_bytes=ram_free_bytes, measured=measure, kv_type=opts.kv_type, head_here=opts.head_here,
+                head_rows=placement.HEAD_ROWS if tree is not None else 1)
         notes.extend(measure.notes)
         plan = Plan(
             files=files, tree=tree, why=why, target_ctx=target_ctx, draft_ctx=draft_ctx,
