@@ -258,6 +258,19 @@ def test_with_head_here_the_output_layer_stays_here_and_the_answer_is_the_same(w
     assert "output layer on a worker" in kept.stdout and "output layer here" not in kept.stdout
     as_json = _specrun(tmp_path, "plan", "--json", "--rpc", worker.endpoint, "--head", "here")
     assert json.loads(as_json.stdout)["target"]["head_here"] is True
+    code = ("import sys\n"
+            "from specrun.engine import rpc\n"
+            "from specrun.runtime.options import RunOptions\n"
+            "from specrun.runtime.runtime import Runtime\n"
+            "from specrun.server.worker import describe\n"
+            "rpc.connect([sys.argv[1]])\n"
+            "with Runtime(RunOptions(target='smollm2-135m-f32', no_spec=True, ctx_size=512, rpc=(sys.argv[1],),\n"
+            "                        head='here', quiet=True)) as rt:\n"
+            "    print(describe(rt))\n")
+    served = subprocess.run([sys.executable, "-c", code, worker.endpoint], capture_output=True, text=True,
+                            env=_env(tmp_path), timeout=RUN_TIMEOUT_S, check=False)
+    assert served.returncode == 0, served.stderr
+    assert "the output layer on this machine (--head)" in served.stdout  # the server's startup line
 
 
 def test_by_default_the_output_layer_goes_where_a_pass_measures_faster(worker, tmp_path):

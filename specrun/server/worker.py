@@ -538,8 +538,8 @@ def describe(rt: Runtime) -> str:
     """Return the line that says what is being served, as `specrun chat` says it."""
     at_once = f", {len(rt.decoders)} requests at once" if len(rt.decoders) > 1 else ""
     at_once += ", a KV cache each (--kv-split)" if rt.plan.target_ctx.split else ""
-    if rt.prompts_join:
-        at_once += ", prompts in the passes of their steps (--throughput)"
+    at_once += ", prompts in the passes of their steps (--throughput)" if rt.prompts_join else ""
+    at_once += ", the output layer on this machine (--head)" if rt.plan.head_here else ""
     ctx = rt.plan.target_ctx
     at_once += f", flash attention {ctx.flash_attn} (--flash-attn)" if ctx.flash_attn is not None else ""
     at_once += f", {ctx.kv_type} KV cache (--kv-type)" if ctx.kv_type is not None else ""
