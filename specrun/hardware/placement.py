@@ -9,6 +9,7 @@ measured (`head_pays_here`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -227,9 +228,11 @@ def head_pays_here(target: offload.ModelSize, worker: str, rows: int) -> tuple[b
     return link_s > here_s, why
 
 
+@functools.lru_cache(maxsize=8)
 def head_seconds(n_embd: int, n_vocab: int, rows: int, repeats: int = 3) -> float:
     """Return the seconds this CPU takes for an output layer's product over `rows` hidden states:
-    the least of `repeats` timings of a slice of its F32 matrix, scaled to n_vocab columns."""
+    the least of `repeats` timings of a slice of its F32 matrix, scaled to n_vocab columns (timed
+    once a process)."""
     columns = max(1, min(n_vocab, _HEAD_SLICE_FLOATS // max(n_embd, 1)))
     matrix = np.full((n_embd, columns), 0.01, dtype=np.float32)
     hidden = np.full((rows, n_embd), 0.5, dtype=np.float32)
