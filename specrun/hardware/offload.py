@@ -9,7 +9,8 @@ and output matrix) as slot n_layer. `n_gpu_layers = g` puts the last g slots on 
 offloads only the output layer, g = n_layer + 1 offloads everything. The input layer (token
 embedding) always stays in RAM. With several GPUs, slot i_gpu_start + i goes to the first device
 whose cumulative `tensor_split` share exceeds i / g; we pass per-device slot counts as
-`tensor_split`, so the split is exactly the one planned here. All sizes are estimates with a safety margin (the engine can still meet an allocation failure).
+`tensor_split`, so the split is exactly the one planned here. All sizes are estimates with a
+safety margin (the engine can still meet an allocation failure).
 """
 
 from __future__ import annotations
