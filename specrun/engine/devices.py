@@ -40,6 +40,10 @@ class DeviceInfo:
 _ggml = None
 
 
+class InitParams(ctypes.Structure):  # ggml_init_params
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
 def ggml_lib():
     """Return libggml (the copy libllama already loaded), with the device functions declared."""
     global _ggml
@@ -73,6 +77,15 @@ def ggml_lib():
         "ggml_backend_reg_dev_get": ([ptr, size_t], ptr),
         "ggml_backend_dev_by_name": ([char_p], ptr),
         "ggml_backend_dev_init": ([ptr, char_p], ptr),
+        # a tensor in a device's buffer (engine.rpc.fetch_s)
+        "ggml_init": ([InitParams], ptr),
+        "ggml_free": ([ptr], None),
+        "ggml_new_tensor_1d": ([ptr, ctypes.c_int, ctypes.c_int64], ptr),
+        "ggml_backend_buft_alloc_buffer": ([ptr, size_t], ptr),
+        "ggml_backend_buffer_get_base": ([ptr], ptr),
+        "ggml_backend_buffer_free": ([ptr], None),
+        "ggml_backend_tensor_alloc": ([ptr, ptr, ptr], ctypes.c_int),
+        "ggml_backend_tensor_get": ([ptr, ptr, size_t, size_t], None),
     }
     for fn_name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, fn_name)

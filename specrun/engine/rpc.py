@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from specrun import ui
 from specrun.engine.backend import last_llama_error
 from specrun.engine.devices import (
+    InitParams,
     add_remote_devices,
     device_by_name,
     ggml_lib,
@@ -258,10 +259,6 @@ def round_trips_now() -> str:
     return "RPC round trips now: " + ", ".join(timed) if timed else ""
 
 
-class _InitParams(ctypes.Structure):  # ggml_init_params
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-
-
 _fetched: dict[tuple[str, int], float] = {}  # (endpoint, bytes): seconds, as measured once a process
 
 
@@ -270,20 +267,11 @@ def fetch_s(endpoint: str, sizes: Sequence[int], repeats: int = 2) -> dict[int, 
     (the least of `repeats` reads of a buffer on its first device, over the connection passes
     use: what a pass's results take to come back over this link). Measured once a process per
     size; call it between passes."""
-    lib, p = ggml_lib(), ctypes.c_void_p
-    signatures = {"ggml_init": ([_InitParams], p), "ggml_free": ([p], None),
-                  "ggml_new_tensor_1d": ([p, ctypes.c_int, ctypes.c_int64], p),
-                  "ggml_backend_buft_alloc_buffer": ([p, ctypes.c_size_t], p),
-                  "ggml_backend_buffer_get_base": ([p], p), "ggml_backend_buffer_free": ([p], None),
-                  "ggml_backend_tensor_alloc": ([p, p, p], ctypes.c_int),
-                  "ggml_backend_tensor_get": ([p, p, ctypes.c_size_t, ctypes.c_size_t], None)}
-    for name, (argtypes, restype) in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
+    lib = ggml_lib()
     todo = sorted({size for size in sizes if (endpoint, size) not in _fetched})
     if todo:
         largest = -(-max(todo) // 4) * 4
-        ctx = lib.ggml_init(_InitParams(1 << 12, None, True))
+        ctx = lib.ggml_init(InitParams(1 << 12, None, True))
         tensor = lib.ggml_new_tensor_1d(ctx, 0, largest // 4)  # (GGML_TYPE_F32)
         buffer = lib.ggml_backend_buft_alloc_buffer(lib.ggml_backend_dev_buffer_type(_first_device[endpoint]), largest)
         try:
