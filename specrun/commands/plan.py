@@ -9,6 +9,7 @@ from specrun.core.sampling import near_tie_nats
 from specrun.engine import DeviceInfo
 from specrun.errors import UsageError
 from specrun.files import human_size
+from specrun.hardware import placement
 from specrun.runtime.plan import Plan, RunOptions, build_plan
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -45,7 +46,7 @@ def plan_lines(plan: Plan) -> list[str]:
     measured = f" (measured: {placed.head_why})" if placed.head_why else " (--head here)"
     if plan.head_here:
         lines.append(f"         output layer here{measured}: a pass's hidden states cross the network, not its rows of logits")
-    elif (holding := [d for d, n in zip(plan.devices, plan.device_layers()) if n]) and holding[-1].host:  # (its slot: the last)
+    elif placement.head_worker(placed, plan.devices):
         lines.append("         output layer on a worker: a row of logits crosses the network for every token a pass verifies"
                      + (f" (measured: {placed.head_why}; --head here computes it here)" if placed.head_why else
                         " (--head here computes it here: for links slower than gigabit, docs/rpc.md)"))

@@ -184,7 +184,8 @@ def plan(
         )
 
     placed = placed_with(bool(head_here))
-    if head_here is None and (worker := head_worker(placed, gpus)) is not None:
+    worker = head_worker(placed, gpus) if head_here is None else None
+    if worker is not None and rpc.round_trip_s(worker) is not None:  # (a worker connected: measurable)
         here, why = head_pays_here(target, worker, head_rows)
         log.info("the output layer %s: %s", "here" if here else "on the worker", why)
         placed = replace(placed_with(True) if here else placed, head_why=why)
@@ -205,11 +206,10 @@ _HEAD_SLICE_FLOATS = 1 << 24
 
 
 def head_worker(placed: offload.OffloadPlan, gpus: Sequence[offload.Device]) -> str | None:
-    """Return the connected RPC worker the target's last offloaded slot (its output layer) went
-    to, if it went to one."""
+    """Return the RPC worker the target's last offloaded slot (its output layer) went to, if it
+    went to one."""
     holding = [device for device, n in zip(gpus, placed.target_tensor_split) if n]
-    host = holding[-1].host if holding else ""
-    return host if host and rpc.round_trip_s(host) is not None else None
+    return (holding[-1].host or None) if holding else None
 
 
 def head_pays_here(target: offload.ModelSize, worker: str, rows: int) -> tuple[bool, str]:
