@@ -76,3 +76,15 @@ def test_a_decode_stops_once_its_seconds_have_passed(rt):
     runs = decode_in_turn(modes, prompts, 64, seconds_each=0.0)
 
     assert len(runs[0].tokens) == 1  # the first step's token, then the time was up
+
+
+def test_a_mode_decodes_the_tokens_given_it_and_the_others_max_tokens(rt):
+    prompts = [rt.tokenize_prompt(t, chat=True) for t in TEXTS[:2]]
+    modes = Modes(rt, {"plain": None, "chain": CHAIN}, fresh=True)
+
+    runs = by_mode(decode_in_turn(modes, prompts, 8, tokens={"plain": 3}))
+
+    assert [len(run.tokens) for run in runs["plain"]] == [3, 3]
+    assert [len(run.tokens) for run in runs["chain"]] == [8, 8]
+    assert [run.tokens[:3] for run in runs["chain"]] == [run.tokens for run in runs["plain"]]
+    assert all(run.stats.decoded[0] == 2 for run in runs["plain"])  # the first token is the prompt's

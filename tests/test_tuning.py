@@ -374,6 +374,14 @@ def test_a_workload_half_sums_its_prompts_and_keeps_each_ones_speedup():
     assert tune_workloads._Half().each == []
 
 
+def test_plain_decoding_decodes_a_quarter_of_the_tokens_of_a_workloads_prompts():
+    """Plain decoding's speed is one whatever the prompt, the default's is not: the time plain's
+    shorter runs save measures more prompts (a speedup is a ratio of rates, so it stands)."""
+    assert tune_workloads.plain_tokens(64) == 16 and tune_workloads.plain_tokens(128) == 32
+    assert tune_workloads.plain_tokens(40) == 16 and tune_workloads.plain_tokens(4) == 4
+    assert tune_workloads._Half(plain=[(15, 1.5)], default=[(63, 2.1)]).speedup == pytest.approx(3.0)
+
+
 def test_a_prediction_expects_a_range_as_wide_as_its_prompts_are_unlike():
     def half(speedups):
         return tune_workloads._Half(plain=[(100, 1.0)] * len(speedups), default=[(100, 1.0 / s) for s in speedups])
@@ -441,15 +449,16 @@ def test_the_predicting_and_held_out_prompts_take_turns_with_every_mode(offline_
 
 
 def test_the_default_per_workload_keeps_to_its_time_and_says_where_it_ran_out(offline_models, capsys):
-    """Past its seconds no further pair of prompts starts: each workload is measured on the pair
-    it started with (a predicting and a held-out prompt of one kind), and the run says so."""
+    """Past its seconds no further pair of prompts starts but the first MIN_PAIRS: each workload
+    is measured on those (predicting and held-out prompts of the same kinds), and the run says so."""
     chain3 = tune_command.tuner.Choice("specexec", 3, 3, 1, 1, 0.0, 0.0)
     with Runtime(RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", threads=1, ctx_size=512)) as rt:
         with report.progress() as progress:
             kept, out = tune_workloads.measure_default(rt, chain3, None, 32, 4, progress, seconds=0.0)
 
     assert kept is chain3 and set(out) == set(WORKLOADS)
-    assert all(w["prompts"] == 2 and w["measured_speedup"] > 0 for w in out.values())
+    pairs = tune_workloads.MIN_PAIRS
+    assert all(w["prompts"] == 2 * pairs and w["measured_speedup"] > 0 for w in out.values())
     said = capsys.readouterr().err
     assert "the time for the default per workload ran out" in said
-    assert all(f"{name} on 2 of 32 prompts" in said for name in WORKLOADS)
+    assert all(f"{name} on {2 * pairs} of 32 prompts" in said for name in WORKLOADS)

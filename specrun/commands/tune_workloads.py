@@ -2,7 +2,8 @@
 
 For each of bench's workloads (free chat, code edits, rewrites) the default that the new profile
 makes (the tuned tree with lookup branches, or lookup alone) and plain decoding decode the same
-prompts, greedily, the order alternating prompt by prompt. Every prompt gets a fresh drafter, as
+prompts, greedily, the order alternating prompt by prompt (plain decoding a quarter as many
+tokens: PLAIN_SHARE). Every prompt gets a fresh drafter, as
 a fresh process would (no session text, nothing measured yet: the profile's figures decide the
 first steps). The even rounds of a workload's requests (one request of each kind a round) predict
 its speedup; the odd rounds, held out, measure it (workloads.KINDS, ROUNDS). The two halves
@@ -38,6 +39,17 @@ from specrun.tuning.cost_model import Choice
 
 # Two-sided 95% of a normal distribution, for the range a prediction expects (_Half.expected_range).
 _Z95 = 1.96
+# Plain decoding's tokens a prompt, as a share of the default's (at least PLAIN_TOKENS): plain
+# decoding moves at one speed whatever the prompt (a one-token pass each), where the default's
+# differs several times from one prompt to the next (a code edit copied 30 tokens a pass, the
+# next answer written anew). The time its shorter runs save measures more prompts, which is what
+# a workload's prediction for others needs (_Half.expected_range): over a network plain decoding
+# took most of a pair's time (at 200 ms a 64-token answer 27 s, the default's 3-5 s).
+PLAIN_SHARE = 0.25
+PLAIN_TOKENS = 16
+# Pairs of prompts (one predicting, one held out) each workload measures whatever its time: one
+# pair a workload is no prediction at all (a 200 ms network left tune's quick form that many).
+MIN_PAIRS = 3
 
 
 def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress,
@@ -45,8 +57,9 @@ def measure_default(rt, choice, facts, n_prompts: int, max_tokens: int, progress
     """Return (the choice kept, {workload: {"drafter", "predicted_speedup", "measured_speedup", ...}})
     and print a line each. `untuned`: the untuned default's tuner choice (None: `choice` is it).
     `seconds`: the time all workloads may take (None: every prompt); each workload gets an equal
-    share of what is left when it starts, and past it no further pair of prompts starts, so on a
-    slow machine each workload is measured on fewer prompts (its expected range widens)."""
+    share of what is left when it starts, and past it no further pair of prompts starts but the
+    first MIN_PAIRS, so on a slow machine each workload is measured on fewer prompts (its expected
+    range widens)."""
     candidates = {"tuned": _fitted(rt, tuned_default(choice, facts))}
     if untuned is not None:
         candidates["untuned"] = _fitted(rt, tuned_default(untuned, facts))
@@ -183,17 +196,25 @@ def _speedup(plain: tuple[int, float], default: tuple[int, float]) -> float:
 
 def _decode_halves(rt, trees: dict, halves: tuple[list, list], max_tokens: int, advance,
                    deadline: float | None = None) -> tuple[dict[str, _Half], dict[str, _Half]]:
-    """Decode both halves' prompts plainly and with a fresh decoder of each tree, in turn
-    (runner.decode_halves, no pair of prompts starting past the `deadline`); return each half's
-    {tree: _Half}, whose plain runs are its prompts' plain decoding."""
+    """Decode both halves' prompts plainly (plain_tokens) and with a fresh decoder of each tree,
+    in turn (runner.decode_halves, no pair of prompts starting past the `deadline` but the first
+    MIN_PAIRS); return each half's {tree: _Half}, whose plain runs are its prompts' plain decoding."""
     modes = Modes(rt, {"plain": None, **trees}, fresh=True)
-    halves_runs = decode_halves(modes, halves, max_tokens, deadline, after_each=lambda run: advance())
+    halves_runs = decode_halves(modes, halves, max_tokens, deadline, after_each=lambda run: advance(),
+                                tokens={"plain": plain_tokens(max_tokens)}, at_least=MIN_PAIRS)
     return tuple(_halves_of(by_mode(runs), trees) for runs in halves_runs)
+
+
+def plain_tokens(max_tokens: int) -> int:
+    """Plain decoding's tokens a prompt where the default decodes `max_tokens` (PLAIN_SHARE)."""
+    return min(max_tokens, max(PLAIN_TOKENS, round(PLAIN_SHARE * max_tokens)))
 
 
 def _halves_of(runs: dict[str, list[Run]], trees: dict) -> dict[str, _Half]:
     """{tree: _Half} of one half's runs by mode, every tree's half sharing the plain runs."""
-    plain = [(run.stats.n_generated, run.stats.decode_s) for run in runs["plain"]]
-    return {name: _Half(plain=plain, default=[(run.stats.n_generated, run.stats.decode_s) for run in runs[name]],
+    # (Decoding passes only: the first token comes from the prompt's pass, which would weigh more
+    # in plain decoding's shorter runs.)
+    plain = [run.stats.decoded for run in runs["plain"]]
+    return {name: _Half(plain=plain, default=[run.stats.decoded for run in runs[name]],
                         lookup_tokens=sum(int(run.stats.total("lookup_tokens")) for run in runs[name]))
             for name in trees}

@@ -71,10 +71,14 @@ class GenerationStats:
         (the first token comes from the prompt's pass, timed as prefill: counted with it, a
         one-token answer ran at tens of thousands of tokens/s); None where no decoding pass wrote one
         (an answer of one token or none)."""
-        decoded = [step for step in self.steps if not step.from_prompt]
-        n_tokens = sum(len(step.tokens) for step in decoded)
-        seconds = sum(step.total_s for step in decoded)
+        n_tokens, seconds = self.decoded
         return n_tokens / seconds if n_tokens and seconds > 0 else None
+
+    @property
+    def decoded(self) -> tuple[int, float]:
+        """(tokens, seconds) of the decoding passes: the first token, from the prompt's pass, left out."""
+        decoded = [step for step in self.steps if not step.from_prompt]
+        return sum(len(step.tokens) for step in decoded), sum(step.total_s for step in decoded)
 
     @property
     def accepted_per_pass(self) -> float:

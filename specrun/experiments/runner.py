@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from specrun.core.sampling import SamplingParams, make_rng
@@ -63,14 +63,16 @@ class Modes:
 
 def decode_in_turn(modes: Modes, prompts: Sequence[Sequence[int]], max_tokens: int, *, warm_up: int = 0,
                    deadline: float | None = None, seconds_each: float | None = None, group: int = 1,
-                   after_each: Callable[[Run], None] | None = None) -> list[Run]:
+                   after_each: Callable[[Run], None] | None = None,
+                   tokens: Mapping[str, int] | None = None, at_least: int = 1) -> list[Run]:
     """Decode every prompt greedily in every mode, the modes' order rotating prompt by prompt (a,
     b, c; then b, c, a; ...); return the runs in the order they ran, calling `after_each` on each.
+    Each mode decodes `max_tokens` a prompt, or what `tokens` gives it.
 
     First every mode decodes `warm_up` tokens of the first prompt, untimed (first decodes pay
     one-time allocations). Past the `deadline` (time.monotonic()) no further group of `group`
-    prompts starts (the first group always runs, and a group started runs whole); `seconds_each`
-    stops a decode that runs longer.
+    prompts starts (the first `at_least` groups always run, and a group started runs whole);
+    `seconds_each` stops a decode that runs longer.
     """
     names = modes.names
     if warm_up:
@@ -78,26 +80,28 @@ def decode_in_turn(modes: Modes, prompts: Sequence[Sequence[int]], max_tokens: i
             _decode(modes.decoder(mode), prompts[0], warm_up)
     runs: list[Run] = []
     for i, prompt in enumerate(prompts):
-        if runs and deadline is not None and i % group == 0 and time.monotonic() > deadline:
+        if i >= at_least * group and deadline is not None and i % group == 0 and time.monotonic() > deadline:
             break
         for mode in names[i % len(names):] + names[: i % len(names)]:
             decoder = modes.decoder(mode)
-            tokens = _decode(decoder, prompt, max_tokens, seconds_each)
-            runs.append(Run(mode, i, decoder.stats, tokens))
+            out = _decode(decoder, prompt, (tokens or {}).get(mode, max_tokens), seconds_each)
+            runs.append(Run(mode, i, decoder.stats, out))
             if after_each is not None:
                 after_each(runs[-1])
     return runs
 
 
 def decode_halves(modes: Modes, halves: tuple[Sequence[Sequence[int]], Sequence[Sequence[int]]], max_tokens: int,
-                  deadline: float | None = None,
-                  after_each: Callable[[Run], None] | None = None) -> tuple[list[Run], list[Run]]:
+                  deadline: float | None = None, after_each: Callable[[Run], None] | None = None,
+                  tokens: Mapping[str, int] | None = None, at_least: int = 1) -> tuple[list[Run], list[Run]]:
     """Decode two halves' prompts (one predicts, one is held out) in turn: a prompt of one half, then
     one of the other, the modes rotating throughout, so that a drifting machine moves both alike;
     return each half's runs, `prompt` the index within its half. Past the `deadline` no further
-    pair of prompts starts: the halves always hold as many prompts, of the same kinds."""
+    pair of prompts starts but the first `at_least`: the halves always hold as many prompts, of the
+    same kinds. `tokens`: as decode_in_turn's."""
     prompts = [prompt for pair in zip(*halves) for prompt in pair]
-    runs = decode_in_turn(modes, prompts, max_tokens, deadline=deadline, group=2, after_each=after_each)
+    runs = decode_in_turn(modes, prompts, max_tokens, deadline=deadline, group=2, after_each=after_each, tokens=tokens,
+                          at_least=at_least)
     first, second = ([replace(run, prompt=run.prompt // 2) for run in runs if run.prompt % 2 == half] for half in (0, 1))
     return first, second
 
