@@ -2,13 +2,13 @@
 
 For each of bench's workloads (free chat, code edits, rewrites) the default that the new profile
 makes (the tuned tree with lookup branches, or lookup alone) and plain decoding decode the same
-prompts, greedily, the order alternating prompt by prompt (plain decoding a quarter as many
-tokens: PLAIN_SHARE). Every prompt gets a fresh drafter, as
-a fresh process would (no session text, nothing measured yet: the profile's figures decide the
-first steps). The even rounds of a workload's requests (one request of each kind a round) predict
-its speedup; the odd rounds, held out, measure it (workloads.KINDS, ROUNDS). The two halves
-take turns prompt by prompt (experiments.runner.decode_halves), so a machine whose speed moves
-during the minutes a tune takes moves both alike.
+prompts, greedily, the order alternating prompt by prompt (plain decoding a quarter as many tokens:
+PLAIN_SHARE). Every prompt gets a fresh drafter, as a fresh process would (no session text, nothing
+measured yet: the profile's figures decide the first steps). The even rounds of a workload's
+requests (one request of each kind a round) predict its speedup; the odd rounds, held out, measure
+it (workloads.KINDS, ROUNDS). The two halves take turns prompt by prompt
+(experiments.runner.decode_halves), so a machine whose speed moves during the minutes a tune takes
+moves both alike.
 
 On the predicting half the untuned default (what runs without a profile: a chain of DEFAULT_SHAPE
 with lookup branches) decodes too, in turn with the others: where the tuned tree's default runs a
