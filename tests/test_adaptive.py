@@ -807,3 +807,21 @@ def test_draft_calibration_scores_children_by_how_often_the_target_took_them():
         return tree.max_depth
 
     assert grown_depth(calibration.scores) == 16 > 2 * grown_depth(lambda lps: lps)
+
+
+def test_over_rpc_workers_a_sizes_first_pass_prices_nothing_once_others_are_measured():
+    """200 ms from its worker the demo target's first 6-token pass took 2.05 s (llama.cpp asks the
+    worker the sizes of a new shape's products), the next ones 0.44 s."""
+    apart = TargetCost()
+    apart.set_first_passes_apart()
+    apart.observe(6, 2.05)
+    assert apart.known and float(apart(np.array([6]))[0]) == pytest.approx(2.05)  # nothing else yet: it stands in
+    for n, seconds in ((6, 0.44), (1, 2.0), (1, 0.418), (33, 2.10)):  # (33: a new size's first pass)
+        apart.observe(n, seconds)
+    assert float(apart(np.array([6]))[0]) == pytest.approx(0.44)
+    assert float(apart(np.array([1]))[0]) == pytest.approx(0.418)
+    assert float(apart(np.array([33]))[0]) < 0.6
+    kept = TargetCost()  # (the target on this machine: every pass is a point of the curve)
+    kept.observe(6, 2.05)
+    kept.observe(6, 0.44)
+    assert float(kept(np.array([6]))[0]) > 1.0

@@ -180,6 +180,40 @@ def test_where_the_target_takes_the_drafts_first_choices_sizes_up_to_the_longest
     assert trees._shape(2) == grown_shape(16) and not trees._shape(3).is_chain
 
 
+def test_a_walk_still_going_counts_at_what_it_accepted_so_far_only_where_asked():
+    reach = Reach([1, 2, 4, 8])
+    reach.watch(DraftTree.chain(1, [2, 3], [-0.1, -0.2]))
+    reach.feed([2, 3, 4])  # accepted whole: ended
+    reach.watch(DraftTree.chain(4, [5, 6, 7, 8, 9, 10, 11, 12], -0.1 * np.arange(1, 9)))
+    reach.feed([5, 6, 7])  # three of its eight so far: still going
+    assert reach.weight()[3] == 0 and reach.weight(going=True)[3] == 1
+    assert reach.accepted(going=True)[3] == 3  # at least that many: a lower bound
+    assert reach.accepted(going=True)[1] == 2 and reach.accepted()[1] == 2  # final at 2 either way
+    reach.feed([8, 9, 10, 11, 12, 13])
+    assert reach.accepted()[3] == 8 == reach.accepted(going=True)[3]
+
+
+def network(n):  # the demo target on a worker 200 ms away (docs/rpc.md): a round trip, then compute
+    return 0.418 + 0.0017 * (n - 1)
+
+
+def test_where_the_draft_grows_during_the_pass_the_first_look_is_at_the_size_that_promises_most():
+    """Each size's first pass over a network costs the round trips of llama.cpp's RPC client
+    asking its products' sizes: the first look skips the sizes that promise less than a larger one
+    (a chain of 32, where the draft's passes cost little against the pass); on a steep curve it
+    stays the size just above (test_where_the_draft_grows_during_the_pass_the_size_above_...)."""
+    growing = GrowingTrees(ScriptedGrower(pass_s=0.001), TreeShape.chain(5), 384)
+    growing.overlaps()
+    for _ in range(2):  # (the speed guard's plain steps time one-token passes; a size's first is set apart)
+        growing.cost.observe(1, network(1))
+    sizes = decode(growing, network, steps=60)
+    looks = [b for b in growing.grower.budgets if b > 5]
+    assert looks[0] >= 32, growing.grower.budgets
+    # The sizes between, judged by the cuts of the larger trees, are never verified: only a size
+    # a look has timed is (each new size's first pass costs round trips); the tree grows on.
+    assert not {8, 16} & set(sizes) and max(sizes[-10:]) >= 64, sizes
+
+
 def test_when_passes_get_dear_the_grown_tree_shrinks_back():
     # The same run, then its passes priced as a CPU's (the worker went away, the machine got busy).
     growing = GrowingTrees(ScriptedGrower(pass_s=0.001), TreeShape.chain(5), 384)
@@ -246,7 +280,8 @@ def test_where_passes_from_the_op_offload_step_on_cost_less_the_tree_grows_past_
     growing.cost_step(32)
     assert growing.levels[0] == 5 and all(b + 1 >= 32 for b in growing.levels[1:])
     sizes = decode(growing, offloaded)
-    assert sizes[0] == 5 and min(sizes[-20:]) >= 32, sizes
+    # (Every STALE_STEPS steps the size below is verified once, to time it again.)
+    assert sizes[0] == 5 and growing.levels[growing.level] >= 32 and sum(s < 32 for s in sizes[-20:]) <= 1, sizes
     rates = growing.rates()
     assert rates[growing.level] > 2 * rates[0]  # measured: far faster than the chain it started from
     # Not told, the 16-node tree's pass (530 ms, on the CPU) prices every larger one out.

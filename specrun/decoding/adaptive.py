@@ -383,15 +383,22 @@ class TargetCost:
 
     def __init__(self, curve: Callable[[np.ndarray], np.ndarray] | None = None, half_life: float = 4 * HALF_LIFE):
         self.curve = curve
+        self._half_life = half_life
         self._ratio = Average(half_life)
         self._base = Average(half_life)
         # Weighted sums for the line over x = n - 1: [1, x, x*x, seconds, seconds*x].
         self._fit = Average(half_life, 5)
         self.step = 0  # passes of this many tokens or more: another regime (set_step), their own line
         self._above = Average(half_life, 5)  # (over x = n - step)
+        self._sizes: set[int] = set()  # (set_first_passes_apart)
+        self._first: TargetCost | None = None
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         if n_tokens < 1 or seconds <= 0:
+            return
+        if self._first is not None and n_tokens not in self._sizes:
+            self._sizes.add(n_tokens)
+            self._first.observe(n_tokens, seconds)
             return
         if self.curve is not None:
             self._ratio.add(seconds / float(self.curve(np.array([n_tokens]))[0]))
@@ -404,14 +411,35 @@ class TargetCost:
             x = n_tokens - 1
             self._fit.add([1.0, x, x * x, seconds, seconds * x])
 
+    def set_first_passes_apart(self) -> None:
+        """Keep each size's first pass out of the curve, pricing passes only while nothing else
+        was measured: over RPC workers llama.cpp asks the worker the sizes of a new shape's
+        products, a round trip each (200 ms away a 6-token pass took 2.05 s the first time, 0.44 s
+        after), and such passes priced every size the tree had not verified yet as several times
+        dearer. Where the target runs on this machine every pass is kept."""
+        if self._first is None:
+            self._first = TargetCost(self.curve, self._half_life)
+            self._first.set_step(self.step)
+
     def set_step(self, step: int) -> None:
         """Passes of `step` tokens or more cost another regime (layers in RAM run on the GPU after a copy:
         hardware.offload.cost_steps): as a one-token pass until one is timed, flat while one size was."""
         self.step = step
+        if self._first is not None:
+            self._first.set_step(step)
 
     @property
     def known(self) -> bool:
+        return self._measured or (self._first is not None and self._first.known)
+
+    @property
+    def _measured(self) -> bool:
+        """Whether a pass beyond its size's first has been measured (or a profile's curve scaled)."""
         return self._ratio.known or self._base.known or self._fit.known or self._above.known
+
+    def _stand_in(self) -> TargetCost | None:
+        """The first passes of their sizes, while nothing else was measured."""
+        return self._first if not self._measured and self._first is not None and self._first.known else None
 
     @property
     def settled(self) -> bool:
@@ -422,17 +450,23 @@ class TargetCost:
     def prior(self, n_tokens: np.ndarray) -> np.ndarray:
         """Seconds of an n-token pass as assumed before any multi-token pass was measured: the
         one-token figure, and PRIOR_TOKEN_COST of it per extra token."""
+        if (first := self._stand_in()) is not None:
+            return first.prior(n_tokens)
         base = self._one_token_s()
         return _priced(n_tokens, base, base, PRIOR_TOKEN_COST * base)
 
     def plain_s(self) -> float | None:
         """Seconds of a one-token pass, or None when nothing was measured or profiled."""
+        if (first := self._stand_in()) is not None:
+            return first.plain_s()
         if self.curve is not None:
             return float(self(np.array([1]))[0])
         return float(self._base.mean) if self._base.known else None
 
     def __call__(self, n_tokens: np.ndarray) -> np.ndarray:
         n = np.asarray(n_tokens, np.float64)
+        if (first := self._stand_in()) is not None:
+            return first(n)
         if self.curve is not None:
             ratio = self._ratio.mean if self._ratio.known else 1.0
             return self.curve(n) * ratio
@@ -553,14 +587,29 @@ class Reach:
         self._nodes[covered] = self.keep * self._nodes[covered] + np.minimum(self.budgets[covered], size)
         self._weight[covered] = self.keep * self._weight[covered] + 1.0
 
-    def weight(self) -> np.ndarray:
-        """Per budget: how many proposals (recent ones weighing most) reached it."""
-        return self._weight.copy()
+    def _totals(self, going: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens accepted, nodes, weight) summed per budget over the walks that ended, recent
+        ones weighing most; `going`: and the walks still going, as the newest, at what they
+        accepted so far (final at the budgets a walk has gone past, since a cut keeps the path
+        nodes ranked up to its budget and ranks rise along a path; a lower bound above)."""
+        sums, nodes, weight = self._sum.copy(), self._nodes.copy(), self._weight.copy()
+        for watch, size in self._open if going else ():
+            covered = self.budgets <= size
+            sums[covered] += watch.accepted(self.budgets[covered])
+            nodes[covered] += np.minimum(self.budgets[covered], size)
+            weight[covered] += 1.0
+        return sums, nodes, weight
 
-    def accepted(self) -> np.ndarray:
+    def weight(self, going: bool = False) -> np.ndarray:
+        """Per budget: how many proposals (recent ones weighing most) reached it (`_totals`)."""
+        return self._totals(going)[2]
+
+    def accepted(self, going: bool = False) -> np.ndarray:
         """Per budget: mean tokens accepted per step (the bonus token not counted; 0 where unknown)."""
-        return np.divide(self._sum, self._weight, out=np.zeros_like(self._sum), where=self._weight > 0)
+        sums, _, weight = self._totals(going)
+        return np.divide(sums, weight, out=np.zeros_like(sums), where=weight > 0)
 
-    def nodes(self) -> np.ndarray:
+    def nodes(self, going: bool = False) -> np.ndarray:
         """Per budget: mean nodes the cut held (a tree may stop short of its budget)."""
-        return np.divide(self._nodes, self._weight, out=self.budgets.astype(np.float64), where=self._weight > 0)
+        _, nodes, weight = self._totals(going)
+        return np.divide(nodes, weight, out=self.budgets.astype(np.float64), where=weight > 0)

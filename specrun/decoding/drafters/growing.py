@@ -89,6 +89,7 @@ class GrowingTrees(ModelDrafter):
           With trees from 16 nodes on, the same chat stayed on the chain of 8 (38 tokens/s, where
           a chain of 16 made 52)."""
         self._overlapping = True
+        self.cost.set_first_passes_apart()  # (shared with the hybrid, which feeds it)
         if not self._start.is_chain:
             return
         levels = self.levels
@@ -152,12 +153,16 @@ class GrowingTrees(ModelDrafter):
         # A size explored for the first time is verified whole, until its pass is timed: then it
         # is measured, not only extrapolated (over a network the curve's first sizes say little
         # of the rest). The size below, when its timing has gone stale, is verified (a cut of
-        # this tree: no draft pass more) to time it again, so that a tree can shrink back.
+        # this tree: no draft pass more) to time it again, so that a tree can shrink back; over a
+        # network only where it was timed before (a size's first pass there costs round trips,
+        # four times a pass 200 ms away: the curve prices it).
         verified = self.level
+        below = self.level - 1
         if not self.target_s[grown].known:
             verified = grown
-        elif self.level > 0 and grown == self.level and self._timed(self.level - 1) is None:
-            verified = self.level - 1
+        elif below >= 0 and grown == self.level and self._timed(below) is None \
+                and (self.target_s[below].known or not self._overlapping):
+            verified = below
         self._verified = verified
         verify, grow = min(budget, self.levels[verified]), min(budget, self.levels[grown])
         shape = self._shape(grown)
@@ -219,20 +224,21 @@ class GrowingTrees(ModelDrafter):
         self.reach.forget_open()
         self._text = [*committed, root]
 
-    def rates(self) -> np.ndarray:
-        """Per level: tokens per second of a step verifying that size (0 where nothing is known)."""
-        return (self.reach.accepted()[self._at] + 1.0) / self._step_seconds()
+    def rates(self, going: bool = False) -> np.ndarray:
+        """Per level: tokens per second of a step verifying that size (0 where nothing is known);
+        `going`: counting the walks still going at what they accepted so far (adaptive.Reach)."""
+        return (self.reach.accepted(going)[self._at] + 1.0) / self._step_seconds(going)
 
-    def _step_seconds(self) -> np.ndarray:
+    def _step_seconds(self, going: bool = False) -> np.ndarray:
         """Per level: seconds of a step verifying that size (its target pass, its draft passes and
         the rest of a step)."""
         rest = float(self.rest_s.mean) if self.rest_s.known else 0.0
-        return self._target_seconds() + self._draft_seconds() + rest
+        return self._target_seconds(going) + self._draft_seconds() + rest
 
-    def _target_seconds(self) -> np.ndarray:
+    def _target_seconds(self, going: bool = False) -> np.ndarray:
         """Per level: a step's target pass, as measured at that size lately, else by the measured
         curve (a size not verified for STALE_STEPS steps: the machine may have changed since)."""
-        curve = self.cost(self.reach.nodes()[self._at] + 1)
+        curve = self.cost(self.reach.nodes(going)[self._at] + 1)
         timed = [self._timed(i) for i in range(len(self.levels))]
         return np.array([float(c) if t is None else t for t, c in zip(timed, curve)])
 
@@ -257,21 +263,15 @@ class GrowingTrees(ModelDrafter):
 
     def _choose(self) -> tuple[int, int]:
         """(the level a step verifies, the level it grows): the level that pays, and now and then,
-        while the size above it has not been judged, that size, while it promises to pay (what its
-        proposals accepted so far, or what the level below hopes for it, whichever is more). The
-        first time it is verified whole: its passes are then measured, not guessed from a curve
-        that has seen none so large.
-
-        Where the draft grows its trees during the target's pass (`overlaps`: a network), the first
-        look is taken at once: its draft passes cost little and the curve's first sizes say little
-        of the rest. Elsewhere the first look must promise to pay too, priced by the curve: a grown
-        tree's draft passes run in series before the target's pass, and on the demo pair's CPU two
-        looks at 16 nodes (140-150 ms a step against 52 for the chain of 5 and 14 for a plain one)
-        made a fresh process's chat 0.89x plain decoding."""
+        while the size above it has not been judged, a size above (`_look_above`). The first time
+        a size is grown it is verified whole: its passes are then measured, not guessed from a
+        curve that has seen none so large."""
         if len(self.levels) == 1 or not self.cost.known or not self.draft_s[self.level].known:
             return self.level, self.level
-        rates, weights = self.rates(), self.reach.weight()[self._at]
+        rates, weights = self.rates(), self._judging(self.reach.weight())
         level = grow_pays(rates, weights, self.level)
+        if level == self.level:
+            level = self._grows_on_walks_going(rates)
         if level != self.level:
             log.info("the draft model's tree %s to %d nodes: %.1f tokens/s expected, against %.1f at %d",
                      "grows" if level > self.level else "shrinks", self.levels[level], rates[level],
@@ -282,14 +282,72 @@ class GrowingTrees(ModelDrafter):
         self._since_explore += 1
         if self._since_explore < EXPLORE_EVERY:
             return level, level
-        if self.target_s[above].known or not self._overlapping:
-            accepted = self.reach.accepted()
-            doublings = float(np.log2(self.levels[above] / self.levels[level]))
-            hoped = hoped_accepted(float(accepted[self._at[level]]), float(accepted[self._half[level]]), doublings,
-                                   self._shape(above).depth)
-            if weights[above] > 0:
-                hoped = max(hoped, float(accepted[self._at[above]]))
-            if not faster((hoped + 1.0) / float(self._step_seconds()[above]), float(rates[level])):
-                return level, level
+        look = self._look_above(level, rates, weights)
+        if look is None:
+            return level, level
         self._since_explore = 0
-        return level, above
+        return level, look
+
+    def _grows_on_walks_going(self, rates: np.ndarray) -> int:
+        """The larger size a grown tree verifies next where it pays already at what the walks of
+        its proposals still going accepted so far (a lower bound: adaptive.Reach), else the level
+        that pays now. A tree the target follows far is walked for steps (a chain of 32, looked
+        at while a chain of 5 is verified, accepted whole over five steps): waiting for those
+        walks to end kept the demo pair's chat on the chain of 5 for most of an answer 200 ms
+        away, where every look at 32 had paid."""
+        low = self.rates(going=True)
+        low[: self.level + 1] = rates[: self.level + 1]  # (the sizes at or below: as they ended)
+        return grow_pays(low, self._judging(self.reach.weight(going=True)), self.level)
+
+    def _judging(self, weight: np.ndarray) -> np.ndarray:
+        """Per level, the weight of the proposals that judge it (`weight`: Reach's, per budget).
+        Where the draft grows during the target's pass (a network), none for a size whose pass
+        was never timed: it is verified only once a look has timed it (`_look_above`), for its
+        first pass costs the RPC client's round trips (1.6 s 200 ms away), and sizes that only
+        cuts of larger looks had judged, priced by the curve, drew the tree through a size more."""
+        weights = weight[self._at]
+        if self._overlapping:
+            timed = np.array([target.known for target in self.target_s])
+            timed[self.level] = True
+            weights = np.where(timed, weights, 0.0)
+        return weights
+
+    def _look_above(self, level: int, rates: np.ndarray, weights: np.ndarray) -> int | None:
+        """The size a step grows to look at, above `level`, or None.
+
+        Where the draft grows its trees during the target's pass (`overlaps`: a network), a look
+        is taken whatever it promises (its draft passes cost little, and the curve's first sizes
+        say little of the rest), at the untimed size that promises the most tokens per second
+        (`_hoped_rates`), which may lie several sizes up, and there until it is judged. Each
+        size's first pass there costs the round trips of llama.cpp's RPC client asking the worker
+        the sizes of its products (1.6 s 200 ms away, four times a one-token pass), and a ladder
+        through every size (8, 16, 32) cost a fresh process's chat its first answers there (9.4
+        tokens/s in the first, 18.8 in the fourth). Elsewhere the size just above, if it promises
+        to pay, priced by the curve: a grown tree's draft passes run in series before the target's
+        pass, and on the demo pair's CPU two looks at 16 nodes (140-150 ms a step against 52 for
+        the chain of 5 and 14 for a plain one) made a fresh process's chat 0.89x plain decoding."""
+        hoped = self._hoped_rates(level, weights)
+        above = level + 1
+        if self._overlapping and not self.target_s[above].known:
+            seen = self.reach.weight(going=True)[self._at]
+            looked = [i for i in range(above, len(self.levels)) if seen[i] > 0]
+            if looked:  # (one look is no judgement: the size looked at is looked at again)
+                return looked[-1]
+            untimed = [i for i in range(above, len(self.levels)) if not self.target_s[i].known]
+            return max(untimed, key=lambda i: hoped[i])
+        return above if faster(hoped[above], float(rates[level])) else None
+
+    def _hoped_rates(self, level: int, weights: np.ndarray) -> np.ndarray:
+        """Per level above `level`: the tokens per second a step verifying it is hoped to make
+        (pay.rules.hoped_accepted from what `level` and half its size accepted, or what its own
+        proposals accepted so far, whichever is more); 0 at `level` and below."""
+        accepted, seconds = self.reach.accepted(), self._step_seconds()
+        here, half = float(accepted[self._at[level]]), float(accepted[self._half[level]])
+        out = np.zeros(len(self.levels))
+        for i in range(level + 1, len(self.levels)):
+            doublings = float(np.log2(self.levels[i] / self.levels[level]))
+            hoped = hoped_accepted(here, half, doublings, self._shape(i).depth)
+            if weights[i] > 0:
+                hoped = max(hoped, float(accepted[self._at[i]]))
+            out[i] = (hoped + 1.0) / float(seconds[i])
+        return out
