@@ -8,7 +8,7 @@ For each shape (budget,depth,width,top_k; by default the sizes decoding.drafters
 between) the draft model grows that tree at every step of greedy answers to the built-in prompts
 of a workload (chat by default; code edits, rewrites), and the step verifies it whole; what the target then emitted says, for every smaller
 budget, how many tokens the tree's best nodes cut to that budget would have accepted (a
-best-first tree's cut is its best nodes: adaptive.Reach). Prints accepted tokens per pass at
+best-first tree's cut is its best nodes: reach.Reach). Prints accepted tokens per pass at
 each budget (the curve SpecExec's paper draws) and the draft's seconds per proposal.
 
 `--sharpen S` multiplies the draft's logits by S before the tree is scored (S > 1: a draft that
@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specrun.core.sampling import SamplingParams  # noqa: E402
 from specrun.core.tree_shapes import TreeShape, grown_shape, growth_levels  # noqa: E402
-from specrun.decoding.adaptive import BUDGETS, Reach  # noqa: E402
+from specrun.decoding.adaptive import BUDGETS  # noqa: E402
 from specrun.decoding.drafters import best_first  # noqa: E402
+from specrun.decoding.reach import Reach  # noqa: E402
 from specrun.decoding.stream import token_ids  # noqa: E402
 from specrun.experiments.workloads import WORKLOADS  # noqa: E402
 from specrun.runtime.plan import RunOptions  # noqa: E402

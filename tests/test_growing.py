@@ -12,7 +12,7 @@ import numpy as np
 
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import LONGEST_NETWORK_CHAIN, TreeShape, grown_shape, growth_levels
-from specrun.decoding.adaptive import Reach
+from specrun.decoding.reach import Reach
 from specrun.decoding.calibration import DraftCalibration
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.growing import GrowingTrees

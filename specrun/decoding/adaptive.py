@@ -103,7 +103,7 @@ class Average:
         return self.sum / self.weight if self.weight else self.sum
 
 
-class _Watch:
+class Walk:
     """One step's proposal, walked down by the tokens emitted since its root."""
 
     def __init__(self, tree: DraftTree | None, nodes: np.ndarray, base: DraftTree | None):
@@ -181,7 +181,7 @@ class Hindsight:
         self._accepted = Average(half_life, len(budgets))
         self._nodes = Average(half_life, len(budgets))
         self._walks = Average(half_life, 2)  # [tokens matched, walk ended by a miss] per proposal
-        self._open: list[_Watch] = []
+        self._open: list[Walk] = []
 
     def watch(self, tree: DraftTree | None, base: DraftTree | None = None, new_by_rank: np.ndarray | None = None) -> None:
         """Follow this step's proposal. `new_by_rank[r]`: whether the tree's r-th best node adds a
@@ -190,7 +190,7 @@ class Hindsight:
         added = np.ones(n, np.int64) if new_by_rank is None else np.asarray(new_by_rank, np.int64)
         cumulative = np.concatenate([[0], np.cumsum(added)])
         nodes = cumulative[np.minimum(self.budgets, n)] + (len(base) - 1 if base is not None else 0)
-        watch = _Watch(tree, nodes, base)
+        watch = Walk(tree, nodes, base)
         if watch.done or watch.at_leaf:
             self._finish(watch)
         else:
@@ -219,7 +219,7 @@ class Hindsight:
         """Drop proposals still being followed (the text was replaced: they will never finish)."""
         self._open.clear()
 
-    def _finish(self, watch: _Watch) -> None:
+    def _finish(self, watch: Walk) -> None:
         self._accepted.add(watch.accepted(self.budgets))
         self._nodes.add(watch.nodes)
         self._walks.add([len(watch.ranks), float(watch.missed)])
@@ -538,78 +538,3 @@ class DraftPrior:
         seconds = self.tree_s + self.step_s + self.catch_up_s * max(0, debt - 1) * tokens / max(ahead, 1.0)
         return tokens / (seconds * scale)
 
-
-class Reach:
-    """Per budget of a grid: mean tokens accepted per step by the best-first cut to that budget,
-    counting only the proposals that were grown at least that large.
-
-    Hindsight averages every proposal at every budget (a proposal smaller than a budget counts
-    as its own size there), which is right where every step proposes the same largest tree. A
-    drafter that grows its trees online (drafters.growing) watches trees of changing sizes: a
-    budget must be judged by the proposals that reached it, or the many small trees of the
-    first steps would hide what a larger one gains.
-    """
-
-    def __init__(self, budgets, half_life: float = HALF_LIFE):
-        self.budgets = np.array(sorted(set(int(b) for b in budgets)), np.int64)
-        self.keep = decay(half_life)
-        self._sum = np.zeros(len(self.budgets))
-        self._nodes = np.zeros(len(self.budgets))
-        self._weight = np.zeros(len(self.budgets))
-        self._open: list[tuple[_Watch, int]] = []
-
-    def watch(self, tree: DraftTree) -> None:
-        """Follow this step's proposal (grown best-first: the cut to budget B is its B best nodes)."""
-        watch = _Watch(tree, np.zeros(0), None)
-        size = len(tree) - 1
-        if watch.done or watch.at_leaf:
-            self._finish(watch, size)
-        else:
-            self._open.append((watch, size))
-
-    def feed(self, tokens) -> None:
-        """Take the tokens the target emitted (in order, across steps)."""
-        for token in tokens:
-            if not self._open:
-                return
-            for watch, _ in self._open:
-                watch.feed(int(token))
-            for item in [item for item in self._open if item[0].done or item[0].at_leaf]:
-                self._finish(*item)
-                self._open.remove(item)
-
-    def forget_open(self) -> None:
-        self._open.clear()
-
-    def _finish(self, watch: _Watch, size: int) -> None:
-        covered = self.budgets <= size
-        self._sum[covered] = self.keep * self._sum[covered] + watch.accepted(self.budgets[covered])
-        self._nodes[covered] = self.keep * self._nodes[covered] + np.minimum(self.budgets[covered], size)
-        self._weight[covered] = self.keep * self._weight[covered] + 1.0
-
-    def _totals(self, going: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens accepted, nodes, weight) summed per budget over the walks that ended, recent
-        ones weighing most; `going`: and the walks still going, as the newest, at what they
-        accepted so far (final at the budgets a walk has gone past, since a cut keeps the path
-        nodes ranked up to its budget and ranks rise along a path; a lower bound above)."""
-        sums, nodes, weight = self._sum.copy(), self._nodes.copy(), self._weight.copy()
-        for watch, size in self._open if going else ():
-            covered = self.budgets <= size
-            sums[covered] += watch.accepted(self.budgets[covered])
-            nodes[covered] += np.minimum(self.budgets[covered], size)
-            weight[covered] += 1.0
-        return sums, nodes, weight
-
-    def weight(self, going: bool = False) -> np.ndarray:
-        """Per budget: how many proposals (recent ones weighing most) reached it (`_totals`)."""
-        return self._totals(going)[2]
-
-    def accepted(self, going: bool = False) -> np.ndarray:
-        """Per budget: mean tokens accepted per step (the bonus token not counted; 0 where unknown)."""
-        sums, _, weight = self._totals(going)
-        return np.divide(sums, weight, out=np.zeros_like(sums), where=weight > 0)
-
-    def nodes(self, going: bool = False) -> np.ndarray:
-        """Per budget: mean nodes the cut held (a tree may stop short of its budget)."""
-        _, nodes, weight = self._totals(going)
-        return np.divide(nodes, weight, out=self.budgets.astype(np.float64), where=weight > 0)

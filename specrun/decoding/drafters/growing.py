@@ -6,7 +6,7 @@ where each verified token costs as much as a sixth of a pass (a CPU), a chain of
 tuning profile nobody has said which: `GrowingTrees` starts from the plan's tree and moves between
 sizes (core.tree_shapes.growth_levels) by what the run measures:
 
-- what a size's tree would accept: every proposal is watched (adaptive.Reach), and its cut to
+- what a size's tree would accept: every proposal is watched (reach.Reach), and its cut to
   any smaller size is exactly its best nodes (best-first), so one proposal tells every size up
   to its own. To learn a larger size, a step now and then grows the larger tree and still
   verifies the cut to the size that pays (only the first looks at a size verify it whole, to
@@ -27,10 +27,11 @@ from typing import Sequence
 import numpy as np
 
 from specrun.core.tree_shapes import LONGEST_GROWN_CHAIN, LONGEST_NETWORK_CHAIN, TreeShape, grown_shape, growth_levels
-from specrun.decoding.adaptive import BUDGETS, Average, Reach, TargetCost
+from specrun.decoding.adaptive import BUDGETS, Average, TargetCost
 from specrun.decoding.drafters.base import ModelDrafter
 from specrun.decoding.drafters.best_first import GrownTree, TreeGrower
 from specrun.decoding.pay.rules import EXPLORE_EVERY, GROW_EVIDENCE, faster, grow_pays, grows_chains, hoped_accepted
+from specrun.decoding.reach import Reach
 
 log = logging.getLogger("specrun")
 
@@ -226,7 +227,7 @@ class GrowingTrees(ModelDrafter):
 
     def rates(self, going: bool = False) -> np.ndarray:
         """Per level: tokens per second of a step verifying that size (0 where nothing is known);
-        `going`: counting the walks still going at what they accepted so far (adaptive.Reach)."""
+        `going`: counting the walks still going at what they accepted so far (reach.Reach)."""
         return (self.reach.accepted(going)[self._at] + 1.0) / self._step_seconds(going)
 
     def _step_seconds(self, going: bool = False) -> np.ndarray:
@@ -290,7 +291,7 @@ class GrowingTrees(ModelDrafter):
 
     def _grows_on_walks_going(self, rates: np.ndarray) -> int:
         """The larger size a grown tree verifies next where it pays already at what the walks of
-        its proposals still going accepted so far (a lower bound: adaptive.Reach), else the level
+        its proposals still going accepted so far (a lower bound: reach.Reach), else the level
         that pays now. A tree the target follows far is walked for steps (a chain of 32, looked
         at while a chain of 5 is verified, accepted whole over five steps): waiting for those
         walks to end kept the demo pair's chat on the chain of 5 for most of an answer 200 ms
