@@ -25,6 +25,8 @@ from test_server import running_server  # noqa: E402
 GB = 1 << 30
 MODELS = ["--target", "smollm2-135m-q4", "--draft", "lookup", "--kv-type", "q8_0", "--ctx-size", "1024"]
 PROMPTS = {
+    "copies": ("Copy this text exactly, twice: The lighthouse keeper climbed the stairs every evening, lit the lamp, "
+               "and watched the ships pass through the narrow channel until morning."),
     "repeats": "Repeat this list three times, one item per line: apple, banana, cherry, date, elderberry, fig.",
     "story": "Write a short story about a lighthouse keeper.",
     "facts": "List five facts about the moon.",
@@ -39,17 +41,19 @@ def test_each_request_in_a_split_cache_writes_what_it_writes_alone(cli):
         alone[name] = json.loads(done.stdout)["token_ids"]
     lines = "".join(json.dumps({"prompt": p, "id": name, "max_tokens": 64}) + "\n" for name, p in PROMPTS.items())
     # Whether lookup's chains pay is sized by this run's measured passes: on a busy moment of a long
-    # suite a run may decode the list in plain steps, which would prove nothing of chains verified
-    # beside others. Every run must write the answers alone; one of three must have speculated.
+    # suite, or a CPU whose passes of a few tokens cost more, a list of short items was decoded in
+    # plain steps in all three runs, which proves nothing of chains verified beside others. So a
+    # request copies a sentence of its prompt (lookup accepted 2.6 tokens a pass here, where the
+    # list made 1.3): every run must write the answers alone; one of three must have speculated.
     for _ in range(3):
         together = cli("generate", "--jsonl", "--parallel", "2", "--kv-split", *MODELS, input=lines)
         assert together.exit_code == 0, together.output
         results = {r["id"]: r for r in map(json.loads, together.stdout.splitlines())}
         assert {name: results[name]["token_ids"] for name in PROMPTS} == alone
-        repeats = results["repeats"]["stats"]
-        if repeats["n_passes"] < repeats["n_tokens"] and repeats["shared_passes"] > 0:
+        copies = results["copies"]["stats"]
+        if copies["n_passes"] < copies["n_tokens"] and copies["shared_passes"] > 0:
             break  # chains verified beside others
-    assert repeats["n_passes"] < repeats["n_tokens"] and repeats["shared_passes"] > 0, repeats
+    assert copies["n_passes"] < copies["n_tokens"] and copies["shared_passes"] > 0, copies
 
 
 def test_the_plan_opens_a_sequence_per_request_in_a_split_cache():
