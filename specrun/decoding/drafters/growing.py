@@ -281,9 +281,9 @@ class GrowingTrees(ModelDrafter):
 
     def _choose(self) -> tuple[int, int]:
         """(the level a step verifies, the level it grows): the level that pays, and now and then,
-        while a size above it has not been judged (`_unjudged_above`), a size above
-        (`_look_above`). The first time a size is grown it is verified whole: its passes are then
-        measured, not guessed from a curve that has seen none so large."""
+        while the size above it has not been judged, a size above (`_look_above`). The first time
+        a size is grown it is verified whole: its passes are then measured, not guessed from a
+        curve that has seen none so large."""
         if len(self.levels) == 1 or not self.cost.known or not self.draft_s[self.level].known:
             return self.level, self.level
         rates, weights = self.rates(), self._judging(self.reach.weight())
@@ -339,12 +339,10 @@ class GrowingTrees(ModelDrafter):
         size's first pass there costs the round trips of llama.cpp's RPC client asking the worker
         the sizes of its products (1.6 s 200 ms away, four times a one-token pass), and a ladder
         through every size (8, 16, 32) cost a fresh process's chat its first answers there (9.4
-        tokens/s in the first, 18.8 in the fourth). Once the size just above is timed, the size
-        not yet judged that promises the most, if it promises to pay. Elsewhere the size just
-        above, if it promises to pay, priced by the curve: a grown tree's draft passes run in
-        series before the target's pass, and on the demo pair's CPU two looks at 16 nodes
-        (140-150 ms a step against 52 for the chain of 5 and 14 for a plain one) made a fresh
-        process's chat 0.89x plain decoding."""
+        tokens/s in the first, 18.8 in the fourth). Elsewhere the size just above, if it promises
+        to pay, priced by the curve: a grown tree's draft passes run in series before the target's
+        pass, and on the demo pair's CPU two looks at 16 nodes (140-150 ms a step against 52 for
+        the chain of 5 and 14 for a plain one) made a fresh process's chat 0.89x plain decoding."""
         hoped = self._hoped_rates(level, weights)
         above = level + 1
         if self._overlapping and not self.target_s[above].known:
