@@ -214,43 +214,6 @@ def test_where_the_draft_grows_during_the_pass_the_first_look_is_at_the_size_tha
     assert not {8, 16} & set(sizes) and max(sizes[-10:]) >= 64, sizes
 
 
-class ExtendingGrower(ScriptedGrower):
-    """A draft growing its trees during the target's pass (TreeGrower.extend, a network): a tree
-    no deeper than the last was grown on meanwhile (a step pays one draft pass), and a deeper
-    one, a look or the first step at a larger size, is grown from scratch, a pass per level."""
-
-    def __init__(self, pass_s: float = 0.006):
-        super().__init__(pass_s)
-        self.depth = 0
-
-    def propose(self, committed, root, budget, depth):
-        proposal = super().propose(committed, root, budget, depth)
-        deeper, self.depth = proposal.tree.max_depth > self.depth, proposal.tree.max_depth
-        passes = self.depth if deeper else 1
-        self.last_passes = [(1, self.pass_s)] * passes
-        proposal.draft_s, proposal.draft_passes = self.pass_s * passes, passes
-        return proposal
-
-
-def fifty(n):  # the demo target on a worker 50 ms away: 139 ms for 5 tokens, 166 for 16, 205 for 32
-    return 0.130 + 0.0024 * (n - 1)
-
-
-def test_where_the_draft_grows_during_the_pass_a_look_grown_in_series_does_not_price_its_size():
-    """A look at a larger size grows its tree from scratch, where steps at that size would find
-    most of it grown during the pass before: timed by its looks, every size above the chain of 5
-    looked dearer than it was, and each size judged shut the sizes above it out. On this text,
-    with a draft costing 6 ms a pass, trees of 16-32 nodes make 30% more tokens per second than
-    the chain of 5 (31.8-32.3 against 24.4, each size decoding alone)."""
-    growing = GrowingTrees(ExtendingGrower(), TreeShape.chain(5), 384)
-    growing.overlaps()
-    for _ in range(2):
-        growing.cost.observe(1, fifty(1))
-    sizes = decode(growing, fifty, steps=120)
-    assert np.median(sizes[-40:]) >= 16 and max(sizes[-40:]) >= 32, sizes
-    assert growing.levels[growing.level] >= 16
-
-
 def test_when_passes_get_dear_the_grown_tree_shrinks_back():
     # The same run, then its passes priced as a CPU's (the worker went away, the machine got busy).
     growing = GrowingTrees(ScriptedGrower(pass_s=0.001), TreeShape.chain(5), 384)

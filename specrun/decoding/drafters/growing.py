@@ -53,7 +53,6 @@ class GrowingTrees(ModelDrafter):
         self.cost = cost if cost is not None else TargetCost()
         self._feeds_cost = cost is None
         self._verified = 0  # the size the last proposal was cut to
-        self._grown_before = 0  # the size the last proposal was grown to
         self._sizes_seen: set[int] = set()  # tree sizes the target has verified
         self._steps = 0  # steps observed
         self.draft_pass = TargetCost()  # the draft's expansion passes, by tokens
@@ -170,13 +169,8 @@ class GrowingTrees(ModelDrafter):
         shape = self._shape(grown)
         self.grower.shape = shape
         proposal = self.grower.propose(committed, root, grow, min(depth, shape.depth))
-        # (A pass shared with other requests times theirs too; over a network only a step grown
-        # as large as the one before it times its size: `_draft_seconds`.)
-        steady = not self._overlapping or grown == self._grown_before
-        self._grown_before = grown
-        if not self.grower.last_shared and steady:
+        if not self.grower.last_shared:  # (a pass shared with other requests times theirs too)
             self.draft_s[grown].add(max(0.0, proposal.draft_s - self.grower.last_catch_up[1]))
-        if not self.grower.last_shared:
             for n_tokens, seconds in self.grower.last_passes:
                 self.draft_pass.observe(n_tokens, seconds)
         if verify < len(proposal.tree) - 1:
@@ -258,23 +252,12 @@ class GrowingTrees(ModelDrafter):
     def _draft_seconds(self) -> np.ndarray:
         """Per level: a proposal's draft passes, as measured at that size; a size not grown yet
         is taken to need a pass per level of its depth, each over its width, priced by the draft's
-        passes measured so far (draft_pass).
-
-        Where the draft grows during the target's pass (`overlaps`), only a step grown as large as
-        the one before times its size: the draft grew most of that tree during the pass before
-        (TreeGrower.extend). A size not timed so is taken to cost what the size that pays costs,
-        per level of depth. A look, or the first step at a new size, grows its larger tree from
-        the smaller one, in series: timed by its looks, a chain of 16 cost the demo pair 88 ms a
-        step 50 ms away, against 12 for the chain of 8 that paid, and the chat stayed on the
-        chain of 8 for a whole answer that it accepted whole at nearly every step."""
+        passes measured so far (draft_pass)."""
         out = np.zeros(len(self.levels))
-        steady = self.draft_s[self.level]
         for i in range(len(self.levels)):
             shape = self._shape(i)
             if self.draft_s[i].known:
                 out[i] = float(self.draft_s[i].mean)
-            elif self._overlapping and steady.known:
-                out[i] = float(steady.mean) * shape.depth / self._shape(self.level).depth
             elif self.draft_pass.known:
                 out[i] = shape.depth * float(self.draft_pass(np.array([shape.width]))[0])
         return out
@@ -294,7 +277,8 @@ class GrowingTrees(ModelDrafter):
             log.info("the draft model's tree %s to %d nodes: %.1f tokens/s expected, against %.1f at %d",
                      "grows" if level > self.level else "shrinks", self.levels[level], rates[level],
                      rates[self.level], self.levels[self.level])
-        if not self._unjudged_above(level, weights):
+        above = level + 1
+        if above >= len(self.levels) or weights[above] >= GROW_EVIDENCE:
             return level, level
         self._since_explore += 1
         if self._since_explore < EXPLORE_EVERY:
@@ -352,17 +336,7 @@ class GrowingTrees(ModelDrafter):
                 return looked[-1]
             untimed = [i for i in range(above, len(self.levels)) if not self.target_s[i].known]
             return max(untimed, key=lambda i: hoped[i])
-        if self._overlapping:
-            above = max(self._unjudged_above(level, weights), key=lambda i: hoped[i])
         return above if faster(hoped[above], float(rates[level])) else None
-
-    def _unjudged_above(self, level: int, weights: np.ndarray) -> list[int]:
-        """The sizes above `level` a look may judge: not yet judged on GROW_EVIDENCE proposals.
-        Where the draft grows during the target's pass, any of them (the sizes between say little
-        of the larger ones there: a chain of 8 judged at 1.2 tokens a step where trees of 16 and
-        32 nodes ran 30% faster than the chain of 5); elsewhere only the size just above."""
-        above = range(level + 1, len(self.levels) if self._overlapping else min(level + 2, len(self.levels)))
-        return [i for i in above if weights[i] < GROW_EVIDENCE]
 
     def _hoped_rates(self, level: int, weights: np.ndarray) -> np.ndarray:
         """Per level above `level`: the tokens per second a step verifying it is hoped to make
