@@ -55,10 +55,16 @@ class Reach:
         self._open.clear()
 
     def _finish(self, watch: Walk, size: int) -> None:
-        covered = self.budgets <= size
-        self._sum[covered] = self.keep * self._sum[covered] + watch.accepted(self.budgets[covered])
-        self._nodes[covered] = self.keep * self._nodes[covered] + np.minimum(self.budgets[covered], size)
+        covered, accepted, nodes = self._counts(watch, size)
+        self._sum[covered] = self.keep * self._sum[covered] + accepted
+        self._nodes[covered] = self.keep * self._nodes[covered] + nodes
         self._weight[covered] = self.keep * self._weight[covered] + 1.0
+
+    def _counts(self, watch: Walk, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the budgets a proposal of `size` nodes reached, tokens its walk accepted at each, the
+        nodes its cut to each held)."""
+        covered = self.budgets <= size
+        return covered, watch.accepted(self.budgets[covered]), np.minimum(self.budgets[covered], size)
 
     def _totals(self, going: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens accepted, nodes, weight) summed per budget over the walks that ended, recent
@@ -67,9 +73,9 @@ class Reach:
         nodes ranked up to its budget and ranks rise along a path; a lower bound above)."""
         sums, nodes, weight = self._sum.copy(), self._nodes.copy(), self._weight.copy()
         for watch, size in self._open if going else ():
-            covered = self.budgets <= size
-            sums[covered] += watch.accepted(self.budgets[covered])
-            nodes[covered] += np.minimum(self.budgets[covered], size)
+            covered, accepted, held = self._counts(watch, size)
+            sums[covered] += accepted
+            nodes[covered] += held
             weight[covered] += 1.0
         return sums, nodes, weight
 

@@ -327,16 +327,16 @@ class GrowingTrees(ModelDrafter):
         to pay, priced by the curve: a grown tree's draft passes run in series before the target's
         pass, and on the demo pair's CPU two looks at 16 nodes (140-150 ms a step against 52 for
         the chain of 5 and 14 for a plain one) made a fresh process's chat 0.89x plain decoding."""
-        hoped = self._hoped_rates(level, weights)
         above = level + 1
         if self._overlapping and not self.target_s[above].known:
             seen = self.reach.weight(going=True)[self._at]
             looked = [i for i in range(above, len(self.levels)) if seen[i] > 0]
             if looked:  # (one look is no judgement: the size looked at is looked at again)
                 return looked[-1]
+            hoped = self._hoped_rates(level, weights)
             untimed = [i for i in range(above, len(self.levels)) if not self.target_s[i].known]
             return max(untimed, key=lambda i: hoped[i])
-        return above if faster(hoped[above], float(rates[level])) else None
+        return above if faster(self._hoped_rates(level, weights)[above], float(rates[level])) else None
 
     def _hoped_rates(self, level: int, weights: np.ndarray) -> np.ndarray:
         """Per level above `level`: the tokens per second a step verifying it is hoped to make
