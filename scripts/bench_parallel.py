@@ -15,7 +15,8 @@ against the same prompts answered one at a time.
 Servers: `specrun-1` is `specrun serve --parallel 1` (one request at a time), `specrun-N` is
 `--parallel N` with N the most clients (either with `-plain`: --no-spec, plain decoding; `-throughput`:
 --throughput, prompts evaluated in the passes of the other requests' steps; any of them with
-`-fa-off` last: --flash-attn off); `base-1`,
+`-split` and then `-fa-off` last: --kv-split, a KV cache per request as llama-server's slots,
+and --flash-attn off); `base-1`,
 `base-N`, `base-N-plain` are the same from the checkout --baseline names (`git worktree add
 /tmp/base HEAD~1`), to measure a change in turns with its parent; `peer-plain` is llama.cpp's `llama-server -np N`
 decoding plainly (requests batched together, no speculation), `peer-draft` the same with the
@@ -271,10 +272,20 @@ class _Server:
             self.proc.wait(60)
 
 
-def _decoding(server: str) -> tuple[bool, bool]:
-    """What a specrun server's answers are compared within: plain decoding or not, flash attention
-    off or not (each rounds otherwise, so their answers one at a time may differ)."""
-    return server.removesuffix("-fa-off").endswith("-plain"), server.endswith("-fa-off")
+def _options(server: str) -> tuple[str, bool, bool]:
+    """A specrun server's name without its last options, and whether it has them: `-split`
+    (--kv-split), then `-fa-off` (--flash-attn off)."""
+    fa_off = server.endswith("-fa-off")
+    server = server.removesuffix("-fa-off")
+    return server.removesuffix("-split"), server.endswith("-split"), fa_off
+
+
+def _decoding(server: str) -> tuple[bool, bool, bool]:
+    """What a specrun server's answers are compared within: plain decoding or not, a cache per
+    request or one, flash attention off or not (each rounds otherwise, so their answers one at a
+    time may differ)."""
+    base, split, fa_off = _options(server)
+    return base.endswith("-plain"), split, fa_off
 
 
 def _start(name: str, args, parallel: int) -> _Server | None:
@@ -309,10 +320,11 @@ def _start(name: str, args, parallel: int) -> _Server | None:
 def specrun_server(repo: Path, args, parallel: int, name: str = "specrun") -> _Server:
     """`specrun serve` of the checkout `repo` (this one, or a --baseline) on args' models, context
     and threads, `parallel` requests at once; the server's `name` says the rest: `-plain` with
-    --no-spec, `-throughput` with --throughput, either with `-fa-off` last: --flash-attn off."""
-    base = name.removesuffix("-fa-off")
+    --no-spec, `-throughput` with --throughput, either with `-split` (--kv-split) and then `-fa-off`
+    (--flash-attn off) last."""
+    base, split, fa_off = _options(name)
     plain, throughput = base.endswith("-plain"), base.endswith("-throughput")
-    extra = ("--flash-attn", "off") if name.endswith("-fa-off") else ()
+    extra = (*(["--kv-split"] if split else []), *(["--flash-attn", "off"] if fa_off else []))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
                NO_COLOR="1")
     argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
