@@ -513,3 +513,35 @@ def test_tune_weighs_large_deep_trees_where_the_target_is_on_a_worker(worker, tm
     settings = json.loads(done.stdout)
     assert settings["local"] == settings["quick"] and settings["worker"] == settings["fixed"], settings
     assert settings["fixed"][0] > settings["quick"][0]
+
+
+def test_the_decoders_of_a_target_on_workers_keep_each_sizes_first_pass_apart(offline_models):
+    """Over RPC workers a new count of tokens costs round trips the first time (the demo target
+    50 ms away: 538 ms for its first 4-token pass, 125 ms after, 117 ms for one token). Priced as
+    a pass, such a first pass kept `--draft lookup` from proposing for most of an answer. Every
+    drafter that prices trees by the target's passes keeps them apart where the target runs on
+    workers: lookup alone, and the hybrid around a fixed tree, not only trees grown online."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from specrun.runtime.plan import RunOptions
+    from specrun.runtime.runtime import Runtime, make_decoder
+
+    def priced(drafter) -> float:
+        for n, seconds in ((1, 0.32), (1, 0.117), (4, 0.538), (4, 0.125)):
+            drafter.cost.observe(n, seconds)
+        return float(drafter.cost(np.array([4]))[0])
+
+    with Runtime(RunOptions(draft="lookup", ctx_size=1024, quiet=True)) as rt:
+        on_workers = make_decoder(rt.plan.tree, rt.target, rt.target_ctx, network_sizes=True).drafter
+        here = make_decoder(rt.plan.tree, rt.target, rt.target_ctx).drafter
+        assert priced(on_workers) == pytest.approx(0.125, rel=0.05)
+        assert priced(here) > 0.25  # (on this machine every pass is a point of the curve)
+    with Runtime(RunOptions(ctx_size=1024, quiet=True)) as rt:  # the demo pair's hybrid, its tree fixed
+        fixed = replace(rt.plan.tree, grow=None)
+        on_workers, here = (make_decoder(fixed, rt.target, rt.target_ctx, rt.draft, rt.draft_ctx, network_sizes=network).drafter
+                            for network in (True, False))
+        assert type(on_workers).__name__ == "HybridDrafter" and type(on_workers.draft).__name__ == "TreeGrower"
+        # (its cost scales the passes timed at load: by the later passes alone, or by all)
+        assert priced(on_workers) < 0.5 * priced(here)

@@ -416,6 +416,8 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
     drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx, draft_lane, memory)
     decoder = SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane, together=together)
     decoder.overlap, decoder.network_sizes, decoder.network_s = overlap, network_sizes, network_s
+    if overlap or network_sizes:  # (a pass elsewhere: a new count of tokens may cost round trips)
+        drafter.first_passes_apart()
     if overlap:
         drafter.overlaps()
     if offload_step:

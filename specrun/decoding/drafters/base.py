@@ -84,6 +84,12 @@ class Drafter(ABC):
         """The decoder overlaps drafting with the target's passes (extend, prepare): a drafter
         that sizes its trees online may size for that (growing.GrowingTrees)."""
 
+    def first_passes_apart(self) -> None:
+        """The target's first pass over a count of tokens costs more than the next ones (RPC
+        workers: llama.cpp asks the worker its products' sizes, a round trip each): a drafter that
+        prices its trees by the target's passes keeps those first passes out of its curve
+        (adaptive.TargetCost.set_first_passes_apart)."""
+
     def cost_step(self, step: int) -> None:
         """The target's passes of `step` tokens or more cost another regime (its layers in RAM run
         on a GPU of this machine after a copy: hardware.offload.cost_steps): a drafter that prices

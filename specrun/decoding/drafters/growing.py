@@ -78,6 +78,9 @@ class GrowingTrees(ModelDrafter):
         self.target_s = [Average(24) for _ in levels]  # a step's target pass, per size verified
         self._timed_at = [0] * len(levels)  # the step at which each size's pass was last timed
 
+    def first_passes_apart(self) -> None:
+        self.cost.set_first_passes_apart()  # (shared with the hybrid, which feeds it)
+
     def overlaps(self) -> None:
         """The target's passes run elsewhere, and the draft grows its last tree on meanwhile
         (TreeGrower.extend). Above a chain start:
@@ -90,7 +93,6 @@ class GrowingTrees(ModelDrafter):
           With trees from 16 nodes on, the same chat stayed on the chain of 8 (38 tokens/s, where
           a chain of 16 made 52)."""
         self._overlapping = True
-        self.cost.set_first_passes_apart()  # (shared with the hybrid, which feeds it)
         if not self._start.is_chain:
             return
         levels = self.levels

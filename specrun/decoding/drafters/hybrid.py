@@ -406,6 +406,10 @@ class HybridDrafter(Drafter):
     def overlaps(self) -> None:
         self.draft.overlaps()
 
+    def first_passes_apart(self) -> None:
+        self.cost.set_first_passes_apart()
+        self.draft.first_passes_apart()
+
     def cost_step(self, step: int) -> None:
         self.cost.set_step(step)
         self.draft.cost_step(step)

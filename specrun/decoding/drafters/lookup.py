@@ -202,6 +202,9 @@ class LookupDrafter(Drafter):
     def observe_shared(self, n_tokens: int, seconds: float) -> None:
         self.cost.observe(n_tokens, seconds)
 
+    def first_passes_apart(self) -> None:
+        self.cost.set_first_passes_apart()
+
     def cost_step(self, step: int) -> None:
         self.cost.set_step(step)
 
