@@ -186,3 +186,71 @@ def decodes(monkeypatch) -> list[Decode]:
 
         monkeypatch.setattr(cls, "steps", steps)
     return seen
+
+
+class VirtualClock:
+    """The time in-process decoding reads (`time.perf_counter` in the decoding and engine modules)
+    when every llama.cpp pass takes `pass_s(n_tokens)` seconds and nothing else takes any.
+
+    A decision that follows measured times (tree sizes, leaning on lookup) is then the same on a
+    quiet machine and on a busy CI runner: a test of such a decision asserts what the decision
+    makes of a given cost curve, not what a scheduler slice made of it."""
+
+    def __init__(self, pass_s):
+        import threading
+
+        self.pass_s = pass_s
+        self.now = 1000.0
+        self.passes = 0
+        self._lock = threading.Lock()
+
+    def perf_counter(self) -> float:
+        with self._lock:
+            return self.now
+
+    def passed(self, n_tokens: int) -> None:
+        with self._lock:
+            self.now += float(self.pass_s(n_tokens))
+            self.passes += 1
+
+
+class _ClockedTime:
+    """The `time` module as a decoding module sees it under a VirtualClock."""
+
+    def __init__(self, clock: VirtualClock):
+        import time as real
+
+        self._real, self.perf_counter = real, clock.perf_counter
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+CLOCKED_MODULES = ("specrun.engine.context", "specrun.decoding.speculative", "specrun.decoding.plain",
+                   "specrun.decoding.kv", "specrun.decoding.batching", "specrun.decoding.drafters.best_first",
+                   "specrun.decoding.drafters.sequoia", "specrun.decoding.drafters.mtp")
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch):
+    """Return a function that puts in-process decoding on a VirtualClock whose passes cost
+    `pass_s(n_tokens)` seconds (the models still run: only the time read changes)."""
+    import importlib
+
+    def install(pass_s) -> VirtualClock:
+        clock = VirtualClock(pass_s)
+        shim = _ClockedTime(clock)
+        for name in CLOCKED_MODULES:
+            monkeypatch.setattr(importlib.import_module(name), "time", shim)
+        context = importlib.import_module("specrun.engine.context")
+        real_decode = context._decode
+
+        def decode(ctx_ptr, batch_struct, real=real_decode):
+            rc = real(ctx_ptr, batch_struct)
+            clock.passed(int(batch_struct.n_tokens))
+            return rc
+
+        monkeypatch.setattr(context, "_decode", decode)
+        return clock
+
+    return install

@@ -207,12 +207,21 @@ ASKED = "Write four sentences about a cat who likes to sleep in the sun."
 MAX_TOKENS = 64
 
 
+def pass_s(n_tokens: int) -> float:
+    """A target pass's seconds in these tests (conftest.VirtualClock): 20 ms, and 0.5 ms a token,
+    about this CPU's one-token pass of the demo target and a slope at which a repeat's deepest
+    tree pays. On measured times a pass met at a busy moment (a CI runner's) priced the deep
+    tree out, and the regenerated answer went in 1-node trees."""
+    return 0.020 + 0.0005 * n_tokens
+
+
 @pytest.mark.parametrize("kind", ["lookup", "hybrid"])
-def test_a_repeated_answer_is_drafted_from_another_requests_memory(kind, target, draft, contexts, plain):
+def test_a_repeated_answer_is_drafted_from_another_requests_memory(kind, target, draft, contexts, plain, virtual_clock):
     """Request A answers; request B, another drafter that shares A's memory (another lane, as in
     the server), asks the same: its answer repeats A's and is drafted from the memory, more tokens
     a target pass than the same request in a fresh process (a memory of its own, empty). Every
     output is plain decoding's."""
+    virtual_clock(pass_s)
     make = (lambda memory: lookup_decoder(target, contexts, memory)) if kind == "lookup" else (
         lambda memory: hybrid_decoder(target, draft, contexts, memory))
     prompt = chat_prompt(target, ASKED)
@@ -238,12 +247,14 @@ def test_a_repeated_answer_is_drafted_from_another_requests_memory(kind, target,
 
 
 @pytest.mark.parametrize("kind", ["lookup", "hybrid"])
-def test_the_same_greedy_request_again_is_drafted_whole_from_its_first_step(kind, target, draft, contexts, plain):
+def test_the_same_greedy_request_again_is_drafted_whole_from_its_first_step(kind, target, draft, contexts, plain,
+                                                                            virtual_clock):
     """An answer regenerated (the same greedy request again, in the same lane): its text repeats
     the earlier one, so the first decoding step already verifies as deep a tree as the step may
     reach, accepted whole, where a kind that earns trust from nothing started at 3-5 nodes. The
     output is plain decoding's. Sampled, the same prompt is no repeat: its first step is not
     trusted so."""
+    virtual_clock(pass_s)
     decoder = lookup_decoder(target, contexts, OutputMemory()) if kind == "lookup" else (
         hybrid_decoder(target, draft, contexts, OutputMemory()))
     prompt = chat_prompt(target, ASKED)

@@ -353,6 +353,13 @@ class HindsightByKind:
         run = 2 if self.run(LONG_RUN) else 1 if self.run(2) else 0
         return run, 3 if repeat else 2 if order >= LONG_MATCH else 1 if order >= STRONG_ORDER else 0
 
+    @staticmethod
+    def copying(kind: tuple[int, int]) -> bool:
+        """Whether a proposal of this `kind` continues a copy that running the draft model again
+        would only interrupt: the text has followed earlier proposals over LONG_RUN tokens, or a
+        greedy request repeats earlier text (its proposal is the target's own earlier output)."""
+        return kind[0] == 2 or kind[1] == 3
+
     def run(self, tokens: int = 2) -> bool:
         """Whether the text has followed earlier proposals for the last `tokens` tokens at least
         (across proposals: one that ended at its deepest node hands over to the next)."""

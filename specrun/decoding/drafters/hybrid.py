@@ -171,7 +171,7 @@ class HybridDrafter(Drafter):
         if proposed:  # the record prices and sizes a lookup step only where lookup proposes one
             alone = self._lean_record(alone)
         self._lean_proposal = None
-        leaning = self._free or self._should_lean(alone, proposed, kind[0] == 2, committed, root)
+        leaning = self._free or self._should_lean(alone, proposed, self.alone.copying(kind), committed, root)
         after_draft, self.drafted = self.drafted, not leaning
         if leaning:
             self._lean_steps += 1
@@ -273,7 +273,7 @@ class HybridDrafter(Drafter):
         catch_up = float(self.draft_pass(np.array([debt]))[0]) if self.draft_pass.known else 0.0
         return catch_up + (float(self.draft_s.mean) if self.draft_s.known else 0.0)
 
-    def _should_lean(self, alone: Hindsight, proposed: bool, long_run: bool, committed: Sequence[int], root: int) -> bool:
+    def _should_lean(self, alone: Hindsight, proposed: bool, copying: bool, committed: Sequence[int], root: int) -> bool:
         """Whether to skip the draft model this step: lookup alone (or a plain step, when lookup
         proposes nothing or nothing that pays) is expected faster than the draft tree with lookup.
 
@@ -281,7 +281,10 @@ class HybridDrafter(Drafter):
         what was copied since it last ran). That pays off over the rest of the answer: its cost
         is spread over the tokens this answer is expected to still have (answers so far in this
         session, at most what max_tokens leaves). While the text repeats, lookup carries on and
-        the draft model is brought up only when it pays.
+        the draft model is brought up only when it pays. After LEAN_REFRESH leaning steps it runs
+        once to be measured again, except while the text is `copying` (a long run, or a greedy
+        repeat: HindsightByKind.copying): a regenerated answer after an answer that leaned had
+        its first step drafted 4 tokens deep where lookup proposed the whole 16.
 
         Beside other requests (`beside`) both are rates of the pass they share: its seconds with
         the others' tokens in it, and the tokens every request emits from it. A drafting step's
@@ -305,7 +308,7 @@ class HybridDrafter(Drafter):
         catch_up_s = max(0.0, self._draft_step_s(debt) - draft_s)  # beyond a drafting step's usual catch-up
         accepted, nodes = self.with_draft.accepted() + 1.0, self.with_draft.nodes()
         seconds = self.cost(nodes + 1 + beside.tokens) + self._overhead_s("draft") + draft_s + catch_up_s * accepted / ahead
-        if self._lean_steps >= LEAN_REFRESH and not long_run and debt <= REFRESH_DEBT:
+        if self._lean_steps >= LEAN_REFRESH and not copying and debt <= REFRESH_DEBT:
             # The draft's own tree accepted whole: its deepest path, the catch-up spread as ever.
             tokens = self._deepest + 1.0
             whole = (tokens + beside.emitted) / (float(seconds[0]) + catch_up_s * (tokens - float(accepted[0])) / ahead)
