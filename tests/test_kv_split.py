@@ -33,18 +33,19 @@ PROMPTS = {
 }
 
 
-def test_each_request_in_a_split_cache_writes_what_it_writes_alone(cli):
+def test_each_request_in_a_split_cache_writes_what_it_writes_alone(cli, virtual_clock):
+    virtual_clock(lambda n_tokens: 0.020 + 0.0005 * n_tokens)  # (conftest.VirtualClock: sizing is the curve's)
     alone = {}
     for name, prompt in PROMPTS.items():
         done = cli("generate", "--json", "-n", "64", "--no-spec", *MODELS[:2], *MODELS[4:], prompt)
         assert done.exit_code == 0, done.output
         alone[name] = json.loads(done.stdout)["token_ids"]
     lines = "".join(json.dumps({"prompt": p, "id": name, "max_tokens": 64}) + "\n" for name, p in PROMPTS.items())
-    # Whether lookup's chains pay is sized by this run's measured passes: on a busy moment of a long
-    # suite, or a CPU whose passes of a few tokens cost more, a list of short items was decoded in
-    # plain steps in all three runs, which proves nothing of chains verified beside others. So a
-    # request copies a sentence of its prompt (lookup accepted 2.6 tokens a pass here, where the
-    # list made 1.3): every run must write the answers alone; one of three must have speculated.
+    # Whether lookup's chains pay is sized by the run's pass times, here a fixed curve: on measured
+    # times, at a busy moment of a long suite, a list of short items was decoded in plain steps in
+    # all three runs, which proves nothing of chains verified beside others. A request also copies
+    # a sentence of its prompt (lookup accepted 2.6 tokens a pass, where the list made 1.3): every
+    # run must write the answers alone; one of three must have speculated.
     for _ in range(3):
         together = cli("generate", "--jsonl", "--parallel", "2", "--kv-split", *MODELS, input=lines)
         assert together.exit_code == 0, together.output
