@@ -63,7 +63,8 @@ def test_no_spec_does_not_go_with_lookup(offline_models):
         assert result.exit_code == 2 and "--no-spec" in result.output and "Traceback" not in result.output
 
 
-def test_generate_with_lookup_counts_tokens_from_the_text(offline_models):
+def test_generate_with_lookup_counts_tokens_from_the_text(offline_models, virtual_clock):
+    virtual_clock(lambda n_tokens: 0.020 + 0.0005 * n_tokens)  # (conftest.VirtualClock: trees sized alike anywhere)
     result = invoke("generate", "--draft", "lookup", "--json", "-n", "24", COPY)
 
     assert result.exit_code == 0, result.output
@@ -74,8 +75,9 @@ def test_generate_with_lookup_counts_tokens_from_the_text(offline_models):
     assert stats["accepted_per_pass"] > 1
 
 
-def test_jsonl_requests_share_the_session_index(offline_models):
+def test_jsonl_requests_share_the_session_index(offline_models, virtual_clock):
     """The second of two identical requests finds the first one's answer in the session's text."""
+    virtual_clock(lambda n_tokens: 0.020 + 0.0005 * n_tokens)
     line = json.dumps({"prompt": "Name three colours.", "max_tokens": 16}) + "\n"
 
     result = invoke("generate", "--jsonl", "--draft", "lookup", input=line * 2)

@@ -361,7 +361,7 @@ def test_each_model_and_key_has_a_memory_of_its_own(monkeypatch, tmp_path):
     assert len(files) == 4 and all(f.parent == tmp_path for f in files)
 
 
-def test_generate_with_memory_drafts_from_the_last_run(offline_models, monkeypatch, tmp_path):
+def test_generate_with_memory_drafts_from_the_last_run(offline_models, monkeypatch, tmp_path, virtual_clock):
     """`generate --memory` twice: the second process drafts the answer the first wrote (more
     tokens a pass, the same text); without --memory nothing is saved or read. A damaged file is
     one warning line, and the run goes on with a fresh memory."""
@@ -370,6 +370,7 @@ def test_generate_with_memory_drafts_from_the_last_run(offline_models, monkeypat
     from specrun.cli import app
 
     monkeypatch.setenv("SPECRUN_MEMORY", str(tmp_path / "memory"))
+    virtual_clock(pass_s)
 
     def run(*extra: str) -> tuple[dict, str]:
         result = CliRunner().invoke(app, ["generate", "--draft", "lookup", "--json", "-n", str(MAX_TOKENS), *extra, ASKED])
@@ -395,7 +396,7 @@ def test_generate_with_memory_drafts_from_the_last_run(offline_models, monkeypat
     assert listed.exit_code == 0 and "1 answer(s), " in listed.stderr and str(saved) in listed.stderr, listed.stderr
 
 
-def test_a_busy_moment_at_the_first_tree_pass_does_not_stop_the_memorys_drafts(offline_models, monkeypatch, tmp_path):
+def test_a_busy_moment_at_the_first_tree_pass_does_not_stop_the_memorys_drafts(offline_models, monkeypatch, tmp_path, virtual_clock):
     """The first lookup tree of a run met a busy machine (its pass timed 20x what it cost): the
     remembered answer is still drafted. One such pass once priced every tree out for the whole
     answer (1.03 tokens a pass, where a quiet run took 7.5), since trees not tried are never
@@ -406,6 +407,7 @@ def test_a_busy_moment_at_the_first_tree_pass_does_not_stop_the_memorys_drafts(o
     from specrun.decoding.adaptive import TargetCost
 
     monkeypatch.setenv("SPECRUN_MEMORY", str(tmp_path / "memory"))
+    virtual_clock(pass_s)  # (the busy pass is the one below, not a moment of the runner's)
     observe, busy = TargetCost.observe, []
 
     def first_tree_pass_busy(self, n_tokens: int, seconds: float) -> None:
