@@ -69,6 +69,18 @@ def test_longer_matches_outweigh_the_last_token_alone():
     assert {int(tree.tokens[c]) for c in tree.children(0)} == {50, 60}
 
 
+def test_the_first_childrens_path_is_the_likeliest():
+    """A greedy step on a CPU verifies a tree's first children's path alone (DraftTree.path_first):
+    a lookup tree's children come best first, as a draft model's do, not in token order. Here the
+    4-gram was followed by 50 then 51 once, "4" alone by 2 then 3 five times: the first path is
+    the long match's, though its tokens are the larger."""
+    text = [1, 2, 3, 4, 50, 51] + [7, 4, 2, 3] * 5 + [1, 2, 3, 4]
+    tree = indexed(text).propose(text, budget=8, depth=2)
+    first, order = tree.path_first()
+    assert [int(first.tokens[n]) for n in range(1, 3)] == [50, 51]
+    assert first.best_path() == [0, 1, 2]
+
+
 def test_no_match_proposes_nothing():
     text = list(range(100))
     index = indexed(text)
@@ -242,6 +254,10 @@ def test_every_proposed_path_followed_the_root_before(text, budget, depth):
         return
     check_tree_limits(tree, budget, depth)
     assert all(followed(text, (text[-1],) + p) for p in paths(tree))
+    for node in range(len(tree)):  # children best first (ties in token order)
+        kids = tree.children(node)
+        assert [(-float(tree.logps[c]), int(tree.tokens[c])) for c in kids] == sorted(
+            (-float(tree.logps[c]), int(tree.tokens[c])) for c in kids)
     first = index.propose(text, budget=len(after_root), depth=1)
     assert {int(t) for t in first.tokens[1:]} == after_root
 

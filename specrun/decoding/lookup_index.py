@@ -398,7 +398,8 @@ class LookupIndex:
 
 def _trie(rows: np.ndarray, weights: np.ndarray, token_logp: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge continuations [m, depth] (-1 padded) into a trie; return per node (ids 1.., breadth
-    first, so a parent precedes its children) its parent id (0 = root), token and score."""
+    first, so a parent precedes its children, and siblings best first) its parent id (0 = root),
+    token and score."""
     order = np.lexsort(rows.T[::-1])
     rows, weights = rows[order], weights[order]
     m, depth = rows.shape
@@ -418,7 +419,30 @@ def _trie(rows: np.ndarray, weights: np.ndarray, token_logp: float) -> tuple[np.
     parent_group = np.where(column > 0, group[row, np.maximum(column - 1, 0)], -1)
     parents = np.where(parent_group >= 0, node_id[parent_group], 0)[real]
     scores = np.log(support[real] / weights.sum()) + (column[real] + 1) * token_logp
-    return parents, tokens[real], scores
+    return _siblings_best_first(parents, tokens[real], scores, column[real])
+
+
+def _siblings_best_first(parents: np.ndarray, tokens: np.ndarray, scores: np.ndarray, column: np.ndarray,
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Number a breadth-first trie's nodes again so that each node's children come best first
+    (by score; ties in their old order), as a draft model's trees have them: a greedy step on a
+    CPU verifies a tree's first children's path alone (DraftTree.path_first), and in token order
+    that path was a lookup tree's lowest tokens, not its likeliest (a regenerated answer's first
+    tree went down a continuation weighing 1 against the earlier answer's 16,000 and accepted
+    nothing). Columns where no node has a sibling keep their order."""
+    if len(np.unique(parents)) == len(parents):
+        return parents, tokens, scores  # a chain, or branches that never split again
+    new_id = np.zeros(len(parents) + 1, np.int64)  # old 1-based id -> new (0: the root)
+    order = np.empty(len(parents), np.int64)
+    at = 0
+    for c in range(int(column[-1]) + 1):  # (breadth first: each column's nodes are consecutive)
+        nodes = np.flatnonzero(column == c)
+        if len(nodes) > 1:
+            nodes = nodes[np.lexsort((nodes, -scores[nodes], new_id[parents[nodes]]))]
+        order[at: at + len(nodes)] = nodes
+        new_id[nodes + 1] = np.arange(at + 1, at + len(nodes) + 1)
+        at += len(nodes)
+    return new_id[parents[order]], tokens[order], scores[order]
 
 
 def _best_nodes(parents: np.ndarray, scores: np.ndarray, budget: int, max_leaves: int) -> np.ndarray:
