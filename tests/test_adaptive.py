@@ -188,6 +188,23 @@ def test_speed_guard_leaves_a_paying_tree_alone_and_measures_plain_without_a_pro
     assert guard.cap == 16 and not guard.events
 
 
+def test_speed_guard_measures_plain_after_a_tree_not_accepted_whole():
+    """The plain step due (window // 2 speculative steps without a plain figure) waits while the
+    last tree was accepted whole, up to as long again; after a tree cut short it comes at once."""
+    guard = SpeedGuard(budget=16, window=4, probe_every=4)
+    for _ in range(2):
+        guard.record(6, 0.015, 5, whole=True)
+    assert not guard.wants_plain_step()  # due, but a copy is under way
+    guard.record(3, 0.015, 5, whole=False)
+    assert guard.wants_plain_step()
+    guard.record(1, 0.010, 0)  # measured: due every probe_every steps from now on
+    for _ in range(7):
+        guard.record(6, 0.015, 5, whole=True)
+    assert not guard.wants_plain_step()
+    guard.record(6, 0.015, 5, whole=True)
+    assert guard.wants_plain_step()  # twice the interval: measured even so
+
+
 def simulate(drafter, text, prompt_len, seconds=lambda n: 0.010 + 0.002 * (n - 1), overhead=None, guard=None):
     """Decode `text` after its first prompt_len tokens as a decoder would, the target "choosing"
     the text's own next tokens; return the steps' (tree nodes, accepted) pairs. `overhead(drafted)`:

@@ -271,6 +271,30 @@ def test_the_same_greedy_request_again_is_drafted_whole_from_its_first_step(kind
         assert decoder.stats.steps[1].tree_nodes < depth
 
 
+@pytest.mark.parametrize("kind", ["lookup", "hybrid"])
+def test_a_repeat_is_not_where_the_speed_guard_measures_plain_decoding(kind, target, draft, contexts, plain,
+                                                                       virtual_clock):
+    """With a speed guard (as every command's decoder has), the same greedy request again is
+    drafted from its first step too: the guard's plain step, due after the first answer's
+    speculative steps, waits while trees are accepted whole (and a plain first step counts, so
+    the guard asks for one plain step, not two). The output is plain decoding's."""
+    from specrun.decoding.pay.guard import SpeedGuard
+
+    virtual_clock(pass_s)
+    decoder = lookup_decoder(target, contexts, OutputMemory()) if kind == "lookup" else (
+        hybrid_decoder(target, draft, contexts, OutputMemory()))
+    decoder.sizer.guard = SpeedGuard(decoder.shape.budget)
+    prompt = chat_prompt(target, ASKED)
+    reference = plain_reference(plain, prompt, MAX_TOKENS).tokens
+    assert token_ids(decoder, prompt, GREEDY, MAX_TOKENS) == reference
+    for _ in range(2):
+        assert token_ids(decoder, prompt, GREEDY, MAX_TOKENS) == reference
+        steps = decoder.stats.steps
+        print(f"\n{kind}: again, tokens a pass {[len(s.tokens) for s in steps]}")
+        assert steps[1].tree_nodes > 0 and steps[1].accepted == steps[1].tree_depth
+    assert decoder.sizer.guard._since_plain >= decoder.sizer.guard.window // 2  # (the probe was due)
+
+
 def test_the_server_shares_the_memory_across_its_lanes(offline_models, tmp_path):
     """`serve --parallel 2`: request A answers beside a longer request B in the other lane; A asked
     again goes to A's lane with B's drafter (the last one used: runtime.pool), which never saw A's

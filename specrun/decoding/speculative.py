@@ -200,9 +200,11 @@ class SpeculativeDecoder:
             self.drafter.observe_shared(self.lane.pass_tokens, self.lane.pass_s)
             return
         self.drafter.observe(step)
-        # A generation's first drafted step also brings the draft model up to the prompt (its
-        # prefill): a one-off, like the target's prefill, not what a step costs.
-        if not first:
+        # A generation's first step that ran the draft model also brought it up to the prompt
+        # (its prefill): a one-off, like the target's prefill, not what a step costs. A first
+        # step without one counts: left out, a plain step the speed guard asked for to measure
+        # plain decoding measured nothing, and the next step was a plain one again.
+        if not first or step.draft_s == 0:
             self.sizer.record(step)
 
     def _verify(self, proposal: Proposal | None, pending: int, params: SamplingParams, rng, remaining: int,

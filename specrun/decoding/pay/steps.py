@@ -109,7 +109,7 @@ class StepSizer:
         guard = self.guard
         if guard is None:
             return
-        guard.record(len(step.tokens), step.total_s, step.tree_nodes)
+        guard.record(len(step.tokens), step.total_s, step.tree_nodes, whole=step.accepted >= step.tree_depth)
         for event in guard.events[guard.said :]:
             # Said once with --verbose; what follows (retries, further shrinking) at debug level.
             (log.debug if self._told else log.info)("%s", event)
