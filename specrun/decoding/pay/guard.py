@@ -47,7 +47,7 @@ class SpeedGuard:
         self._spec_steps = 0
         self._spec_nodes = 0  # the largest tree verified in the window
         self._since_plain = 0
-        self._whole = False  # the last step's tree was accepted whole
+        self._whole = False  # the last step's tree cost no draft pass and was accepted whole
         self._since_shrink = 0
         self.events: list[str] = []  # what the guard did, for --verbose (the caller says it once)
         self.said = 0  # events the caller has said
@@ -73,9 +73,11 @@ class SpeedGuard:
         """Whether the next step should decode plainly, to measure plain decoding on this machine.
 
         Due every probe_every speculative steps (never measured here: soon, after the first
-        judgement when a profile gave a figure), it waits while the last tree was accepted whole,
-        up to as long again: a copy or a repeat under way is where a plain step loses the most
-        (a regenerated answer's first step, 26 tokens a pass after it, was that plain step)."""
+        judgement when a profile gave a figure), it waits while the last tree was one that cost
+        no draft pass accepted whole, up to as long again: a copy or a repeat under way is where
+        a plain step loses the most (a regenerated answer's first step, 26 tokens a pass after
+        it, was that plain step). A draft model's chain accepted whole may still cost more than
+        plain steps (the demo draft's on this CPU): it does not put the measurement off."""
         if self.cap == 0:
             return True
         if self._plain.known:
@@ -85,8 +87,8 @@ class SpeedGuard:
         return self._since_plain >= (2 * due if self._whole else due)
 
     def record(self, n_tokens: int, seconds: float, tree_nodes: int, whole: bool = False) -> None:
-        """Take one step's emitted tokens, seconds and verified tree size (`whole`: its tree
-        accepted to its deepest node)."""
+        """Take one step's emitted tokens, seconds and verified tree size (`whole`: a tree that
+        cost no draft pass, accepted to its deepest node)."""
         self._whole = tree_nodes > 0 and whole
         self._since_shrink += 1
         if tree_nodes == 0:

@@ -109,7 +109,9 @@ class StepSizer:
         guard = self.guard
         if guard is None:
             return
-        guard.record(len(step.tokens), step.total_s, step.tree_nodes, whole=step.accepted >= step.tree_depth)
+        # (A free tree accepted whole, a copy under way, pays for sure: the draft model's may not.)
+        free_whole = step.accepted >= step.tree_depth and step.draft_s == 0
+        guard.record(len(step.tokens), step.total_s, step.tree_nodes, whole=free_whole)
         for event in guard.events[guard.said :]:
             # Said once with --verbose; what follows (retries, further shrinking) at debug level.
             (log.debug if self._told else log.info)("%s", event)
