@@ -310,3 +310,20 @@ def test_path_first_puts_the_first_child_path_at_the_head_of_the_batch():
     assert order.tolist() == [0, b, c, a, d, e, f] and forced.tokens[:3].tolist() == [1, 20, 21]
     partly, order = tree.path_first(along=[10, 12])
     assert order.tolist()[:3] == [0, a, e]
+
+
+def test_path_first_follows_the_best_scored_children():
+    """A branch added after a node's first child (lookup grafted beside a draft chain) and scored
+    higher is the path laid first, the one a step that verifies one path checks; ties go to the
+    first child."""
+    tree = DraftTree(1)
+    a = tree.add(0, 10, -0.4)   # 1: the draft's chain 10 -> 11
+    d = tree.add(a, 11, -0.8)   # 2
+    g = tree.add(0, 30, -0.1)   # 3: a grafted branch 30 -> 31 -> 32, likelier
+    h = tree.add(g, 31, -0.2)   # 4
+    i = tree.add(h, 32, -0.3)   # 5
+    tie = tree.add(a, 12, -0.8)   # 6: as likely as d, added later
+    moved, order = tree.path_first()
+    assert order.tolist()[:4] == [0, g, h, i] and moved.tokens[:4].tolist() == [1, 30, 31, 32]
+    assert moved.best_path() == [0, 1, 2, 3] and moved.colour_batch().first_colour[:4].tolist() == [0, 0, 0, 0]
+    assert tree.path_first(along=[10])[1].tolist()[:3] == [0, a, d] and tie not in order[:3]

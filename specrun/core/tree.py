@@ -251,8 +251,11 @@ class DraftTree:
         """Return this tree with its first path as nodes 0..d, the other nodes after it in their
         order, and their ids here (new id -> old id); this tree itself where that path is 0..d
         already. The first path follows the tokens `along` from the root as far as children carry
-        them (a grammar's forced run: the target takes it), then first children (the path
-        `colour_batch` gives colour 0).
+        them (a grammar's forced run: the target takes it), then the best-scored child at each
+        node, as `best_path` (ties: the lower id; in a draft model's tree its first child). Laid
+        as nodes 0..d it is the path `colour_batch` gives colour 0. (Following first children, a
+        step that verifies this path alone checked a draft chain where a lookup branch grafted
+        beside it scored higher.)
 
         A batch holds a tree's nodes in id order and the KV cache gives a batch consecutive free
         cells, so that path's tokens land in the cells plain decoding gives them, one position a
@@ -265,7 +268,7 @@ class DraftTree:
                 break
             path.append(child)
         while self._children[path[-1]]:
-            path.append(self._children[path[-1]][0])
+            path.append(max(self._children[path[-1]], key=lambda c: (self._logps[c], -c)))
         n = self._n
         if path[-1] == len(path) - 1:
             return self, np.arange(n)
