@@ -140,6 +140,7 @@ def test_hybrid_draft_grows_trees_for_an_attention_target(tiny, ctx_of):
     _, ctx = ctx_of(tiny["gpt-oss"], n_seq_max=MAX_SEQ)
     draft, dctx = ctx_of(tiny["qwen35-draft"], n_seq_max=shape.budget + 1)
     spec = SpeculativeDecoder(model, ctx, TreeGrower(draft, dctx, shape), shape)
+    spec.path_alone = False  # (the whole tree in the pass, its first path read: the tree passes under test)
     assert tokens_of(spec, prompt, 30) == reference
     assert max(s.tree_leaves for s in spec.stats.steps) > 1, "trees, not chains, were verified"
 

@@ -185,6 +185,31 @@ def test_runs_of_one_token(target, contexts, references):
     assert max(s.tree_nodes for s in spec.stats.steps) > 1
 
 
+def test_a_greedy_step_on_this_cpu_passes_its_first_path_alone(target, contexts, references):
+    """A greedy step with the cache to itself reads its tree's first path only (cells in order:
+    accept_path's first_path), so its pass holds that path alone: the trees lookup proposes here
+    branch (several lines of the prompt follow the same words), the passes are chains of their
+    best paths, and the answer is plain decoding's."""
+    spec = lookup_decoder(target, contexts, 32)
+    proposed = []
+    propose = spec.drafter.propose
+
+    def recording(*args):
+        proposal = propose(*args)
+        if proposal is not None:
+            proposed.append(len(proposal.tree.leaves()))
+        return proposal
+
+    spec.drafter.propose = recording
+    lines = ["The red fox ran to the barn.", "The red fox ran to the river.", "The red fox ran to the hill."]
+    prompt = target.tokenize(" ".join(lines * 3) + " The red fox", add_special=True, parse_special=False)
+    ref = references(prompt, 24)
+    assert token_ids(spec, prompt, GREEDY, 24) == ref.tokens
+    drafted = [s for s in spec.stats.steps if s.tree_nodes]
+    assert max(proposed) > 1 and drafted, proposed
+    assert all(s.tree_leaves == 1 and s.tree_nodes == s.tree_depth for s in drafted)
+
+
 def test_end_of_generation_inside_a_lookup_branch(target, contexts, references):
     """The answer to a question already answered once in the session is proposed whole, up to and
     including its end-of-generation token; generation ends inside the branch."""

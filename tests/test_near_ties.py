@@ -310,6 +310,7 @@ def test_where_passes_are_batch_invariant_a_greedy_tree_keeps_plain_decodings_ro
     prompt, tokens, tops, _, _ = plain_reference
     for params in (SamplingParams(logprobs=2), SamplingParams(logprobs=2, pinned=True)):
         decoder = SpeculativeDecoder(tiny, contexts(tiny), TreeGrower(tiny, contexts(tiny), TREE), TREE)
+        decoder.path_alone = False  # (the whole tree in the pass, its first path read: the tree passes under test)
         ours, steps, _ = _decode(decoder, prompt, params)
         drafted = [s for s in steps if s.tree_nodes]
         assert drafted and any(s.tree_leaves > 1 for s in drafted), "trees, not only chains"

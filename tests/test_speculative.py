@@ -321,6 +321,7 @@ def test_greedy_through_trees_grown_online_equals_plain_decoding(draft, target, 
     script = iter(GROWTH_SCRIPT * 100)
     growing._choose = lambda: next(script)
     spec = SpeculativeDecoder(target, contexts(target), growing, TreeShape(64, 24, 4, 2))
+    spec.path_alone = False  # (the whole tree in the pass, its first path read: the tree passes under test)
     divergences, sizes, n_runs = [], set(), 0
     for index, prompt in enumerate(prompts[:3]):
         ref = references(prompt, 40)
@@ -843,6 +844,7 @@ def test_a_lane_of_few_sequences_verifies_the_best_part_of_a_wider_tree(target, 
     ctx = contexts(target, n_ctx=N_CTX, n_batch=64, n_seq_max=8)
     grower = RecordingGrower(TreeGrower(draft, contexts(draft, n_ctx=N_CTX, n_batch=64), shape))
     spec = SpeculativeDecoder(target, ctx, grower, shape, lane=Lane(ctx, range(4)))
+    spec.path_alone = False  # (the whole tree in the pass, its first path read: the tree passes under test)
     n = 48
     out = token_ids(spec, prompts[0], GREEDY, n)
     steps = spec.stats.steps[1:]
@@ -952,6 +954,7 @@ def test_trees_on_a_window_sized_cache_give_back_the_cells_behind_the_window(loa
                 engine.Context(model, n_ctx=2048, n_batch=64, n_seq_max=64, threads=TINY_THREADS) as draft_ctx:
             assert ctx.window == (0 if swa_full else model.n_swa) and model.n_swa == 128
             spec = SpeculativeDecoder(model, ctx, WidenedGrower(model, draft_ctx, shape), shape, lane=Lane(ctx, range(2)))
+            spec.path_alone = False  # (the whole tree in the pass, its first path read: the tree passes under test)
             answers[swa_full] = token_ids(spec, prompt, GREEDY, n)
             # every token but the first and the last from a pass over two colours
             assert sum(len(step.tokens) for step in spec.stats.steps if step.tree_leaves == 2) >= n - 2

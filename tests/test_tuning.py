@@ -86,6 +86,7 @@ def test_static_tree_output_is_exactly_plain_greedy(contexts, offline_models, lo
         tctx.clear()
         grower = StaticTreeGrower(draft, dctx, tree)
         spec = SpeculativeDecoder(target, tctx, grower, template_shape(tree))
+        spec.path_alone = False  # (the whole tree in the pass, its first path read: the tree passes under test)
         out = token_ids(spec, prompt, SamplingParams(), 40)
         steps = spec.stats.steps
 

@@ -77,6 +77,11 @@ class SpeculativeDecoder:
         # tokens would move every later row's sums (a Q4_1 target's trees of 8-32 nodes gave plain
         # decoding's answer in 9 of 9 prompts, 4-6 without; docs/exactness.md, "Cells in order").
         self.cells_in_order = not target_model.offloaded
+        # Such a step reads its first path's rows only (accept_path's first_path), so its pass
+        # holds that path alone: the rest of the tree would be computed for nothing (a lookup tree
+        # of 32 nodes 22 deep cost a pass of 33 tokens for the 23 read, 1.5 ms a token here; the
+        # demo pair's rewrites ran 1.11-1.20x faster without). Tests of tree passes turn it off.
+        self.path_alone = True
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
         # The drafter grows its tree on while the target's pass runs elsewhere (runtime sets it:
@@ -231,6 +236,9 @@ class SpeculativeDecoder:
         if first_path:
             tree, order = tree.path_first(along)
             kept = kept[order]
+            if self.path_alone:
+                tree, order = tree.first(_first_path_length(tree))
+                kept = kept[order]
             tiled = len(tree) >= TILE_ROWS and not kv_quantized(ctx.kv_type)
             if tiled and self.cells_in_order and not self.sizer.chains_exact:
                 # An f16 cache's CPU attention takes a pass of TILE_ROWS tokens or more in tiles, a
@@ -511,6 +519,15 @@ def keep_tree_path(lane: Lane, layout, nodes: Sequence[int], p0: int) -> None:
         ctx.seq_cp(base + colour, base, p0, end)
     if layout.n_colours > 1:
         lane.keep(base, used=layout.n_colours)
+
+
+def _first_path_length(tree) -> int:
+    """The nodes below the root of a tree's first path, as DraftTree.path_first lays it (nodes
+    0..d, each the parent of the next; d a leaf)."""
+    parents, d = tree.parents, 0
+    while d + 1 < len(tree) and int(parents[d + 1]) == d:
+        d += 1
+    return d
 
 
 def _child_ranks(tree, nodes: list[int], bonus, left_to: int | None = None) -> tuple[int, ...]:
