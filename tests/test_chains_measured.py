@@ -144,6 +144,7 @@ def test_on_a_cpu_greedy_trees_keep_their_cells_in_order_and_a_q4_1_targets_answ
         # so the step verifies the first 62 nodes, its first path among them (9 of 9).
         wide = make_decoder(TreePlan(large, BEST_FIRST, "flags"), rt.target, rt.target_ctx, rt.draft, rt.draft_ctx,
                             guard=False)
+        wide.path_alone = False  # (the whole tree in the pass, as on a GPU: the cut under test)
         prompt = rt.tokenize_prompt("Explain why the sky is blue to a ten-year-old.", chat=True)
         plain, _ = answer(make_decoder(None, rt.target, rt.target_ctx), prompt)
         ours, steps = answer(wide, prompt)
@@ -156,6 +157,7 @@ def test_on_a_cpu_greedy_trees_keep_their_cells_in_order_and_a_q4_1_targets_answ
             assert ours == plain
             drafted = [s for s in steps if s.tree_nodes]
             assert drafted and sum(len(s.tokens) for s in drafted) > 2 * len(drafted)  # (several tokens a pass)
+            assert all(s.tree_leaves == 1 for s in drafted)  # (the first path alone in each pass)
             # Some steps left the first path (the last child the target took was not the draft's
             # first) and ended there with its token.
             assert any(s.child_ranks and s.child_ranks[-1] > 1 for s in drafted)

@@ -268,10 +268,10 @@ class SpeculativeDecoder:
         target_s = lane.pass_s  # llama.cpp's time, not the wait for other requests' batches
         acceptance = accept_path(tree, logits, params, rng, self.eog, max_tokens=remaining, rules=rules,
                                  tie_nats=self.tie_nats, first_path=first_path)
-        child_ranks = _child_ranks(tree, acceptance.nodes, acceptance.bonus, acceptance.left_to)
         keep_tree_path(lane, layout, acceptance.nodes, p0)
         cache.tokens.extend(int(tree.tokens[n]) for n in acceptance.nodes)
         nodes = [int(kept[n]) for n in acceptance.nodes if n < n_drafted]  # the accepted path in the drafter's ids
+        child_ranks = _child_ranks(proposal.tree, nodes, acceptance.bonus if len(nodes) == len(acceptance.nodes) else None)
         if self.network_sizes:
             self._met_pass(len(tree), target_s)
         if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
@@ -530,19 +530,20 @@ def _first_path_length(tree) -> int:
     return d
 
 
-def _child_ranks(tree, nodes: list[int], bonus, left_to: int | None = None) -> tuple[int, ...]:
-    """For each visited node (the accepted path `nodes`, then a `bonus` token drawn past it, if
-    any): 1 + position of the chosen child among its children (`left_to`: the child that carried
-    the bonus where the walk kept to the first path), 0 if none.
+def _child_ranks(tree, nodes: list[int], bonus) -> tuple[int, ...]:
+    """For each visited node of the drafter's `tree` (the accepted path `nodes`, in its ids, then a
+    `bonus` token drawn past it, if any): 1 + position of the chosen child among its children, 0
+    if none carried it. Read from the drafter's tree, the step's pass may have held only part of
+    it (a first path alone): the child that carried the bonus is still known.
 
     Children are stored best-first and pruning keeps a prefix of them, so position = draft rank.
     """
     ranks = []
     for depth, node in enumerate(nodes):
+        children = tree.children(node)
         if depth + 1 < len(nodes):
-            ranks.append(tree.children(node).index(nodes[depth + 1]) + 1)
-        elif left_to is not None:
-            ranks.append(tree.children(node).index(left_to) + 1)
-        elif bonus is not None and tree.children(node):
-            ranks.append(0)
+            ranks.append(children.index(nodes[depth + 1]) + 1)
+        elif bonus is not None and children:
+            child = tree.find_child(node, bonus)
+            ranks.append(children.index(child) + 1 if child is not None else 0)
     return tuple(ranks)
