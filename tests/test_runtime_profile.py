@@ -81,6 +81,7 @@ def test_a_sequoia_profile_grows_its_static_tree(offline_models):
     with Runtime(OPTS) as rt:
         grower = rt.decoder.drafter
         assert isinstance(grower, StaticTreeGrower)
+        rt.decoder.path_alone = False  # (a greedy step here passes its first path alone: the whole tree, as on a GPU)
         prompt = rt.tokenize_prompt("Name a colour.", chat=True)
         token_ids(rt.decoder, prompt, SamplingParams(), 12)
         assert {s.tree_nodes for s in rt.decoder.stats.steps} <= {0, 1, 2, 3}
