@@ -70,12 +70,13 @@ def test_longer_matches_outweigh_the_last_token_alone():
 
 
 def test_the_first_childrens_path_is_the_likeliest():
-    """A greedy step on a CPU verifies a tree's first children's path alone (DraftTree.path_first):
-    a lookup tree's children come best first, as a draft model's do, not in token order. Here the
-    4-gram was followed by 50 then 51 once, "4" alone by 2 then 3 five times: the first path is
-    the long match's, though its tokens are the larger."""
+    """A lookup tree's children come best first, as a draft model's do, not in token order, and
+    the path a greedy step on a CPU verifies (DraftTree.path_first) is the likeliest. Here the
+    4-gram was followed by 50 then 51 once, "4" alone by 2 then 3 five times: the first children
+    and the first path are the long match's, though its tokens are the larger."""
     text = [1, 2, 3, 4, 50, 51] + [7, 4, 2, 3] * 5 + [1, 2, 3, 4]
     tree = indexed(text).propose(text, budget=8, depth=2)
+    assert [int(tree.tokens[tree.children(n)[0]]) for n in (0, 1)] == [50, 51]
     first, order = tree.path_first()
     assert [int(first.tokens[n]) for n in range(1, 3)] == [50, 51]
     assert first.best_path() == [0, 1, 2]

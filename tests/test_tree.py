@@ -327,3 +327,8 @@ def test_path_first_follows_the_best_scored_children():
     assert order.tolist()[:4] == [0, g, h, i] and moved.tokens[:4].tolist() == [1, 30, 31, 32]
     assert moved.best_path() == [0, 1, 2, 3] and moved.colour_batch().first_colour[:4].tolist() == [0, 0, 0, 0]
     assert tree.path_first(along=[10])[1].tolist()[:3] == [0, a, d] and tie not in order[:3]
+    alone, order = tree.path_first(alone=True)  # that path only: a chain, its scores kept
+    assert order.tolist() == [0, g, h, i] and alone.tokens.tolist() == [1, 30, 31, 32]
+    assert alone.parents.tolist()[1:] == [0, 1, 2] and np.allclose(alone.logps, tree.logps[order])
+    chain = DraftTree.chain(1, [2, 3])
+    assert chain.path_first(alone=True)[0] is chain

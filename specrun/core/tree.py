@@ -247,10 +247,10 @@ class DraftTree:
             tree.add(int(new_id[parents[old]]), int(self._tokens[old]), float(self._logps[old]))
         return tree, kept
 
-    def path_first(self, along: Sequence[int] = ()) -> tuple[DraftTree, np.ndarray]:
+    def path_first(self, along: Sequence[int] = (), alone: bool = False) -> tuple[DraftTree, np.ndarray]:
         """Return this tree with its first path as nodes 0..d, the other nodes after it in their
-        order, and their ids here (new id -> old id); this tree itself where that path is 0..d
-        already. The first path follows the tokens `along` from the root as far as children carry
+        order (`alone`: that path only, for a step that reads no other row), and their ids here
+        (new id -> old id); this tree itself where that is what it is already. The first path follows the tokens `along` from the root as far as children carry
         them (a grammar's forced run: the target takes it), then the best-scored child at each
         node, as `best_path` (ties: the lower id; in a draft model's tree its first child). Laid
         as nodes 0..d it is the path `colour_batch` gives colour 0. (Following first children, a
@@ -270,8 +270,13 @@ class DraftTree:
         while self._children[path[-1]]:
             path.append(max(self._children[path[-1]], key=lambda c: (self._logps[c], -c)))
         n = self._n
-        if path[-1] == len(path) - 1:
+        if path[-1] == len(path) - 1 and (len(path) == n or not alone):
             return self, np.arange(n)
+        if alone:
+            chain = DraftTree(int(self._tokens[0]), capacity=len(path))
+            for new, old in enumerate(path[1:]):
+                chain.add(new, int(self._tokens[old]), float(self._logps[old]))
+            return chain, np.asarray(path, np.int64)
         on_path = np.zeros(n, bool)
         on_path[path] = True
         order = np.concatenate([np.asarray(path, np.int64), np.flatnonzero(~on_path)])

@@ -425,11 +425,11 @@ def _trie(rows: np.ndarray, weights: np.ndarray, token_logp: float) -> tuple[np.
 def _siblings_best_first(parents: np.ndarray, tokens: np.ndarray, scores: np.ndarray, column: np.ndarray,
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Number a breadth-first trie's nodes again so that each node's children come best first
-    (by score; ties in their old order), as a draft model's trees have them: a greedy step on a
-    CPU verifies a tree's first children's path alone (DraftTree.path_first), and in token order
-    that path was a lookup tree's lowest tokens, not its likeliest (a regenerated answer's first
-    tree went down a continuation weighing 1 against the earlier answer's 16,000 and accepted
-    nothing). Columns where no node has a sibling keep their order."""
+    (by score; ties in their old order), as a draft model's trees have them: a child's position is
+    then its rank (a step's child_ranks), and a cut to the nodes added first (DraftTree.first: a
+    network size, a tile) keeps the likelier siblings. In token order a lookup tree's first
+    children were its lowest tokens (a regenerated answer's first tree, verified down them, took
+    a continuation weighing 1 against the earlier answer's 16,000 and accepted nothing)."""
     if len(np.unique(parents)) == len(parents):
         return parents, tokens, scores  # a chain, or branches that never split again
     new_id = np.zeros(len(parents) + 1, np.int64)  # old 1-based id -> new (0: the root)

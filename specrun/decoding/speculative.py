@@ -234,11 +234,8 @@ class SpeculativeDecoder:
         first_path = params.greedy and lane.gate is None and (self.sizer.chains_exact or self.cells_in_order)
         tree, kept = proposal.tree.with_leaves(1 if params.reproducible and not first_path else len(lane.seqs))
         if first_path:
-            tree, order = tree.path_first(along)
+            tree, order = tree.path_first(along, alone=self.path_alone)
             kept = kept[order]
-            if self.path_alone:
-                tree, order = tree.first(_first_path_length(tree))
-                kept = kept[order]
             tiled = len(tree) >= TILE_ROWS and not kv_quantized(ctx.kv_type)
             if tiled and self.cells_in_order and not self.sizer.chains_exact:
                 # An f16 cache's CPU attention takes a pass of TILE_ROWS tokens or more in tiles, a
@@ -519,15 +516,6 @@ def keep_tree_path(lane: Lane, layout, nodes: Sequence[int], p0: int) -> None:
         ctx.seq_cp(base + colour, base, p0, end)
     if layout.n_colours > 1:
         lane.keep(base, used=layout.n_colours)
-
-
-def _first_path_length(tree) -> int:
-    """The nodes below the root of a tree's first path, as DraftTree.path_first lays it (nodes
-    0..d, each the parent of the next; d a leaf)."""
-    parents, d = tree.parents, 0
-    while d + 1 < len(tree) and int(parents[d + 1]) == d:
-        d += 1
-    return d
 
 
 def _child_ranks(tree, nodes: list[int], bonus) -> tuple[int, ...]:
