@@ -18,6 +18,7 @@ from specrun.core.sampling import SamplingParams
 from specrun.core.tree import DraftTree
 from specrun.decoding.adaptive import Hindsight
 from specrun.decoding.pay import rules
+from specrun.decoding.pay.counts import MetCounts, met_counts
 from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
@@ -59,6 +60,24 @@ def test_over_a_network_a_pass_is_filled_to_a_met_count_within_a_round_trip_and_
     limit = rules.FILL_FACTOR * 6 + rules.FILL_SLACK
     assert rules.fill_pays(6, limit, 0.0, round_trip) and not rules.fill_pays(6, limit + 1, 0.0, round_trip)
     assert not rules.fill_pays(3, 6, 0.001, 0.0)  # no network: a new count costs nothing to avoid
+
+
+def test_a_pass_is_filled_to_the_least_met_count_above_it_where_that_pays():
+    met = MetCounts()
+    assert met.fill_to(1, 512, 0.1) == 1 and met.fill_to(7, 512, 0.1) == 7  # only one token met yet
+    met.note(40, 0.9)  # a count's first pass: met, not timed
+    met.note(90, 1.0)
+    assert met.fill_to(30, 512, 0.1) == 40  # untimed: only the filler's tokens bound it
+    assert met.fill_to(10, 512, 0.1) == 10  # 40 is more than twice 10 and FILL_SLACK
+    assert met.fill_to(30, 39, 0.1) == 30  # no room for it (or a pass that must stay under TILE_ROWS)
+    assert met.fill_to(40, 512, 0.1) == 40  # met already
+    for n, seconds in ((30, 0.20), (40, 0.35)):  # timed: 40 tokens cost 0.15 s more than 30
+        met.note(n, seconds)
+        met.note(n, seconds)
+    assert met.gap(35, 40) == pytest.approx(0.15)
+    assert met.fill_to(35, 512, 0.1) == 35  # the filler would cost more than a round trip a pass
+    assert met.fill_to(35, 512, 0.2) == 40
+    assert met_counts(type("M", (), {"path": "/x.gguf"})()) is met_counts(type("M", (), {"path": "/x.gguf"})())
 
 
 def test_the_assumed_prior_is_a_modest_gain_over_the_measured_pass():

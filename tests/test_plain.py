@@ -9,6 +9,7 @@ from specrun import engine
 from specrun.engine import compute
 from specrun.core.sampling import SamplingParams
 from specrun.decoding.kv import RESUME_ALIGN, TILE_ROWS, CachedSequence, resumes_alike
+from specrun.decoding.pay import counts
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import generate, stream, token_ids
 from specrun.runtime.plan import WINDOW_LEAVES
@@ -216,6 +217,48 @@ def test_a_prompt_parting_inside_a_batch_resumes_there_as_a_fresh_prefill(offlin
             assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (cached, shared, n_new)
     finally:
         ctx.close()
+
+
+@pytest.mark.parametrize("n_prompt", [40, 70])
+def test_a_prompt_over_rpc_workers_is_filled_to_a_count_met_before_and_computes_the_same(target, monkeypatch, n_prompt):
+    """Where the target runs on RPC workers a pass over a count of tokens not met before costs
+    round trips (decoding.pay.counts): a prompt's pass is filled to a count met before, after the
+    prompt in its sequence, asking no logits. Its last row and its cells are the prompt's alone,
+    bit for bit (the F32 demo target); no filler stays in the cache; and a prompt under TILE_ROWS
+    is never filled to TILE_ROWS or more (CPU attention takes such passes' rows in tiles)."""
+    monkeypatch.setattr(counts, "_MET", {})
+    prompt = (target.tokenize(PROMPTS[1] + PROMPTS[3] * 6, add_special=False))[:n_prompt]
+    after = target.tokenize(" And then", add_special=False)[:2]
+
+    def prefilled(network_s: float) -> tuple[np.ndarray, np.ndarray, int]:
+        ctx = engine.Context(target, n_ctx=1024, n_batch=512)
+        ctx.network_s = network_s
+        try:
+            cache = CachedSequence(ctx, engine.Batch(512, 1))
+            cache.sync(prompt, include_last=True)
+            row, last = np.array(cache.logits), ctx.seq_pos_max(cache.seq)
+            batch = engine.Batch(2, 1)
+            batch.set_sequence(after, n_prompt, cache.seq, "all")
+            ctx.decode(batch)
+            return row, ctx.logits().copy(), last
+        finally:
+            ctx.close()
+
+    alone = prefilled(0.0)
+    met = counts.met_counts(target)
+    assert met.counts == {1}  # (nothing noted where the target runs here)
+    beyond_tile = TILE_ROWS + 5 if n_prompt < TILE_ROWS else 0
+    met.counts |= {n_prompt + 9, beyond_tile} - {0}
+    filled = prefilled(0.05)
+    assert n_prompt not in met.counts, met.counts  # the pass held the met count
+    assert filled[2] == n_prompt - 1  # the filler's cells were given back
+    assert np.array_equal(alone[0], filled[0]) and np.array_equal(alone[1], filled[1])
+    # A count met but too far above (or across TILE_ROWS) leaves the pass at the prompt's own count.
+    monkeypatch.setattr(counts, "_MET", {})
+    met = counts.met_counts(target)
+    met.counts |= {max(3 * n_prompt, beyond_tile)}
+    far = prefilled(0.05)
+    assert n_prompt in met.counts and np.array_equal(alone[0], far[0])
 
 
 # About 1,400 tokens of a list (Gemma's tokenizer): past the 1,024 cells Gemma 3 270M's window-sized

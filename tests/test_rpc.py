@@ -353,6 +353,42 @@ print(json.dumps(out))
 """
 
 
+_TWO_PROMPTS = """
+import json, sys
+from specrun.core.sampling import SamplingParams
+from specrun.decoding.pay.counts import met_counts
+from specrun.decoding.stream import token_ids
+from specrun.runtime.plan import RunOptions
+from specrun.runtime.runtime import Runtime
+texts = ["The three most important inventions of the twentieth century are the radio, the " * 3,
+         "A short list of rivers in Europe, with a line about each one of them: " * 2]
+with Runtime(RunOptions(target="smollm2-135m-f32", draft="lookup", ctx_size=1024, rpc=tuple(sys.argv[1:]), quiet=True)) as rt:
+    prompts = [rt.target.tokenize(t, add_special=False) for t in texts]
+    tokens = [token_ids(rt.decoder, p, SamplingParams(temperature=0.0), 12) for p in prompts]
+    print(json.dumps({"tokens": tokens, "lengths": [len(p) for p in prompts], "network_s": rt.target_ctx.network_s,
+                      "counts": sorted(met_counts(rt.target).counts)}))
+"""
+
+
+def test_a_prompt_over_a_worker_is_filled_to_a_count_met_before_and_answers_the_same(worker, tmp_path):
+    """Over RPC workers each new count of tokens costs round trips once a process (ggml-rpc asks
+    the worker its shapes' sizes), and a prompt's length is new nearly every request: the second
+    prompt's pass is filled to the first's count (decoding.pay.counts), and both answers are
+    the ones decoded here without a worker."""
+    def run(*endpoints: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", _TWO_PROMPTS, *endpoints], capture_output=True, text=True,
+                              env=_env(tmp_path), timeout=RUN_TIMEOUT_S, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)
+
+    here, there = run(), run(worker.endpoint)
+    assert there["tokens"] == here["tokens"]
+    first, second = there["lengths"]
+    assert second < first <= 2 * second and first < 64, there["lengths"]  # (the rule's reach, under TILE_ROWS)
+    assert there["network_s"] > 0 and here["network_s"] == 0
+    assert first in there["counts"] and second not in there["counts"], there
+
+
 def test_a_pass_over_a_worker_is_timed_whole(worker, offline_models, tmp_path):
     """The pass time that sizes trees covers the worker's compute and the logits' trip back: what
     is read after `decode` is already here (64 rows of logits: 12 MiB over the network)."""

@@ -27,6 +27,7 @@ from specrun.core.sampling import SamplingParams, make_rng, target_probs
 from specrun.core.tree_shapes import NETWORK_SIZES, TreeShape
 from specrun.decoding.calibration import DraftCalibration
 from specrun.decoding.drafters.base import Drafter
+from specrun.decoding.pay import counts
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.growing import GrowingTrees
@@ -436,7 +437,7 @@ def test_trees_verified_over_a_network_keep_to_its_node_counts(target, draft_mod
                                                               monkeypatch):
     """A target on RPC workers verifies trees cut to core.tree_shapes.NETWORK_SIZES (a chain of 7
     to its first 6 nodes): every pass one of a few shapes, the text plain greedy's."""
-    monkeypatch.setattr(speculative, "_MET_PASSES", {})
+    monkeypatch.setattr(counts, "_MET", {})
     model = draft_models["agreeing"]
     spec = SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model), TreeShape.chain(7)),
                               TreeShape.chain(7))
@@ -456,7 +457,7 @@ def test_trees_verified_over_a_network_are_filled_to_a_node_count_met_before(tar
     """Over RPC workers a pass over a token count not met before in the process costs round trips
     (ggml-rpc asks the worker its shapes' sizes): a chain cut short by the answer's end is filled
     below its best path to the count its full chains met, and the text stays plain greedy's."""
-    monkeypatch.setattr(speculative, "_MET_PASSES", {})
+    monkeypatch.setattr(counts, "_MET", {})
     model = draft_models["agreeing"]
     spec = SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model), TreeShape.chain(5)),
                               TreeShape.chain(5))

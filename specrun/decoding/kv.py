@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrun.decoding.batching import Lane
+from specrun.decoding.pay.counts import met_counts
 from specrun.engine import Batch, chains_may_match, list_devices, llama_version_info, system_info
 from specrun.errors import ContextFullError, EngineError, UsageError
 from specrun.files import file_key
@@ -295,7 +296,12 @@ class CachedSequence:
             done += len(chunk)
             last = done == len(tokens)
             self.batch.set_sequence(chunk, start, self.seq, "last" if (want_last_logits and last) else "none")
+            filled = self._fill(len(chunk), start) if not joins else 0
             rows = self.lane.run(self.batch, solo=not joins, meanwhile=meanwhile)
+            if filled:
+                self.ctx.seq_rm(self.seq, start + len(chunk), -1)
+            if self.ctx.network_s:
+                met_counts(self.ctx.model).note(len(chunk) + filled, self.lane.pass_s)
             if rows is not None:
                 self.logits = rows[-1]
             self.tokens.extend(chunk)
@@ -310,6 +316,26 @@ class CachedSequence:
                     self.n_exact = self.n_tiled = self.n_cached
                 else:
                     self.n_tiled = self.n_cached
+
+    def _fill(self, n: int, start: int) -> int:
+        """Filler tokens after a prompt's chunk of n tokens from `start` in the batch (0: none).
+
+        Where the target runs on RPC workers, a pass over a count of tokens not met before in
+        the process costs round trips (decoding.pay.counts), and a prompt's length is new nearly
+        every request: the chunk's pass is filled to a count met before where that pays. The
+        filler sits after the chunk in its sequence and asks no logits, so no token of the chunk
+        attends to it; its cells are given back after the pass. A chunk under TILE_ROWS stays
+        under it (CPU attention takes its rows otherwise from there). Measured on a CPU, for F32
+        and Q4_1 weights: the chunk's last row and its KV are then the chunk's alone, bit for bit
+        (a K-quant's products sum by the pass's size: docs/rpc.md)."""
+        ctx = self.ctx
+        if not ctx.network_s or n < 2 or ctx.has_state or ctx.window:
+            return 0  # (a recurrent state would take the filler in; a window-sized cache could drop cells for it)
+        most = min(self.batch.capacity, self.lane.n_ctx - start, TILE_ROWS - 1 if n < TILE_ROWS else n + self.batch.capacity)
+        fill = met_counts(ctx.model).fill_to(n, most, ctx.network_s) - n
+        for i in range(fill):
+            self.batch.add(self.batch.tokens[n - 1], start + n + i, (self.seq,), False)
+        return fill
 
     def room(self) -> int:
         """Return how many more tokens fit in the context."""

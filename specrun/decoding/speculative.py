@@ -24,12 +24,11 @@ from specrun.core.sampling import SamplingParams, choose_token, near_tie, near_t
 from specrun.core.tree import DraftTree
 from specrun.core.tree_shapes import MAX_BUDGET, TreeShape, network_size
 from specrun.core.verify import accept_path
-from specrun.decoding.adaptive import Average
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import TILE_ROWS, CachedSequence, chains_exact
 from specrun.decoding.pay.guard import SpeedGuard
-from specrun.decoding.pay.rules import fill_pays
+from specrun.decoding.pay.counts import met_counts
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
 from specrun.decoding.steps import GenerationStats, Step
@@ -92,7 +91,6 @@ class SpeculativeDecoder:
         # the network, which prices filler against a new count.
         self.network_sizes = False
         self.network_s = 0.0
-        self._pass_s: dict[int, Average] = {}  # target passes over a met count of tokens (_met_pass)
 
     def swap_drafting(self, other: SpeculativeDecoder) -> None:
         """Exchange what drafts (the drafter, its draft context and what it learned, the speed
@@ -270,7 +268,7 @@ class SpeculativeDecoder:
         nodes = [int(kept[n]) for n in acceptance.nodes if n < n_drafted]  # the accepted path in the drafter's ids
         child_ranks = _child_ranks(proposal.tree, nodes, acceptance.bonus if len(nodes) == len(acceptance.nodes) else None)
         if self.network_sizes:
-            self._met_pass(len(tree), target_s)
+            met_counts(self.model).note(len(tree), target_s)
         if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
             self.drafter.commit(proposal, nodes)
         n_tokens = len(acceptance.tokens)
@@ -300,44 +298,24 @@ class SpeculativeDecoder:
         in this process where one a little larger pays (filler nodes added below the best path),
         else cut to core.tree_shapes.NETWORK_SIZES.
 
-        llama.cpp's RPC client asks the worker, one round trip each, the size of every matrix
-        product of an output shape it has not met in this process (ggml-rpc's alloc-size cache):
-        a pass over a new number of tokens took 640 ms where the next took 138 (the demo target
-        50 ms away), and an answer's passes met a new count at every chain cut short by its end
-        and every lookup graft. A count already met costs its compute only: pay.rules.fill_pays
-        weighs the filler. Any tree is verified exactly (the target draws at every node it
-        walks): filler the target happens to draw is emitted like any node."""
-        met, n = _met_passes(self.model), len(tree)
-        if n in met:
-            return tree, kept
-        up = min((m for m in met if m > n), default=0)
-        if 0 < up <= room and fill_pays(n, up, self._pass_gap(n, up), self.network_s):
+        A pass over a count not met before costs round trips there (pay.counts): an answer's
+        passes met a new count at every chain cut short by its end and every lookup graft. A
+        count already met costs its compute only: pay.rules.fill_pays weighs the filler. Any tree
+        is verified exactly (the target draws at every node it walks): filler the target happens
+        to draw is emitted like any node."""
+        n = len(tree)
+        up = met_counts(self.model).fill_to(n, room, self.network_s)
+        if up > n:
             tree = tree.copy()
             path = tree.best_path()
             node, guess = path[-1], _repeat_guess([*self.cache.tokens, *(int(tree.tokens[i]) for i in path)], up - n)
             for token in guess:
                 node = int(tree.add_children(node, [token], [tree.logps[node] - _FILLER_LOGP])[0])
             return tree, kept
-        if network_size(n - 1) < n - 1:
+        if n not in met_counts(self.model).counts and network_size(n - 1) < n - 1:
             tree, first = tree.first(network_size(n - 1))
             kept = kept[first]
         return tree, kept
-
-    def _pass_gap(self, n: int, up: int) -> float:
-        """Seconds a target pass over `up` tokens is timed above one over the largest count met
-        at most `n` (0 while either is untimed: the first pass of a count is no measure)."""
-        below = max((m for m in self._pass_s if m <= n), default=0)
-        if not below or up not in self._pass_s:
-            return 0.0
-        return float(self._pass_s[up].mean) - float(self._pass_s[below].mean)
-
-    def _met_pass(self, n_tokens: int, seconds: float) -> None:
-        """Note a target pass over n_tokens: from its second on, its time (a count's first pass
-        asks the worker its shapes' sizes)."""
-        met = _met_passes(self.model)
-        if n_tokens in met:
-            self._pass_s.setdefault(n_tokens, Average(8)).add(seconds)
-        met.add(n_tokens)
 
     def _verify_chain(self, proposal: Proposal, params: SamplingParams, rng, remaining: int,
                       rules: PathRules | None = None, forced: bool = False) -> Step:
@@ -436,18 +414,8 @@ def _first_step(row: np.ndarray, params: SamplingParams, rng, rules: PathRules |
     return step
 
 
-# Token counts of the tree passes each target model (by path) has run over RPC workers in this
-# process: ggml-rpc remembers its output shapes' sizes per process (SpeculativeDecoder._network_shape).
-# A one-token pass is met when the context is made (llama.cpp reserves its graph).
-_MET_PASSES: dict[str, set[int]] = {}
-
-
 # Filler nodes score this far below their parent (log-prob): the least likely nodes of a tree.
 _FILLER_LOGP = 30.0
-
-
-def _met_passes(model) -> set[int]:
-    return _MET_PASSES.setdefault(str(model.path), {1})
 
 
 def _repeat_guess(text: Sequence[int], n: int) -> list[int]:

@@ -208,6 +208,10 @@ class Context(Owner):
     """Owner of a llama_context: KV cache, decode, logits."""
 
     split = False  # a cache per sequence (--kv-split: kv_unified off); an MtpContext's never is
+    # Seconds each pass spends on the network where the model runs on RPC workers (the runtime
+    # sets it), where a pass over a count of tokens not met before costs round trips: a prompt's
+    # pass is then filled to a count met before where that pays (decoding.pay.counts).
+    network_s = 0.0
 
     def __init__(
         self,

@@ -133,6 +133,7 @@ class Runtime:
         # Trees verified over RPC workers keep to a few node counts (core.tree_shapes.NETWORK_SIZES).
         self.network_sizes = plan.target_gpu_layers > 0 and any(device.host for device in plan.devices)
         self.network_s = plan.network_s if self.network_sizes else 0.0
+        self.target_ctx.network_s = self.network_s  # (prompts' passes filled to met counts: kv.CachedSequence._fill)
         self.models = plan.files
         self.shape = plan.tree.shape if plan.tree else None
         # The tokens one request may hold (the target's context holds this for each of `parallel`).
