@@ -60,6 +60,9 @@ def test_over_a_network_a_pass_is_filled_to_a_met_count_within_a_round_trip_and_
     limit = rules.FILL_FACTOR * 6 + rules.FILL_SLACK
     assert rules.fill_pays(6, limit, 0.0, round_trip) and not rules.fill_pays(6, limit + 1, 0.0, round_trip)
     assert not rules.fill_pays(3, 6, 0.001, 0.0)  # no network: a new count costs nothing to avoid
+    # Filler is paid for on every pass that takes it: no more in all than the new count's round trips.
+    spent = (rules.NEW_COUNT_TRIPS - 1) * round_trip
+    assert rules.fill_pays(6, 17, 0.1, round_trip, spent) and not rules.fill_pays(6, 17, 0.1, round_trip, spent + 0.01)
 
 
 def test_a_pass_is_filled_to_the_least_met_count_above_it_where_that_pays():
@@ -77,7 +80,21 @@ def test_a_pass_is_filled_to_the_least_met_count_above_it_where_that_pays():
     assert met.gap(35, 40) == pytest.approx(0.15)
     assert met.fill_to(35, 512, 0.1) == 35  # the filler would cost more than a round trip a pass
     assert met.fill_to(35, 512, 0.2) == 40
+    # Each pass filled so counts what its filler cost (0.15 s): past NEW_COUNT_TRIPS round trips
+    # in all (0.8 s), a pass over 35 tokens meets that count instead.
+    assert rules.NEW_COUNT_TRIPS == 4
+    assert [met.fill_to(35, 512, 0.2) for _ in range(6)] == [40, 40, 40, 40, 35, 35]
+    # Where no met count pays the pass meets a new count anyway: one of `shared` within FILL_GRID.
+    assert met.fill_to(35, 512, 0.1, shared=(33, 41, 49)) == 41
+    assert met.fill_to(35, 40, 0.1, shared=(33, 41, 49)) == 35 and met.fill_to(30, 512, 0.1, shared=(41,)) == 30
     assert met_counts(type("M", (), {"path": "/x.gguf"})()) is met_counts(type("M", (), {"path": "/x.gguf"})())
+    # A tree is filled only to a count a tree's pass met (not a prompt's, which its filler nodes would
+    # take at every step); a count any pass met is met for it.
+    met = MetCounts()
+    met.note(49, 0.5)
+    met.note(9, 0.3, tree=True)
+    assert met.fill_to(33, 512, 0.4, tree=True) == 33 and met.fill_to(33, 512, 0.4) == 49
+    assert met.fill_to(7, 512, 0.4, tree=True) == 9 and met.fill_to(49, 512, 0.4, tree=True) == 49
 
 
 def test_the_assumed_prior_is_a_modest_gain_over_the_measured_pass():

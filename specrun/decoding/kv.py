@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specrun.core.tree_shapes import NETWORK_SIZES
 from specrun.decoding.batching import Lane
 from specrun.decoding.pay.counts import met_counts
 from specrun.engine import Batch, chains_may_match, list_devices, llama_version_info, system_info
@@ -24,6 +25,8 @@ TILE_ROWS = 64
 # kernels that take tokens in groups (repacked K-quants take four at a time) then group each token
 # as a fresh prefill's pass does.
 RESUME_ALIGN = 32
+# The token counts of passes over trees verified on RPC workers: NETWORK_SIZES' nodes and the root.
+NETWORK_PASSES = tuple(n + 1 for n in NETWORK_SIZES)
 
 
 class CachedSequence:
@@ -322,7 +325,8 @@ class CachedSequence:
 
         Where the target runs on RPC workers, a pass over a count of tokens not met before in
         the process costs round trips (decoding.pay.counts), and a prompt's length is new nearly
-        every request: the chunk's pass is filled to a count met before where that pays. The
+        every request: the chunk's pass is filled to a count met before where that pays, else to
+        a count a tree's pass will meet (NETWORK_PASSES), which it then meets for the trees. The
         filler sits after the chunk in its sequence and asks no logits, so no token of the chunk
         attends to it; its cells are given back after the pass. A chunk under TILE_ROWS stays
         under it (CPU attention takes its rows otherwise from there). Measured on a CPU, for F32
@@ -332,7 +336,7 @@ class CachedSequence:
         if not ctx.network_s or n < 2 or ctx.has_state or ctx.window:
             return 0  # (a recurrent state would take the filler in; a window-sized cache could drop cells for it)
         most = min(self.batch.capacity, self.lane.n_ctx - start, TILE_ROWS - 1 if n < TILE_ROWS else n + self.batch.capacity)
-        fill = met_counts(ctx.model).fill_to(n, most, ctx.network_s) - n
+        fill = met_counts(ctx.model).fill_to(n, most, ctx.network_s, NETWORK_PASSES) - n
         for i in range(fill):
             self.batch.add(self.batch.tokens[n - 1], start + n + i, (self.seq,), False)
         return fill

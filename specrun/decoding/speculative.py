@@ -268,7 +268,7 @@ class SpeculativeDecoder:
         nodes = [int(kept[n]) for n in acceptance.nodes if n < n_drafted]  # the accepted path in the drafter's ids
         child_ranks = _child_ranks(proposal.tree, nodes, acceptance.bonus if len(nodes) == len(acceptance.nodes) else None)
         if self.network_sizes:
-            met_counts(self.model).note(len(tree), target_s)
+            met_counts(self.model).note(len(tree), target_s, tree=True)
         if not forced:  # a forced chain was not the drafter's: it follows the committed text itself
             self.drafter.commit(proposal, nodes)
         n_tokens = len(acceptance.tokens)
@@ -304,7 +304,7 @@ class SpeculativeDecoder:
         is verified exactly (the target draws at every node it walks): filler the target happens
         to draw is emitted like any node."""
         n = len(tree)
-        up = met_counts(self.model).fill_to(n, room, self.network_s)
+        up = met_counts(self.model).fill_to(n, room, self.network_s, tree=True)
         if up > n:
             tree = tree.copy()
             path = tree.best_path()

@@ -11,8 +11,15 @@ prompt's pass (kv.CachedSequence.extend): a prompt's length is new nearly every 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from specrun.decoding.adaptive import Average
 from specrun.decoding.pay.rules import fill_pays
+
+
+# A pass that meets a new count anyway takes one of the counts other passes will meet up to this
+# many times its own tokens (core.tree_shapes.NETWORK_SIZES: at most 1.25 apart above 4 nodes).
+FILL_GRID = 1.25
 
 
 class MetCounts:
@@ -21,13 +28,20 @@ class MetCounts:
 
     def __init__(self):
         self.counts: set[int] = {1}  # (a one-token pass is met when the context is made: llama.cpp reserves its graph)
+        # Those of passes over trees: a tree is filled only to one of them (a prompt's count filled
+        # with a tree's filler nodes had 33-token passes over a 32-node tree take 49 tokens, and
+        # the demo pair's chat 200 ms away accepted 10.2 tokens a pass against 11.6).
+        self.tree_counts: set[int] = {1}
         self._seconds: dict[int, Average] = {}
+        self._spent: dict[int, float] = {}  # seconds of filler passes over a count not met took on (fill_pays)
 
-    def note(self, n_tokens: int, seconds: float) -> None:
-        """A pass over n_tokens took `seconds`."""
+    def note(self, n_tokens: int, seconds: float, tree: bool = False) -> None:
+        """A pass over n_tokens (a tree's, with `tree`) took `seconds`."""
         if n_tokens in self.counts:
             self._seconds.setdefault(n_tokens, Average(8)).add(seconds)
         self.counts.add(n_tokens)
+        if tree:
+            self.tree_counts.add(n_tokens)
 
     def gap(self, n_tokens: int, up: int) -> float:
         """Seconds a pass over `up` tokens is timed above one over the largest count met at most
@@ -37,15 +51,22 @@ class MetCounts:
             return 0.0
         return float(self._seconds[up].mean) - float(self._seconds[below].mean)
 
-    def fill_to(self, n_tokens: int, most: int, network_s: float) -> int:
-        """The count a pass over n_tokens holds: n_tokens where it was met (or no met count up to
-        `most` pays, pay.rules.fill_pays), else the least met count above it."""
+    def fill_to(self, n_tokens: int, most: int, network_s: float, shared: Sequence[int] = (), tree: bool = False) -> int:
+        """The count a pass over n_tokens holds: n_tokens where it was met, else the least met
+        count above it (a tree's pass, with `tree`: one a tree's pass met) up to `most` where the
+        filler pays (pay.rules.fill_pays, with what filler cost this count's passes so far,
+        counted as they are filled); where none does
+        the pass meets a new count anyway, and that is the least of `shared` from n_tokens up to
+        `most` and FILL_GRID times n_tokens (counts other passes will meet: a prompt's pass takes
+        a tree's), or n_tokens."""
         if n_tokens in self.counts:
             return n_tokens
-        up = min((m for m in self.counts if m > n_tokens), default=0)
-        if 0 < up <= most and fill_pays(n_tokens, up, self.gap(n_tokens, up), network_s):
+        up = min((m for m in (self.tree_counts if tree else self.counts) if m > n_tokens), default=0)
+        extra_s, spent_s = self.gap(n_tokens, up), self._spent.get(n_tokens, 0.0)
+        if 0 < up <= most and fill_pays(n_tokens, up, extra_s, network_s, spent_s):
+            self._spent[n_tokens] = spent_s + extra_s
             return up
-        return n_tokens
+        return min((m for m in shared if n_tokens <= m <= min(most, FILL_GRID * n_tokens)), default=n_tokens)
 
 
 # Per model file: ggml-rpc's cache outlives a model loaded again in the same process.

@@ -270,16 +270,22 @@ def profile_holds(target_pass_s: float, profiled_s: float) -> bool:
 # FILL_SLACK more: beyond that the filler's compute is no small price, whatever it measured.
 FILL_FACTOR = 2
 FILL_SLACK = 8
+# Round trips a new count of tokens costs once (llama.cpp's RPC client asks the worker the size of
+# each kind of matrix product of a new shape): the demo target 50 ms away, 544 ms against 138 for
+# 6 tokens; 200 ms away, 2.04 s against 0.44.
+NEW_COUNT_TRIPS = 4
 
 
-def fill_pays(n_tokens: int, met_tokens: int, extra_s: float, network_s: float) -> bool:
+def fill_pays(n_tokens: int, met_tokens: int, extra_s: float, network_s: float, spent_s: float = 0.0) -> bool:
     """Whether a pass over n_tokens, a count this process has not met, is filled to met_tokens.
 
-    A new count costs five round trips once (llama.cpp's RPC client asks the worker the size of
-    each kind of matrix product of a new shape: 640 ms against 138 for 7 tokens 50 ms away);
-    filler costs `extra_s` (the met count's pass above the count met below, as timed) on every
-    pass that takes it: at most one round trip, so that five passes filled cost no more."""
-    return met_tokens <= FILL_FACTOR * n_tokens + FILL_SLACK and extra_s <= network_s
+    A new count costs NEW_COUNT_TRIPS round trips once; filler costs `extra_s` (the met count's
+    pass above the count met below, as timed) on every pass that takes it: at most one round
+    trip a pass, and, with `spent_s` (what filler already cost passes over n_tokens), no more in
+    all than the new count would have: from there the count is met instead (a server's passes
+    would otherwise pay for the filler for as long as it runs)."""
+    return (met_tokens <= FILL_FACTOR * n_tokens + FILL_SLACK and extra_s <= network_s
+            and spent_s + extra_s <= NEW_COUNT_TRIPS * network_s)
 
 
 # --- Requests decoding together (pay.together) ---------------------------------------------------
