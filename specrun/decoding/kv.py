@@ -303,7 +303,7 @@ class CachedSequence:
             rows = self.lane.run(self.batch, solo=not joins, meanwhile=meanwhile)
             if filled:
                 self.ctx.seq_rm(self.seq, start + len(chunk), -1)
-            if self.ctx.network_s:
+            if self.ctx.network_s and not joins:  # (a pass of its own: its count is the chunk's, filled)
                 met_counts(self.ctx.model).note(len(chunk) + filled, self.lane.pass_s)
             if rows is not None:
                 self.logits = rows[-1]
@@ -331,11 +331,13 @@ class CachedSequence:
         attends to it; its cells are given back after the pass. A chunk under TILE_ROWS stays
         under it (CPU attention takes its rows otherwise from there). Measured on a CPU, for F32
         and Q4_1 weights: the chunk's last row and its KV are then the chunk's alone, bit for bit
-        (a K-quant's products sum by the pass's size: docs/rpc.md)."""
+        (a K-quant's products sum by the pass's size: docs/exactness.md)."""
         ctx = self.ctx
         if not ctx.network_s or n < 2 or ctx.has_state or ctx.window:
             return 0  # (a recurrent state would take the filler in; a window-sized cache could drop cells for it)
-        most = min(self.batch.capacity, self.lane.n_ctx - start, TILE_ROWS - 1 if n < TILE_ROWS else n + self.batch.capacity)
+        most = min(self.batch.capacity, self.lane.n_ctx - start)
+        if n < TILE_ROWS:
+            most = min(most, TILE_ROWS - 1)
         fill = met_counts(ctx.model).fill_to(n, most, ctx.network_s, NETWORK_PASSES) - n
         for i in range(fill):
             self.batch.add(self.batch.tokens[n - 1], start + n + i, (self.seq,), False)

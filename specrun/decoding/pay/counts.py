@@ -55,10 +55,9 @@ class MetCounts:
         """The count a pass over n_tokens holds: n_tokens where it was met, else the least met
         count above it (a tree's pass, with `tree`: one a tree's pass met) up to `most` where the
         filler pays (pay.rules.fill_pays, with what filler cost this count's passes so far,
-        counted as they are filled); where none does
-        the pass meets a new count anyway, and that is the least of `shared` from n_tokens up to
-        `most` and FILL_GRID times n_tokens (counts other passes will meet: a prompt's pass takes
-        a tree's), or n_tokens."""
+        counted as they are filled). Where none does the pass meets a new count anyway: the
+        least of `shared` (counts other passes will meet: a prompt's pass takes a tree's) from
+        n_tokens up to `most` and FILL_GRID times n_tokens, or n_tokens."""
         if n_tokens in self.counts:
             return n_tokens
         up = min((m for m in (self.tree_counts if tree else self.counts) if m > n_tokens), default=0)
