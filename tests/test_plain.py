@@ -8,7 +8,8 @@ import pytest
 from specrun import engine
 from specrun.engine import compute
 from specrun.core.sampling import SamplingParams
-from specrun.decoding.kv import NETWORK_PASSES, RESUME_ALIGN, TILE_ROWS, CachedSequence, resumes_alike
+from specrun.core.tree_shapes import NETWORK_PASSES
+from specrun.decoding.kv import RESUME_ALIGN, TILE_ROWS, CachedSequence, resumes_alike
 from specrun.decoding.pay import counts
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.stream import generate, stream, token_ids

@@ -376,7 +376,7 @@ def test_a_prompt_over_a_worker_is_filled_to_a_count_met_before_and_answers_the_
     prompt's pass is filled to a count a tree's pass meets (NETWORK_PASSES), the second's to
     that count, met before (decoding.pay.counts); both answers are the ones decoded here
     without a worker."""
-    from specrun.decoding.kv import NETWORK_PASSES
+    from specrun.core.tree_shapes import NETWORK_PASSES
 
     def run(*endpoints: str) -> dict:
         done = subprocess.run([sys.executable, "-c", _TWO_PROMPTS, *endpoints], capture_output=True, text=True,

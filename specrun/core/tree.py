@@ -250,10 +250,11 @@ class DraftTree:
     def path_first(self, along: Sequence[int] = (), alone: bool = False) -> tuple[DraftTree, np.ndarray]:
         """Return this tree with its first path as nodes 0..d, the other nodes after it in their
         order (`alone`: that path only, for a step that reads no other row), and their ids here
-        (new id -> old id); this tree itself where that is what it is already. The first path follows the tokens `along` from the root as far as children carry
-        them (a grammar's forced run: the target takes it), then the best-scored child at each
-        node, as `best_path` (ties: the lower id; in a draft model's tree its first child). Laid
-        as nodes 0..d it is the path `colour_batch` gives colour 0. (Following first children, a
+        (new id -> old id); this tree itself where that is what it is already. The first path
+        follows the tokens `along` from the root as far as children carry them (a grammar's
+        forced run: the target takes it), then the best-scored child at each node, as
+        `best_path` (ties: the lower id; in a draft model's tree its first child). Laid as nodes
+        0..d it is the path `colour_batch` gives colour 0. (Following first children, a
         step that verifies this path alone checked a draft chain where a lookup branch grafted
         beside it scored higher.)
 

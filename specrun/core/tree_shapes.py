@@ -159,6 +159,11 @@ NETWORK_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96
                  448, 512, 640, 768, 1024, 1280, 1536, 2048)
 
 
+# The token counts of passes over such trees: their nodes and the root (a prompt's pass over RPC
+# workers that meets a new count anyway takes one of these: decoding.kv.CachedSequence._fill).
+NETWORK_PASSES = tuple(n + 1 for n in NETWORK_SIZES)
+
+
 def network_size(nodes: int) -> int:
     """The largest NETWORK_SIZES entry within `nodes` (0 for 0)."""
     return max((n for n in NETWORK_SIZES if n <= nodes), default=0)

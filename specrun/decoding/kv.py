@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from specrun.core.tree_shapes import NETWORK_SIZES
+from specrun.core.tree_shapes import NETWORK_PASSES
 from specrun.decoding.batching import Lane
 from specrun.decoding.pay.counts import met_counts
 from specrun.engine import Batch, chains_may_match, list_devices, llama_version_info, system_info
@@ -25,8 +25,6 @@ TILE_ROWS = 64
 # kernels that take tokens in groups (repacked K-quants take four at a time) then group each token
 # as a fresh prefill's pass does.
 RESUME_ALIGN = 32
-# The token counts of passes over trees verified on RPC workers: NETWORK_SIZES' nodes and the root.
-NETWORK_PASSES = tuple(n + 1 for n in NETWORK_SIZES)
 
 
 class CachedSequence:
@@ -326,9 +324,9 @@ class CachedSequence:
         Where the target runs on RPC workers, a pass over a count of tokens not met before in
         the process costs round trips (decoding.pay.counts), and a prompt's length is new nearly
         every request: the chunk's pass is filled to a count met before where that pays, else to
-        a count a tree's pass will meet (NETWORK_PASSES), which it then meets for the trees. The
-        filler sits after the chunk in its sequence and asks no logits, so no token of the chunk
-        attends to it; its cells are given back after the pass. A chunk under TILE_ROWS stays
+        a count a tree's pass will meet (core.tree_shapes.NETWORK_PASSES), which it then meets
+        for the trees. The filler sits after the chunk in its sequence and asks no logits, so no
+        token of the chunk attends to it; its cells are given back after the pass. A chunk under TILE_ROWS stays
         under it (CPU attention takes its rows otherwise from there). Measured on a CPU, for F32
         and Q4_1 weights: the chunk's last row and its KV are then the chunk's alone, bit for bit
         (a K-quant's products sum by the pass's size: docs/exactness.md)."""

@@ -303,8 +303,8 @@ class SpeculativeDecoder:
         count already met costs its compute only: pay.rules.fill_pays weighs the filler. Any tree
         is verified exactly (the target draws at every node it walks): filler the target happens
         to draw is emitted like any node."""
-        n = len(tree)
-        up = met_counts(self.model).fill_to(n, room, self.network_s, tree=True)
+        met, n = met_counts(self.model), len(tree)
+        up = met.fill_to(n, room, self.network_s, tree=True)
         if up > n:
             tree = tree.copy()
             path = tree.best_path()
@@ -312,7 +312,7 @@ class SpeculativeDecoder:
             for token in guess:
                 node = int(tree.add_children(node, [token], [tree.logps[node] - _FILLER_LOGP])[0])
             return tree, kept
-        if n not in met_counts(self.model).counts and network_size(n - 1) < n - 1:
+        if n not in met.counts and network_size(n - 1) < n - 1:
             tree, first = tree.first(network_size(n - 1))
             kept = kept[first]
         return tree, kept
