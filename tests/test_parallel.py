@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from conftest import MODEL_CACHE
@@ -25,13 +26,15 @@ from test_speculative import binned, first_tokens
 from tiny_archs import tiny_arch_model
 
 from specrun import engine
+from specrun.engine import Batch
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.tree_shapes import TreeShape
-from specrun.decoding.batching import Lane, PassGate
+from specrun.decoding.batching import Lane, PassGate, _Handed
 from specrun.core.tree import DraftTree
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.drafters.best_first import TreeGrower
 from specrun.decoding.drafters.lookup import LookupDrafter
+from specrun.decoding.pay import counts
 from specrun.decoding.pay.rules import ALONE, Beside
 from specrun.decoding.pay.together import Together
 from specrun.decoding.plain import PlainDecoder
@@ -281,11 +284,17 @@ def test_a_hybrid_target_decodes_two_requests_in_lanes_as_each_alone(offline_mod
         alone_ctx.close()
 
 
-def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone(offline_models, load_model):
+@pytest.mark.parametrize("network", [False, True], ids=["local", "rpc-filled"])
+def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone(offline_models, load_model,
+                                                                                 network, monkeypatch):
     """The demo pair, three requests in lanes of one target context and one draft context (a gate
     each, one room): the draft model grows every request's tree while they decode together, its
     passes expanding several requests' trees at once, and each greedy answer is the one decoded
-    alone."""
+    alone. With `network` the target's passes are filled as over RPC workers (the target context's
+    network_s set, counts met before noted): the trees' sum filled to one of them, the filler after
+    one request's tree in its first sequence (its colours' branches reach deeper); and the draft
+    reads each prompt while the target's pass over it runs (beside it, as if elsewhere)."""
+    monkeypatch.setattr(counts, "_MET", {})
     target, draft = load_model(offline_models.smollm2_f32), load_model(offline_models.smollm2_q4)
     shape = TreeShape(budget=12, depth=6, width=4, top_k=4)
     # Texts that go on for the whole answer: the draft's trees accept most of their nodes, so a
@@ -310,10 +319,31 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
             alone.append(tokens(SpeculativeDecoder(target, target_ctx, grower, shape), prompt))
             target_ctx.clear()
             draft_ctx.clear()
-        gate, draft_gate, lanes, decoders = _tree_decoders(target, draft, context(target, 3, 64),
-                                                           context(draft, 3, 64), shape, 3)
+        shared_ctx = context(target, 3, 64)
+        passes = []  # shared passes: (the requests' tokens, the pass's)
+        if network:
+            shared_ctx.network_s = 0.05
+            for n_tokens in (9, 17, 25, 33, 41, 49, 57):
+                counts.met_counts(target).note(n_tokens, 0.1, tree=True)
+        gate, draft_gate, lanes, decoders = _tree_decoders(target, draft, shared_ctx, context(draft, 3, 64), shape, 3)
+        for decoder in decoders:  # (as the runtime's where the target runs elsewhere)
+            decoder.overlap = network
+        run_pass = gate._run
+
+        def recorded(handed, lanes):
+            run_pass(handed, lanes)
+            if len(handed) > 1:
+                passes.append((sum(h.batch.n_tokens for h in handed), handed[0].tokens))
+
+        gate._run = recorded
         assert _together(decoders, lanes, prompts, tokens) == alone
         assert gate.shared_passes > 0 and draft_gate.shared_passes > 0, (gate.shared_passes, draft_gate.shared_passes)
+        filled = [(n, total) for n, total in passes if total > n]
+        assert bool(filled) == network, passes
+        assert all(total in counts.met_counts(target).counts for _, total in filled)
+        # Where the target's passes run elsewhere the draft reads each prompt during the prompt's
+        # pass (Lane.alone), as a request alone does: its first step catches up with no more.
+        assert (sum(decoder.drafter.prepared for decoder in decoders) > 0) == network
         # Steps whose target pass held other requests' trees drafted with the draft model too.
         assert any(step.shared > 1 and step.draft_passes > 1 for dec in decoders for step in dec.stats.steps)
     finally:
@@ -410,9 +440,9 @@ def test_with_throughput_a_prompt_goes_into_the_passes_of_the_others_steps(offli
         passes: list[list[tuple[int, int]]] = []  # each pass: (lane's base sequence, tokens) per request
         run_pass = gate._run
 
-        def recorded(handed):
+        def recorded(handed, lanes):
             passes.append([(int(h.batch.seq_ids[0, 0]), h.batch.n_tokens) for h in handed])
-            run_pass(handed)
+            run_pass(handed, lanes)
 
         gate._run = recorded
         lanes = [Lane(ctx, range(i * per, (i + 1) * per), 256, gate, prompts_join=join) for i in range(2)]
@@ -560,6 +590,95 @@ def _tree_decoders(target, draft, target_ctx, draft_ctx, shape, n: int):
     decoders = [SpeculativeDecoder(target, target_ctx, TreeGrower(draft, draft_ctx, shape, d), shape, lane=lane,
                                    together=together) for lane, d in zip(lanes, draft_lanes)]
     return gate, draft_gate, lanes, decoders
+
+
+def test_over_rpc_workers_a_shared_pass_is_filled_to_a_count_met_before(offline_models, load_model, monkeypatch):
+    """Over RPC workers (Context.network_s, set here on a local context) a pass over a count of
+    tokens the process has not met costs round trips, and a shared pass holds the sum of its
+    requests' tokens: the gate fills it to a count met before, its rows of logits to a count met
+    before too (PassGate._fill). The filler's cells are given back after each pass, and every
+    answer is the one decoded without filler."""
+    monkeypatch.setattr(counts, "_MET", {})
+    target = load_model(offline_models.smollm2_f32)
+    prompts = [target.tokenize(q, add_special=True) for q in (QUESTIONS[1], QUESTIONS[3])]
+    per = MAX_SEQ // 2
+    ctx = engine.Context(target, n_ctx=512, n_batch=64, n_seq_max=MAX_SEQ, threads=2)
+    met = counts.met_counts(target)
+    met.note(6, 0.1, tree=True)  # a 5-node tree's pass, met before: 6 tokens, 6 rows of logits
+
+    def run(network_s: float):
+        ctx.clear()
+        ctx.network_s = network_s
+        gate = PassGate(ctx)
+        passes = []  # shared passes: (the requests' tokens, the pass's tokens, each lane's cells past its batch)
+        run_pass = gate._run
+
+        def recorded(handed, lanes):
+            run_pass(handed, lanes)
+            if len(handed) > 1:
+                past = [ctx.seq_pos_max(lane.base) - int(h.batch.positions[: h.batch.n_tokens].max())
+                        for lane, h in zip(lanes, handed)]
+                passes.append((sum(h.batch.n_tokens for h in handed), handed[0].tokens, past))
+
+        gate._run = recorded
+        lanes = [Lane(ctx, range(i * per, (i + 1) * per), 256, gate) for i in range(2)]
+        decoders = [PlainDecoder(target, ctx, lane=lane) for lane in lanes]
+
+        def tokens(dec, prompt):
+            return [t for step in dec.steps(prompt, SamplingParams(), 16, make_rng(0)) for t in step.tokens]
+
+        return _together(decoders, lanes, prompts, tokens), passes
+
+    plain, unfilled = run(0.0)
+    answers, filled = run(0.05)
+    assert min(len(a) for a in plain) > 8 and answers == plain
+    assert unfilled and all(n == total for n, total, _ in unfilled)
+    assert filled and all(n == 2 and total == 6 for n, total, _ in filled)  # two plain steps, filled to 6
+    assert all(past == [0, 0] for _, _, past in filled)  # no filler cell left behind
+    assert met.rows == {0, 1, 6} and 2 not in met.counts  # 6 rows asked, as the count's tree pass did; no pass of 2
+    ctx.network_s = 0.0
+    ctx.close()
+
+
+def test_a_shared_pass_s_filler_goes_on_from_the_last_position_of_its_sequence(offline_models, load_model, monkeypatch):
+    """llama.cpp takes a sequence's tokens in a batch only at unbroken positions: the filler of a
+    shared pass (PassGate._fill) goes on from its sequence's last token, not from the deepest of the
+    tree's branches, which sit in other sequences. A tree whose first sequence holds one node and
+    whose second holds three below the root: the pass is filled, its rows are those of the pass
+    without filler, and no filler cell is left."""
+    monkeypatch.setattr(counts, "_MET", {})
+    target = load_model(offline_models.smollm2_f32)
+    ctx = engine.Context(target, n_ctx=512, n_batch=64, n_seq_max=8, threads=2)
+
+    def shared_pass(network_s: float) -> tuple[list, int]:
+        ctx.clear()
+        ctx.network_s = network_s
+        gate = PassGate(ctx)
+        lanes = [Lane(ctx, range(0, 4), 256, gate), Lane(ctx, range(4, 8), 64, gate)]  # the first has more room
+        prefix = Batch(2, 1)
+        for lane in lanes:
+            prefix.set_sequence([1, 2], 0, lane.base, "none")
+            ctx.decode(prefix)
+        ctx.seq_cp(0, 1, -1, -1)
+        tree, step = Batch(8, 4), Batch(8, 4)
+        tree.add(10, 2, (0, 1), True)  # the root, in both of the tree's sequences
+        tree.add(11, 3, (0,), True)
+        for i, token in enumerate((12, 13, 14)):
+            tree.add(token, 3 + i, (1,), True)
+        step.add(20, 2, (4,), True)
+        handed = [_Handed(tree, False), _Handed(step, False)]
+        gate._run(handed, lanes)
+        rows = [h.rows.copy() for h in handed]
+        assert ctx.seq_pos_max(0) == 3 and ctx.seq_pos_max(1) == 5 and ctx.seq_pos_max(4) == 2
+        return rows, handed[0].tokens
+
+    counts.met_counts(target).note(9, 0.1, tree=True)
+    alone, n_alone = shared_pass(0.0)
+    filled, n_filled = shared_pass(0.05)
+    assert (n_alone, n_filled) == (6, 9)
+    assert all(np.array_equal(a, b) for a, b in zip(alone, filled))
+    ctx.network_s = 0.0
+    ctx.close()
 
 
 def _together(decoders, lanes, prompts, tokens) -> list:

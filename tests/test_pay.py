@@ -97,6 +97,57 @@ def test_a_pass_is_filled_to_the_least_met_count_above_it_where_that_pays():
     assert met.fill_to(7, 512, 0.4, tree=True) == 9 and met.fill_to(49, 512, 0.4, tree=True) == 49
 
 
+def test_a_pass_asks_for_rows_of_logits_in_a_count_met_before():
+    """Over RPC workers the last layer's products are over the rows of logits a pass asks for:
+    their count is a shape of its own (two round trips where it is new). A shared pass's filler
+    asks for rows up to the least count met (MetCounts.rows_for)."""
+    met = MetCounts()
+    assert met.rows_for(1, 9) == 1 and met.rows_for(0, 4) == 0  # a prompt's last row, or none
+    assert met.rows_for(4, 9) == 9  # none met from 4 to 9: all, which a pass filled to 9 asks again
+    met.note(17, 0.2, tree=True)  # a tree's pass: a row for each token
+    met.note(13, 0.2, rows=6)  # a shared pass of 13 tokens that asked for 6 rows
+    assert met.rows_for(4, 20) == 6 and met.rows_for(7, 20) == 17 and met.rows_for(7, 16) == 16
+    assert 13 not in met.rows and 13 in met.counts
+
+
+def test_a_turn_of_requests_together_is_timed_without_one_offs_and_ends_early_where_it_loses():
+    """A turn restarts after a step that paid a one-off (the draft brought up to the prompts, a
+    count of tokens new to the process over RPC workers); a turn that runs under TOGETHER_LOSING
+    of the other mode's rate ends after a quarter of its window; one above it runs it whole."""
+    now = [0.0]
+    together = Together(window=16, retry=4, clock=lambda: now[0])
+    assert together.drafts(4) is True
+    now[0] += 2.0
+    together.restart(4, True)
+    together.restart(4, False)  # (not the turn under way: nothing)
+    for _ in range(4):
+        now[0] += 0.1
+        together.record(4, True, 4)
+    assert together.rate(4, True) == pytest.approx(40)  # 16 tokens in 0.4 s, the one-off left out
+    assert together.drafts(4) is False
+    for _ in range(2):  # 4 tokens in 0.4 s: a quarter of the window at a quarter of drafting's rate
+        now[0] += 0.2
+        together.record(4, False, 2)
+    assert together.rate(4, False) == pytest.approx(10)
+    assert together.drafts(4) is True  # the turn ended: the faster mode's
+    for _ in range(4):
+        now[0] += 0.1
+        together.record(4, True, 4)
+    # 2 requests: leaning at 0.6 of drafting's rate runs its whole window.
+    assert together.drafts(2) is True
+    for _ in range(4):
+        now[0] += 0.1
+        together.record(2, True, 4)
+    assert together.drafts(2) is False
+    for _ in range(7):
+        now[0] += 1 / 12
+        together.record(2, False, 2)
+    assert together.rate(2, False) is None
+    now[0] += 1 / 12
+    together.record(2, False, 2)
+    assert together.rate(2, False) == pytest.approx(24)
+
+
 def test_the_assumed_prior_is_a_modest_gain_over_the_measured_pass():
     prior = rules.assumed_prior(plain_s=0.02, catch_up_s=0.001)
     # A drafting step right after another (no catch-up): the assumed speedup over plain steps.

@@ -393,6 +393,51 @@ def test_a_prompt_over_a_worker_is_filled_to_a_count_met_before_and_answers_the_
     assert shared in there["counts"] and first not in there["counts"] and second not in there["counts"], there
 
 
+_TWO_AT_ONCE = """
+import json, sys, threading
+from specrun.core.sampling import SamplingParams
+from specrun.decoding.pay.counts import met_counts
+from specrun.decoding.stream import token_ids
+from specrun.runtime.plan import RunOptions
+from specrun.runtime.runtime import Runtime
+texts = ["The three most important inventions of the twentieth century are the radio, the ",
+         "A short list of rivers in Europe, with a line about each one of them: the Danube, "]
+with Runtime(RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", ctx_size=512, parallel=2,
+                        rpc=tuple(sys.argv[1:]), quiet=True)) as rt:
+    decoders = rt.decoders
+    prompts = [rt.target.tokenize(t, add_special=False) for t in texts]
+    out = [None, None]
+    def run(i):
+        decoders[i].lane.join()
+        try:
+            out[i] = token_ids(decoders[i], prompts[i], SamplingParams(temperature=0.0), 24)
+        finally:
+            decoders[i].lane.leave()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    print(json.dumps({"tokens": out, "network": [[d.network_sizes, d.network_s > 0, d.overlap] for d in decoders],
+                      "shared": rt.decoders[0].lane.gate.shared_passes,
+                      "prepared": [d.drafter.draft.grower.prepared for d in decoders]}))
+"""
+
+
+def test_requests_at_once_over_a_worker_answer_as_here_and_keep_to_the_network_s_counts(worker, tmp_path):
+    """Two requests decoding together (--parallel 2) with the target on a worker: their decoders
+    know the network as a request alone does (trees kept to counts met, each count's first pass
+    apart, the draft reading a prompt while the target's pass over it runs), their shared passes
+    are filled (batching.PassGate._fill), and each answer is the one decoded here."""
+    def run(*endpoints: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", _TWO_AT_ONCE, *endpoints], capture_output=True, text=True,
+                              env=_env(tmp_path), timeout=RUN_TIMEOUT_S, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)
+
+    here, there = run(), run(worker.endpoint)
+    assert there["tokens"] == here["tokens"] and all(len(t) == 24 for t in here["tokens"])
+    assert here["network"] == [[False, False, False]] * 2 and there["network"] == [[True, True, True]] * 2
+    assert there["shared"] > 0 and sum(there["prepared"]) > 0 and sum(here["prepared"]) == 0
+
+
 def test_a_pass_over_a_worker_is_timed_whole(worker, offline_models, tmp_path):
     """The pass time that sizes trees covers the worker's compute and the logits' trip back: what
     is read after `decode` is already here (64 rows of logits: 12 MiB over the network)."""

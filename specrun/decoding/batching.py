@@ -43,6 +43,7 @@ The rules of the gate:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -50,8 +51,16 @@ from typing import Callable
 
 import numpy as np
 
+from specrun.core.tree_shapes import NETWORK_PASSES
+from specrun.decoding.pay.counts import met_counts
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
+
+# The fewest tokens of a pass from which llama.cpp's CPU flash attention takes its query rows in
+# tiles (GGML_FA_TILE_Q), each row's scores summed in groups of 64 cells counted from the cache's
+# first: a pass of this many or more rounds a row as any other such pass does, with the row's cells
+# in the same place (docs/exactness.md, "Prefill against prefill"; kv.resumes_alike measures it).
+TILE_ROWS = 64
 
 
 class Lane:
@@ -76,6 +85,9 @@ class Lane:
         self.shared = 1  # requests whose tokens the last pass held (1: this lane's alone)
         self.pass_s = 0.0  # seconds llama.cpp took over the last pass (not the wait for it)
         self.pass_tokens = 0  # tokens the last pass held, every request's (a point of the context's cost curve)
+        # Whether the last pass, shared through the gate, met a count of tokens new to the process
+        # over RPC workers: its seconds hold round trips that no later pass of that count pays.
+        self.new_count = False
         # The lane's last batch: its first position, its tokens, and where its first token sat in
         # the pass (the pass's per-token outputs, an MTP drafter's target rows, are in batch order).
         self.last_batch = (0, 0, 0)
@@ -96,7 +108,8 @@ class Lane:
         until the lane's next pass (None when the batch asked for none). `solo`: in a pass of its
         own, computed exactly as when the lane decodes alone. `meanwhile(done)`, for a lane of its
         own on a context whose work runs elsewhere: called while the pass runs (beside it:
-        engine.compute.start_beside), `done` set when the pass has ended."""
+        engine.compute.start_beside), `done` set when the pass has ended; through a gate, while a
+        pass of this batch alone runs (PassGate._run)."""
         if self.gate is None:
             if meanwhile is not None:
                 job = self.ctx.start_decode(batch)
@@ -111,9 +124,21 @@ class Lane:
             self.shared, self.pass_tokens = 1, batch.n_tokens
             self.last_batch = (int(batch.positions[0]), batch.n_tokens, 0)
             return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
-        rows, self.shared, self.pass_s, offset, self.pass_tokens = self.gate.decode(self, batch, solo)
-        self.last_batch = (int(batch.positions[0]), batch.n_tokens, offset)
-        return rows
+        handed = self.gate.decode(self, batch, solo, meanwhile)
+        self.shared, self.pass_s, self.pass_tokens, self.new_count = handed.shared, handed.seconds, handed.tokens, handed.new_count
+        self.last_batch = (int(batch.positions[0]), batch.n_tokens, handed.offset)
+        return handed.rows
+
+    @contextlib.contextmanager
+    def alone(self):
+        """Run this lane's passes at once, not through its gate, for the while: only where no
+        other pass of its context can start (every request waits at another context's gate, in a
+        pass that runs elsewhere: PassGate._run's `meanwhile`)."""
+        gate, self.gate = self.gate, None
+        try:
+            yield
+        finally:
+            self.gate = gate
 
     def budget(self, wanted: int) -> int:
         """Tree nodes this lane may verify per pass: what it wants, within its share of the batch
@@ -175,6 +200,8 @@ class _Handed:
     seconds: float = 0.0
     offset: int = 0  # where its first token sat in the pass's batch
     tokens: int = 0  # tokens the pass held, every request's
+    new_count: bool = False  # the pass met a count of tokens new to the process, over RPC workers (pay.counts)
+    meanwhile: Callable[[threading.Event], None] | None = None  # run beside a pass of this batch alone (Lane.run)
     error: BaseException | None = None
     done: bool = False
 
@@ -259,12 +286,13 @@ class PassGate:
             self.room.members.discard(lane.owner)
             self._cond.notify_all()
 
-    def decode(self, lane: Lane, batch: Batch, solo: bool) -> tuple[np.ndarray | None, int, float, int, int]:
-        """Hand the lane's batch in and wait for its pass; return its logits rows, how many
-        requests the pass held, the seconds it took, where the batch's first token sat in the
-        pass and how many tokens it held in all. A failed pass raises its error in every lane it
+    def decode(self, lane: Lane, batch: Batch, solo: bool,
+               meanwhile: Callable[[threading.Event], None] | None = None) -> _Handed:
+        """Hand the lane's batch in and wait for its pass; return what came of it (its logits rows,
+        how many requests the pass held, the seconds it took, where the batch's first token sat in
+        the pass, how many tokens it held in all). A failed pass raises its error in every lane it
         held."""
-        handed = _Handed(batch, solo, self._kind(batch) if self.ctx.chains_only else 0)
+        handed = _Handed(batch, solo, self._kind(batch) if self.ctx.chains_only else 0, meanwhile=meanwhile)
         room = self.room
         with self._cond:
             room.members.add(lane.owner)
@@ -277,7 +305,7 @@ class PassGate:
                     self._cond.wait()
         if handed.error is not None:
             raise handed.error
-        return handed.rows, handed.shared, handed.seconds, handed.offset, handed.tokens
+        return handed
 
     # -- the lane whose arrival completed the set runs the pass (holding the condition's lock,
     # which it lets go while llama.cpp decodes) --
@@ -288,7 +316,7 @@ class PassGate:
         self.room.running = True
         self._cond.release()
         try:
-            self._run(handed)
+            self._run(handed, chosen)
         except BaseException as e:  # every request in the pass gets the error
             for h in handed:
                 h.error = e
@@ -326,13 +354,25 @@ class PassGate:
         _, counts = np.unique(batch.seq_ids[: batch.n_tokens, 0], return_counts=True)
         return int(counts[0]) if (counts == counts[0]).all() else -1
 
-    def _run(self, handed: list[_Handed]) -> None:
+    def _run(self, handed: list[_Handed], lanes: list[Lane]) -> None:
+        met = met_counts(self.ctx.model) if self.ctx.network_s else None
         if len(handed) == 1:
             h = handed[0]
-            t0 = time.perf_counter()
-            self.ctx.decode(h.batch)
-            h.seconds, h.shared, h.tokens = time.perf_counter() - t0, 1, h.batch.n_tokens
+            if h.meanwhile is not None:
+                # The pass runs elsewhere, and every request waits for it: the draft model reads
+                # the request's prompt meanwhile (Lane.alone), as a request alone does.
+                job = self.ctx.start_decode(h.batch)
+                try:
+                    h.meanwhile(job.done)
+                finally:
+                    h.seconds = self.ctx.finish_decode(job, h.batch)
+            else:
+                t0 = time.perf_counter()
+                self.ctx.decode(h.batch)
+                h.seconds = time.perf_counter() - t0
+            h.shared, h.tokens = 1, h.batch.n_tokens
             h.rows = self.ctx.logits() if h.batch.want_logits[: h.batch.n_tokens].any() else None
+            h.new_count = met is not None and h.tokens not in met.counts  # (its lane notes the count)
             return
         self.shared_passes += 1
         big, n = self._batch, 0
@@ -340,14 +380,59 @@ class PassGate:
             h.batch.copy_to(big, n)
             n += h.batch.n_tokens
         big.n_tokens = n
+        filler = self._fill(big, handed, lanes)
         t0 = time.perf_counter()
         self.ctx.decode(big)
         seconds = time.perf_counter() - t0
+        if filler is not None:
+            self.ctx.seq_rm(*filler, -1)
+        new_count = met is not None and big.n_tokens not in met.counts
+        if met is not None:
+            met.note(big.n_tokens, seconds, rows=int(big.want_logits[: big.n_tokens].sum()))
         logits = self.ctx.logits() if big.want_logits[:n].any() else None
         row = offset = 0
         for h in handed:
             wanted = int(h.batch.want_logits[: h.batch.n_tokens].sum())
             h.rows = logits[row: row + wanted] if wanted else None
-            h.shared, h.seconds, h.offset, h.tokens = len(handed), seconds, offset, n
+            h.shared, h.seconds, h.offset, h.tokens, h.new_count = len(handed), seconds, offset, big.n_tokens, new_count
             row += wanted
             offset += h.batch.n_tokens
+
+    def _fill(self, big: Batch, handed: list[_Handed], lanes: list[Lane]) -> tuple[int, int] | None:
+        """Add filler tokens to a shared pass over RPC workers; return (sequence, position) from
+        which they sit, to be given back after the pass (None: no filler).
+
+        A pass over a count of tokens not met before in the process costs round trips there
+        (decoding.pay.counts), and a shared pass holds the sum of its requests' trees: counts
+        each tree's own shape (SpeculativeDecoder._network_shape) does not keep few. So the pass
+        is filled as a prompt's is (kv.CachedSequence._fill): to a count met before where that
+        pays, else to a tree pass's. The filler sits after the tokens of the request with the most
+        room, in its first sequence, past every position its batch holds, asking no logits: no
+        token of any request attends to it. A pass under TILE_ROWS stays under it."""
+        ctx, n = self.ctx, big.n_tokens
+        if not ctx.network_s or ctx.chains_only or ctx.window:
+            return None  # (a recurrent state would take the filler in; a window-sized cache could drop cells for it)
+        # Cells a request holds in the pass: its committed text (before its batch's first
+        # position) and the batch's tokens; a request's lane bounds them.
+        rooms = [lane.n_ctx - int(h.batch.positions[0]) - h.batch.n_tokens for lane, h in zip(lanes, handed)]
+        pick = int(np.argmax(rooms))
+        most = n + min(rooms[pick], big.capacity - n)
+        if n < TILE_ROWS:
+            most = min(most, TILE_ROWS - 1)
+        fill = met_counts(ctx.model).fill_to(n, most, ctx.network_s, NETWORK_PASSES) - n
+        if fill <= 0:
+            return None
+        batch, seq = handed[pick].batch, lanes[pick].base
+        # (llama.cpp takes a sequence's positions in a batch only where they run on unbroken:
+        # the filler goes on from the last of the tokens in that sequence, not of the batch.)
+        ids, k = batch.seq_ids[: batch.n_tokens], batch.n_seq[: batch.n_tokens, None]
+        in_seq = ((ids == seq) & (np.arange(ids.shape[1]) < k)).any(axis=1)
+        start = int(batch.positions[: batch.n_tokens][in_seq].max()) + 1
+        token = int(batch.tokens[batch.n_tokens - 1])
+        # The last layer computes the rows of logits asked for only: filler rows ask for some
+        # where the pass's own rows are a count no pass asked for before (rows_for).
+        rows = int(big.want_logits[:n].sum())
+        asked = met_counts(ctx.model).rows_for(rows, rows + fill) - rows
+        for i in range(fill):
+            big.add(token, start + i, (seq,), i < asked)
+        return seq, start

@@ -9,18 +9,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specrun.core.tree_shapes import NETWORK_PASSES
-from specrun.decoding.batching import Lane
+from specrun.decoding.batching import TILE_ROWS, Lane
 from specrun.decoding.pay.counts import met_counts
 from specrun.engine import Batch, chains_may_match, list_devices, llama_version_info, system_info
 from specrun.errors import ContextFullError, EngineError, UsageError
 from specrun.files import file_key
 from specrun.records import Records
 
-# The fewest tokens of a pass from which llama.cpp's CPU flash attention takes its query rows in
-# tiles (GGML_FA_TILE_Q), each row's scores summed in groups of 64 cells counted from the cache's
-# first: a pass of this many or more rounds a row as any other such pass does, with the row's cells
-# in the same place (docs/exactness.md, "Prefill against prefill"). `resumes_alike` measures it.
-TILE_ROWS = 64
 # A pass resumed inside a batch starts this many tokens after the batch's start, or a multiple: CPU
 # kernels that take tokens in groups (repacked K-quants take four at a time) then group each token
 # as a fresh prefill's pass does.

@@ -231,7 +231,8 @@ class Runtime:
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                          lane=lane, draft_lane=draft_lane, together=together, memory=self.memory,
-                                         offload_step=offload_step))
+                                         overlap=self.overlap, network_sizes=self.network_sizes,
+                                         network_s=self.network_s, offload_step=offload_step))
         return decoders
 
     def _load_memory(self, scope: str | None) -> None:

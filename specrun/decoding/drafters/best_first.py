@@ -262,14 +262,18 @@ class TreeGrower(ModelDrafter):
         """Read `text` into the draft cache, a batch at a time, until all of it is read or the
         target's pass over it ends (`done`); the first proposal catches up with the rest. The
         prompt's catch-up then costs no step anything: a 150-token prompt took the draft 0.7 s on
-        one core, which the target's prefill 50 ms away left idle."""
-        if self.lane.gate is not None:
+        one core, which the target's prefill 50 ms away left idle. Beside other requests only
+        within a pass of the target's that holds this prompt alone (batching.PassGate._run), where
+        every request waits for it: the draft's passes then run at once, not through its gate."""
+        gate = self.lane.gate
+        if gate is not None and not gate.room.running:
             return
-        self._drop_tree()
-        keep = self.cache.reusable(text)
-        self.cache.truncate(keep)
-        self.cache.extend(text[keep:], until=done)
-        self.prepared += len(self.cache.tokens) - keep
+        with self.lane.alone():
+            self._drop_tree()
+            keep = self.cache.reusable(text)
+            self.cache.truncate(keep)
+            self.cache.extend(text[keep:], until=done)
+            self.prepared += len(self.cache.tokens) - keep
 
     def extend(self, done: threading.Event) -> None:
         """Grow the last tree on, best first, until the target's pass over its cut ends (`done`):

@@ -5,5 +5,6 @@ prediction and check, a profile's drift at load, whether the draft model could p
 size a drafter's hindsight says pays); `guard`: the speed guard, speculation measured against plain
 steps during a run; `steps`: what a speculative decoder proposes each step, and at what size;
 `together`: whether requests decoding together draft with the draft model, measured in turns;
-`counts`: the token counts a model's passes met, to which a pass over RPC workers is filled.
+`counts`: the token counts (and rows of logits) a model's passes met, to which a pass over RPC
+workers is filled.
 """

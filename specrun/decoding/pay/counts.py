@@ -32,16 +32,29 @@ class MetCounts:
         # with a tree's filler nodes had 33-token passes over a 32-node tree take 49 tokens, and
         # the demo pair's chat 200 ms away accepted 10.2 tokens a pass against 11.6).
         self.tree_counts: set[int] = {1}
+        # The counts of rows of logits passes asked for: the last layer computes only those rows,
+        # and its products are new shapes to the worker too (two round trips; a tree's pass asks
+        # every node's row, a prompt's its last).
+        self.rows: set[int] = {0, 1}
         self._seconds: dict[int, Average] = {}
         self._spent: dict[int, float] = {}  # seconds of filler passes over a count not met took on (fill_pays)
 
-    def note(self, n_tokens: int, seconds: float, tree: bool = False) -> None:
-        """A pass over n_tokens (a tree's, with `tree`) took `seconds`."""
+    def note(self, n_tokens: int, seconds: float, tree: bool = False, rows: int | None = None) -> None:
+        """A pass over n_tokens (a tree's, with `tree`: a row of logits each) took `seconds`;
+        `rows`: the rows of logits it asked for."""
         if n_tokens in self.counts:
             self._seconds.setdefault(n_tokens, Average(8)).add(seconds)
         self.counts.add(n_tokens)
         if tree:
             self.tree_counts.add(n_tokens)
+            self.rows.add(n_tokens)
+        if rows is not None:
+            self.rows.add(rows)
+
+    def rows_for(self, n_rows: int, most: int) -> int:
+        """The rows of logits a pass that needs n_rows asks for, up to `most` (filler rows): the
+        least count met before, else `most`, which a pass filled to the same count asks again."""
+        return min((m for m in self.rows if n_rows <= m <= most), default=most)
 
     def gap(self, n_tokens: int, up: int) -> float:
         """Seconds a pass over `up` tokens is timed above one over the largest count met at most

@@ -295,6 +295,10 @@ def fill_pays(n_tokens: int, met_tokens: int, extra_s: float, network_s: float, 
 TOGETHER_WINDOW = 64
 # Every this many turns for a count of requests, the mode that measured slower runs a turn again.
 TOGETHER_RETRY = 8
+# A turn ends after a quarter of its window where it runs below this share of the other mode's
+# measured rate: over RPC workers 50 ms away four requests of the demo pair drafting made 54 tokens/s
+# and leaning 25, and each leaning turn of a whole window cost as much as two drafting turns.
+TOGETHER_LOSING = 0.5
 
 
 def draft_together(target_on_gpu: bool) -> bool:

@@ -96,10 +96,14 @@ class StepSizer:
         self._turn = (requests, drafting)
         return drafting
 
-    def record_together(self, step: Step) -> None:
-        """Take the tokens of a step made beside other requests (for their turns)."""
+    def record_together(self, step: Step, one_off: bool = False) -> None:
+        """Take the tokens of a step made beside other requests (for their turns); `one_off`: it
+        paid what no later step pays (its turn is measured from now)."""
         if self._turn is not None and self.together is not None:
-            self.together.record(*self._turn, len(step.tokens))
+            if one_off:
+                self.together.restart(*self._turn)
+            else:
+                self.together.record(*self._turn, len(step.tokens))
         self._turn = None
 
     def record(self, step: Step) -> None:

@@ -7,7 +7,8 @@ with its tokens, which differs from machine to machine (rules.draft_together say
 on a CPU, and where the turns are taken). So the requests take turns: while N of them decode together, a turn of TOGETHER_WINDOW
 committed tokens drafts with the model, the next leans on what costs no model pass (lookup, a
 grammar's forced runs); then the mode with more tokens per second runs, the other again every
-TOGETHER_RETRY turns. Each count of requests has its own measurements.
+TOGETHER_RETRY turns, cut short where it runs at under TOGETHER_LOSING of the other's rate. Each
+count of requests has its own measurements.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from specrun.decoding.pay.rules import TOGETHER_RETRY, TOGETHER_WINDOW
+from specrun.decoding.pay.rules import TOGETHER_LOSING, TOGETHER_RETRY, TOGETHER_WINDOW
 
 
 @dataclass
@@ -54,13 +55,24 @@ class Together:
             if turn is None or (turn.requests, turn.drafting) != (requests, drafting):
                 return
             turn.tokens += tokens
-            if turn.tokens < self.window:
-                return
             rate = turn.tokens / max(1e-9, self._clock() - turn.start)
+            other = self._rates.get((requests, not drafting))
+            losing = other is not None and 4 * turn.tokens >= self.window and rate < TOGETHER_LOSING * other
+            if turn.tokens < self.window and not losing:
+                return
             key = (requests, drafting)
             known = self._rates.get(key)
             self._rates[key] = rate if known is None else (known + rate) / 2
             self._turn = None
+
+    def restart(self, requests: int, drafting: bool) -> None:
+        """The turn (`requests`, `drafting`) is measured from now: a pass of it paid a one-off (a
+        count of tokens new to the process over RPC workers: pay.counts), which no later pass of
+        either mode pays again."""
+        with self._lock:
+            turn = self._turn
+            if turn is not None and (turn.requests, turn.drafting) == (requests, drafting):
+                turn.start, turn.tokens = self._clock(), 0
 
     def rate(self, requests: int, drafting: bool) -> float | None:
         """Tokens per second measured in the mode's turns (None before one ended)."""
