@@ -353,6 +353,15 @@ print(json.dumps(out))
 """
 
 
+def _run_script(script: str, home: Path, *endpoints: str) -> dict:
+    """Run a Python script (its arguments: the workers' endpoints, none to run here) in a process
+    of its own; return the JSON it prints."""
+    done = subprocess.run([sys.executable, "-c", script, *endpoints], capture_output=True, text=True,
+                          env=_env(home), timeout=RUN_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 _TWO_PROMPTS = """
 import json, sys
 from specrun.core.sampling import SamplingParams
@@ -378,13 +387,7 @@ def test_a_prompt_over_a_worker_is_filled_to_a_count_met_before_and_answers_the_
     without a worker."""
     from specrun.core.tree_shapes import NETWORK_PASSES
 
-    def run(*endpoints: str) -> dict:
-        done = subprocess.run([sys.executable, "-c", _TWO_PROMPTS, *endpoints], capture_output=True, text=True,
-                              env=_env(tmp_path), timeout=RUN_TIMEOUT_S, check=False)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout)
-
-    here, there = run(), run(worker.endpoint)
+    here, there = (_run_script(_TWO_PROMPTS, tmp_path, *endpoints) for endpoints in ((), (worker.endpoint,)))
     assert there["tokens"] == here["tokens"]
     first, second = there["lengths"]
     assert second < first <= 2 * second and first < 64, there["lengths"]  # (the rule's reach, under TILE_ROWS)
@@ -426,13 +429,7 @@ def test_requests_at_once_over_a_worker_answer_as_here_and_keep_to_the_network_s
     know the network as a request alone does (trees kept to counts met, each count's first pass
     apart, the draft reading a prompt while the target's pass over it runs), their shared passes
     are filled (batching.PassGate._fill), and each answer is the one decoded here."""
-    def run(*endpoints: str) -> dict:
-        done = subprocess.run([sys.executable, "-c", _TWO_AT_ONCE, *endpoints], capture_output=True, text=True,
-                              env=_env(tmp_path), timeout=RUN_TIMEOUT_S, check=False)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout)
-
-    here, there = run(), run(worker.endpoint)
+    here, there = (_run_script(_TWO_AT_ONCE, tmp_path, *endpoints) for endpoints in ((), (worker.endpoint,)))
     assert there["tokens"] == here["tokens"] and all(len(t) == 24 for t in here["tokens"])
     assert here["network"] == [[False, False, False]] * 2 and there["network"] == [[True, True, True]] * 2
     assert there["shared"] > 0 and sum(there["prepared"]) > 0 and sum(here["prepared"]) == 0
