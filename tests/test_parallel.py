@@ -293,7 +293,8 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
     alone. With `network` the target's passes are filled as over RPC workers (the target context's
     network_s set, counts met before noted): the trees' sum filled to one of them, the filler after
     one request's tree in its first sequence (its colours' branches reach deeper); and the draft
-    reads each prompt while the target's pass over it runs (beside it, as if elsewhere)."""
+    reads each prompt while the target's pass over it runs (beside it, as if elsewhere) and grows
+    each request's tree on during their shared passes."""
     monkeypatch.setattr(counts, "_MET", {})
     target, draft = load_model(offline_models.smollm2_f32), load_model(offline_models.smollm2_q4)
     shape = TreeShape(budget=12, depth=6, width=4, top_k=4)
@@ -344,6 +345,8 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
         # Where the target's passes run elsewhere the draft reads each prompt during the prompt's
         # pass (Lane.alone), as a request alone does: its first step catches up with no more.
         assert (sum(decoder.drafter.prepared for decoder in decoders) > 0) == network
+        # ... and grows its tree on during the shared passes, for a share of each (PassGate._run).
+        assert (sum(decoder.drafter.extended for decoder in decoders) > 0) == network
         # Steps whose target pass held other requests' trees drafted with the draft model too.
         assert any(step.shared > 1 and step.draft_passes > 1 for dec in decoders for step in dec.stats.steps)
     finally:

@@ -109,7 +109,7 @@ class Lane:
         own, computed exactly as when the lane decodes alone. `meanwhile(done)`, for a lane of its
         own on a context whose work runs elsewhere: called while the pass runs (beside it:
         engine.compute.start_beside), `done` set when the pass has ended; through a gate, while a
-        pass of this batch alone runs (PassGate._run)."""
+        pass of this batch alone runs, or for a share of a pass shared with others (PassGate._run)."""
         if self.gate is None:
             if meanwhile is not None:
                 job = self.ctx.start_decode(batch)
@@ -206,6 +206,16 @@ class _Handed:
     done: bool = False
 
 
+class _Share:
+    """A pass's end, or a deadline before it: the part of a pass one request's draft grows in."""
+
+    def __init__(self, done: threading.Event, deadline: float):
+        self.done, self.deadline = done, deadline
+
+    def is_set(self) -> bool:
+        return self.done.is_set() or time.perf_counter() >= self.deadline
+
+
 class Room:
     """Where the gates of one set of requests meet (see the module doc): its members are the
     requests decoding now, each waiting at one gate or busy in its own thread."""
@@ -262,6 +272,7 @@ class PassGate:
         self._cond = self.room.cond
         self._waiting: dict[Lane, _Handed] = {}
         self._last_solo = False
+        self._last_s = 0.0  # the last shared pass's seconds (the share of it each request's draft grows in)
         self.shared_passes = 0  # passes that held several requests (for tests and stats)
 
     @property
@@ -381,9 +392,22 @@ class PassGate:
             n += h.batch.n_tokens
         big.n_tokens = n
         filler = self._fill(big, handed, lanes)
-        t0 = time.perf_counter()
-        self.ctx.decode(big)
-        seconds = time.perf_counter() - t0
+        growing = [h.meanwhile for h in handed if h.meanwhile is not None]
+        if growing:
+            # The pass runs elsewhere and every request waits for it: each request's draft grows
+            # its tree on meanwhile (Lane.alone), for a share of the pass's time.
+            job = self.ctx.start_decode(big)
+            t0 = time.perf_counter()
+            try:
+                for i, meanwhile in enumerate(growing):
+                    meanwhile(_Share(job.done, t0 + self._last_s * (i + 1) / len(growing)))
+            finally:
+                seconds = self.ctx.finish_decode(job, big)
+        else:
+            t0 = time.perf_counter()
+            self.ctx.decode(big)
+            seconds = time.perf_counter() - t0
+        self._last_s = seconds
         if filler is not None:
             self.ctx.seq_rm(*filler, -1)
         new_count = met is not None and big.n_tokens not in met.counts

@@ -269,7 +269,7 @@ class SpeculativeDecoder:
             seq_ids = layout.seq_ids if base == 0 else [[base + c for c in s] for s in layout.seq_ids]
             batch.set_tree(layout.tokens, p0 + layout.positions, seq_ids, True)
         # Where the pass runs elsewhere, the draft model grows its tree on meanwhile (drafter.extend).
-        overlap = self.overlap and lane.gate is None and not params.reproducible and not forced
+        overlap = self.overlap and not params.reproducible and not forced
         meanwhile = self.drafter.extend if overlap else None
         logits = lane.run(batch, solo=params.reproducible, meanwhile=meanwhile)
         target_s = lane.pass_s  # llama.cpp's time, not the wait for other requests' batches

@@ -283,6 +283,13 @@ class TreeGrower(ModelDrafter):
         live = self._live
         if live is None or live.anchor is not None:
             return
+        gate = self.lane.gate
+        if gate is not None and not gate.room.running:
+            return
+        with self.lane.alone():
+            self._extend(live, done)
+
+    def _extend(self, live: _Live, done: threading.Event) -> None:
         budget = 4 * live.budget + 32
         depth = min(2 * live.depth + 1, self.lane.n_ctx - live.p0 - 2)
         width, top_k = max(self.shape.width, _EXTEND_WIDTH), self.shape.top_k
