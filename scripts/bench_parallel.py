@@ -24,6 +24,10 @@ same draft model, `peer-ngram` with its `ngram-mod` drafts (all three need --pee
 from the pinned sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release
 && cmake --build build -j2 --target llama-server`). --rounds repeats the whole sweep, servers in
 turn, so slow drifts of the machine show. Run it on a quiet machine.
+
+With --latency-ms L every server runs its target on one `specrun worker` on this machine behind
+bench_rpc.py's delay proxy (L ms one way, --bandwidth-mbit): specrun's `--rpc`, llama-server's
+`--rpc` with every layer there (llama.cpp built with -DGGML_RPC=ON).
 """
 
 from __future__ import annotations
@@ -54,6 +58,22 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "
 
 def main() -> None:
     args = _parse_args()
+    if args.latency_ms is None:
+        return _sweep(args)
+    # The target on a worker behind bench_rpc's delay proxy (its output layer where each server
+    # puts it by default), every server through the same worker in turn.
+    from bench_rpc import DelayProxy, _worker  # (scripts/, beside this one)
+
+    with _worker(args.worker_threads) as port:
+        proxy = DelayProxy(("127.0.0.1", port), args.latency_ms / 1e3, args.bandwidth_mbit * 1e6 / 8)
+        try:
+            args.rpc = f"127.0.0.1:{proxy.port}"
+            _sweep(args)
+        finally:
+            proxy.close()
+
+
+def _sweep(args) -> None:
     clients = [int(c) for c in args.clients.split(",")]
     # Every request of a sweep a prompt of its own (a repeated prompt is drafted from its earlier
     # answer): the warm-up's first, then each row's.
@@ -101,6 +121,10 @@ def _parse_args() -> argparse.Namespace:
                         "base-1, base-N and base-N-plain run its code, to compare with this one's in turns")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--latency-ms", type=float, help="the target on a worker this far away one way (bench_rpc.py's "
+                        "delay proxy), for every server: specrun's and llama-server's --rpc")
+    parser.add_argument("--bandwidth-mbit", type=float, default=1000, help="the link's speed, with --latency-ms")
+    parser.add_argument("--worker-threads", type=int, default=1, help="the worker's threads, with --latency-ms")
     return parser.parse_args()
 
 
@@ -307,7 +331,8 @@ def _start(name: str, args, parallel: int) -> _Server | None:
     port = _free_port()
     argv = [str(args.peer_bin / "llama-server"), "-m", str(target), "--port", str(port), "-np", str(parallel),
             "-c", str(args.ctx_size * parallel), "-t", str(args.threads or os.cpu_count()), "--no-webui",
-            *(["--no-repack"] if sysinfo.repacking_crashes() else [])]
+            *(["--no-repack"] if sysinfo.repacking_crashes() else []),
+            *(["--rpc", args.rpc, "-ngl", "99"] if getattr(args, "rpc", None) else [])]
     if name == "peer-plain":
         pass  # llama-server's plain decoding: requests batched together, no speculation
     elif name == "peer-draft":
@@ -329,7 +354,8 @@ def specrun_server(repo: Path, args, parallel: int, name: str = "specrun") -> _S
                NO_COLOR="1")
     argv = [sys.executable, "-m", "specrun", "serve", "--port", "0", "--ctx-size", str(args.ctx_size),
             "--target", args.target, "--draft", args.draft, "--parallel", str(parallel),
-            *(["--threads", str(args.threads)] if args.threads else []), *(["--no-spec"] if plain else []), *(["--throughput"] if throughput else []), *extra]
+            *(["--threads", str(args.threads)] if args.threads else []), *(["--no-spec"] if plain else []),
+            *(["--throughput"] if throughput else []), *(["--rpc", args.rpc] if getattr(args, "rpc", None) else []), *extra]
     return _Server(argv, env, cwd=repo)
 
 
