@@ -125,7 +125,8 @@ class Lane:
             self.last_batch = (int(batch.positions[0]), batch.n_tokens, 0)
             return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
         handed = self.gate.decode(self, batch, solo, meanwhile)
-        self.shared, self.pass_s, self.pass_tokens, self.new_count = handed.shared, handed.seconds, handed.tokens, handed.new_count
+        self.shared, self.pass_s, self.pass_tokens = handed.shared, handed.seconds, handed.tokens
+        self.new_count = handed.new_count
         self.last_batch = (int(batch.positions[0]), batch.n_tokens, handed.offset)
         return handed.rows
 
@@ -201,7 +202,7 @@ class _Handed:
     offset: int = 0  # where its first token sat in the pass's batch
     tokens: int = 0  # tokens the pass held, every request's
     new_count: bool = False  # the pass met a count of tokens new to the process, over RPC workers (pay.counts)
-    meanwhile: Callable[[threading.Event], None] | None = None  # run beside a pass of this batch alone (Lane.run)
+    meanwhile: Callable[[threading.Event], None] | None = None  # run beside the pass (Lane.run, PassGate._run)
     error: BaseException | None = None
     done: bool = False
 
@@ -371,7 +372,7 @@ class PassGate:
             h = handed[0]
             if h.meanwhile is not None:
                 # The pass runs elsewhere, and every request waits for it: the draft model reads
-                # the request's prompt meanwhile (Lane.alone), as a request alone does.
+                # the request's prompt or grows its tree on meanwhile (Lane.alone), as alone.
                 job = self.ctx.start_decode(h.batch)
                 try:
                     h.meanwhile(job.done)
@@ -431,8 +432,9 @@ class PassGate:
         each tree's own shape (SpeculativeDecoder._network_shape) does not keep few. So the pass
         is filled as a prompt's is (kv.CachedSequence._fill): to a count met before where that
         pays, else to a tree pass's. The filler sits after the tokens of the request with the most
-        room, in its first sequence, past every position its batch holds, asking no logits: no
-        token of any request attends to it. A pass under TILE_ROWS stays under it."""
+        room, in its first sequence, on from its last position there: no token of any request
+        attends to it. Some of it asks rows of logits where the pass's own count of rows was never
+        asked before (MetCounts.rows_for). A pass under TILE_ROWS stays under it."""
         ctx, n = self.ctx, big.n_tokens
         if not ctx.network_s or ctx.chains_only or ctx.window:
             return None  # (a recurrent state would take the filler in; a window-sized cache could drop cells for it)
