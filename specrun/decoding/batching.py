@@ -52,7 +52,7 @@ from typing import Callable
 import numpy as np
 
 from specrun.core.tree_shapes import NETWORK_PASSES
-from specrun.decoding.pay.counts import met_counts
+from specrun.decoding.pay.counts import MetCounts, met_counts
 from specrun.engine import Batch, Context
 from specrun.limits import MAX_SEQ
 
@@ -61,6 +61,30 @@ from specrun.limits import MAX_SEQ
 # first: a pass of this many or more rounds a row as any other such pass does, with the row's cells
 # in the same place (docs/exactness.md, "Prefill against prefill"; kv.resumes_alike measures it).
 TILE_ROWS = 64
+
+
+def fill_count(ctx: Context, n_tokens: int, most: int) -> int:
+    """Filler tokens a pass over n_tokens takes where `ctx`'s work runs on RPC workers (pay.counts),
+    up to `most` tokens in all: to a count met before where that pays, else to a tree pass's count
+    (core.tree_shapes.NETWORK_PASSES), which it then meets; a pass under TILE_ROWS stays under it."""
+    if n_tokens < TILE_ROWS:
+        most = min(most, TILE_ROWS - 1)
+    return met_counts(ctx.model).fill_to(n_tokens, most, ctx.network_s, NETWORK_PASSES) - n_tokens
+
+
+def _decode(ctx: Context, batch: Batch, meanwhile: Callable[[threading.Event], None] | None = None) -> float:
+    """Run the pass over `batch`; return its seconds. `meanwhile(done)`: called while the pass
+    runs (beside it, engine.compute.start_beside: a context whose work runs elsewhere)."""
+    if meanwhile is None:
+        t0 = time.perf_counter()
+        ctx.decode(batch)
+        return time.perf_counter() - t0
+    job = ctx.start_decode(batch)
+    try:
+        meanwhile(job.done)
+    finally:
+        seconds = ctx.finish_decode(job, batch)
+    return seconds
 
 
 class Lane:
@@ -111,16 +135,7 @@ class Lane:
         engine.compute.start_beside), `done` set when the pass has ended; through a gate, while a
         pass of this batch alone runs, or for a share of a pass shared with others (PassGate._run)."""
         if self.gate is None:
-            if meanwhile is not None:
-                job = self.ctx.start_decode(batch)
-                try:
-                    meanwhile(job.done)
-                finally:
-                    self.pass_s = self.ctx.finish_decode(job, batch)
-            else:
-                t0 = time.perf_counter()
-                self.ctx.decode(batch)
-                self.pass_s = time.perf_counter() - t0
+            self.pass_s = _decode(self.ctx, batch, meanwhile)
             self.shared, self.pass_tokens = 1, batch.n_tokens
             self.last_batch = (int(batch.positions[0]), batch.n_tokens, 0)
             return self.ctx.logits() if batch.want_logits[: batch.n_tokens].any() else None
@@ -129,6 +144,12 @@ class Lane:
         self.new_count = handed.new_count
         self.last_batch = (int(batch.positions[0]), batch.n_tokens, handed.offset)
         return handed.rows
+
+    @property
+    def may_run_alone(self) -> bool:
+        """Whether this lane's passes may run at once now: it has no gate, or every request waits
+        for a pass of another context that runs elsewhere (PassGate._run's `meanwhile`)."""
+        return self.gate is None or self.gate.room.running
 
     @contextlib.contextmanager
     def alone(self):
@@ -370,19 +391,9 @@ class PassGate:
         met = met_counts(self.ctx.model) if self.ctx.network_s else None
         if len(handed) == 1:
             h = handed[0]
-            if h.meanwhile is not None:
-                # The pass runs elsewhere, and every request waits for it: the draft model reads
-                # the request's prompt or grows its tree on meanwhile (Lane.alone), as alone.
-                job = self.ctx.start_decode(h.batch)
-                try:
-                    h.meanwhile(job.done)
-                finally:
-                    h.seconds = self.ctx.finish_decode(job, h.batch)
-            else:
-                t0 = time.perf_counter()
-                self.ctx.decode(h.batch)
-                h.seconds = time.perf_counter() - t0
-            h.shared, h.tokens = 1, h.batch.n_tokens
+            # (Where the pass runs elsewhere every request waits for it: the draft model reads the
+            # request's prompt or grows its tree on meanwhile, Lane.alone, as alone.)
+            h.seconds, h.shared, h.tokens = _decode(self.ctx, h.batch, h.meanwhile), 1, h.batch.n_tokens
             h.rows = self.ctx.logits() if h.batch.want_logits[: h.batch.n_tokens].any() else None
             h.new_count = met is not None and h.tokens not in met.counts  # (its lane notes the count)
             return
@@ -392,23 +403,17 @@ class PassGate:
             h.batch.copy_to(big, n)
             n += h.batch.n_tokens
         big.n_tokens = n
-        filler = self._fill(big, handed, lanes)
+        filler = self._fill(big, handed, lanes, met)
         growing = [h.meanwhile for h in handed if h.meanwhile is not None]
-        if growing:
+
+        def grow(done: threading.Event) -> None:
             # The pass runs elsewhere and every request waits for it: each request's draft grows
             # its tree on meanwhile (Lane.alone), for a share of the pass's time.
-            job = self.ctx.start_decode(big)
             t0 = time.perf_counter()
-            try:
-                for i, meanwhile in enumerate(growing):
-                    meanwhile(_Share(job.done, t0 + self._last_s * (i + 1) / len(growing)))
-            finally:
-                seconds = self.ctx.finish_decode(job, big)
-        else:
-            t0 = time.perf_counter()
-            self.ctx.decode(big)
-            seconds = time.perf_counter() - t0
-        self._last_s = seconds
+            for i, meanwhile in enumerate(growing):
+                meanwhile(_Share(done, t0 + self._last_s * (i + 1) / len(growing)))
+
+        seconds = self._last_s = _decode(self.ctx, big, grow if growing else None)
         if filler is not None:
             self.ctx.seq_rm(*filler, -1)
         new_count = met is not None and big.n_tokens not in met.counts
@@ -423,9 +428,11 @@ class PassGate:
             row += wanted
             offset += h.batch.n_tokens
 
-    def _fill(self, big: Batch, handed: list[_Handed], lanes: list[Lane]) -> tuple[int, int] | None:
-        """Add filler tokens to a shared pass over RPC workers; return (sequence, position) from
-        which they sit, to be given back after the pass (None: no filler).
+    def _fill(self, big: Batch, handed: list[_Handed], lanes: list[Lane],
+              met: MetCounts | None) -> tuple[int, int] | None:
+        """Add filler tokens to a shared pass over RPC workers (`met`: the model's counts there,
+        None elsewhere); return (sequence, position) from which they sit, to be given back after
+        the pass (None: no filler).
 
         A pass over a count of tokens not met before in the process costs round trips there
         (decoding.pay.counts), and a shared pass holds the sum of its requests' trees: counts
@@ -436,16 +443,13 @@ class PassGate:
         attends to it. Some of it asks rows of logits where the pass's own count of rows was never
         asked before (MetCounts.rows_for). A pass under TILE_ROWS stays under it."""
         ctx, n = self.ctx, big.n_tokens
-        if not ctx.network_s or ctx.chains_only or ctx.window:
+        if met is None or ctx.chains_only or ctx.window:
             return None  # (a recurrent state would take the filler in; a window-sized cache could drop cells for it)
         # Cells a request holds in the pass: its committed text (before its batch's first
         # position) and the batch's tokens; a request's lane bounds them.
         rooms = [lane.n_ctx - int(h.batch.positions[0]) - h.batch.n_tokens for lane, h in zip(lanes, handed)]
         pick = int(np.argmax(rooms))
-        most = n + min(rooms[pick], big.capacity - n)
-        if n < TILE_ROWS:
-            most = min(most, TILE_ROWS - 1)
-        fill = met_counts(ctx.model).fill_to(n, most, ctx.network_s, NETWORK_PASSES) - n
+        fill = fill_count(ctx, n, n + min(rooms[pick], big.capacity - n))
         if fill <= 0:
             return None
         batch, seq = handed[pick].batch, lanes[pick].base
@@ -458,7 +462,7 @@ class PassGate:
         # The last layer computes the rows of logits asked for only: filler rows ask for some
         # where the pass's own rows are a count no pass asked for before (rows_for).
         rows = int(big.want_logits[:n].sum())
-        asked = met_counts(ctx.model).rows_for(rows, rows + fill) - rows
+        asked = met.rows_for(rows, rows + fill) - rows
         for i in range(fill):
             big.add(token, start + i, (seq,), i < asked)
         return seq, start

@@ -8,8 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from specrun.core.tree_shapes import NETWORK_PASSES
-from specrun.decoding.batching import TILE_ROWS, Lane
+from specrun.decoding.batching import TILE_ROWS, Lane, fill_count
 from specrun.decoding.pay.counts import met_counts
 from specrun.engine import Batch, chains_may_match, list_devices, llama_version_info, system_info
 from specrun.errors import ContextFullError, EngineError, UsageError
@@ -328,10 +327,7 @@ class CachedSequence:
         ctx = self.ctx
         if not ctx.network_s or n < 2 or ctx.has_state or ctx.window:
             return 0  # (a recurrent state would take the filler in; a window-sized cache could drop cells for it)
-        most = min(self.batch.capacity, self.lane.n_ctx - start)
-        if n < TILE_ROWS:
-            most = min(most, TILE_ROWS - 1)
-        fill = met_counts(ctx.model).fill_to(n, most, ctx.network_s, NETWORK_PASSES) - n
+        fill = fill_count(ctx, n, min(self.batch.capacity, self.lane.n_ctx - start))
         for i in range(fill):
             self.batch.add(self.batch.tokens[n - 1], start + n + i, (self.seq,), False)
         return fill

@@ -214,10 +214,12 @@ class Runtime:
         gate per context, the two gates meeting in one room."""
         n = plan.target_ctx.parallel
         offload_step = offload.op_offload_step(plan.placement, plan.devices)  # (0 without a GPU here)
+        # (Each request's decoder, alone or one of several, is told where the target's passes run.)
+        where = dict(overlap=self.overlap, network_sizes=self.network_sizes, network_s=self.network_s,
+                     offload_step=offload_step)
         if n == 1:
             return [make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
-                                 memory=self.memory, overlap=self.overlap, network_sizes=self.network_sizes,
-                                 network_s=self.network_s, offload_step=offload_step)]
+                                 memory=self.memory, **where)]
         gate = PassGate(self.target_ctx)
         # The draft model's context, or the target's MTP context: one pass drafts for every request.
         draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft_ctx is not None else None
@@ -231,8 +233,7 @@ class Runtime:
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                          lane=lane, draft_lane=draft_lane, together=together, memory=self.memory,
-                                         overlap=self.overlap, network_sizes=self.network_sizes,
-                                         network_s=self.network_s, offload_step=offload_step))
+                                         **where))
         return decoders
 
     def _load_memory(self, scope: str | None) -> None:

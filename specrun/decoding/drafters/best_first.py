@@ -265,8 +265,7 @@ class TreeGrower(ModelDrafter):
         one core, which the target's prefill 50 ms away left idle. Beside other requests only
         within a pass of the target's that holds this prompt alone (batching.PassGate._run), where
         every request waits for it: the draft's passes then run at once, not through its gate."""
-        gate = self.lane.gate
-        if gate is not None and not gate.room.running:
+        if not self.lane.may_run_alone:
             return
         with self.lane.alone():
             self._drop_tree()
@@ -283,8 +282,7 @@ class TreeGrower(ModelDrafter):
         live = self._live
         if live is None or live.anchor is not None:
             return
-        gate = self.lane.gate
-        if gate is not None and not gate.room.running:
+        if not self.lane.may_run_alone:
             return
         with self.lane.alone():
             self._extend(live, done)

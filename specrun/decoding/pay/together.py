@@ -66,9 +66,9 @@ class Together:
             self._turn = None
 
     def restart(self, requests: int, drafting: bool) -> None:
-        """The turn (`requests`, `drafting`) is measured from now: a pass of it paid a one-off (a
-        count of tokens new to the process over RPC workers: pay.counts), which no later pass of
-        either mode pays again."""
+        """The turn (`requests`, `drafting`) is measured from now: a step of it paid a one-off (a
+        count of tokens new to the process over RPC workers, pay.counts; the draft brought up to a
+        request's prompt), which no later step of either mode pays again."""
         with self._lock:
             turn = self._turn
             if turn is not None and (turn.requests, turn.drafting) == (requests, drafting):
