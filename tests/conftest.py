@@ -9,6 +9,7 @@ the reason; they never skip.
 from __future__ import annotations
 
 import os
+import time
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,3 +255,23 @@ def virtual_clock(monkeypatch):
         return clock
 
     return install
+
+
+# A round trip added to each target pass where a test has it run "elsewhere": what a worker a few
+# milliseconds away adds, long enough for several draft passes on the test CPU however busy.
+ROUND_TRIP_S = 0.04
+
+
+def passes_a_round_trip_away(ctx) -> None:
+    """Make `ctx`'s passes started beside (engine.compute.start_beside) end ROUND_TRIP_S after
+    their compute, as a pass on an RPC worker does: the draft's work meanwhile then has a pass's
+    worth of time whatever else the machine runs (without it, how much the draft grew during a
+    30 ms CPU pass followed the load: one CI run grew no node the next pass took)."""
+    from specrun.engine import compute, context as engine_context
+
+    def away(ptr, struct):
+        rc, seconds = engine_context._timed_decode(ptr, struct)
+        time.sleep(ROUND_TRIP_S)
+        return rc, seconds + ROUND_TRIP_S
+
+    ctx.start_decode = lambda batch: compute.start_beside(away, ctx.ptr, ctx._struct(batch))

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import MODEL_CACHE
+from conftest import MODEL_CACHE, passes_a_round_trip_away
 from pinned_sources import template
 from test_server import API_KEY, TARGET, ServerProcess
 from test_server_structured import ADD, PERSON, WEATHER
@@ -324,6 +324,7 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
         passes = []  # shared passes: (the requests' tokens, the pass's)
         if network:
             shared_ctx.network_s = 0.05
+            passes_a_round_trip_away(shared_ctx)  # (the draft's work meanwhile whatever the load)
             for n_tokens in (9, 17, 25, 33, 41, 49, 57):
                 counts.met_counts(target).note(n_tokens, 0.1, tree=True)
         gate, draft_gate, lanes, decoders = _tree_decoders(target, draft, shared_ctx, context(draft, 3, 64), shape, 3)

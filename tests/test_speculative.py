@@ -38,7 +38,7 @@ from specrun.decoding.stream import generate, token_ids
 from specrun.errors import ContextFullError
 from tiny_archs import tiny_arch_model
 
-from conftest import MODEL_CACHE, TINY_THREADS
+from conftest import MODEL_CACHE, TINY_THREADS, passes_a_round_trip_away
 
 GREEDY = SamplingParams()
 
@@ -335,26 +335,6 @@ def test_greedy_through_trees_grown_online_equals_plain_decoding(draft, target, 
     check_divergences(divergences, n_runs, f"trees grown online, {draft} draft")
 
 
-# A round trip added to each target pass where a test has it run "elsewhere": what a worker a few
-# milliseconds away adds, long enough for several draft passes on the test CPU however busy.
-ROUND_TRIP_S = 0.04
-
-
-def _passes_a_round_trip_away(ctx) -> None:
-    """Make `ctx`'s passes started beside (engine.compute.start_beside) end ROUND_TRIP_S after
-    their compute, as a pass on an RPC worker does: the draft's work meanwhile then has a pass's
-    worth of time whatever else the machine runs (without it, how much the draft grew during a
-    30 ms CPU pass followed the load: one CI run grew no node the next pass took)."""
-    from specrun.engine import compute, context as engine_context
-
-    def away(ptr, struct):
-        rc, seconds = engine_context._timed_decode(ptr, struct)
-        time.sleep(ROUND_TRIP_S)
-        return rc, seconds + ROUND_TRIP_S
-
-    ctx.start_decode = lambda batch: compute.start_beside(away, ctx.ptr, ctx._struct(batch))
-
-
 @pytest.mark.parametrize("draft", ["agreeing", "random"])
 @pytest.mark.parametrize("grown", [False, True], ids=["chain", "grown online"])
 def test_greedy_with_the_draft_growing_its_tree_while_the_target_verifies_equals_plain_decoding(
@@ -372,7 +352,7 @@ def test_greedy_with_the_draft_growing_its_tree_while_the_target_verifies_equals
         script = iter(GROWTH_SCRIPT * 100)
         drafter._choose = lambda: next(script)
     target_ctx = contexts(target)
-    _passes_a_round_trip_away(target_ctx)
+    passes_a_round_trip_away(target_ctx)
     spec = SpeculativeDecoder(target, target_ctx, drafter, TreeShape(64, 24, 4, 2) if grown else TreeShape.chain(5))
     spec.overlap = True
     divergences, reused, n_runs = [], 0, 0
