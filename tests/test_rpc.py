@@ -487,6 +487,89 @@ def test_a_worker_killed_mid_answer_ends_that_answer_and_the_server_stays_up(off
     assert rc == 0, server.stderr
 
 
+def _stream(url: str, body: dict, pieces: list[str], started: threading.Event | None = None,
+            kill_after: tuple[int, Worker] | None = None) -> dict | None:
+    """Stream a completion into `pieces` (setting `started` at its first piece; killing a worker
+    after so many pieces); return the error event that ended it, if one did."""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return event["error"]
+            pieces.append(event["choices"][0]["text"])
+            if started is not None:
+                started.set()
+            if kill_after is not None and len(pieces) == kill_after[0]:
+                kill_after[1].kill()
+    return None
+
+
+def test_clients_at_once_over_a_worker_are_answered_together_and_as_alone(worker, tmp_path):
+    """`serve --rpc` relays as many requests at once as its lanes (--parallel) to the process that
+    holds the target: a short request sent while a long answer streams is answered before that
+    answer ends, and both answers are the ones each prompt gets alone (greedy; the Q4_1 target
+    rounds a row alike in a pass shared or not, docs/exactness.md)."""
+    server = ServerProcess(tmp_path, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", worker.endpoint,
+                           "--parallel", "2")
+    try:
+        url = server.wait_ready()
+        long = {"model": "x", "prompt": COUNTING, "max_tokens": 160, "temperature": 0,
+                "logit_bias": {str(t): -100 for t in (0, 1, 2)}}  # no end-of-text: it counts on
+        short = {"model": "x", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        long_pieces, short_pieces, started = [], [], threading.Event()
+        streaming = threading.Thread(target=_stream, args=(url, long, long_pieces, started))
+        streaming.start()
+        assert started.wait(120), server.stderr
+        assert _stream(url, short, short_pieces) is None
+        long_seen = len(long_pieces)
+        streaming.join(300)
+        assert not streaming.is_alive()
+        assert long_seen < len(long_pieces), "the short answer waited for the long one to end"
+        for body, pieces in ((short, short_pieces), (long, long_pieces)):
+            alone = httpx.post(url + "/v1/completions", json=body, timeout=300)
+            assert alone.status_code == 200, alone.text
+            assert alone.json()["choices"][0]["text"] == "".join(pieces)
+    finally:
+        rc = server.terminate()
+    assert rc == 0, server.stderr
+    assert "one request at a time" not in server.stderr
+
+
+def test_a_worker_killed_under_two_answers_ends_both_and_the_server_stays_up(offline_models, tmp_path):
+    """Two answers in flight through one child process when the worker goes: each ends with the
+    error naming it (the relay tells every answer of a lost child, not only the first)."""
+    w = Worker(tmp_path)
+    server = ServerProcess(tmp_path, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", w.endpoint,
+                           "--parallel", "2")
+    try:
+        url = server.wait_ready()
+        body = {"model": "x", "prompt": COUNTING, "max_tokens": 900, "temperature": 0,
+                "logit_bias": {str(t): -100 for t in (0, 1, 2)}}
+        first, errors, started = [], {}, threading.Event()
+
+        def first_answer() -> None:
+            errors["first"] = _stream(url, body, first, started)
+
+        thread = threading.Thread(target=first_answer)
+        thread.start()
+        assert started.wait(120), server.stderr
+        errors["second"] = _stream(url, {**body, "prompt": PROMPT}, [], kill_after=(3, w))
+        thread.join(120)
+        assert not thread.is_alive()
+        for name in ("first", "second"):
+            error = errors[name]
+            assert error is not None, f"the {name} answer ran to its end although its worker was killed"
+            assert w.endpoint in error["message"] and error["code"] == "rpc_worker_lost", error
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+    finally:
+        rc = server.terminate()
+        w.kill()
+    assert rc == 0, server.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # The plan over two workers
 

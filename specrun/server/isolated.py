@@ -5,15 +5,18 @@ llama.cpp's RPC client ends the whole process when a worker's connection breaks 
 naming the worker that went away (the child says which before it ends), the HTTP server stays up,
 and the next request waits while a new child loads the models again, reconnecting to the workers.
 
-The parent keeps GenerationWorker's queue (QueueWorker) and relays one job at a time to the
-child's GenerationWorker over a pipe: the job's fields there, its events back, a cancel when the
-client leaves.
+The parent keeps GenerationWorker's queue (QueueWorker) and relays as many jobs at once as the
+child decodes (its `--parallel` lanes) to the child's GenerationWorker over one pipe: each job's
+fields there, its events back by the job's id (one thread reads the pipe and hands each event to
+its job's relay), a cancel when the client leaves. A lost worker ends every answer in flight, each
+with the error that names it; the first relay to see it loads the models again.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 from dataclasses import dataclass, fields
@@ -33,6 +36,8 @@ log = logging.getLogger("specrun.server")
 
 # How long a child has to end after it was told to stop, before it is killed.
 CHILD_STOP_S = 30.0
+# Jobs the child's worker may hold waiting (the parent admits no more than its lanes at once).
+_CHILD_QUEUE = 64
 # A job's fields that stay with the parent's event loop; the others travel to the child.
 _LOOP_FIELDS = ("loop", "events", "cancel")
 
@@ -45,12 +50,13 @@ class IsolatedWorker(QueueWorker):
         super().__init__(queue_size, on_ready, on_load_error, reproducible)
         self.opts, self.chat, self.verbose = opts, chat, verbose
         self._child: _Child | None = None
+        self._child_lock = threading.Lock()  # held while a child is replaced: the relays wait for it
 
     def _load(self) -> str:
         self._child = _Child.start(self.opts, self.chat, self.verbose, self._stopping)
         if self._child is None:  # stopped while loading
             return ""
-        self.model = self._child.model
+        self.model, self.parallel = self._child.model, self._child.parallel
         return self._child.description
 
     def _unload(self) -> None:
@@ -58,10 +64,12 @@ class IsolatedWorker(QueueWorker):
             self._child.stop()
 
     def _serve(self, job: Job) -> None:
-        if self._child is None and not self._reload(job):
-            return
+        with self._child_lock:
+            if self._child is None and not self._reload(job):
+                return
+            child = self._child
         try:
-            lost = self._child.answer(job, self._stopping)
+            lost = child.answer(job, self._stopping)
         except Exception:  # nothing one request does may end the relay (a job that cannot travel, ...)
             log.exception("request %s failed", job.id)
             job.emit(Failed(APIError(500, "internal error; the server logged it")))
@@ -69,10 +77,13 @@ class IsolatedWorker(QueueWorker):
         if lost is None:
             return
         job.emit(Failed(APIError(502, lost, code="rpc_worker_lost")))
-        ui.warn(f"{job.id}: {lost}; loading the model again for the next request")
-        self._child.stop()
-        self._child = None
-        self._reload(None)  # now, so that the next request need not wait for it
+        with self._child_lock:
+            if self._child is not child:  # another answer in flight saw it first and reloaded
+                return
+            ui.warn(f"{job.id}: {lost}; loading the model again for the next request")
+            child.stop()
+            self._child = None
+            self._reload(None)  # now, so that the next request need not wait for it
 
     def _reload(self, job: Job | None) -> bool:
         """Load the models in a new child; where that fails, say why to the job waiting for it
@@ -93,12 +104,19 @@ class IsolatedWorker(QueueWorker):
 
 @dataclass
 class _Child:
-    """One child process with its loaded models."""
+    """One child process with its loaded models, and the thread that reads its pipe."""
 
     process: multiprocessing.Process
     conn: Connection
     model: object  # worker.ModelInfo
     description: str
+    parallel: int = 1  # jobs its worker answers at once
+    lost: str | None = None  # why it was lost, once it is (a worker gone, the process ended)
+
+    def __post_init__(self):
+        self._send_lock = threading.Lock()
+        self._routes: dict[str, queue.SimpleQueue] = {}  # a job in flight's events, by its id
+        self._routes_lock = threading.Lock()
 
     @classmethod
     def start(cls, opts: RunOptions, chat: ChatSettings, verbose: bool, stopping: threading.Event) -> _Child | None:
@@ -120,53 +138,84 @@ class _Child:
                 raise SpecrunError(f"the generation process ended while loading (exit {process.exitcode})")
             kind, reason, *rest = message
             if kind == "ready":
-                child.model, child.description = reason, rest[0]
+                child.model, (child.description, child.parallel) = reason, rest
+                threading.Thread(target=child._pump, name="specrun-relay", daemon=True).start()
                 return child
             child.stop()
             raise reason if kind == "load_error" else SpecrunError(reason)  # "lost": a worker went away
 
     def answer(self, job: Job, stopping: threading.Event) -> str | None:
         """Relay one job to the child and its events back; return why the child was lost, or None."""
+        route: queue.SimpleQueue = queue.SimpleQueue()
+        with self._routes_lock:
+            if self.lost is not None:
+                return self.lost
+            self._routes[job.id] = route
         try:
-            self.conn.send(("job", {f.name: getattr(job, f.name) for f in fields(Job) if f.name not in _LOOP_FIELDS}))
-        except OSError:
-            return self._ended()
-        cancel_sent = False
-        while True:
-            if job.cancel.is_set() and not cancel_sent:
-                try:
-                    self.conn.send(("cancel", job.id))
-                except OSError:
-                    pass  # gone: the next receive says so
-                cancel_sent = True
-            message = self._receive(None, timeout=POLL_S)
-            if message is None:
+            if not self._send(("job", {f.name: getattr(job, f.name) for f in fields(Job) if f.name not in _LOOP_FIELDS})):
                 return self._ended()
-            if message == "waiting":
-                continue
+            cancel_sent = False
+            while True:
+                if job.cancel.is_set() and not cancel_sent:
+                    self._send(("cancel", job.id))  # (gone: the pump says so)
+                    cancel_sent = True
+                try:
+                    event = route.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+                if event is None:  # the child was lost
+                    return self.lost
+                if stopping.is_set() and isinstance(event, Finished) and event.finish_reason == "cancelled":
+                    event = Failed(shutting_down())
+                job.emit(event)
+                if isinstance(event, (Finished, Failed)):
+                    return None
+        finally:
+            with self._routes_lock:
+                self._routes.pop(job.id, None)
+
+    def _send(self, message) -> bool:
+        """Send a message to the child; False where it is gone."""
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+            return True
+        except OSError:
+            return False
+
+    def _pump(self) -> None:
+        """Hand each event the child sends to its job's relay (an event of a job nobody relays any
+        more, the rest of a cancelled answer, is dropped); once the child is lost, tell them all."""
+        while True:
+            message = self._receive(None)
+            if message is None:
+                lost = self._ended()
+                break
             kind, *payload = message
             if kind == "lost":
-                return payload[0]
+                lost = payload[0]
+                break
             job_id, event = payload
-            if job_id != job.id:
-                continue  # the rest of an earlier job's answer, which nobody reads any more
-            if stopping.is_set() and isinstance(event, Finished) and event.finish_reason == "cancelled":
-                event = Failed(shutting_down())
-            job.emit(event)
-            if isinstance(event, (Finished, Failed)):
-                return None
+            with self._routes_lock:
+                route = self._routes.get(job_id)
+            if route is not None:
+                route.put(event)
+        with self._routes_lock:
+            self.lost = lost
+            for route in self._routes.values():
+                route.put(None)
 
     def _ended(self) -> str:
         """Return why a job got no answer from a child that is gone (without a word)."""
         self.process.join(CHILD_STOP_S)
         return f"the generation process ended (exit {self.process.exitcode}) in the middle of the answer"
 
-    def _receive(self, stopping: threading.Event | None, timeout: float | None = None):
-        """Return the child's next message; "waiting" after `timeout` seconds without one; None
-        once the child is gone (or, while loading, once the server stops)."""
+    def _receive(self, stopping: threading.Event | None):
+        """Return the child's next message; None once the child is gone (or, while loading, once
+        the server stops)."""
         while True:
             try:
-                if self.conn.poll(POLL_S if timeout is None else timeout):
+                if self.conn.poll(POLL_S):
                     return self.conn.recv()
             except (EOFError, OSError):
                 return None
@@ -174,15 +223,10 @@ class _Child:
                 return None
             if stopping is not None and stopping.is_set():
                 return None
-            if timeout is not None:
-                return "waiting"
 
     def stop(self) -> None:
         """Tell the child to let its models go and end; kill it if it does not."""
-        try:
-            self.conn.send(("stop",))
-        except OSError:
-            pass
+        self._send(("stop",))
         self.process.join(CHILD_STOP_S)
         if self.process.is_alive():
             self.process.kill()
@@ -220,7 +264,9 @@ def _child_main(conn: Connection, opts: RunOptions, chat: ChatSettings, verbose:
             conn.send(message)
 
     rpc.on_lost_worker(lambda message: send(("lost", message)))
-    worker = GenerationWorker(opts, 1, lambda w, description: send(("ready", w.model, description)),
+    # (The parent sends no more jobs at once than the worker answers at once: the queue holds a
+    # job whose predecessor's answer has ended but whose lane is not yet free.)
+    worker = GenerationWorker(opts, _CHILD_QUEUE, lambda w, description: send(("ready", w.model, description, w.parallel)),
                               lambda error: send(("load_error", _portable(error))), chat)
     worker.start()
     jobs: dict[str, _PipedJob] = {}

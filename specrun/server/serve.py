@@ -66,9 +66,7 @@ def serve(opts: RunOptions, host: str, port: int, settings: ServerSettings, queu
                 "cache past 511 cells, by where its cells sit; --kv-type q8_0 does not, --parallel 1 neither "
                 "(docs/exactness.md)")
     if opts.rpc:  # a lost RPC worker ends the process that loaded the target: not this one
-        if (opts.parallel or 1) > 1:
-            ui.warn("--rpc: the server answers one request at a time (the target's process relays one job at once)")
-        worker = IsolatedWorker(replace(opts, parallel=1), queue_size, on_ready, on_load_error, chat, settings.verbose,
+        worker = IsolatedWorker(opts, queue_size, on_ready, on_load_error, chat, settings.verbose,
                                 settings.reproducible)
     else:
         worker = GenerationWorker(opts, queue_size, on_ready, on_load_error, chat, settings.reproducible)
