@@ -77,16 +77,18 @@ def test_a_pass_is_filled_to_the_least_met_count_above_it_where_that_pays():
     for n, seconds in ((30, 0.20), (40, 0.35)):  # timed: 40 tokens cost 0.15 s more than 30
         met.note(n, seconds)
         met.note(n, seconds)
-    assert met.gap(35, 40) == pytest.approx(0.15)
-    assert met.fill_to(35, 512, 0.1) == 35  # the filler would cost more than a round trip a pass
-    assert met.fill_to(35, 512, 0.2) == 40
-    # Each pass filled so counts what its filler cost (0.15 s): past NEW_COUNT_TRIPS round trips
-    # in all (0.8 s), a pass over 35 tokens meets that count instead.
+    # The filler's 5 tokens of a 35-token pass: half those 0.15 s (the difference is shared by the
+    # tokens between the timed counts, not charged whole to the filler).
+    assert met.gap(35, 40) == pytest.approx(0.075) and met.gap(31, 40) == pytest.approx(0.135)
+    assert met.fill_to(35, 512, 0.05) == 35  # the filler would cost more than a round trip a pass
+    assert met.fill_to(35, 512, 0.1) == 40
+    # Each pass filled so counts what its filler cost (0.075 s): past NEW_COUNT_TRIPS round trips
+    # in all (0.4 s), a pass over 35 tokens meets that count instead.
     assert rules.NEW_COUNT_TRIPS == 4
-    assert [met.fill_to(35, 512, 0.2) for _ in range(6)] == [40, 40, 40, 40, 35, 35]
+    assert [met.fill_to(35, 512, 0.1) for _ in range(7)] == [40] * 4 + [35] * 3
     # Where no met count pays the pass meets a new count anyway: one of `shared` within FILL_GRID.
-    assert met.fill_to(35, 512, 0.1, shared=(33, 41, 49)) == 41
-    assert met.fill_to(35, 40, 0.1, shared=(33, 41, 49)) == 35 and met.fill_to(30, 512, 0.1, shared=(41,)) == 30
+    assert met.fill_to(35, 512, 0.05, shared=(33, 41, 49)) == 41
+    assert met.fill_to(35, 40, 0.05, shared=(33, 41, 49)) == 35 and met.fill_to(30, 512, 0.05, shared=(41,)) == 30
     assert met_counts(type("M", (), {"path": "/x.gguf"})()) is met_counts(type("M", (), {"path": "/x.gguf"})())
     # A tree is filled only to a count a tree's pass met (not a prompt's, which its filler nodes would
     # take at every step); a count any pass met is met for it.
