@@ -538,6 +538,35 @@ def test_clients_at_once_over_a_worker_are_answered_together_and_as_alone(worker
     assert "one request at a time" not in server.stderr
 
 
+def test_over_a_worker_a_prompt_that_cannot_fit_is_refused_as_it_arrives(worker, tmp_path):
+    """The process that holds the target reads a request's prompt as it arrives (the parent has
+    no tokenizer): one over the context gets its 400 while the one lane is busy with another
+    answer, not once its turn comes; a prompt that fits is answered at its turn as ever."""
+    server = ServerProcess(tmp_path, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", worker.endpoint,
+                           "--parallel", "1")
+    try:
+        url = server.wait_ready()
+        long = {"model": "x", "prompt": COUNTING, "max_tokens": 400, "temperature": 0,
+                "logit_bias": {str(t): -100 for t in (0, 1, 2)}}
+        pieces, started = [], threading.Event()
+        streaming = threading.Thread(target=_stream, args=(url, long, pieces, started))
+        streaming.start()
+        assert started.wait(120), server.stderr
+        over = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "sea " * 2000, "max_tokens": 8},
+                          timeout=300)
+        busy = streaming.is_alive()
+        assert over.status_code == 400, over.text
+        assert over.json()["error"]["code"] == "context_length_exceeded", over.text
+        assert busy, "the refusal waited for the answer before it"
+        fits = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": PROMPT, "max_tokens": 8,
+                                                         "temperature": 0}, timeout=300)
+        assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] > 0, fits.text
+        streaming.join(300)
+    finally:
+        rc = server.terminate()
+    assert rc == 0, server.stderr
+
+
 def test_a_worker_killed_under_two_answers_ends_both_and_the_server_stays_up(offline_models, tmp_path):
     """Two answers in flight through one child process when the worker goes: each ends with the
     error naming it (the relay tells every answer of a lost child, not only the first)."""

@@ -7,13 +7,15 @@ and the next request waits while a new child loads the models again, reconnectin
 
 The parent keeps GenerationWorker's queue (QueueWorker) and relays as many jobs at once as the
 child decodes (its `--parallel` lanes) to the child's GenerationWorker over one pipe: each job's
-fields there, its events back by the job's id (one thread reads the pipe and hands each event to
-its job's relay), a cancel when the client leaves. A lost worker ends every answer in flight, each
+prompt there as the job arrives, read and checked at once (a prompt that cannot fit is refused
+then, not at its turn), the job at its turn, its events back by the job's id (one thread reads the
+pipe and hands each event to its job's relay), a cancel when the client leaves. A lost worker ends every answer in flight, each
 with the error that names it; the first relay to see it loads the models again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import queue
@@ -28,7 +30,7 @@ from specrun.engine import rpc
 from specrun.errors import SpecrunError
 from specrun.runtime.options import RunOptions
 from specrun.server.heap import bound_malloc_arenas
-from specrun.server.jobs import POLL_S, Failed, Finished, Job, shutting_down
+from specrun.server.jobs import POLL_S, Failed, Finished, Job, ReadPrompt, shutting_down
 from specrun.server.schemas import APIError
 from specrun.server.worker import GenerationWorker, QueueWorker
 
@@ -62,6 +64,14 @@ class IsolatedWorker(QueueWorker):
     def _unload(self) -> None:
         if self._child is not None:
             self._child.stop()
+
+    async def _read_on_arrival(self, job: Job) -> None:
+        """Have the child read the job's prompt as it arrives: one that cannot be answered (it does
+        not fit the context, ...) is refused at once, not at its turn, after the answers before
+        it. Where there is no child now (loading again), at its turn."""
+        child = self._child
+        if child is not None:
+            job.read = await asyncio.to_thread(child.read, job)
 
     def _serve(self, job: Job) -> None:
         with self._child_lock:
@@ -152,7 +162,7 @@ class _Child:
                 return self.lost
             self._routes[job.id] = route
         try:
-            if not self._send(("job", {f.name: getattr(job, f.name) for f in fields(Job) if f.name not in _LOOP_FIELDS})):
+            if not self._send(("job", _travelling(job))):
                 return self._ended()
             cancel_sent = False
             while True:
@@ -173,6 +183,25 @@ class _Child:
         finally:
             with self._routes_lock:
                 self._routes.pop(job.id, None)
+
+    def read(self, job: Job) -> ReadPrompt | None:
+        """The job's prompt as the child's worker reads it (GenerationWorker.read_arriving); raise
+        its refusal; None where the child is lost meanwhile (the prompt is read at its turn)."""
+        key, route = f"read:{job.id}", queue.SimpleQueue()
+        with self._routes_lock:
+            if self.lost is not None:
+                return None
+            self._routes[key] = route
+        try:
+            if not self._send(("read", _travelling(job))):
+                return None
+            read = route.get()  # (the pump puts None there once the child is lost)
+        finally:
+            with self._routes_lock:
+                self._routes.pop(key, None)
+        if isinstance(read, APIError):
+            raise read
+        return read
 
     def _send(self, message) -> bool:
         """Send a message to the child; False where it is gone."""
@@ -252,6 +281,26 @@ class _PipedJob(Job):
             self._jobs.pop(self.id, None)
 
 
+def _travelling(job: Job) -> dict:
+    """The job's fields that travel to the child."""
+    return {f.name: getattr(job, f.name) for f in fields(Job) if f.name not in _LOOP_FIELDS}
+
+
+def _read_arriving(worker: GenerationWorker, send, job_fields: dict) -> None:
+    """Read an arriving job's prompt (in a thread of its own: the pipe's reader goes on) and send
+    back what it reads as, or its refusal; None where reading it failed otherwise (read again at
+    its turn, where the failure is answered as any)."""
+    job = Job(loop=None, **job_fields)
+    try:
+        read = worker.read_arriving(job)
+    except APIError as e:
+        read = e
+    except Exception:
+        log.exception("reading the prompt of %s failed", job.id)
+        read = None
+    send(("event", f"read:{job.id}", read))
+
+
 def _child_main(conn: Connection, opts: RunOptions, chat: ChatSettings, verbose: bool) -> None:
     """Load the models, answer the jobs the parent sends, end when it says stop (or is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
@@ -282,6 +331,8 @@ def _child_main(conn: Connection, opts: RunOptions, chat: ChatSettings, verbose:
                     worker.submit(job)
                 except APIError as e:
                     job.emit(Failed(e))
+            elif kind == "read":
+                threading.Thread(target=_read_arriving, args=(worker, send, rest[0]), daemon=True).start()
             elif kind == "cancel" and rest[0] in jobs:
                 jobs[rest[0]].cancel.set()
     except (EOFError, OSError):

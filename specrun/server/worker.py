@@ -169,7 +169,7 @@ class QueueWorker:
 
     async def _read_on_arrival(self, job: Job) -> None:
         """Read and check the job's prompt before it is queued (here: not at all; _serve reads it at
-        the job's turn, as a worker whose models live in another process must)."""
+        the job's turn; a subclass reads it where its models live, in this process or its child)."""
 
     def ready_model(self) -> ModelInfo:
         """Return what is loaded, or raise a 503 while it is still loading."""
@@ -340,9 +340,9 @@ class GenerationWorker(QueueWorker):
     async def _read_on_arrival(self, job: Job) -> None:
         # In a thread: rendering and tokenizing a long prompt takes a while, and the event loop
         # answers every other request meanwhile.
-        job.read = await asyncio.to_thread(self._read_arriving, job)
+        job.read = await asyncio.to_thread(self.read_arriving, job)
 
-    def _read_arriving(self, job: Job) -> ReadPrompt:
+    def read_arriving(self, job: Job) -> ReadPrompt:
         with self._reading:
             if self._unloading:
                 raise shutting_down()
