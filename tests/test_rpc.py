@@ -450,13 +450,23 @@ def test_a_pass_over_a_worker_is_timed_whole(worker, offline_models, tmp_path):
 # A worker lost mid-answer
 
 
+def _served(home: Path, endpoint: str, *args: str) -> ServerProcess:
+    """`specrun serve` of the Q4_1 demo model drafting by lookup, its target on the worker at `endpoint`."""
+    return ServerProcess(home, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", endpoint, *args)
+
+
+def _counting(max_tokens: int) -> dict:
+    """A greedy completion that counts on (no end-of-text) for max_tokens tokens."""
+    return {"model": "x", "prompt": COUNTING, "max_tokens": max_tokens, "temperature": 0,
+            "logit_bias": {str(t): -100 for t in (0, 1, 2)}}
+
+
 def test_a_worker_killed_mid_answer_ends_that_answer_and_the_server_stays_up(offline_models, tmp_path):
     w = Worker(tmp_path)
-    server = ServerProcess(tmp_path, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", w.endpoint)
+    server = _served(tmp_path, w.endpoint)
     try:
         url = server.wait_ready()
-        body = {"model": "x", "prompt": COUNTING, "max_tokens": 900, "stream": True, "temperature": 0,
-                "logit_bias": {str(t): -100 for t in (0, 1, 2)}}  # no end-of-text: it counts on
+        body = {**_counting(900), "stream": True}
         events, error = [], None
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
@@ -512,12 +522,10 @@ def test_clients_at_once_over_a_worker_are_answered_together_and_as_alone(worker
     holds the target: a short request sent while a long answer streams is answered before that
     answer ends, and both answers are the ones each prompt gets alone (greedy; the Q4_1 target
     rounds a row alike in a pass shared or not, docs/exactness.md)."""
-    server = ServerProcess(tmp_path, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", worker.endpoint,
-                           "--parallel", "2")
+    server = _served(tmp_path, worker.endpoint, "--parallel", "2")
     try:
         url = server.wait_ready()
-        long = {"model": "x", "prompt": COUNTING, "max_tokens": 160, "temperature": 0,
-                "logit_bias": {str(t): -100 for t in (0, 1, 2)}}  # no end-of-text: it counts on
+        long = _counting(160)
         short = {"model": "x", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
         long_pieces, short_pieces, started = [], [], threading.Event()
         streaming = threading.Thread(target=_stream, args=(url, long, long_pieces, started))
@@ -542,12 +550,10 @@ def test_over_a_worker_a_prompt_that_cannot_fit_is_refused_as_it_arrives(worker,
     """The process that holds the target reads a request's prompt as it arrives (the parent has
     no tokenizer): one over the context gets its 400 while the one lane is busy with another
     answer, not once its turn comes; a prompt that fits is answered at its turn as ever."""
-    server = ServerProcess(tmp_path, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", worker.endpoint,
-                           "--parallel", "1")
+    server = _served(tmp_path, worker.endpoint, "--parallel", "1")
     try:
         url = server.wait_ready()
-        long = {"model": "x", "prompt": COUNTING, "max_tokens": 400, "temperature": 0,
-                "logit_bias": {str(t): -100 for t in (0, 1, 2)}}
+        long = _counting(400)
         pieces, started = [], threading.Event()
         streaming = threading.Thread(target=_stream, args=(url, long, pieces, started))
         streaming.start()
@@ -571,12 +577,10 @@ def test_a_worker_killed_under_two_answers_ends_both_and_the_server_stays_up(off
     """Two answers in flight through one child process when the worker goes: each ends with the
     error naming it (the relay tells every answer of a lost child, not only the first)."""
     w = Worker(tmp_path)
-    server = ServerProcess(tmp_path, "--target", "smollm2-135m-q4", "--draft", "lookup", "--rpc", w.endpoint,
-                           "--parallel", "2")
+    server = _served(tmp_path, w.endpoint, "--parallel", "2")
     try:
         url = server.wait_ready()
-        body = {"model": "x", "prompt": COUNTING, "max_tokens": 900, "temperature": 0,
-                "logit_bias": {str(t): -100 for t in (0, 1, 2)}}
+        body = _counting(900)
         first, errors, started = [], {}, threading.Event()
 
         def first_answer() -> None:
