@@ -2,7 +2,7 @@
 threads and open files sampled as it goes.
 
     python scripts/soak_server.py [--minutes 10] [--clients 6] [--parallel 4] [--sample-s 30]
-                                  [--target ...] [--draft ...] [--ctx-size 2048] [--json]
+                                  [--target ...] [--draft ...] [--ctx-size 2048] [--rpc HOST:PORT] [--json]
 
 Starts `specrun serve --parallel N` on the demo pair (or --target/--draft), then each client sends
 requests one after the other, every one a prompt of its own (the built-in prompts with a number
@@ -12,7 +12,8 @@ request the server must refuse (over the context; a field of the wrong type). Ev
 seconds it notes the server's RSS (its anonymous part apart from mapped model pages, and of that,
 llama.cpp's buffers apart from the heap), threads and open files. At the end: the samples, the
 counts of answers by status, whether any was a 5xx, and whether Ctrl-C stopped the server cleanly
-(exit 0).
+(exit 0). With --rpc the server's target is on that worker (`specrun worker`): the samples are of
+the server's own process, which relays the requests to its child's.
 A line that keeps rising after the first minutes is a leak; one that levels off is a cache filling
 (each sample also says what the memory of earlier answers holds: `/v1/models`' meta.answers_memory).
 """
@@ -92,6 +93,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--target", default="smollm2-135m-f32")
     parser.add_argument("--draft", default="smollm2-135m-q4")
+    parser.add_argument("--rpc", help="HOST:PORT of a `specrun worker`: the server's target there (serve --rpc; its "
+                        "models then live in a child process, whose memory the samples do not include)")
     parser.add_argument("--json", action="store_true")
     return parser.parse_args()
 
