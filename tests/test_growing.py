@@ -16,6 +16,7 @@ from specrun.decoding.reach import Reach
 from specrun.decoding.calibration import DraftCalibration
 from specrun.decoding.drafters.best_first import GrownTree
 from specrun.decoding.drafters.growing import GrowingTrees
+from specrun.decoding.pay.rules import ALONE, Beside
 from specrun.decoding.steps import Step
 from specrun.runtime.trees import DEFAULT_GROWTH, DEFAULT_SHAPE, LOOKUP_SHAPE, TreePlan, fit_tree
 from specrun.runtime.drafters import BEST_FIRST
@@ -102,6 +103,30 @@ def decode(growing: GrowingTrees, pass_s, steps: int = 120, capacity: int = 384)
     return sizes
 
 
+def decode_beside(growing: GrowingTrees, pass_s, emitted: float, steps: int = 120, capacity: int = 384):
+    """As `decode`, every target pass shared with three other requests that put 15-21 tokens into
+    it and emit `emitted` from it (their draft passes shared too); return the size verified at
+    each step."""
+    growing.grower.last_shared = True
+    committed, sizes = [0], []
+    for i in range(steps):
+        root = TEXT[len(committed) - 1]
+        others = 15 + i % 7
+        growing.beside = Beside(float(others), emitted)
+        proposal = growing.propose(committed, root, capacity, 32)
+        tree = proposal.tree
+        node, accepted, pos = 0, [0], len(committed)
+        while (child := tree.find_child(node, TEXT[pos])) is not None:
+            node, pos = child, pos + 1
+            accepted.append(node)
+        growing.commit(proposal, accepted)
+        growing.observe_shared(len(tree) + others, pass_s(len(tree) + others))
+        committed = [0, *TEXT[: pos]]
+        sizes.append(len(tree) - 1)
+    growing.beside = ALONE
+    return sizes
+
+
 def fixed(n):  # a target whose layers stream over PCIe each pass: the pass costs the transfer
     return 0.2 + 0.0002 * (n - 1)
 
@@ -143,6 +168,22 @@ def test_where_a_pass_costs_a_fixed_time_the_tree_grows_to_tens_of_nodes_and_mor
     assert growing.grower.budgets.index(max(sizes[-20:])) < len(sizes) - 20
     rates = growing.rates()
     assert rates[growing.level] > 1.8 * rates[0]  # measured far faster than the chain it started from
+
+
+def test_beside_other_requests_a_tree_grows_to_what_the_shared_pass_pays():
+    """A request that never had a pass to itself (several clients from the start, over a
+    network): its tree is sized by the shared pass, priced by the curve of shared passes over its
+    nodes and the others' tokens, its draft passes as they took beside the others'. 200 ms away
+    four requests of the demo pair kept the chain of 5 for every step while one alone grew to 16-64
+    nodes (a size's draft passes were timed only alone, and rates knew no pass but its own)."""
+    growing = GrowingTrees(ScriptedGrower(pass_s=0.0005), TreeShape.chain(5), 384)
+    sizes = decode_beside(growing, fixed, emitted=8.0)
+    assert sizes[0] == 5
+    assert min(sizes[-20:]) >= 32, sizes
+    # Where each verified token is dear (a CPU) the others' tokens make the shared pass dear too:
+    # the tree stays a chain.
+    growing = GrowingTrees(ScriptedGrower(pass_s=0.004), TreeShape.chain(5), 384)
+    assert max(decode_beside(growing, lambda n: 0.025 + 0.01 * (n - 1), emitted=12.0)[-20:]) <= 16
 
 
 def test_drafting_during_the_pass_puts_the_longest_grown_chain_between_a_short_chain_and_trees():

@@ -75,6 +75,7 @@ class GrowingTrees(ModelDrafter):
         self._at = np.searchsorted(self.reach.budgets, levels)  # each level's column in reach
         self._half = np.searchsorted(self.reach.budgets, [max(1, b // 2) for b in levels], side="right") - 1
         self.draft_s = [Average(24) for _ in levels]  # a proposal's draft passes, per size grown
+        self.draft_s_shared = [Average(24) for _ in levels]  # the same, its passes shared with other requests'
         self.target_s = [Average(24) for _ in levels]  # a step's target pass, per size verified
         self._timed_at = [0] * len(levels)  # the step at which each size's pass was last timed
 
@@ -161,7 +162,9 @@ class GrowingTrees(ModelDrafter):
         # four times a pass 200 ms away: the curve prices it).
         verified = self.level
         below = self.level - 1
-        if not self.target_s[grown].known:
+        if self._sharing():
+            pass  # (the pass holds other requests' trees: the curve prices it, not this size's own passes)
+        elif not self.target_s[grown].known:
             verified = grown
         elif below >= 0 and grown == self.level and self._timed(below) is None \
                 and (self.target_s[below].known or not self._overlapping):
@@ -171,10 +174,13 @@ class GrowingTrees(ModelDrafter):
         shape = self._shape(grown)
         self.grower.shape = shape
         proposal = self.grower.propose(committed, root, grow, min(depth, shape.depth))
+        drafted = max(0.0, proposal.draft_s - self.grower.last_catch_up[1])
         if not self.grower.last_shared:  # (a pass shared with other requests times theirs too)
-            self.draft_s[grown].add(max(0.0, proposal.draft_s - self.grower.last_catch_up[1]))
+            self.draft_s[grown].add(drafted)
             for n_tokens, seconds in self.grower.last_passes:
                 self.draft_pass.observe(n_tokens, seconds)
+        else:  # (what this request waited for its tree, which sizes it beside others)
+            self.draft_s_shared[grown].add(drafted)
         if verify < len(proposal.tree) - 1:
             self.reach.watch(proposal.tree)  # (the cut is a copy: this tree stays as grown)
             return proposal.cut(verify)
@@ -227,10 +233,25 @@ class GrowingTrees(ModelDrafter):
         self.reach.forget_open()
         self._text = [*committed, root]
 
+    def _sharing(self) -> bool:
+        """Whether this step's target pass holds other requests' tokens too (the decoder says so:
+        `beside`, what they put into a shared pass lately)."""
+        return self.beside.tokens > 0
+
     def rates(self, going: bool = False) -> np.ndarray:
         """Per level: tokens per second of a step verifying that size (0 where nothing is known);
-        `going`: counting the walks still going at what they accepted so far (reach.Reach)."""
-        return (self.reach.accepted(going)[self._at] + 1.0) / self._step_seconds(going)
+        `going`: counting the walks still going at what they accepted so far (reach.Reach).
+        Beside other requests, of the pass they share: its tokens with theirs (`beside`), as the
+        hybrid and lookup size theirs (pay.rules.best_size), less the others' share at the size
+        verified now (`_others_now`): a size's rate differs from another's as the whole pass's
+        does (a larger tree slows the others' tokens too), and it is compared with this request's
+        own rate, by STEP_MARGIN of that, not of the pass's."""
+        seconds = self._step_seconds(going)
+        return (self.reach.accepted(going)[self._at] + 1.0 + self.beside.emitted) / seconds - self._others_now(seconds)
+
+    def _others_now(self, seconds: np.ndarray) -> float:
+        """The others' tokens per second of a shared pass at the size verified now (0 alone)."""
+        return self.beside.emitted / float(seconds[self.level]) if self.beside.emitted else 0.0
 
     def _step_seconds(self, going: bool = False) -> np.ndarray:
         """Per level: seconds of a step verifying that size (its target pass, its draft passes and
@@ -240,8 +261,13 @@ class GrowingTrees(ModelDrafter):
 
     def _target_seconds(self, going: bool = False) -> np.ndarray:
         """Per level: a step's target pass, as measured at that size lately, else by the measured
-        curve (a size not verified for STALE_STEPS steps: the machine may have changed since)."""
-        curve = self.cost(self.reach.nodes(going)[self._at] + 1)
+        curve (a size not verified for STALE_STEPS steps: the machine may have changed since).
+        Beside other requests, the curve's pass over their tokens too (fed by the shared passes:
+        observe_shared), for no size's own passes time that."""
+        nodes = self.reach.nodes(going)[self._at] + 1
+        if self._sharing():
+            return np.asarray(self.cost(nodes + self.beside.tokens), dtype=float)
+        curve = self.cost(nodes)
         timed = [self._timed(i) for i in range(len(self.levels))]
         return np.array([float(c) if t is None else t for t, c in zip(timed, curve)])
 
@@ -252,13 +278,16 @@ class GrowingTrees(ModelDrafter):
         return float(target.mean)
 
     def _draft_seconds(self) -> np.ndarray:
-        """Per level: a proposal's draft passes, as measured at that size; a size not grown yet
-        is taken to need a pass per level of its depth, each over its width, priced by the draft's
-        passes measured so far (draft_pass)."""
+        """Per level: a proposal's draft passes, as measured at that size (beside other requests,
+        with theirs where so measured); a size not grown yet is taken to need a pass per level of
+        its depth, each over its width, priced by the draft's passes measured so far (draft_pass)."""
         out = np.zeros(len(self.levels))
+        sharing = self._sharing()
         for i in range(len(self.levels)):
             shape = self._shape(i)
-            if self.draft_s[i].known:
+            if sharing and self.draft_s_shared[i].known:
+                out[i] = float(self.draft_s_shared[i].mean)
+            elif self.draft_s[i].known:
                 out[i] = float(self.draft_s[i].mean)
             elif self.draft_pass.known:
                 out[i] = shape.depth * float(self.draft_pass(np.array([shape.width]))[0])
@@ -269,7 +298,8 @@ class GrowingTrees(ModelDrafter):
         while the size above it has not been judged, a size above (`_look_above`). The first time
         a size is grown it is verified whole: its passes are then measured, not guessed from a
         curve that has seen none so large."""
-        if len(self.levels) == 1 or not self.cost.known or not self.draft_s[self.level].known:
+        drafted = self.draft_s[self.level].known or (self._sharing() and self.draft_s_shared[self.level].known)
+        if len(self.levels) == 1 or not self.cost.known or not drafted:
             return self.level, self.level
         rates, weights = self.rates(), self._judging(self.reach.weight())
         level = grow_pays(rates, weights, self.level)
@@ -309,7 +339,7 @@ class GrowingTrees(ModelDrafter):
         first pass costs the RPC client's round trips (1.6 s 200 ms away), and sizes that only
         cuts of larger looks had judged, priced by the curve, drew the tree through a size more."""
         weights = weight[self._at]
-        if self._overlapping:
+        if self._overlapping and not self._sharing():
             timed = np.array([target.known for target in self.target_s])
             timed[self.level] = True
             weights = np.where(timed, weights, 0.0)
@@ -330,7 +360,7 @@ class GrowingTrees(ModelDrafter):
         pass, and on the demo pair's CPU two looks at 16 nodes (140-150 ms a step against 52 for
         the chain of 5 and 14 for a plain one) made a fresh process's chat 0.89x plain decoding."""
         above = level + 1
-        if self._overlapping and not self.target_s[above].known:
+        if self._overlapping and not self._sharing() and not self.target_s[above].known:
             seen = self.reach.weight(going=True)[self._at]
             looked = [i for i in range(above, len(self.levels)) if seen[i] > 0]
             if looked:  # (one look is no judgement: the size looked at is looked at again)
@@ -345,6 +375,7 @@ class GrowingTrees(ModelDrafter):
         (pay.rules.hoped_accepted from what `level` and half its size accepted, or what its own
         proposals accepted so far, whichever is more); 0 at `level` and below."""
         accepted, seconds = self.reach.accepted(), self._step_seconds()
+        others = self._others_now(seconds)
         here, half = float(accepted[self._at[level]]), float(accepted[self._half[level]])
         out = np.zeros(len(self.levels))
         for i in range(level + 1, len(self.levels)):
@@ -352,5 +383,5 @@ class GrowingTrees(ModelDrafter):
             hoped = hoped_accepted(here, half, doublings, self._shape(i).depth)
             if weights[i] > 0:
                 hoped = max(hoped, float(accepted[self._at[i]]))
-            out[i] = (hoped + 1.0) / float(seconds[i])
+            out[i] = (hoped + 1.0 + self.beside.emitted) / float(seconds[i]) - others
         return out

@@ -184,6 +184,7 @@ class HybridDrafter(Drafter):
         self._lean_steps = 0
         if lookup_budget and not look:
             branches = self.text.propose(lookup_budget, depth)
+        self.draft.beside = self.beside  # (a grown tree is sized by the pass it shares, as lookup's)
         grown = self.draft.propose(committed, root, min(self.draft_budget, budget), min(self.draft_depth or depth, depth))
         self._observe_draft(grown)
         if after_draft:
