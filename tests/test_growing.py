@@ -77,6 +77,15 @@ class ScriptedGrower:
         pass
 
 
+def _walk(tree: DraftTree, pos: int) -> tuple[list[int], int]:
+    """The nodes of `tree` the target takes from TEXT[pos] on, and the position after them."""
+    node, accepted = 0, [0]
+    while (child := tree.find_child(node, TEXT[pos])) is not None:
+        node, pos = child, pos + 1
+        accepted.append(node)
+    return accepted, pos
+
+
 def decode(growing: GrowingTrees, pass_s, steps: int = 120, capacity: int = 384):
     """Run `steps` steps over TEXT, a target pass over n tokens taking pass_s(n); return the size
     verified at each step."""
@@ -89,10 +98,7 @@ def decode(growing: GrowingTrees, pass_s, steps: int = 120, capacity: int = 384)
             continue
         proposal = growing.propose(committed, root, capacity, 32)
         tree = proposal.tree
-        node, accepted, pos = 0, [0], len(committed)
-        while (child := tree.find_child(node, TEXT[pos])) is not None:
-            node, pos = child, pos + 1
-            accepted.append(node)
+        accepted, pos = _walk(tree, len(committed))
         growing.commit(proposal, accepted)
         tokens = TEXT[len(committed): pos + 1]
         target_s = pass_s(len(tree))
@@ -115,10 +121,7 @@ def decode_beside(growing: GrowingTrees, pass_s, emitted: float, steps: int = 12
         growing.beside = Beside(float(others), emitted)
         proposal = growing.propose(committed, root, capacity, 32)
         tree = proposal.tree
-        node, accepted, pos = 0, [0], len(committed)
-        while (child := tree.find_child(node, TEXT[pos])) is not None:
-            node, pos = child, pos + 1
-            accepted.append(node)
+        accepted, pos = _walk(tree, len(committed))
         growing.commit(proposal, accepted)
         growing.observe_shared(len(tree) + others, pass_s(len(tree) + others))
         committed = [0, *TEXT[: pos]]
