@@ -9,13 +9,15 @@ The parent keeps GenerationWorker's queue (QueueWorker) and relays as many jobs 
 child decodes (its `--parallel` lanes) to the child's GenerationWorker over one pipe: each job's
 prompt there as the job arrives, read and checked at once (a prompt that cannot fit is refused
 then, not at its turn), the job at its turn, its events back by the job's id (one thread reads the
-pipe and hands each event to its job's relay), a cancel when the client leaves. A lost worker ends every answer in flight, each
-with the error that names it; the first relay to see it loads the models again.
+pipe and hands each event to its job's relay), a cancel when the client leaves. A lost worker
+ends every answer in flight, each with the error that names it; the first relay to see it loads
+the models again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import queue
@@ -154,14 +156,27 @@ class _Child:
             child.stop()
             raise reason if kind == "load_error" else SpecrunError(reason)  # "lost": a worker went away
 
-    def answer(self, job: Job, stopping: threading.Event) -> str | None:
-        """Relay one job to the child and its events back; return why the child was lost, or None."""
+    @contextlib.contextmanager
+    def _route(self, key: str):
+        """For the while: the queue the pump hands the child's messages for `key` to (it puts
+        None there once the child is lost), or None where the child is lost already."""
         route: queue.SimpleQueue = queue.SimpleQueue()
         with self._routes_lock:
             if self.lost is not None:
-                return self.lost
-            self._routes[job.id] = route
+                yield None
+                return
+            self._routes[key] = route
         try:
+            yield route
+        finally:
+            with self._routes_lock:
+                self._routes.pop(key, None)
+
+    def answer(self, job: Job, stopping: threading.Event) -> str | None:
+        """Relay one job to the child and its events back; return why the child was lost, or None."""
+        with self._route(job.id) as route:
+            if route is None:
+                return self.lost
             if not self._send(("job", _travelling(job))):
                 return self._ended()
             cancel_sent = False
@@ -180,25 +195,14 @@ class _Child:
                 job.emit(event)
                 if isinstance(event, (Finished, Failed)):
                     return None
-        finally:
-            with self._routes_lock:
-                self._routes.pop(job.id, None)
 
     def read(self, job: Job) -> ReadPrompt | None:
         """The job's prompt as the child's worker reads it (GenerationWorker.read_arriving); raise
         its refusal; None where the child is lost meanwhile (the prompt is read at its turn)."""
-        key, route = f"read:{job.id}", queue.SimpleQueue()
-        with self._routes_lock:
-            if self.lost is not None:
-                return None
-            self._routes[key] = route
-        try:
-            if not self._send(("read", _travelling(job))):
+        with self._route(f"read:{job.id}") as route:
+            if route is None or not self._send(("read", _travelling(job))):
                 return None
             read = route.get()  # (the pump puts None there once the child is lost)
-        finally:
-            with self._routes_lock:
-                self._routes.pop(key, None)
         if isinstance(read, APIError):
             raise read
         return read
