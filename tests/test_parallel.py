@@ -723,9 +723,21 @@ class _PromptChains(Drafter):
         pass
 
 
-def test_the_plan_for_n_requests_is_what_llama_cpp_allocates(offline_models):
+def test_the_plan_for_n_requests_is_what_llama_cpp_allocates(offline_models, monkeypatch):
+    from specrun.runtime import drafters as drafting
+
+    probed = []  # (the target's passes timed at start, by every lane's drafter)
+    real_probe = drafting.probe_context
+    monkeypatch.setattr(drafting, "probe_context", lambda ctx, *a, **k: probed.append(ctx) or real_probe(ctx, *a, **k))
     opts = RunOptions(target="smollm2-135m-f32", draft="smollm2-135m-q4", ctx_size=1024, parallel=3, quiet=True)
     with Runtime(opts) as rt:
+        # The target's passes are timed once for the three lanes (one context), and each lane's
+        # drafter starts from those figures (200 ms from an RPC worker each probe took 2.2 s).
+        assert probed == [rt.target_ctx]
+        hybrids = [d.drafter for d in rt.decoders]
+        assert all(h.best_case is not None for h in hybrids)
+        assert len({(h.best_case.plain_s, h.best_case.tree_s) for h in hybrids}) == 1
+        assert len({h.cost.plain_s() for h in hybrids}) == 1
         planned = rt.plan.placement.breakdown
         assert rt.plan.target_ctx.cells == 3 * 1024 and rt.plan.draft_ctx.cells == 3 * 1024
         assert len(rt.decoders) == 3 and len({d.cache.lane.base for d in rt.decoders}) == 3

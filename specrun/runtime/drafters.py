@@ -78,11 +78,14 @@ class Drafting(ABC):
         return tree
 
     @abstractmethod
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None, timed=None) -> Drafter:
         """The drafter of a loaded run: `draft` and `draft_ctx` are the draft model and its context
         (the MTP context for MTP chains), `target_ctx` the target's; `draft_lane` the request's
         share of a draft context several requests draft in (decoding.batching), else all of it;
-        `memory` the answers of the process's other requests (decoding.memory), which lookup reads."""
+        `memory` the answers of the process's other requests (decoding.memory), which lookup reads;
+        `timed` the target's passes timed at start-up ({tokens: seconds}), shared by the decoders of
+        one start (each lane's would time them again: 200 ms from an RPC worker a probe of five
+        passes took 2.2 s, four lanes 9 s before the first answer)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,7 @@ class DraftModel(Drafting):
         # template's size as best-first trees, and no growing.
         return replace(tree, drafting=DraftModel(), grow=None)
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None, timed=None) -> Drafter:
         # The target's passes as the hybrid measures them, which a tree grown online sizes itself by.
         cost = TargetCost() if tree.lookup is not None else None
         if self.template is not None:
@@ -176,7 +179,7 @@ class DraftModel(Drafting):
             widest = max(draft_passes)
             catch_up_s = draft_passes[widest] / widest
             if tree.source == "default":
-                best_case = _best_case(tree.shape, draft_passes, target_ctx, cost)
+                best_case = _best_case(tree.shape, draft_passes, target_ctx, cost, timed)
         grown = grown_shape(tree.grow) if tree.grow is not None else tree.shape
         hybrid = HybridDrafter(model_drafter, grown.budget, tree.lookup.budget, draft_depth=max(tree.shape.depth, grown.depth), cost=cost,
                                prior=tree.prior, catch_up_s=catch_up_s, best_case=best_case, memory=memory)
@@ -216,7 +219,7 @@ class Lookup(Drafting):
     def with_lookup(self, tree, lookup: TreeShape):
         return replace(tree, shape=lookup, lookup=lookup)
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None, timed=None) -> Drafter:
         return LookupDrafter(tree.shape.budget, memory=memory)
 
 
@@ -246,7 +249,7 @@ class Mtp(Drafting):
     def cut(self, tree, budget: int):
         return replace(tree, shape=tree.shape.resized(budget), lookup=None)
 
-    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None) -> Drafter:
+    def build(self, tree, draft=None, draft_ctx=None, target_ctx=None, draft_lane=None, memory=None, timed=None) -> Drafter:
         drafter = MtpDrafter(draft_lane if draft_lane is not None else draft_ctx, tree.shape.depth)
         drafter.reset()  # a new drafter: its sequence starts empty
         return drafter
@@ -257,7 +260,8 @@ LOOKUP = Lookup()
 MTP = Mtp()
 
 
-def _best_case(shape: TreeShape, draft_passes: dict[int, float], target_ctx, cost: TargetCost) -> DraftPrior | None:
+def _best_case(shape: TreeShape, draft_passes: dict[int, float], target_ctx, cost: TargetCost,
+               timed: dict[int, float] | None = None) -> DraftPrior | None:
     """What the draft model's steps would be, timed now, if the target accepted every draft token:
     a profile's prior for the tree (profiles.Facts.draft_prior) from the target's passes over one
     token and over the tree and the draft's `draft_passes` ({tokens: seconds}), with the catch-up
@@ -267,13 +271,19 @@ def _best_case(shape: TreeShape, draft_passes: dict[int, float], target_ctx, cos
     The target's passes timed here are also the first points of `cost`, the drafter's curve of
     them: its steps verify trees, so without them it would know a one-token pass only as a tree
     pass taken back at a prior cost per token (on a fast host the demo target's 9.8 ms pass looked
-    like 15 ms there, and a fresh process's first answer drafted through at 0.65x plain)."""
+    like 15 ms there, and a fresh process's first answer drafted through at 0.65x plain). `timed`:
+    the passes timed by another decoder of the same start, taken from there and added to."""
     if target_ctx is None:
         return None
-    # The least of two timings each: the target's passes are short, and their ratio decides.
-    seconds = probe_context(target_ctx, (1, shape.budget + 1), repeats=2, logits="all")
-    if not seconds:
-        return None
+    sizes = (1, shape.budget + 1)
+    seconds = {n: timed[n] for n in sizes if n in timed} if timed is not None else {}
+    if len(seconds) < len(sizes):
+        # The least of two timings each: the target's passes are short, and their ratio decides.
+        seconds = probe_context(target_ctx, sizes, repeats=2, logits="all")
+        if not seconds:
+            return None
+        if timed is not None:
+            timed.update(seconds)
     for n_tokens, pass_s in seconds.items():
         cost.observe(n_tokens, pass_s)
     facts = profiles.Facts(target=CostCurve.from_points(seconds), draft=CostCurve.from_points(draft_passes),

@@ -225,7 +225,7 @@ class Runtime:
         draft_gate = PassGate(self.draft_ctx, gate.room, first=True) if self.draft_ctx is not None else None
         # Whether they draft with the draft model beside one another, in measured turns (pay.together).
         together = Together() if rules.draft_together(plan.target_gpu_layers > 0) else None
-        decoders = []
+        decoders, timed = [], {}  # (the target's passes timed once for every lane: one context)
         for i in range(n):
             lane = _lane(self.target_ctx, i, n, plan.target_ctx.n_ctx, gate, prompts_join=self.opts is not None and self.opts.throughput)
             draft_lane = None
@@ -233,7 +233,7 @@ class Runtime:
                 draft_lane = _lane(self.draft_ctx, i, n, plan.target_ctx.n_ctx, draft_gate)
             decoders.append(make_decoder(plan.tree, self.target, self.target_ctx, self.draft, self.draft_ctx,
                                          lane=lane, draft_lane=draft_lane, together=together, memory=self.memory,
-                                         **where))
+                                         timed=timed, **where))
         return decoders
 
     def _load_memory(self, scope: str | None) -> None:
@@ -397,7 +397,7 @@ def _lane(ctx, i: int, n: int, n_ctx: int, gate: PassGate | None, prompts_join: 
 def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ctx=None, guard: bool = True,
                  lane: Lane | None = None, draft_lane: Lane | None = None, together: Together | None = None,
                  memory: OutputMemory | None = None, overlap: bool = False, network_sizes: bool = False,
-                 network_s: float = 0.0, offload_step: int = 0):
+                 network_s: float = 0.0, offload_step: int = 0, timed: dict[int, float] | None = None):
     """Return the decoder for a tree plan: plain decoding (None), or speculative decoding with the
     drafter the plan names. With `guard`, a speed guard shrinks the tree (down to plain steps)
     while speculation measures slower than plain decoding (bench and tune measure trees as given).
@@ -410,13 +410,14 @@ def make_decoder(tree: TreePlan | None, target, target_ctx, draft=None, draft_ct
     `network_sizes`: trees keep to core.tree_shapes.NETWORK_SIZES or to node counts met before
     (a target on RPC workers, whose passes spend `network_s` seconds on the network);
     `offload_step`: the target's passes of that many tokens or more cost another regime
-    (hardware.offload.op_offload_step).
+    (hardware.offload.op_offload_step); `timed` the target's passes timed by the decoders built
+    before this one at the same start (drafters.Drafting.build).
     """
     if tree is None:
         return PlainDecoder(target, target_ctx, lane)
     shape = tree.verified
     speed_guard = SpeedGuard(shape.budget, plain_s=tree.plain_s) if guard else None
-    drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx, draft_lane, memory)
+    drafter = tree.drafting.build(tree, draft, draft_ctx, target_ctx, draft_lane, memory, timed)
     decoder = SpeculativeDecoder(target, target_ctx, drafter, shape, guard=speed_guard, lane=lane, together=together)
     decoder.overlap, decoder.network_sizes, decoder.network_s = overlap, network_sizes, network_s
     if overlap or network_sizes:  # (a pass elsewhere: a new count of tokens may cost round trips)
