@@ -644,6 +644,28 @@ def test_over_rpc_workers_a_shared_pass_is_filled_to_a_count_met_before(offline_
     ctx.close()
 
 
+def test_over_rpc_workers_the_start_up_probe_notes_the_counts_it_met(offline_models, load_model, monkeypatch):
+    """The target's passes timed at start (kv.probe_context: one token, and a tree's all rows)
+    are counts the worker has met: the next passes are filled to them, priced by those timings.
+    Not noted, a 200 ms worker's first shared pass of two chains met a new count (2.1 s) beside a
+    6-token tree count the probe had met. Without a network nothing is noted."""
+    from specrun.decoding.kv import probe_context
+
+    monkeypatch.setattr(counts, "_MET", {})
+    target = load_model(offline_models.smollm2_f32)
+    ctx = engine.Context(target, n_ctx=256, n_batch=64, threads=2)
+    met = counts.met_counts(target)
+    assert probe_context(ctx, (1, 6), repeats=2, logits="all") and 6 not in met.counts
+    ctx.network_s = 0.05
+    assert probe_context(ctx, (1, 6), repeats=2, logits="all")
+    assert 6 in met.tree_counts and 6 in met.rows and met.fill_to(4, 63, 0.05, tree=True) == 6
+    # The warm-up's pass is no price; each count's first pass is none either (the worker's round
+    # trips): both passes of one token are timed, the second of six.
+    assert met._seconds[1].count == 2 and met._seconds[6].count == 1
+    ctx.network_s = 0.0
+    ctx.close()
+
+
 def test_a_shared_pass_s_filler_goes_on_from_the_last_position_of_its_sequence(offline_models, load_model, monkeypatch):
     """llama.cpp takes a sequence's tokens in a batch only at unbroken positions: the filler of a
     shared pass (PassGate._fill) goes on from its sequence's last token, not from the deepest of the

@@ -99,6 +99,25 @@ def test_a_pass_is_filled_to_the_least_met_count_above_it_where_that_pays():
     assert met.fill_to(7, 512, 0.4, tree=True) == 9 and met.fill_to(49, 512, 0.4, tree=True) == 49
 
 
+def test_a_filler_priced_by_timed_passes_is_not_bounded_by_the_pass_s_own_tokens():
+    """Over a worker 200 ms away four requests' chains (12 tokens) met a new count (2.1 s) where a
+    timed 41-token pass cost 46 ms more than theirs would: a measured price decides, not the
+    pass's size. A tree's filler nodes stay bounded by it (the target verifies them)."""
+    assert rules.fill_pays(12, 41, 0.046, 0.4, priced=True) and not rules.fill_pays(12, 41, 0.046, 0.4)
+    assert not rules.fill_pays(12, 41, 0.5, 0.4, priced=True)  # dearer than a round trip a pass
+    for tree in (False, True):
+        met = MetCounts()
+        for n, seconds in ((6, 0.44), (41, 0.52)):
+            for _ in range(2):  # (a count's first pass is not timed)
+                met.note(n, seconds, tree=tree)
+        assert met.gap(12, 41) == pytest.approx(0.08 * 29 / 35)
+        assert met.fill_to(12, 63, 0.4, tree=tree) == (12 if tree else 41)
+        assert met.fill_to(12, 63, 0.05, tree=tree) == 12  # the filler costs more than a round trip
+    untimed = MetCounts()
+    untimed.note(41, 0.52)
+    assert untimed.fill_to(12, 63, 0.4) == 12  # no price measured: bounded by twice its tokens and 8
+
+
 def test_a_pass_asks_for_rows_of_logits_in_a_count_met_before():
     """Over RPC workers the last layer's products are over the rows of logits a pass asks for:
     their count is a shape of its own (two round trips where it is new). A shared pass's filler

@@ -296,7 +296,7 @@ class CachedSequence:
             if filled:
                 self.ctx.seq_rm(self.seq, start + len(chunk), -1)
             if self.ctx.network_s and not joins:  # (a pass of its own: its count is the chunk's, filled)
-                met_counts(self.ctx.model).note(len(chunk) + filled, self.lane.pass_s)
+                met_counts(self.ctx.model).note(len(chunk) + filled, self.lane.pass_s, rows=int(want_last_logits and last))
             if rows is not None:
                 self.logits = rows[-1]
             self.tokens.extend(chunk)
@@ -478,20 +478,24 @@ def probe_passes(cache: CachedSequence, sizes: Sequence[int], repeats: int = 1, 
     """Seconds of one pass over n tokens, for each n of `sizes` (at most n_batch and what the
     context holds), asking for the `logits` of the last token or of all ('last', 'all'): the least
     of `repeats` timings, after a one-token pass that warms the model up. Needs an empty cache,
-    and leaves it so (None when it holds text)."""
+    and leaves it so (None when it holds text). Over RPC workers each pass is noted with the
+    counts the model's passes met (pay.counts; a pass of all rows as a tree's): the passes that
+    follow are filled to those counts, priced by these timings."""
     if cache.tokens:
         return None
     limit = min(cache.batch.capacity, cache.ctx.n_ctx - 1)
 
-    def timed(n: int) -> float:
+    def timed(n: int, noted: bool = True) -> float:
         cache.batch.set_sequence([0] * n, 0, cache.seq, logits)
         t0 = time.perf_counter()
         cache.ctx.decode(cache.batch)
         elapsed = time.perf_counter() - t0
         cache.truncate(0)
+        if noted and cache.ctx.network_s:
+            met_counts(cache.ctx.model).note(n, elapsed, tree=logits == "all", rows=n if logits == "all" else 1)
         return elapsed
 
-    timed(1)
+    timed(1, noted=False)
     return {n: min(timed(n) for _ in range(repeats)) for n in sorted({max(1, min(n, limit)) for n in sizes})}
 
 
