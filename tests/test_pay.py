@@ -299,3 +299,39 @@ def test_requests_together_take_turns_and_keep_the_faster_mode():
     # A step of a turn that ended (or of another count) is not counted.
     together.record(3, True, 100)
     assert together.rate(3, True) is None
+
+
+def test_requests_together_measure_leaning_only_where_it_could_pay_and_retry_it_by_its_cost():
+    """Leaning (no draft model) takes at most what the steps took without it, a pass no shorter
+    than their least: 200 ms from a worker four requests' steps took 1 token each without the
+    model in passes of 0.44 s or more (9 tokens/s at most) while drafting measured 54, and its
+    first turn cost as much as six drafting turns. Where lookup brings many tokens a step it is
+    measured. A slower mode measured is retried more rarely the slower it is."""
+    now = [0.0]
+
+    def drafting_turn(together, free: int) -> None:
+        assert together.drafts(4) is True
+        for _ in range(4):  # 4 steps of 6 tokens each in 0.44 s: 24 tokens, a window
+            now[0] += 0.44 / 4
+            together.record(4, True, 6, free=free, pass_s=0.44)
+
+    together = Together(window=24, retry=4, clock=lambda: now[0])
+    drafting_turn(together, free=1)
+    assert together.rate(4, True) == pytest.approx(24 / 0.44)
+    assert together.leaning_at_most(4) == pytest.approx(4 / 0.44)
+    assert together.drafts(4) is True and together.rate(4, False) is None  # not measured: it cannot pay
+    # Lookup accepting 4 tokens a step: leaning could make 5 a request a pass, more than half: measured.
+    together = Together(window=24, retry=4, clock=lambda: now[0])
+    drafting_turn(together, free=5)
+    assert together.drafts(4) is False
+    # Without figures for the steps (a caller that gives none) leaning is measured, as before.
+    together = Together(window=24, retry=4, clock=lambda: now[0])
+    assert together.drafts(4) is True
+    for _ in range(4):
+        now[0] += 0.11
+        together.record(4, True, 6)
+    assert together.leaning_at_most(4) is None and together.drafts(4) is False
+    # The slower mode's retry: every `retry` turns while it is at least half as fast, then rarer.
+    assert rules.together_retry_every(8, 20.0, 12.0) == 8 and rules.together_retry_every(8, 20.0, 10.0) == 8
+    assert rules.together_retry_every(8, 54.0, 9.0) == 24
+    assert rules.leaning_loses(54.0, 9.1) and not rules.leaning_loses(54.0, 30.0)

@@ -306,6 +306,25 @@ TOGETHER_RETRY = 8
 TOGETHER_LOSING = 0.5
 
 
+def together_retry_every(retry: int, best: float, other: float) -> int:
+    """Every how many turns the slower mode of requests decoding together runs a turn again:
+    `retry`, and more where it measured far slower (`best` and `other`, tokens/s). A retry cut
+    after a quarter window costs a quarter window's time times best/other - 1, so the interval
+    grows with best/other to keep that near one part in 2 * `retry` of the time between retries:
+    200 ms from a worker four requests drafted 54 tokens/s and leaned 9, and a retry every 8
+    turns cost a sixth of their time."""
+    return max(retry, int(retry * best / (2.0 * max(other, 1e-9))))
+
+
+def leaning_loses(drafting: float, leaning_at_most: float) -> bool:
+    """Whether requests decoding together skip measuring a turn leaning on what costs no model
+    pass: at most `leaning_at_most` tokens/s (their steps' tokens without the draft model over
+    their least pass, pay.together) is under TOGETHER_LOSING of the `drafting` rate measured.
+    Over a network a pass costs about the same for 4 tokens or 40, and the first leaning turn of
+    four requests 200 ms away (1 token each a 440 ms pass) cost as much as six drafting turns."""
+    return leaning_at_most < TOGETHER_LOSING * drafting
+
+
 def draft_together(target_on_gpu: bool) -> bool:
     """Whether requests decoding together may draft with the draft model beside one another (in
     turns measured against leaning: pay.together), or lean on what costs no model pass.

@@ -102,8 +102,9 @@ class StepSizer:
         if self._turn is not None and self.together is not None:
             if one_off:
                 self.together.restart(*self._turn)
-            else:
-                self.together.record(*self._turn, len(step.tokens))
+            else:  # (what came without the draft model: the root, lookup's and forced tokens)
+                self.together.record(*self._turn, len(step.tokens), free=1 + step.lookup_tokens + step.forced_tokens,
+                                     pass_s=step.target_s)
         self._turn = None
 
     def record(self, step: Step) -> None:

@@ -7,8 +7,13 @@ with its tokens, which differs from machine to machine (rules.draft_together say
 on a CPU, and where the turns are taken). So the requests take turns: while N of them decode together, a turn of TOGETHER_WINDOW
 committed tokens drafts with the model, the next leans on what costs no model pass (lookup, a
 grammar's forced runs); then the mode with more tokens per second runs, the other again every
-TOGETHER_RETRY turns, cut short where it runs at under TOGETHER_LOSING of the other's rate. Each
-count of requests has its own measurements.
+TOGETHER_RETRY turns (more where it measured far slower: rules.together_retry_every), cut short
+where it runs at under TOGETHER_LOSING of the other's rate. Each count of requests has its own
+measurements. Leaning is not measured where it cannot pay: its steps take at most what the
+requests' steps took without the draft model (the root and lookup's accepted tokens), a pass no
+shorter than their least, and where that is under TOGETHER_LOSING of drafting's rate measured
+(a pass over a network, about the same for 4 tokens or 40), drafting keeps the turns
+(rules.leaning_loses).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from specrun.decoding.pay.rules import TOGETHER_LOSING, TOGETHER_RETRY, TOGETHER_WINDOW
+from specrun.decoding.adaptive import Average
+from specrun.decoding.pay.rules import (TOGETHER_LOSING, TOGETHER_RETRY, TOGETHER_WINDOW, leaning_loses,
+                                        together_retry_every)
 
 
 @dataclass
@@ -39,6 +46,8 @@ class Together:
         self._turn: _Turn | None = None
         self._rates: dict[tuple[int, bool], float] = {}  # (requests, drafting) -> tokens/s
         self._turns: dict[int, int] = {}  # requests -> turns chosen
+        self._free: dict[int, Average] = {}  # requests -> tokens a step took without the draft model's
+        self._least_s: dict[int, float] = {}  # requests -> their least pass together, seconds
 
     def drafts(self, requests: int) -> bool:
         """Whether a step of one of `requests` requests decoding together drafts with the model now."""
@@ -48,9 +57,15 @@ class Together:
                 turn = self._turn = _Turn(requests, self._choose(requests), self._clock())
             return turn.drafting
 
-    def record(self, requests: int, drafting: bool, tokens: int) -> None:
-        """A step of the turn (`requests`, `drafting`) committed `tokens`."""
+    def record(self, requests: int, drafting: bool, tokens: int, free: int | None = None, pass_s: float = 0.0) -> None:
+        """A step of the turn (`requests`, `drafting`) committed `tokens`, of which `free` would
+        have come without the draft model (the root and lookup's; None: unknown), in a pass
+        of `pass_s` seconds (0: untimed, or a one-off)."""
         with self._lock:
+            if free is not None:
+                self._free.setdefault(requests, Average(TOGETHER_WINDOW)).add(free)
+            if pass_s > 0:
+                self._least_s[requests] = min(pass_s, self._least_s.get(requests, pass_s))
             turn = self._turn
             if turn is None or (turn.requests, turn.drafting) != (requests, drafting):
                 return
@@ -78,12 +93,23 @@ class Together:
         """Tokens per second measured in the mode's turns (None before one ended)."""
         return self._rates.get((requests, drafting))
 
+    def leaning_at_most(self, requests: int) -> float | None:
+        """Tokens per second `requests` leaning together could make at most: the tokens their
+        steps took without the draft model, each a pass no shorter than their least (None
+        before both are known)."""
+        free, least_s = self._free.get(requests), self._least_s.get(requests)
+        if free is None or least_s is None:
+            return None
+        return requests * float(free.mean) / least_s
+
     def _choose(self, requests: int) -> bool:
         drafting, leaning = self._rates.get((requests, True)), self._rates.get((requests, False))
         if drafting is None:
             return True
         if leaning is None:
-            return False
+            at_most = self.leaning_at_most(requests)
+            return at_most is not None and leaning_loses(drafting, at_most)
         n = self._turns[requests] = self._turns.get(requests, 0) + 1
         best = drafting >= leaning
-        return not best if n % self.retry == 0 else best
+        every = together_retry_every(self.retry, max(drafting, leaning), min(drafting, leaning))
+        return not best if n % every == 0 else best
