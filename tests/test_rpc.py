@@ -540,6 +540,9 @@ def test_clients_at_once_over_a_worker_are_answered_together_and_as_alone(worker
             alone = httpx.post(url + "/v1/completions", json=body, timeout=300)
             assert alone.status_code == 200, alone.text
             assert alone.json()["choices"][0]["text"] == "".join(pieces)
+        # The memory of answers lives with the target, in the child process: /v1/models asks it.
+        memory = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["meta"]["answers_memory"]
+        assert memory is not None and memory["answers"] >= 2 and memory["tokens"] > 160 and memory["bytes"] > 0
     finally:
         rc = server.terminate()
     assert rc == 0, server.stderr

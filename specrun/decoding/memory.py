@@ -85,6 +85,11 @@ class OutputMemory:
         with self._lock:
             return self.index.nbytes()
 
+    def stats(self) -> dict:
+        """What the memory holds now, as the server reports it: answers, tokens and bytes."""
+        with self._lock:
+            return {"answers": self.answers, "tokens": len(self.index), "bytes": self.index.nbytes()}
+
     def remember(self, text: Sequence[int], n_prompt: int) -> None:
         """Keep an answer: `text` is prompt + answer, the answer starting at `n_prompt`."""
         if len(text) <= n_prompt:

@@ -187,13 +187,15 @@ class RequestGuard:
 # Routes
 
 
-def _answers_memory(worker: QueueWorker) -> dict | None:
+async def _answers_memory(worker: QueueWorker) -> dict | None:
     """The memory of earlier answers (decoding.memory) as it stands: answers, tokens and bytes
-    kept (None where the runtime lives in another process: --rpc)."""
+    kept; where the runtime lives in another process (--rpc), as that process says (None where
+    it does not answer: lost, loading again)."""
+    ask = getattr(worker, "answers_memory", None)
+    if ask is not None:
+        return await asyncio.to_thread(ask)
     memory = getattr(getattr(worker, "runtime", None), "memory", None)
-    if memory is None:
-        return None
-    return {"answers": memory.answers, "tokens": len(memory), "bytes": memory.nbytes()}
+    return memory.stats() if memory is not None else None
 
 
 def _add_routes(app: FastAPI, worker: QueueWorker) -> None:
@@ -216,7 +218,7 @@ def _add_routes(app: FastAPI, worker: QueueWorker) -> None:
                           "n_ctx_train": info.n_ctx_train, "tree_budget": info.tree_budget,
                           "reproducible": worker.reproducible,  # serve --reproducible: every request
                           "throughput": info.throughput,  # serve --throughput (with --parallel N > 1)
-                          "answers_memory": _answers_memory(worker)}}
+                          "answers_memory": await _answers_memory(worker)}}
         return JSONResponse({"object": "list", "data": [entry]})
 
     @app.get("/props")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -40,6 +41,8 @@ log = logging.getLogger("specrun.server")
 
 # How long a child has to end after it was told to stop, before it is killed.
 CHILD_STOP_S = 30.0
+# Seconds the parent waits for the child to say what its memory of answers holds (/v1/models).
+MEMORY_WAIT_S = 2.0
 # Jobs the child's worker may hold waiting (the parent admits no more than its lanes at once).
 _CHILD_QUEUE = 64
 # A job's fields that stay with the parent's event loop; the others travel to the child.
@@ -74,6 +77,12 @@ class IsolatedWorker(QueueWorker):
         child = self._child
         if child is not None:
             job.read = await asyncio.to_thread(child.read, job)
+
+    def answers_memory(self) -> dict | None:
+        """The child's memory of earlier answers (decoding.memory.OutputMemory.stats), or None
+        where there is no child to ask (loading again) or it does not answer in time."""
+        child = self._child
+        return child.memory() if child is not None else None
 
     def _serve(self, job: Job) -> None:
         with self._child_lock:
@@ -129,6 +138,7 @@ class _Child:
         self._send_lock = threading.Lock()
         self._routes: dict[str, queue.SimpleQueue] = {}  # a job in flight's events, by its id
         self._routes_lock = threading.Lock()
+        self._asked = itertools.count()  # (each question for the memory's figures, a route of its own)
 
     @classmethod
     def start(cls, opts: RunOptions, chat: ChatSettings, verbose: bool, stopping: threading.Event) -> _Child | None:
@@ -206,6 +216,18 @@ class _Child:
         if isinstance(read, APIError):
             raise read
         return read
+
+    def memory(self) -> dict | None:
+        """What the child's memory of answers holds (None: it is lost, or does not say within
+        MEMORY_WAIT_S)."""
+        key = f"memory:{next(self._asked)}"
+        with self._route(key) as route:
+            if route is None or not self._send(("memory", key)):
+                return None
+            try:
+                return route.get(timeout=MEMORY_WAIT_S)
+            except queue.Empty:
+                return None
 
     def _send(self, message) -> bool:
         """Send a message to the child; False where it is gone."""
@@ -337,6 +359,9 @@ def _child_main(conn: Connection, opts: RunOptions, chat: ChatSettings, verbose:
                     job.emit(Failed(e))
             elif kind == "read":
                 threading.Thread(target=_read_arriving, args=(worker, send, rest[0]), daemon=True).start()
+            elif kind == "memory":  # (the route's key: the parent's question)
+                memory = getattr(worker.runtime, "memory", None) if worker.runtime is not None else None
+                send(("event", rest[0], memory.stats() if memory is not None else None))
             elif kind == "cancel" and rest[0] in jobs:
                 jobs[rest[0]].cancel.set()
     except (EOFError, OSError):
