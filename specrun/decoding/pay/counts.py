@@ -72,10 +72,11 @@ class MetCounts:
     def fill_to(self, n_tokens: int, most: int, network_s: float, shared: Sequence[int] = (), tree: bool = False) -> int:
         """The count a pass over n_tokens holds: n_tokens where it was met, else the least met
         count above it (a tree's pass, with `tree`: one a tree's pass met) up to `most` where the
-        filler pays (pay.rules.fill_pays, with what filler cost this count's passes so far,
-        counted as they are filled; priced by the passes timed around it, a tree's by its size too). Where none does the pass meets a new count anyway: the
-        least of `shared` (counts other passes will meet: a prompt's pass takes a tree's) from
-        n_tokens up to `most` and FILL_GRID times n_tokens, or n_tokens."""
+        filler pays (pay.rules.fill_pays: priced by the passes timed around it, a tree's bounded
+        by its size too, with what filler cost this count's passes so far, counted as they are
+        filled). Where none does the pass meets a new count anyway: the least of `shared`
+        (counts other passes will meet: a prompt's pass takes a tree's) from n_tokens up to
+        `most` and FILL_GRID times n_tokens, or n_tokens."""
         if n_tokens in self.counts:
             return n_tokens
         up = min((m for m in (self.tree_counts if tree else self.counts) if m > n_tokens), default=0)

@@ -10,7 +10,7 @@ grammar's forced runs); then the mode with more tokens per second runs, the othe
 TOGETHER_RETRY turns (more where it measured far slower: rules.together_retry_every), cut short
 where it runs at under TOGETHER_LOSING of the other's rate. Each count of requests has its own
 measurements. Leaning is not measured where it cannot pay: its steps take at most what the
-requests' steps took without the draft model (the root and lookup's accepted tokens), a pass no
+requests' steps took without the draft model (the root, lookup's and forced tokens), a pass no
 shorter than their least, and where that is under TOGETHER_LOSING of drafting's rate measured
 (a pass over a network, about the same for 4 tokens or 40), drafting keeps the turns
 (rules.leaning_loses).
@@ -59,7 +59,7 @@ class Together:
 
     def record(self, requests: int, drafting: bool, tokens: int, free: int | None = None, pass_s: float = 0.0) -> None:
         """A step of the turn (`requests`, `drafting`) committed `tokens`, of which `free` would
-        have come without the draft model (the root and lookup's; None: unknown), in a pass
+        have come without the draft model (the root, lookup's, forced; None: unknown), in a pass
         of `pass_s` seconds (0: untimed, or a one-off)."""
         with self._lock:
             if free is not None:
