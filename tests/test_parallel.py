@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import MODEL_CACHE, passes_a_round_trip_away
+from conftest import MODEL_CACHE, ROUND_TRIP_S, passes_a_round_trip_away
 from pinned_sources import template
 from test_server import API_KEY, TARGET, ServerProcess
 from test_server_structured import ADD, PERSON, WEATHER
@@ -350,6 +350,14 @@ def test_draft_trees_of_requests_together_share_draft_passes_and_answer_as_alone
         assert (sum(decoder.drafter.extended for decoder in decoders) > 0) == network
         # Steps whose target pass held other requests' trees drafted with the draft model too.
         assert any(step.shared > 1 and step.draft_passes > 1 for dec in decoders for step in dec.stats.steps)
+        # Each such step told the requests' turns (pay.together) what came without the draft model
+        # and its pass's seconds, none shorter than a round trip where the pass runs elsewhere: what
+        # bounds leaning, measured only where that bound could pay.
+        together = decoders[0].sizer.together
+        at_most = together.leaning_at_most(3)
+        assert at_most is not None and float(together._free[3].mean) >= 1.0
+        if network:
+            assert at_most <= 3 * float(together._free[3].mean) / ROUND_TRIP_S
     finally:
         for ctx in owned:
             ctx.close()
