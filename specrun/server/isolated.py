@@ -360,7 +360,7 @@ def _child_main(conn: Connection, opts: RunOptions, chat: ChatSettings, verbose:
             elif kind == "read":
                 threading.Thread(target=_read_arriving, args=(worker, send, rest[0]), daemon=True).start()
             elif kind == "memory":  # (the route's key: the parent's question)
-                memory = getattr(worker.runtime, "memory", None) if worker.runtime is not None else None
+                memory = getattr(worker.runtime, "memory", None)  # (loaded: the parent asks only once it is ready)
                 send(("event", rest[0], memory.stats() if memory is not None else None))
             elif kind == "cancel" and rest[0] in jobs:
                 jobs[rest[0]].cancel.set()
