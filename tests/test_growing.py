@@ -258,6 +258,39 @@ def test_where_the_draft_grows_during_the_pass_the_first_look_is_at_the_size_tha
     assert not {8, 16} & set(sizes) and max(sizes[-10:]) >= 64, sizes
 
 
+class NodeCostGrower(ScriptedGrower):
+    """As ScriptedGrower, a draft pass costing `pass_s` a node it expands (the demo draft's Q4_1
+    passes on the 2-core CPU: a pass of four nodes costs about four of one)."""
+
+    def propose(self, committed, root, budget, depth):
+        proposal = super().propose(committed, root, budget, depth)
+        width = self.shape.width
+        self.last_passes = [(width, self.pass_s * width)] * (proposal.draft_passes - 1)
+        return GrownTree(proposal.tree, self.pass_s * (1 + width * (proposal.draft_passes - 1)), proposal.draft_passes)
+
+
+def test_over_a_network_no_size_is_looked_at_whose_tree_drafts_longer_than_a_step():
+    """A look grows its tree in series before the target's pass. 200 ms from the worker, with
+    chains a few ms a node, the tree grows to the longest network chain (32); the 64-node tree
+    above it (32 passes of four nodes) would draft longer than a whole step, so it is never grown
+    to look at (the demo pair: 700-930 ms of drafting for a 510 ms pass)."""
+    sure = NodeCostGrower(pass_s=0.007)
+    sure.calibration.judge(np.log(np.full(100, 0.6)), np.ones(100, bool), np.arange(100) < 97)
+    growing = GrowingTrees(sure, TreeShape.chain(5), 384)
+    growing.overlaps()
+    for _ in range(2):
+        growing.cost.observe(1, network(1))
+        growing.draft_pass.observe(4, 4 * sure.pass_s)  # (as a catch-up over four tokens times it)
+    guesses = FIRST_GUESS.copy()
+    FIRST_GUESS[:] = np.random.default_rng(3).random(len(TEXT)) < 0.97
+    try:
+        sizes = decode(growing, network, steps=80)
+    finally:
+        FIRST_GUESS[:] = guesses
+    assert max(sizes) == 32, sizes
+    assert max(sure.budgets) == 32, sorted(set(sure.budgets))
+
+
 def test_when_passes_get_dear_the_grown_tree_shrinks_back():
     # The same run, then its passes priced as a CPU's (the worker went away, the machine got busy).
     growing = GrowingTrees(ScriptedGrower(pass_s=0.001), TreeShape.chain(5), 384)

@@ -358,17 +358,37 @@ class GrowingTrees(ModelDrafter):
         tokens/s in the first, 18.8 in the fourth). Elsewhere the size just above, if it promises
         to pay, priced by the curve: a grown tree's draft passes run in series before the target's
         pass, and on the demo pair's CPU two looks at 16 nodes (140-150 ms a step against 52 for
-        the chain of 5 and 14 for a plain one) made a fresh process's chat 0.89x plain decoding."""
+        the chain of 5 and 14 for a plain one) made a fresh process's chat 0.89x plain decoding.
+
+        Over a network no size is looked at whose tree the draft would grow in series for longer
+        than a whole step of `level` takes (`_look_cost`): a look at the demo pair's 64-node tree
+        from its chain of 32, 200 ms from the worker, drafted 700-930 ms for a 510 ms pass (its
+        passes of four nodes cost four times one on this CPU)."""
         above = level + 1
+        if self._overlapping and not self._sharing():
+            step = float(self._step_seconds()[level])
+            sizes = [i for i in range(above, len(self.levels)) if self._look_cost(i) <= step]
+        else:
+            sizes = list(range(above, len(self.levels)))
+        if not sizes or sizes[0] != above:
+            return None
         if self._overlapping and not self._sharing() and not self.target_s[above].known:
             seen = self.reach.weight(going=True)[self._at]
-            looked = [i for i in range(above, len(self.levels)) if seen[i] > 0]
+            looked = [i for i in sizes if seen[i] > 0]
             if looked:  # (one look is no judgement: the size looked at is looked at again)
                 return looked[-1]
             hoped = self._hoped_rates(level, weights)
-            untimed = [i for i in range(above, len(self.levels)) if not self.target_s[i].known]
+            untimed = [i for i in sizes if not self.target_s[i].known]
             return max(untimed, key=lambda i: hoped[i])
         return above if faster(self._hoped_rates(level, weights)[above], float(rates[level])) else None
+
+    def _look_cost(self, level: int) -> float:
+        """Seconds a look at `level` drafts in series: as its proposals did, else a pass per level
+        of its depth over its width (0 before any draft pass was timed)."""
+        if self.draft_s[level].known:
+            return float(self.draft_s[level].mean)
+        shape = self._shape(level)
+        return shape.depth * float(self.draft_pass(np.array([shape.width]))[0]) if self.draft_pass.known else 0.0
 
     def _hoped_rates(self, level: int, weights: np.ndarray) -> np.ndarray:
         """Per level above `level`: the tokens per second a step verifying it is hoped to make
