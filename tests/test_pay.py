@@ -118,6 +118,23 @@ def test_a_filler_priced_by_timed_passes_is_not_bounded_by_the_pass_s_own_tokens
     assert untimed.fill_to(12, 63, 0.4) == 12  # no price measured: bounded by twice its tokens and 8
 
 
+def test_a_tree_that_reaches_its_answers_last_tokens_is_filled_as_far_as_its_timed_price_allows():
+    """200 ms from the worker a 6-node chain cut to an answer's last 7 tokens met a new count (2.04
+    s against 0.44): filled to the chain of 32's count, where that filler's price was timed, it
+    takes no round trip. Mid-answer a tree's filler stays bounded by its size, and an untimed price
+    bounds it at the answer's end too."""
+    met = MetCounts()
+    for n, seconds in ((6, 0.44), (33, 0.50)):
+        for _ in range(2):  # (a count's first pass is not timed)
+            met.note(n, seconds, tree=True)
+    assert met.fill_to(7, 512, 0.4, tree=True) == 7  # 33 is more than twice 7 and FILL_SLACK
+    assert met.fill_to(7, 512, 0.4, tree=True, ending=True) == 33
+    assert met.fill_to(7, 512, 0.001, tree=True, ending=True) == 7  # dearer than a round trip a pass
+    untimed = MetCounts()
+    untimed.note(33, 0.5, tree=True)
+    assert untimed.fill_to(7, 512, 0.4, tree=True, ending=True) == 7
+
+
 def test_a_pass_asks_for_rows_of_logits_in_a_count_met_before():
     """Over RPC workers the last layer's products are over the rows of logits a pass asks for:
     their count is a shape of its own (two round trips where it is new). A shared pass's filler

@@ -465,8 +465,8 @@ def test_trees_verified_over_a_network_are_filled_to_a_node_count_met_before(tar
                               TreeShape.chain(5))
     spec.network_sizes, spec.network_s = True, 10.0  # (a slow network: filler always pays)
     shaped, shape = [], spec._network_shape
-    spec._network_shape = lambda tree, kept, room: shaped.append((len(tree), len(shape(tree, kept, room)[0]))) \
-        or shape(tree, kept, room)
+    spec._network_shape = lambda tree, kept, *rest: shaped.append((len(tree), len(shape(tree, kept, *rest)[0]))) \
+        or shape(tree, kept, *rest)
     divergences = []
     for index, prompt in enumerate(prompts[:3]):
         out = token_ids(spec, prompt, GREEDY, 23)
@@ -475,6 +475,35 @@ def test_trees_verified_over_a_network_are_filled_to_a_node_count_met_before(tar
             divergences.append(d)
     assert any(after > before for before, after in shaped), shaped  # short chains were filled
     check_divergences(divergences, 3, "trees filled to the network's met node counts")
+
+
+def test_a_tree_that_reaches_the_answers_end_over_a_network_is_filled_beyond_twice_its_size(
+        target, draft_models, contexts, prompts, references, monkeypatch):
+    """The last step of an answer cut its chain of 32 to the 6 nodes the answer had left: 200 ms
+    from the worker that new count cost 2.04 s against 0.44. Where the filler's price is timed
+    (the counts around it met twice), that pass is filled to the chain's count, however far
+    beyond twice its size; the text stays plain greedy's."""
+    monkeypatch.setattr(counts, "_MET", {})
+    met = counts.met_counts(target)
+    for _ in range(2):  # (a count's first pass is not timed: a count below the chain's, timed)
+        met.note(2, 0.02, tree=True)
+    model = draft_models["agreeing"]
+    spec = SpeculativeDecoder(target, contexts(target), TreeGrower(model, contexts(model), TreeShape.chain(32)),
+                              TreeShape.chain(32))
+    spec.network_sizes, spec.network_s = True, 10.0  # (a slow network: a timed filler pays)
+    shaped, shape = [], spec._network_shape
+    spec._network_shape = lambda tree, kept, room, ending=False: shaped.append((len(tree), ending, len(
+        shape(tree, kept, room, ending)[0]))) or shape(tree, kept, room, ending)
+    ends, divergences = [], []
+    for index, prompt in enumerate(prompts[:3]):
+        shaped.clear()
+        out = token_ids(spec, prompt, GREEDY, 72)
+        ends.extend(after for before, ending, after in shaped if ending and 2 * before + 8 < after)
+        assert all(after in (1, 2, 33) for before, ending, after in shaped if ending), shaped  # no new count
+        if d := compare(references(prompt, 72), out, 72, f"prompt {index}, filled at the answer's end"):
+            divergences.append(d)
+    assert ends and set(ends) == {33}, ends  # some answer's last chain was filled to the chain's count
+    check_divergences(divergences, 3, "trees filled at the answer's end")
 
 
 def test_repeat_guess_copies_what_followed_the_last_token_before():

@@ -69,19 +69,21 @@ class MetCounts:
         whole = float(self._seconds[up].mean) - float(self._seconds[below].mean)
         return max(0.0, whole) * (up - n_tokens) / (up - below)
 
-    def fill_to(self, n_tokens: int, most: int, network_s: float, shared: Sequence[int] = (), tree: bool = False) -> int:
+    def fill_to(self, n_tokens: int, most: int, network_s: float, shared: Sequence[int] = (), tree: bool = False,
+                ending: bool = False) -> int:
         """The count a pass over n_tokens holds: n_tokens where it was met, else the least met
         count above it (a tree's pass, with `tree`: one a tree's pass met) up to `most` where the
         filler pays (pay.rules.fill_pays: priced by the passes timed around it, a tree's bounded
         by its size too, with what filler cost this count's passes so far, counted as they are
-        filled). Where none does the pass meets a new count anyway: the least of `shared`
+        filled; `ending`: a tree that reaches its answer's last tokens, bounded by the timed price
+        only). Where none does the pass meets a new count anyway: the least of `shared`
         (counts other passes will meet: a prompt's pass takes a tree's) from n_tokens up to
         `most` and FILL_GRID times n_tokens, or n_tokens."""
         if n_tokens in self.counts:
             return n_tokens
         up = min((m for m in (self.tree_counts if tree else self.counts) if m > n_tokens), default=0)
         extra_s, spent_s = self.gap(n_tokens, up), self._spent.get(n_tokens, 0.0)
-        if 0 < up <= most and fill_pays(n_tokens, up, extra_s, network_s, spent_s, priced=extra_s > 0 and not tree):
+        if 0 < up <= most and fill_pays(n_tokens, up, extra_s, network_s, spent_s, priced=extra_s > 0 and (ending or not tree)):
             self._spent[n_tokens] = spent_s + extra_s
             return up
         return min((m for m in shared if n_tokens <= m <= min(most, FILL_GRID * n_tokens)), default=n_tokens)
