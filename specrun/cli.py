@@ -19,7 +19,7 @@ from specrun.cli_options import (
     CtxOpt, AutoCtxOpt, ReasoningFormatOpt, ChatTemplateOpt,
     ThreadsOpt, BudgetOpt, DepthOpt, NoSpecOpt, LookupOpt, MemoryOpt, VerboseOpt, ParallelOpt, ThroughputOpt, RpcOpt,
     TemperatureOpt, TopKOpt, TopPOpt, MinPOpt, SeedOpt, PresenceOpt, FrequencyOpt, RepeatOpt, SystemOpt, HeadOpt,
-    examples as _examples,
+    WorkerCacheOpt, examples as _examples,
 )
 from specrun.errors import SpecrunError, UsageError
 from specrun.limits import RPC_DEFAULT_PORT
@@ -496,21 +496,21 @@ def plan(
 # worker
 
 
-@app.command(epilog=_examples("specrun worker --host 0.0.0.0 --port 50052 --threads 8",
+@app.command(epilog=_examples("specrun worker --host 0.0.0.0 --port 50052 --threads 8 --cache",
                               "specrun serve --target qwen2.5-72b --rpc 192.168.1.20:50052   # on the machine that runs the model"))
 def worker(
     host: Annotated[str, typer.Option("--host", help="IPv4 address to listen on (another than 127.0.0.1 lets other machines use this one's devices: a trusted network only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", "-p", min=1, max=65535, help="Port to listen on.")] = RPC_DEFAULT_PORT,
     threads: ThreadsOpt = None,
     device: Annotated[Optional[list[str]], typer.Option("--device", metavar="NAME", help="Serve this device, e.g. CUDA0 or CPU (repeatable; default: this machine's GPUs, else its CPU).")] = None,
+    cache: WorkerCacheOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve this machine's devices to another machine's specrun (--rpc HOST:PORT) over llama.cpp's RPC backend."""
     _setup_logging(verbose)
     with _user_errors():
         from specrun.commands import worker as worker_command
-
-        worker_command.worker(host, port, threads, device or [])
+        worker_command.worker(host, port, threads, device or [], cache)
 
 
 # ---------------------------------------------------------------------------------------------

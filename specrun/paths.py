@@ -44,6 +44,13 @@ def memory_dir() -> Path:
     return Path(env).expanduser() if env else cache_dir() / "memory"
 
 
+def worker_cache_dir() -> Path:
+    """Return the directory where `specrun worker --cache` keeps the weights clients sent
+    (SPECRUN_WORKER_CACHE overrides)."""
+    env = os.environ.get("SPECRUN_WORKER_CACHE")
+    return Path(env).expanduser() if env else cache_dir() / "worker"
+
+
 def user_models_toml() -> Path:
     """Return the path of the user's own models.toml (may not exist)."""
     return config_dir() / "models.toml"

@@ -68,15 +68,15 @@ def _free_port() -> int:
 class Worker:
     """`specrun worker` on a port of 127.0.0.1, in a subprocess."""
 
-    def __init__(self, home: Path, port: int | None = None):
-        self.home, self.port = home, port or _free_port()
+    def __init__(self, home: Path, port: int | None = None, *args: str, env: dict | None = None):
+        self.home, self.port, self.args, self.env = home, port or _free_port(), args, env or {}
         self.endpoint = f"127.0.0.1:{self.port}"
         self.start()
 
     def start(self) -> None:
-        argv = specrun_argv("worker", "--port", str(self.port), "--threads", "1")
+        argv = specrun_argv("worker", "--port", str(self.port), "--threads", "1", *self.args)
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=_env(self.home))
+                                     env={**_env(self.home), **self.env})
         self.stderr_lines: list[str] = []
         ready = threading.Event()
 
@@ -215,6 +215,35 @@ def _model_buffers(stderr: str, kind: str = "model") -> dict[str, float]:
     """{buffer: bytes} from llama.cpp's "... model buffer size = X MiB" lines (or KV; --verbose)."""
     pattern = rf"(\S+) {kind} buffer size = +([\d.]+) MiB"
     return {m.group(1): float(m.group(2)) * 2**20 for m in re.finditer(pattern, stderr)}
+
+
+def test_a_worker_with_cache_keeps_the_weights_sent_and_a_model_loaded_again_sends_their_hashes(offline_models, tmp_path):
+    """`specrun worker --cache` keeps every weight tensor over 10 MB a client sends (here the demo
+    target's output matrix, 49,152 x 576 F32, with --head workers), named by its hash; the same
+    model loaded again is answered from the folder (the file is not written again), with the
+    same text. A folder that cannot be made is one line and a non-zero exit."""
+    folder = tmp_path / "kept"
+    w = Worker(tmp_path, None, "--cache", env={"SPECRUN_WORKER_CACHE": str(folder)})
+    try:
+        args = ("--target", "smollm2-135m-f32", "--no-spec", "--max-tokens", "8", "--rpc", w.endpoint,
+                "--head", "workers", PROMPT)
+        first, _ = _generate_json(tmp_path, *args)
+        kept = {entry.name: entry.stat() for entry in folder.iterdir()}
+        assert any(stat.st_size == 49152 * 576 * 4 for stat in kept.values()), kept
+        assert all(len(name) == 16 and int(name, 16) >= 0 for name in kept), kept
+        again, _ = _generate_json(tmp_path, *args)
+        assert again["token_ids"] == first["token_ids"]
+        assert {entry.name: entry.stat().st_mtime_ns for entry in folder.iterdir()} == \
+            {name: stat.st_mtime_ns for name, stat in kept.items()}  # nothing sent again
+    finally:
+        rc, stdout = w.stop()
+    assert rc == 0 and stdout == "", "".join(w.stderr_lines)
+    assert any(f"keeping the weights clients send in {folder}" in line for line in w.stderr_lines), w.stderr_lines
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    done = subprocess.run(specrun_argv("worker", "--port", str(_free_port()), "--cache"), capture_output=True, text=True,
+                          env={**_env(tmp_path), "SPECRUN_WORKER_CACHE": str(blocked / "kept")}, timeout=RUN_TIMEOUT_S)
+    assert done.returncode != 0 and "cannot keep the weights in" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("how", ["draft trees with lookup", "lookup", "hybrid target"])

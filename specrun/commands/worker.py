@@ -15,10 +15,13 @@ import sys
 import threading
 import time
 
-from specrun import engine, ui
+from pathlib import Path
+
+from specrun import engine, paths, ui
 from specrun.engine import rpc
 from specrun.engine.backend import last_llama_error
 from specrun.errors import SpecrunError, UsageError
+from specrun.files import human_size
 
 NO_AUTHENTICATION = ("the RPC protocol has no authentication and no encryption: anyone who reaches this port can "
                      "run code on these devices and read what they hold; never let it face an untrusted network")
@@ -26,24 +29,29 @@ NO_AUTHENTICATION = ("the RPC protocol has no authentication and no encryption: 
 LISTEN_WAIT_S = 30.0
 
 
-def worker(host: str, port: int, threads: int | None, device_names: list[str]) -> None:
-    """Serve the chosen devices (default: the accelerators, else the CPU) on host:port."""
+def worker(host: str, port: int, threads: int | None, device_names: list[str], cache: bool = False) -> None:
+    """Serve the chosen devices (default: the accelerators, else the CPU) on host:port; with
+    `cache`, keep the weights clients send (paths.worker_cache_dir) for their next loads."""
     _check_address(host, port)
     rpc.check_rpc_build()
     devices = rpc.worker_devices(device_names)
     endpoint = f"{host}:{port}"
+    folder = _cache_folder() if cache else None
     ui.warn(NO_AUTHENTICATION if host == "127.0.0.1" else
             f"listening on {host}, not only this machine: {NO_AUTHENTICATION}")
     # llama.cpp prints its progress on stdout; this command writes no text of its own there.
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     server = threading.Thread(target=rpc.serve_devices, name="specrun-rpc-worker", daemon=True,
-                              args=(endpoint, [dev for _, dev in devices], threads or engine.default_threads()))
+                              args=(endpoint, [dev for _, dev in devices], threads or engine.default_threads(), folder))
     server.start()
     _wait_listening(server, host, port)
     names = ", ".join(name for name, _ in devices)
     ui.info(f"specrun worker: serving {names} on {endpoint}: use it with --rpc {_client_address(host)}:{port} "
             "(Ctrl-C stops it)")
+    if folder is not None:
+        ui.dim(f"specrun worker: keeping the weights clients send in {folder} ({_size(folder)} so far; "
+               "a model loaded again sends only their hashes; delete the folder to free the space)")
     signal.signal(signal.SIGTERM, _stop)
     try:
         while server.is_alive():
@@ -52,6 +60,21 @@ def worker(host: str, port: int, threads: int | None, device_names: list[str]) -
         ui.dim("specrun worker: stopped")
         _exit_now(0)
     raise SpecrunError(f"the RPC worker on {endpoint} stopped: {last_llama_error('llama.cpp ended it')}")
+
+
+def _cache_folder() -> Path:
+    """The folder the weights are kept in, created; SpecrunError where it cannot be."""
+    folder = paths.worker_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecrunError(f"cannot keep the weights in {folder}: {e.strerror or e}") from None
+    return folder
+
+
+def _size(folder: Path) -> str:
+    """What the files in `folder` hold, in words."""
+    return human_size(sum(entry.stat().st_size for entry in folder.iterdir() if entry.is_file()))
 
 
 def _stop(signum, frame) -> None:

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from specrun import ui
 from specrun.engine.backend import last_llama_error
@@ -378,13 +379,16 @@ def worker_devices(names: Sequence[str] = ()) -> list[tuple[str, int]]:
     return accelerators or [(info.name, ptr) for info, ptr in local if info.kind == "cpu"][:1]
 
 
-def serve_devices(endpoint: str, devices: Sequence[int], threads: int) -> None:
+def serve_devices(endpoint: str, devices: Sequence[int], threads: int, cache: Path | None = None) -> None:
     """Serve these devices to RPC clients on endpoint ("HOST:PORT"); returns only if llama.cpp
-    could not start serving (it says why in its log)."""
+    could not start serving (it says why in its log). `cache`: a folder where llama.cpp keeps
+    every weight tensor over 10 MB a client sends, named by its hash: a client that loads the
+    same weights again sends the hash (one round trip) instead of the tensor."""
     start_server = _rpc_function("ggml_backend_rpc_start_server", None, ctypes.c_char_p, ctypes.c_char_p,
                                  ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p))
     array = (ctypes.c_void_p * len(devices))(*devices)
-    start_server(endpoint.encode(), None, threads, len(devices), array)
+    cache_dir = str(cache).encode() if cache is not None else None  # (alive while the server runs)
+    start_server(endpoint.encode(), cache_dir, threads, len(devices), array)
 
 
 def check_rpc_build() -> None:
