@@ -14,7 +14,6 @@ import socket
 import sys
 import threading
 import time
-
 from pathlib import Path
 
 from specrun import engine, paths, ui

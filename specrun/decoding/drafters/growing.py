@@ -368,18 +368,16 @@ class GrowingTrees(ModelDrafter):
         if self._overlapping and not self._sharing():
             step = float(self._step_seconds()[level])
             sizes = [i for i in range(above, len(self.levels)) if self._look_cost(i) <= step]
-        else:
-            sizes = list(range(above, len(self.levels)))
-        if not sizes or sizes[0] != above:
-            return None
-        if self._overlapping and not self._sharing() and not self.target_s[above].known:
-            seen = self.reach.weight(going=True)[self._at]
-            looked = [i for i in sizes if seen[i] > 0]
-            if looked:  # (one look is no judgement: the size looked at is looked at again)
-                return looked[-1]
-            hoped = self._hoped_rates(level, weights)
-            untimed = [i for i in sizes if not self.target_s[i].known]
-            return max(untimed, key=lambda i: hoped[i])
+            if not sizes or sizes[0] != above:
+                return None
+            if not self.target_s[above].known:
+                seen = self.reach.weight(going=True)[self._at]
+                looked = [i for i in sizes if seen[i] > 0]
+                if looked:  # (one look is no judgement: the size looked at is looked at again)
+                    return looked[-1]
+                hoped = self._hoped_rates(level, weights)
+                untimed = [i for i in sizes if not self.target_s[i].known]
+                return max(untimed, key=lambda i: hoped[i])
         return above if faster(self._hoped_rates(level, weights)[above], float(rates[level])) else None
 
     def _look_cost(self, level: int) -> float:
