@@ -560,6 +560,27 @@ def test_beside_other_requests_the_hybrid_prices_its_draft_in_the_pass_they_shar
     assert calls >= steps // 2, f"alone the draft ran in only {calls} of {steps} steps"
 
 
+def test_where_even_a_whole_chain_loses_a_new_answer_does_not_start_by_running_the_draft():
+    """A host where even the draft's chain accepted whole loses to plain steps (a plain step
+    10.1 ms, verifying the chain 35 ms: 6 tokens in 71 ms with the draft's passes, against 94
+    tokens/s plain). Sibling requests (JSON records under one schema, SQL over one table) share
+    all of a prompt but its last tokens with the one before, so the draft has little to catch up
+    with at an answer's start: the hybrid used to run it there once an answer to measure it again
+    (110 ms a record on the demo pair, a tenth of its decoding), for nothing it could pay back."""
+    fast = lambda n: 0.0101 if n == 1 else 0.0101 + 0.005 * (n - 1)
+    _, _, hybrid = _measured_pair_run(fast)
+    draft, rng = hybrid.draft, np.random.default_rng(14)
+    calls = []
+    for _ in range(4):
+        text = [int(t) for t in rng.integers(100, 30000, 49 + 60)]
+        draft.text, draft.cached = text, 49 - 10  # (the draft read all of this prompt but its last 10 tokens)
+        hybrid.start(49, 60)
+        before = draft.calls
+        simulate(hybrid, text, prompt_len=49, seconds=fast, overhead=lambda drafted: 0.0025 if drafted else 0.0005)
+        calls.append(draft.calls - before)
+    assert calls == [0, 0, 0, 0], f"the draft ran {calls} times in four answers where it could not pay"
+
+
 def test_without_a_profile_a_draft_that_could_not_pay_even_accepted_whole_never_runs():
     """The load's timings (no profile): plain steps 10 ms; the draft's chain of 5 accepted whole
     would pass 6 tokens for 62 ms (a 25 ms target pass, 37 ms of draft passes): 0.97x plain at

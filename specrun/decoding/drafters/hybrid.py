@@ -33,6 +33,7 @@ from specrun.decoding.pay.rules import (
     MIN_DRAFTED,
     REFRESH_DEBT,
     SHORT_DEBT,
+    STEP_MARGIN,
     THIN_KIND,
     Beside,
     assumed_prior,
@@ -313,7 +314,7 @@ class HybridDrafter(Drafter):
             # The draft's own tree accepted whole: its deepest path, the catch-up spread as ever.
             tokens = self._deepest + 1.0
             whole = (tokens + beside.emitted) / (float(seconds[0]) + catch_up_s * (tokens - float(accepted[0])) / ahead)
-            if not self._refreshed or faster(whole, lean):
+            if faster(whole, lean, 0.0 if not self._refreshed else STEP_MARGIN):
                 self._refreshed = True
                 return False
         return lean > float(np.max((accepted + beside.emitted) / seconds))

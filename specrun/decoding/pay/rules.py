@@ -108,13 +108,15 @@ def hoped_accepted(accepted_here: float, accepted_half: float, doublings: float,
 # -- the hybrid: when the draft model runs, and when lookup (or a plain step) carries the text --
 
 # Steps leaning on lookup alone before the draft model runs again (to measure it again), when
-# bringing it up costs no more than catching up this many tokens. After an answer's first such
-# refresh, the next ones only where drafting could pay: its tree accepted whole would beat
-# leaning (`faster`). Each costs the draft's catch-up with what the lean steps emitted (a quarter
-# of a plain step's time per token on the demo pair), which nothing pays back where even a whole
-# chain loses: refreshing every 8 plain steps there ran free chat at 0.94x plain. Where a whole
-# chain would win, an answer's first chains may have been unlucky (1 to 3 of 5 accepted, where
-# 4.5 was the rule): one refresh an answer left such an answer leaning, at 0.93x plain.
+# bringing it up costs no more than catching up this many tokens. Only where drafting could pay:
+# its tree accepted whole would at least match leaning, for an answer's first such refresh, and
+# beat it (`faster`) for the next ones. Each costs the draft's catch-up with what the lean steps
+# emitted (a quarter of a plain step's time per token on the demo pair), which nothing pays back
+# where even a whole chain loses: refreshing every 8 plain steps there ran free chat at 0.94x
+# plain, and a refresh at the start of every answer cost sibling JSON records under a schema
+# (lookup and the grammar's forced runs carrying them) 110 ms each, a tenth of their decoding.
+# Where a whole chain would win, an answer's first chains may have been unlucky (1 to 3 of 5
+# accepted, where 4.5 was the rule): one refresh an answer left such an answer leaning, at 0.93x.
 LEAN_REFRESH = 8
 REFRESH_DEBT = 16
 # Drafting steps measured before the hybrid leans on plain steps (lookup proposing nothing): one
