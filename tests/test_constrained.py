@@ -211,3 +211,27 @@ def test_generate_jsonl_constraints_and_clear_errors(cli, tmp_path):
     assert bad_file.exit_code == 2 and "cannot read --grammar file" in bad_file.output
     answer = cli("generate", "--grammar", str(grammar), "--raw", "-n", "4", "--no-spec", "Is the sky blue? Answer:")
     assert answer.exit_code == 0 and answer.stdout.strip() in ("yes", "no"), answer.output
+
+
+SIBLINGS = ["Describe a person named Anna as JSON.", "Describe a person named Bert as JSON.",
+            "Describe a person named Carla as JSON."]
+
+
+def test_lookup_reads_past_a_forced_run_in_the_same_pass(target, plain, contexts, grammar):
+    """Sibling records under one schema: after the first, a key's value often repeats an earlier
+    record's. A grammar's forced run (the key) is certain before the pass, so lookup reads past
+    its end and the value is verified in the run's own pass: the siblings take fewer passes (12
+    and 8 without, 10 and 8 with, on the demo target), and every answer is still plain decoding's."""
+    params = SamplingParams(grammar=grammar)
+    passes = {}
+    for reads in (False, True):
+        decoder = lookup_decoder(target, contexts, 64, adapt=True)
+        decoder.reads_past_forced = reads
+        passes[reads] = []
+        for text in SIBLINGS:
+            prompt = chat_prompt(target, text)
+            out, _ = run(decoder, prompt, params, n=64)
+            expected, _ = run(plain, prompt, params, n=64)
+            assert out == expected, f"{text!r}: {target.detokenize(out)!r} vs plain {target.detokenize(expected)!r}"
+            passes[reads].append(len(decoder.stats.steps))
+    assert sum(passes[True][1:]) < sum(passes[False][1:]), passes

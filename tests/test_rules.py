@@ -196,6 +196,38 @@ def test_a_forced_run_is_grafted_where_the_drafters_tree_leaves_it():
     assert graft_forced(Proposal(DraftTree.chain(9, [1, 2])), 9, [3], 10, chain=True).forced_from is None
 
 
+def test_lookup_past_a_forced_run_is_grafted_at_the_runs_end():
+    from specrun.core.tree import DraftTree
+    from specrun.decoding.drafters.base import Proposal
+    from specrun.decoding.speculative import graft_after_forced, graft_forced
+
+    tree = DraftTree(9)
+    tree.add(0, 1, -0.1)  # the drafter's (lookup's) node: the run's first token
+    proposal = graft_forced(Proposal(tree, lookup_from=1), 9, [1, 4, 5], max_nodes=10)
+    after = DraftTree(5)  # below the run's last token: a value and a branch
+    v = after.add(0, 6, -0.05)
+    after.add(v, 7, -0.5)
+    after.add(0, 8, -2.0)
+    mine = proposal.tree
+    graft_after_forced(proposal, [1, 4, 5], after, max_nodes=10)
+    out = proposal.tree
+    assert proposal.forced_from == 2 and proposal.after_forced_from == 4 and len(mine) == 4  # (a copy)
+    end = out.path(3)[-1]
+    assert [int(out.tokens[n]) for n in out.path(len(out) - 1)[1:]] == [1, 4, 5, 8]
+    six = out.find_child(end, 6)
+    assert out.find_child(six, 7) is not None and float(out.logps[six]) <= float(out.logps[end])
+    # Accepted: the run (2 forced: the first token was lookup's), then 2 past it (lookup's).
+    accepted = [0, 1, 2, 3, six, out.find_child(six, 7)]
+    assert proposal.forced_tokens(accepted) == 2 and proposal.lookup_tokens(accepted) == 3
+    # Within max_nodes; a chain keeps one child a node; a run cut short takes nothing past it.
+    few = graft_after_forced(graft_forced(Proposal(DraftTree(9)), 9, [1, 4, 5], 10), [1, 4, 5], after, max_nodes=4)
+    assert len(few.tree) - 1 == 4
+    chain = graft_after_forced(graft_forced(Proposal(DraftTree(9)), 9, [1, 4, 5], 10), [1, 4, 5], after, 10, chain=True)
+    assert [int(t) for t in chain.tree.tokens] == [9, 1, 4, 5, 6, 7]
+    cut = graft_forced(Proposal(DraftTree(9)), 9, [1, 4, 5], max_nodes=2)
+    assert graft_after_forced(cut, [1, 4, 5], after, 10).after_forced_from is None
+
+
 def test_a_grafted_run_leaves_the_drafters_record_of_its_tree_whole():
     """Issue 37, item 1: lookup watched its tree (sizing its rank table by it), then the decoder
     grafted a grammar's forced run onto that same tree; walking the emitted run into the grafted

@@ -28,6 +28,7 @@ from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import TILE_ROWS, CachedSequence, chains_exact
 from specrun.decoding.pay.guard import SpeedGuard
+from specrun.decoding.pay.rules import AFTER_FORCED_NODES
 from specrun.decoding.pay.counts import met_counts
 from specrun.decoding.pay.steps import StepSizer
 from specrun.decoding.pay.together import Together
@@ -84,6 +85,8 @@ class SpeculativeDecoder:
         self.path_alone = True
         # Grammar-forced runs as free drafts (scripts/bench_forced.py turns this off to compare).
         self.forced_drafts = True
+        # Lookup's tree past a forced run's end grafted there (off: the run alone, to compare).
+        self.reads_past_forced = True
         # The drafter grows its tree on while the target's pass runs elsewhere (runtime sets it:
         # a target wholly on GPUs or RPC workers, its lane its own).
         self.overlap = False
@@ -175,8 +178,17 @@ class SpeculativeDecoder:
             forced = rules.forced(min(remaining - 1, room - 1)) if drafts_forced else []
             only_forced = bool(forced) and proposal is None
             if forced:
-                proposal = graft_forced(proposal, pending, forced, min(self.ctx.n_batch, room) - 1,
-                                        chain=self.chain_only, max_leaves=len(self.lane.seqs))
+                most = min(self.ctx.n_batch, room) - 1
+                proposal = graft_forced(proposal, pending, forced, most, chain=self.chain_only,
+                                        max_leaves=len(self.lane.seqs))
+                # Past the run's end, what lookup finds there (a value after a key, JSON the
+                # session or the memory wrote before): verified in the same pass.
+                deeper = min(depth, remaining - 1) - len(forced)
+                after = self.drafter.propose_after(cache.tokens, pending, forced, AFTER_FORCED_NODES, deeper) \
+                    if deeper >= 1 and self.reads_past_forced else None
+                if after is not None:
+                    graft_after_forced(proposal, forced, after, most, chain=self.chain_only,
+                                       max_leaves=len(self.lane.seqs))
             step = self._verify(proposal, pending, params, rng, remaining, rules, forced=only_forced, along=forced)
             step.total_s = time.perf_counter() - t_start
             step.shared = self.lane.shared
@@ -484,6 +496,43 @@ def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max
                 node = tree.add(node, token, logp)
             return proposal
         node = child
+    return proposal
+
+
+def graft_after_forced(proposal: Proposal, forced: Sequence[int], after: DraftTree, max_nodes: int,
+                       chain: bool = False, max_leaves: int = MAX_SEQ) -> Proposal:
+    """Graft `after` (a tree below forced[-1]) at the end of the forced run's path in the
+    proposal's tree, within `max_nodes` nodes besides the root and `max_leaves` leaves; with
+    `chain`, only one child a node. As graft_forced: new ids past all others (`after_forced_from`),
+    on a copy, each node's logp capped at its new parent's. Nothing where the path does not hold
+    the whole run (it was cut to fit)."""
+    tree, end = proposal.tree, 0
+    for token in forced:
+        end = tree.find_child(end, token)
+        if end is None:
+            return proposal
+    room = max_nodes - (len(tree) - 1)
+    if room < 1:
+        return proposal
+    tree = tree.copy()
+    start, leaves = len(tree), len(tree.leaves())
+    placed = {0: end}
+    for node in range(1, len(after)):  # (parents first: ids are in insertion order)
+        parent = placed.get(int(after.parents[node]))
+        if parent is None or room < 1:
+            continue
+        token = int(after.tokens[node])
+        child = tree.find_child(parent, token)
+        if child is None:
+            adds_leaf = not tree.is_leaf(parent)
+            if adds_leaf and (chain or leaves >= max_leaves):
+                continue
+            leaves += adds_leaf
+            child = tree.add(parent, token, min(float(after.logps[node]), float(tree.logps[parent])))
+            room -= 1
+        placed[node] = child
+    if len(tree) > start:
+        proposal.tree, proposal.after_forced_from = tree, start
     return proposal
 
 

@@ -25,17 +25,20 @@ class Proposal:
     draft_passes: int = 0
     lookup_from: int | None = None  # node ids >= this came from text lookup (None: none did)
     forced_from: int | None = None  # node ids >= this are a grammar's forced run, grafted by the decoder
+    # Node ids >= this: lookup's continuation past the forced run's end, grafted by the decoder.
+    after_forced_from: int | None = None
     reused: int = 0  # nodes taken from the tree the draft grew while the last target pass ran (no pass now)
 
     def lookup_tokens(self, nodes: Sequence[int]) -> int:
         """Return how many of the accepted nodes (root first) came from text lookup."""
-        first, end = self.lookup_from, self.forced_from
-        return 0 if first is None else sum(1 for n in nodes[1:] if n >= first and (end is None or n < end))
+        first, end, after = self.lookup_from, self.forced_from, self.after_forced_from
+        grafted = 0 if first is None else sum(1 for n in nodes[1:] if n >= first and (end is None or n < end))
+        return grafted + (0 if after is None else sum(1 for n in nodes[1:] if n >= after))
 
     def forced_tokens(self, nodes: Sequence[int]) -> int:
         """Return how many of the accepted nodes (root first) a grammar forced (no drafter proposed them)."""
-        first = self.forced_from
-        return 0 if first is None else sum(1 for n in nodes[1:] if n >= first)
+        first, end = self.forced_from, self.after_forced_from
+        return 0 if first is None else sum(1 for n in nodes[1:] if n >= first and (end is None or n < end))
 
     def path_ranks(self, nodes: Sequence[int]) -> tuple[int, ...]:
         """Return calibration ranks of the accepted nodes (best-first drafters only; else empty)."""
@@ -67,6 +70,13 @@ class Drafter(ABC):
     @abstractmethod
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         """Take note that the target accepted the path `accepted_nodes` (root first) of `proposal`."""
+
+    def propose_after(self, committed: Sequence[int], root: int, forced: Sequence[int], budget: int,
+                      depth: int) -> DraftTree | None:
+        """Return a tree below forced[-1] that continues committed + [root] + forced, at most
+        `budget` nodes and `depth` deep, from what costs no model pass (a grammar's forced run is
+        certain before the target's pass: lookup can read past it); None where there is none."""
+        return None
 
     def propose_free(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         """Return what `propose` would, where it costs no model pass; None (a plain step) where it

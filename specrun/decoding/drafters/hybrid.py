@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specrun.core.tree import MAX_LEAVES
+from specrun.core.tree import MAX_LEAVES, DraftTree
 from specrun.decoding.adaptive import (
     Average,
     DraftPrior,
@@ -141,6 +141,10 @@ class HybridDrafter(Drafter):
 
     def attach(self, lane) -> None:
         self.draft.attach(lane)
+
+    def propose_after(self, committed: Sequence[int], root: int, forced: Sequence[int], budget: int,
+                      depth: int) -> DraftTree | None:
+        return self.text.propose_after(committed, root, forced, budget, depth)
 
     def propose_free(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         """Lean on lookup this step (the draft model catches up when it drafts again)."""

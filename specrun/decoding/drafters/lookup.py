@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
+from specrun.core.tree import DraftTree
 from specrun.decoding.adaptive import (
     REPEAT_MATCH,
     REPEAT_MIN,
@@ -81,6 +84,24 @@ class SessionText:
     def propose(self, budget: int, depth: int):
         """The lookup tree below the latest token: from the session's text and the memory."""
         return self.index.propose(self.index.live, budget, depth, memory=self.memory)
+
+    def propose_after(self, committed: Sequence[int], root: int, forced: Sequence[int], budget: int,
+                      depth: int) -> DraftTree | None:
+        """The lookup tree below a grammar's forced run (Drafter.propose_after), where the index
+        holds committed + [root] (the step's proposal read them) and the run's end matches earlier
+        text at STRONG_ORDER tokens or more: a key of JSON the session or the memory wrote before.
+        What `last_order` and `repeats` report stays the step's own proposal's."""
+        live, index = self.index.live, self.index
+        if not forced or len(live) != len(committed) + 1 or int(live[-1]) != root:
+            return None
+        said = index.last_order, index.last_match
+        try:
+            tree = index.propose(np.concatenate([live, np.asarray(forced, live.dtype)]), budget, depth,
+                                 memory=self.memory)
+            strong = index.last_order >= STRONG_ORDER
+        finally:
+            index.last_order, index.last_match = said
+        return tree if strong else None
 
     @property
     def last_order(self) -> int:
@@ -164,6 +185,10 @@ class LookupDrafter(Drafter):
         """Index a finished generation's text (prompt + answer), remember its answer, and finish
         watching its proposals."""
         self.text.learn(text, self.seen)
+
+    def propose_after(self, committed: Sequence[int], root: int, forced: Sequence[int], budget: int,
+                      depth: int) -> DraftTree | None:
+        return self.text.propose_after(committed, root, forced, budget, depth)
 
     def propose_free(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         return self.propose(committed, root, budget, depth)  # lookup runs no model pass

@@ -105,6 +105,12 @@ def hoped_accepted(accepted_here: float, accepted_half: float, doublings: float,
     return min(float(depth), accepted_here + gain)
 
 
+# Nodes of lookup's tree past a grammar's forced run (a value after a JSON key that earlier text
+# continued), verified in the same pass as the run: at most this many, where the run's end
+# matches earlier text at STRONG_ORDER tokens or more (drafters.lookup.SessionText.propose_after).
+AFTER_FORCED_NODES = 4
+
+
 # -- the hybrid: when the draft model runs, and when lookup (or a plain step) carries the text --
 
 # Steps leaning on lookup alone before the draft model runs again (to measure it again), when
