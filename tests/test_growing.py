@@ -330,7 +330,7 @@ def test_a_new_text_forgets_the_walks_in_progress():
 def test_a_growing_tree_cut_to_a_smaller_batch_gives_up_growth_before_lookup():
     tree = TreePlan(DEFAULT_SHAPE, BEST_FIRST, "default", lookup=LOOKUP_SHAPE, grow=DEFAULT_GROWTH)
     assert tree.verified.budget == DEFAULT_GROWTH + LOOKUP_SHAPE.budget
-    assert tree.verified.depth == grown_shape(DEFAULT_GROWTH).depth
+    assert tree.verified.depth == max(grown_shape(DEFAULT_GROWTH).depth, LOOKUP_SHAPE.depth)
     smaller = fit_tree(tree, 100)
     assert smaller.grow == 100 - LOOKUP_SHAPE.budget and smaller.verified.budget == 100
     no_room = fit_tree(tree, 50)

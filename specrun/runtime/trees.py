@@ -29,8 +29,11 @@ DEFAULT_SHAPE = TreeShape.chain(5)
 # PREFILL_BATCH), so growing costs no compute buffer of its own.
 DEFAULT_GROWTH = 384
 # The largest lookup tree a step may verify (the drafter adapts below it to what pays): deep
-# enough for a long verbatim copy, wide enough for a few different continuations.
-LOOKUP_SHAPE = TreeShape(budget=64, depth=32, width=1, top_k=1)
+# enough for a long verbatim copy, wide enough for a few different continuations. 64 deep, not 32:
+# a trusted repeat (an SQL sibling asked again) went in 3 passes of 63 nodes instead of 4 of 33,
+# and a CPU's flash attention tiles passes of 64 tokens or more (the demo pair: repeated SQL
+# 172-177 -> 177-186 tokens/s, code edits and rewrites 86-92 -> 91-95; chat and JSON level).
+LOOKUP_SHAPE = TreeShape(budget=64, depth=64, width=1, top_k=1)
 # The target's own MTP layers draft a chain per step, this long by default (llama.cpp's
 # draft-mtp default; --depth or --budget sets it).
 MTP_CHAIN = 3
