@@ -226,6 +226,11 @@ def test_lookup_past_a_forced_run_is_grafted_at_the_runs_end():
     assert [int(t) for t in chain.tree.tokens] == [9, 1, 4, 5, 6, 7]
     cut = graft_forced(Proposal(DraftTree(9)), 9, [1, 4, 5], max_nodes=2)
     assert graft_after_forced(cut, [1, 4, 5], after, 10).after_forced_from is None
+    # The drafter's lookup tree held the whole run: each accepted token counted once, as lookup's.
+    held = Proposal(DraftTree.chain(9, [1, 4, 5]), lookup_from=1)
+    graft_after_forced(held, [1, 4, 5], after, 10)
+    path = held.tree.best_path()
+    assert held.forced_from is None and held.lookup_tokens(path) == 5 and held.forced_tokens(path) == 0
 
 
 def test_a_grafted_run_leaves_the_drafters_record_of_its_tree_whole():

@@ -31,7 +31,8 @@ class Proposal:
 
     def lookup_tokens(self, nodes: Sequence[int]) -> int:
         """Return how many of the accepted nodes (root first) came from text lookup."""
-        first, end, after = self.lookup_from, self.forced_from, self.after_forced_from
+        first, after = self.lookup_from, self.after_forced_from
+        end = self.forced_from if self.forced_from is not None else after
         grafted = 0 if first is None else sum(1 for n in nodes[1:] if n >= first and (end is None or n < end))
         return grafted + (0 if after is None else sum(1 for n in nodes[1:] if n >= after))
 
