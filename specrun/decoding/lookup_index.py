@@ -473,19 +473,19 @@ def _build_tree(root: int, parents: np.ndarray, tokens: np.ndarray, scores: np.n
     return tree
 
 
-def graft(tree: DraftTree, branches: DraftTree, max_leaves: int = MAX_LEAVES) -> np.ndarray:
-    """Add to `tree` the nodes of `branches` (same root token) that it lacks; return, for each
-    node of `branches` (root excluded), the id it has in `tree` (-1 where the leaf limit left it
-    out).
+def graft(tree: DraftTree, branches: DraftTree, max_leaves: int = MAX_LEAVES, at: int = 0) -> np.ndarray:
+    """Add to `tree` the nodes of `branches` (rooted at the token of `tree`'s node `at`, by default
+    its root) that it lacks below that node; return, for each node of `branches` (root excluded),
+    the id it has in `tree` (-1 where the leaf limit left it out).
 
     Existing nodes keep their ids and new ones are appended, so ids >= the old length are the
     grafted nodes, and whatever the caller keeps per existing node stays valid. A grafted node's
     logp is its score in `branches`, capped at its new parent's, so logps still fall along paths.
     """
-    if int(branches.tokens[0]) != int(tree.tokens[0]):
+    if int(branches.tokens[0]) != int(tree.tokens[at]):
         raise ValueError("graft needs trees below the same root token")
     placed = np.full(len(branches), -1, np.int64)
-    placed[0] = 0
+    placed[0] = at
     leaves = len(tree.leaves())  # colours of one target pass: a lone root is one
     b_parents, b_tokens, b_logps = branches.parents.tolist(), branches.tokens.tolist(), branches.logps.tolist()
     for node in range(1, len(branches)):  # parents first: ids are in insertion order

@@ -27,6 +27,7 @@ from specrun.core.verify import accept_path
 from specrun.decoding.batching import Lane
 from specrun.decoding.drafters.base import Drafter, Proposal
 from specrun.decoding.kv import TILE_ROWS, CachedSequence, chains_exact
+from specrun.decoding.lookup_index import cut, graft
 from specrun.decoding.pay.guard import SpeedGuard
 from specrun.decoding.pay.rules import AFTER_FORCED_NODES
 from specrun.decoding.pay.counts import met_counts
@@ -183,7 +184,7 @@ class SpeculativeDecoder:
                                         max_leaves=len(self.lane.seqs))
                 # Past the run's end, what lookup finds there (a value after a key, JSON the
                 # session or the memory wrote before): verified in the same pass.
-                deeper = min(depth, remaining - 1) - len(forced)
+                deeper = depth - len(forced)  # (depth: within what the answer has left)
                 after = self.drafter.propose_after(cache.tokens, pending, forced, AFTER_FORCED_NODES, deeper) \
                     if deeper >= 1 and self.reads_past_forced else None
                 if after is not None:
@@ -502,10 +503,10 @@ def graft_forced(proposal: Proposal | None, pending: int, forced: list[int], max
 def graft_after_forced(proposal: Proposal, forced: Sequence[int], after: DraftTree, max_nodes: int,
                        chain: bool = False, max_leaves: int = MAX_SEQ) -> Proposal:
     """Graft `after` (a tree below forced[-1]) at the end of the forced run's path in the
-    proposal's tree, within `max_nodes` nodes besides the root and `max_leaves` leaves; with
-    `chain`, only one child a node. As graft_forced: new ids past all others (`after_forced_from`),
-    on a copy, each node's logp capped at its new parent's. Nothing where the path does not hold
-    the whole run (it was cut to fit)."""
+    proposal's tree (lookup_index.graft), its best nodes within `max_nodes` nodes besides the root
+    and `max_leaves` leaves; with `chain`, no new leaf. As graft_forced: new ids past all others
+    (`after_forced_from`), on a copy. Nothing where the path does not hold the whole run (it was
+    cut to fit)."""
     tree, end = proposal.tree, 0
     for token in forced:
         end = tree.find_child(end, token)
@@ -515,22 +516,8 @@ def graft_after_forced(proposal: Proposal, forced: Sequence[int], after: DraftTr
     if room < 1:
         return proposal
     tree = tree.copy()
-    start, leaves = len(tree), len(tree.leaves())
-    placed = {0: end}
-    for node in range(1, len(after)):  # (parents first: ids are in insertion order)
-        parent = placed.get(int(after.parents[node]))
-        if parent is None or room < 1:
-            continue
-        token = int(after.tokens[node])
-        child = tree.find_child(parent, token)
-        if child is None:
-            adds_leaf = not tree.is_leaf(parent)
-            if adds_leaf and (chain or leaves >= max_leaves):
-                continue
-            leaves += adds_leaf
-            child = tree.add(parent, token, min(float(after.logps[node]), float(tree.logps[parent])))
-            room -= 1
-        placed[node] = child
+    start = len(tree)
+    graft(tree, cut(after, room), len(tree.leaves()) if chain else max_leaves, at=end)
     if len(tree) > start:
         proposal.tree, proposal.after_forced_from = tree, start
     return proposal
