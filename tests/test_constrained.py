@@ -20,6 +20,7 @@ from test_speculative import SHAPES, binned, chat_prompt, first_tokens
 from specrun.core.sampling import SamplingParams, make_rng
 from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.lookup import LookupDrafter
 from specrun.decoding.plain import PlainDecoder
 from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.engine.grammar import Grammar
@@ -157,6 +158,62 @@ def test_sampled_penalised_constrained_tokens_have_plain_distribution(offline_mo
     assert accepted > SAMPLES / 4
     assert table.shape[1] >= 10
     assert p_value >= 1e-3, f"speculative sampling differs from plain sampling (p = {p_value:.2g})\n{table}"
+
+
+# Enough that sampling at 0.8 where 1.0 was asked fails (p = 4e-4; 800 samples: 2e-3).
+PAST_SAMPLES = 1500
+
+
+@pytest.mark.slow
+def test_sampled_tokens_past_a_forced_run_have_plain_distribution(offline_models, load_model, contexts, monkeypatch):
+    """Chi-square on the tiny random model: 8 sampled tokens under penalties and a grammar whose
+    first choice is followed by a forced run, through lookup trees of 2 nodes. The forced run
+    goes past lookup's tree; lookup reads on past the run's end (what earlier samples wrote after
+    it) and those nodes are verified in the run's own pass: sampled as plain sampling samples."""
+    from scipy.stats import chi2_contingency
+
+    from specrun.decoding import speculative
+
+    past = []  # per step with lookup's nodes past the run: how many of them the target accepted
+
+    def grafting(proposal, *args, **kwargs):
+        out = real(proposal, *args, **kwargs)
+        if out.after_forced_from is not None:
+            counted, start = out.lookup_tokens, out.after_forced_from
+
+            def lookup_tokens(nodes):
+                past.append(sum(1 for n in nodes[1:] if n >= start))
+                return counted(nodes)
+            out.lookup_tokens = lookup_tokens
+        return out
+
+    real = speculative.graft_after_forced
+    monkeypatch.setattr(speculative, "graft_after_forced", grafting)
+    tiny = load_model(offline_models.smollm2_random)
+    plain = PlainDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, n_seq_max=1, threads=TINY_THREADS))
+    shape = TreeShape(budget=2, depth=8, width=1, top_k=1)
+    drafter = LookupDrafter(2, adapt=False)  # lives through all runs: its index holds every sample
+    spec = SpeculativeDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, threads=TINY_THREADS), drafter, shape)
+    grammar = Grammar.from_text(tiny, 'root ::= ("a" | "b" | "c") " is the answer, " [a-z]+')
+    params = replace(PENALISED, temperature=1.0, top_k=4, grammar=grammar)
+    prompt = chat_prompt(tiny, "Hi")
+
+    def sample(decoder, rng):
+        return tuple(t for step in decoder.steps(prompt, params, 8, rng) for t in step.tokens)
+
+    plain_samples = [sample(plain, make_rng(i)) for i in range(PAST_SAMPLES)]
+    spec_rng, spec_samples, forced = make_rng(10_000), [], 0
+    for _ in range(PAST_SAMPLES):
+        spec_samples.append(sample(spec, spec_rng))
+        forced += spec.stats.as_dict()["forced_tokens"]
+    table = binned(plain_samples, spec_samples)
+    p_value = chi2_contingency(table).pvalue
+    print(f"\npast a forced run, T=1: {table.shape[1]} bins, {forced / PAST_SAMPLES:.2f} forced tokens a run, lookup "
+          f"past the run in {len(past)} steps, {sum(past) / PAST_SAMPLES:.2f} of its tokens accepted a run, p = {p_value:.3g}")
+    assert forced > PAST_SAMPLES, "the run should go past lookup's 2-node trees as forced drafts"
+    assert len(past) > PAST_SAMPLES / 2 and sum(past) > PAST_SAMPLES / 4, "lookup's nodes past the run should be verified and taken"
+    assert table.shape[1] >= 10
+    assert p_value >= 1e-3, f"sampling past a forced run differs from plain sampling (p = {p_value:.2g})\n{table}"
 
 
 def test_unsupported_schema_and_bad_grammar_are_clear_errors(target):
