@@ -302,6 +302,29 @@ def test_target_cost_keeps_the_jump_to_batched_passes():
     assert predicted[4] > predicted[3] + 16 * 0.002  # still rising by ~3 ms per token
 
 
+def test_a_stalled_pass_does_not_make_every_size_cost_the_same():
+    """Four requests' shared passes of 4-8 tokens (the demo target on a 2-core host: 27 ms, 2 ms a
+    token more), then one 5-token pass that took 2.3 s (another process had the cores). Taken as
+    measured, it pulled the line through the passes flat: every size cost the same 83 ms, so
+    lookup's trees of 17-64 nodes looked free beside the other requests. Taken as STALL_FACTOR
+    times the curve, the curve keeps rising with the tokens; passes of a machine that stays
+    slower (up to that factor) move it as before."""
+    rng = np.random.default_rng(0)
+    curve = lambda n: 0.025 if n == 1 else 0.027 + 0.002 * (n - 2)
+    cost = TargetCost()
+    for _ in range(60):
+        n = int(rng.choice([1, 4, 4, 5, 5, 6, 8]))
+        cost.observe(n, curve(n) * (1 + 0.05 * rng.standard_normal()))
+    five, deep = (float(s) for s in cost(np.array([5, 29])))
+    cost.observe(5, 2.3)
+    after_five, after_deep = (float(s) for s in cost(np.array([5, 29])))
+    assert after_five < 1.25 * five, f"{1e3 * five:.1f} -> {1e3 * after_five:.1f} ms"
+    assert after_deep - after_five > 0.75 * (deep - five), "24 more tokens should still cost about 2 ms each"
+    for _ in range(12):  # (the machine is three times slower now, for good)
+        cost.observe(5, 3 * curve(5))
+    assert float(cost(np.array([5]))[0]) > 1.5 * five
+
+
 def test_one_lucky_proposal_is_not_trusted_but_a_run_of_them_is():
     hindsight = Hindsight(max_budget=16, doubt=8.0)
     hindsight.watch(chain(1, [2, 3, 4, 5]))
