@@ -175,6 +175,7 @@ def test_sampled_tokens_past_a_forced_run_have_plain_distribution(offline_models
     from specrun.decoding import speculative
 
     past = []  # per step with lookup's nodes past the run: how many of them the target accepted
+    real = speculative.graft_after_forced
 
     def grafting(proposal, *args, **kwargs):
         out = real(proposal, *args, **kwargs)
@@ -187,7 +188,6 @@ def test_sampled_tokens_past_a_forced_run_have_plain_distribution(offline_models
             out.lookup_tokens = lookup_tokens
         return out
 
-    real = speculative.graft_after_forced
     monkeypatch.setattr(speculative, "graft_after_forced", grafting)
     tiny = load_model(offline_models.smollm2_random)
     plain = PlainDecoder(tiny, contexts(tiny, n_ctx=256, n_batch=64, n_seq_max=1, threads=TINY_THREADS))
