@@ -414,27 +414,18 @@ class TargetCost:
             self._sizes.add(n_tokens)
             self._first.observe(n_tokens, seconds)
             return
-        if self._timed_like(n_tokens):  # (a stall is no point of the curve: STALL_FACTOR)
-            seconds = min(seconds, STALL_FACTOR * float(self(np.array([n_tokens]))[0]))
+        # The passes this one joins (one-token passes, or the line below or above the step), and
+        # the figure its size's price rests on: theirs, or a profile's curve scaled.
+        points = self._base if n_tokens == 1 else self._above if self.step and n_tokens >= self.step else self._fit
+        if (self._ratio if self.curve is not None else points).known:  # (not the prior's guess)
+            seconds = min(seconds, STALL_FACTOR * float(self(np.array([n_tokens]))[0]))  # (a stall: STALL_FACTOR)
         if self.curve is not None:
             self._ratio.add(seconds / float(self.curve(np.array([n_tokens]))[0]))
-        if n_tokens == 1:
-            self._base.add(seconds)
-        elif self.step and n_tokens >= self.step:
-            x = n_tokens - self.step
-            self._above.add([1.0, x, x * x, seconds, seconds * x])
+        if points is self._base:
+            points.add(seconds)
         else:
-            x = n_tokens - 1
-            self._fit.add([1.0, x, x * x, seconds, seconds * x])
-
-    def _timed_like(self, n_tokens: int) -> bool:
-        """Whether the curve's figure for an n-token pass rests on passes measured like it (one
-        token; more, below or above the step; a profile's curve scaled), not on the prior."""
-        if self.curve is not None:
-            return self._ratio.known
-        if n_tokens == 1:
-            return self._base.known
-        return (self._above if self.step and n_tokens >= self.step else self._fit).known
+            x = n_tokens - (self.step if points is self._above else 1)
+            points.add([1.0, x, x * x, seconds, seconds * x])
 
     def set_first_passes_apart(self) -> None:
         """Keep each size's first pass out of the curve, pricing passes only while nothing else
