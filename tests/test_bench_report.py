@@ -7,6 +7,7 @@ import json
 
 from specrun.commands.bench_report import largest_under, markdown, predicted_speedup
 from specrun.engine import system_info
+from specrun.tuning.attention import AttentionCosts
 
 
 def test_bench_report_json_and_markdown(tmp_path, cli):
@@ -37,6 +38,28 @@ def test_bench_report_json_and_markdown(tmp_path, cli):
     assert ("| CPU kernels | one for every pass size" in text) is report["build"]["cpu_batch_invariant"]
     assert "| target flash attention | off |" in text
     assert text.count("| prompts |") == 4 and "`specrun tune` would choose" in text
+    # The target's passes after half the context with and without flash attention, on this CPU
+    attention = report["attention"]
+    assert attention["cells"] == 256 and list(attention["with_s"]) == list(attention["without_s"]) == ["1", "8", "16"]
+    assert all(s > 0 for key in ("with_s", "without_s") for s in attention[key].values())
+    assert all(rate > 0 for rate in attention["prompt_tokens_per_s"].values())
+    assert ("--flash-attn off` suits" in attention["advice"]) is attention["off_pays"]
+    assert "| without (`--flash-attn off`) |" in text and attention["advice"][1:] in text
+
+
+def test_flash_attention_advice_follows_the_measured_passes():
+    def costs(with_ms, without_ms):
+        return AttentionCosts(1024, dict(zip((1, 8, 16), with_ms)), dict(zip((1, 8, 16), without_ms)), 690.0, 530.0)
+
+    # The AVX-512 host (docs/benchmarks.md): trees 2.4-3.0x dearer with it, one token 1.3x
+    avx512 = costs((37.6, 121.6, 216.6), (28.5, 50.8, 71.5))
+    assert avx512.off_pays and "`--flash-attn off` suits one agent" in avx512.advice()
+    assert "1.32x / 2.39x / 3.03x" in avx512.advice() and "prompts read 30% faster with it" in avx512.advice()
+    # Trees cheaper without it, but not by TREE_GAIN; or one token dearer without it: the default
+    assert not costs((24.0, 48.0, 80.0), (24.0, 42.0, 70.0)).off_pays
+    assert not costs((24.0, 65.8, 109.6), (26.0, 48.5, 74.8)).off_pays
+    assert costs((24.0, 65.8, 109.6), (25.0, 48.5, 74.8)).off_pays  # (one token within ONE_TOKEN_SLACK)
+    assert costs((24.0, 48.0, 80.0), (24.0, 42.0, 70.0)).advice().endswith("keep the default")
 
 
 def test_largest_tree_under_twice_a_one_token_pass():

@@ -22,6 +22,7 @@ from specrun.files import human_size
 from specrun.hardware.machine import probe_hardware
 from specrun.runtime.plan import Plan, RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
+from specrun.tuning import attention
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import profiles
 from specrun.tuning import report as tuning_report
@@ -64,6 +65,7 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
         with tuning_report.progress() as progress:
             measured = measure_pair(rt, settings, shape, progress, whole_curve=True)
         choice, best_tree = choose(measured)
+        attention = _attention(rt, opts)
     ui.dim("report: measuring the drafters per workload")
     tuning_report.warn_if_busy(engine.default_threads(), "speedups measured now may not hold on a quiet machine")
     rows = speedups.by_workload(opts, workload, prompts_file, max_tokens)
@@ -84,6 +86,7 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
             "steps": list(measured.target.steps),
             "largest_tree_under_2x": largest_under(measured.target.decode, 2.0),
         },
+        "attention": attention,
         "plain": {"tokens_per_s": round(1.0 / (measured.plain.target_s + measured.plain.overhead_s), 2)
                   if measured.plain.target_s else 0.0},
         "calibration": {**measured.calibration.summary(), "tau_by_budget": _tau(measured)},
@@ -93,6 +96,18 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
         "default_mode": DEFAULT_MODES[default.drafter],
         "workloads": rows,
     }
+
+
+def _attention(rt: Runtime, opts: RunOptions) -> dict | None:
+    """The target's passes after a long context with and without flash attention (tuning.attention),
+    where its attention runs on this CPU over an f16 cache (elsewhere None: a GPU's kernels, a
+    quantized cache's need for it)."""
+    plan = rt.plan
+    if plan.target_gpu_layers or opts.rpc or engine.kv_quantized(plan.target_ctx.kv_type):
+        return None
+    cells = min(attention.ATTENTION_CELLS, max(64, plan.target_ctx.n_ctx // 2))
+    ui.dim(f"report: timing the target's passes after {cells} tokens with and without flash attention")
+    return attention.measure_attention(rt.target, plan.threads, cells).to_dict()
 
 
 def _tau(measured: Measured) -> dict[str, float]:
@@ -203,6 +218,8 @@ def markdown(report: dict) -> str:
     for label, points in (("target", cost["target_s"]), ("draft", cost["draft_s"])):
         cells = [f"{points[str(n)] * 1000:.2f}" if str(n) in points else "" for n in sizes]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if report.get("attention"):  # (a CPU's attention over an f16 cache; reports from before it lack it)
+        lines += _attention_lines(report["attention"])
     lines.append("")
     lines.append(f"Largest batch under 2x a one-token target pass: {cost['largest_tree_under_2x']} tokens. "
                  f"Plain decoding: {report['plain']['tokens_per_s']:.2f} tok/s. "
@@ -217,6 +234,18 @@ def markdown(report: dict) -> str:
         lines.append(f"| {row['workload']} | {mode} | {row['tokens_per_s']:.2f} | {row['ratio_to_plain']:.2f} | "
                      f"{row['accepted_per_pass']:.2f} | {'yes' if row['identical_output'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _attention_lines(found: dict) -> list[str]:
+    """The target's passes with and without flash attention (ms) and what to make of them."""
+    sizes = list(found["with_s"])
+    lines = ["", f"The target's passes after {found['cells']} tokens of context (ms), and its prompts (tokens/s):", "",
+             "| flash attention | " + " | ".join(f"{n} token{'s' if n != '1' else ''}" for n in sizes) + " | prompt |",
+             "|---|" + "---:|" * (len(sizes) + 1)]
+    for label, key in (("with (llama.cpp's auto)", "with"), ("without (`--flash-attn off`)", "without")):
+        cells = " | ".join(f"{found[key + '_s'][n] * 1000:.1f}" for n in sizes)
+        lines.append(f"| {label} | {cells} | {found['prompt_tokens_per_s'][key]:.0f} |")
+    return lines + ["", found["advice"][0].upper() + found["advice"][1:] + "."]
 
 
 def _flags(features: str) -> str:

@@ -1,0 +1,98 @@
+"""Whether this machine runs the target's passes over a long context faster without flash attention.
+
+llama.cpp turns flash attention on wherever its kernels run ("auto"), on a CPU too, by what its
+kernels support, not by what runs faster. Its CPU kernel takes a pass's tokens one at a time and
+reads every cached cell again for each, where the matrix products read a cell once for all of a
+tree's tokens; how much that costs depends on the CPU: on one 2-core host the demo target's
+16-token pass after 1,500 tokens took 110 ms with it and 75 without, on another (AVX-512) 220 ms
+and 73 after 1,024, and an agent's tool loop ran 2.1x faster without it (docs/benchmarks.md).
+`specrun bench --report` measures it here, on the loaded target, and says which to use.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from specrun import engine
+
+# Cached tokens the passes are timed after (at most half the run's context), the pass sizes timed
+# (one token: plain decoding; a tree's 8 and 16), and how many times each (the least counts).
+ATTENTION_CELLS = 1024
+ATTENTION_SIZES = (1, 8, 16)
+ATTENTION_REPEATS = 3
+# Off is advised where a tree's passes cost at least this much less without flash attention
+# (a ratio of their times) and a one-token pass no more than ONE_TOKEN_SLACK more.
+TREE_GAIN = 1.2
+ONE_TOKEN_SLACK = 1.05
+
+
+@dataclass(frozen=True)
+class AttentionCosts:
+    """The target's passes after `cells` cached tokens, with flash attention and without (seconds
+    by tokens in the pass), and the rate each reads a prompt at (tokens/s)."""
+
+    cells: int
+    with_s: dict[int, float]
+    without_s: dict[int, float]
+    prompt_with: float
+    prompt_without: float
+
+    def ratios(self) -> dict[int, float]:
+        """How many times a pass of n tokens costs with flash attention what it costs without."""
+        return {n: self.with_s[n] / self.without_s[n] for n in self.with_s}
+
+    @property
+    def off_pays(self) -> bool:
+        ratios = self.ratios()
+        trees = [r for n, r in ratios.items() if n > 1]
+        return bool(trees) and min(trees) >= TREE_GAIN and ratios.get(1, 1.0) * ONE_TOKEN_SLACK >= 1.0
+
+    def advice(self) -> str:
+        ratios = self.ratios()
+        sizes = " / ".join(str(n) for n in ratios)
+        times = " / ".join(f"{r:.2f}x" for r in ratios.values())
+        prompts = self.prompt_with / self.prompt_without - 1.0
+        measured = (f"with flash attention the target's passes of {sizes} tokens after {self.cells:,} cached tokens cost {times} "
+                    f"what they cost without, and prompts read {abs(prompts):.0%} "
+                    f"{'faster' if prompts >= 0 else 'slower'} with it")
+        if self.off_pays:
+            return (f"{measured}: `--flash-attn off` suits one agent or long conversation at a time here "
+                    "(keep the default beside other requests: docs/benchmarks.md)")
+        return f"{measured}: keep the default"
+
+    def to_dict(self) -> dict:
+        return {"cells": self.cells, "with_s": {str(n): s for n, s in self.with_s.items()},
+                "without_s": {str(n): s for n, s in self.without_s.items()},
+                "prompt_tokens_per_s": {"with": self.prompt_with, "without": self.prompt_without},
+                "off_pays": self.off_pays, "advice": self.advice()}
+
+
+def measure_attention(model, threads: int, cells: int = ATTENTION_CELLS, sizes=ATTENTION_SIZES,
+                      repeats: int = ATTENTION_REPEATS) -> AttentionCosts:
+    """Time the target's passes after `cells` cached tokens in a context of its own with flash
+    attention and in one without (an f16 cache, as the default), each a pass of n tokens asking
+    every row's logits as a tree's pass does, the least of `repeats`; and the prompt's reading."""
+    costs, prompts = {}, {}
+    text = [1 + i % min(1000, model.n_vocab - 1) for i in range(cells)]
+    for flash_attn in ("on", "off"):
+        with engine.Context(model, n_ctx=cells + max(sizes) + 1, n_batch=min(512, cells), threads=threads,
+                            flash_attn=flash_attn) as ctx:
+            batch = ctx.new_batch(ctx.n_batch)
+            t0 = time.perf_counter()
+            for start in range(0, cells, ctx.n_batch):
+                batch.set_sequence(text[start:start + ctx.n_batch], start)
+                ctx.decode(batch)
+            prompts[flash_attn] = cells / (time.perf_counter() - t0)
+            timed = {}
+            for n in sizes:
+                best = float("inf")
+                for _ in range(repeats):
+                    batch.set_sequence(text[:n], cells, logits="all")
+                    t0 = time.perf_counter()
+                    ctx.decode(batch)
+                    best = min(best, time.perf_counter() - t0)
+                    ctx.seq_rm(0, cells, -1)
+                timed[n] = best
+            costs[flash_attn] = timed
+    return AttentionCosts(cells, costs["on"], costs["off"], prompts["on"], prompts["off"])
