@@ -27,7 +27,7 @@ part at near-ties); a `-fa-off` suffix adds --flash-attn off (`specrun-fa-off`, 
 parent in turns. `peer-*` are llama.cpp's llama-server from --peer-bin (built from the pinned
 sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release && cmake
 --build build -j2 --target llama-server`), one slot, `--cache-reuse 256`: plain, `ngram-mod`,
-`ngram-cache`, and the draft model (`peer-draft`).
+`ngram-cache`, and the draft model (`peer-draft`); a `-fa-off` suffix adds `-fa off` to them too.
 
 Reported per trace and server: requests, prompt tokens sent and evaluated (sent less what the
 server's cache held: its timings' cache_n), completion tokens, the whole trace's wall time as the
@@ -339,9 +339,10 @@ def start(name: str, args) -> _Server | None:
     modes = {"peer-plain": [], "peer-ngram-mod": ["--spec-type", "ngram-mod"],
              "peer-ngram-cache": ["--spec-type", "ngram-cache"],
              "peer-draft": ["-md", str(files.draft_path), "--spec-draft-n-max", "5"]}
-    if name not in modes:
+    mode = name.removesuffix("-fa-off")
+    if mode not in modes:
         raise SystemExit(f"unknown server {name!r}")
-    return _Server(argv + modes[name], url=f"http://127.0.0.1:{port}")
+    return _Server(argv + modes[mode] + (["-fa", "off"] if mode != name else []), url=f"http://127.0.0.1:{port}")
 
 
 def main() -> None:
