@@ -3,8 +3,10 @@
 What users post when they compare setups: the devices and their memory, the llama.cpp build
 (backends, CPU flags), where the layers went, the target's and the draft's cost per forward pass
 for n = 1, 2, 4, ... tokens up to the largest tree the plan allows (both sides of every step that
-the placement makes in t(n)), plain speed, the speed of what runs by default and of each drafter
-per workload, and the tree `specrun tune` would choose from these very measurements.
+the placement makes in t(n)), where the target's attention runs on this CPU its passes after a long
+context with flash attention and without (tuning.attention), plain speed, the speed of what runs by
+default and of each drafter per workload, and the tree `specrun tune` would choose from these very
+measurements.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
         with tuning_report.progress() as progress:
             measured = measure_pair(rt, settings, shape, progress, whole_curve=True)
         choice, best_tree = choose(measured)
-        attention = _attention(rt, opts)
+        passes_by_attention = _attention(rt, opts)
     ui.dim("report: measuring the drafters per workload")
     tuning_report.warn_if_busy(engine.default_threads(), "speedups measured now may not hold on a quiet machine")
     rows = speedups.by_workload(opts, workload, prompts_file, max_tokens)
@@ -86,7 +88,7 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
             "steps": list(measured.target.steps),
             "largest_tree_under_2x": largest_under(measured.target.decode, 2.0),
         },
-        "attention": attention,
+        "attention": passes_by_attention,
         "plain": {"tokens_per_s": round(1.0 / (measured.plain.target_s + measured.plain.overhead_s), 2)
                   if measured.plain.target_s else 0.0},
         "calibration": {**measured.calibration.summary(), "tau_by_budget": _tau(measured)},
