@@ -4,10 +4,15 @@ real demo models with the smallest settings (a tiny tree, two tokens per prompt)
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from specrun.commands.bench_report import largest_under, markdown, predicted_speedup
 from specrun.engine import system_info
-from specrun.tuning.attention import AttentionCosts
+from types import SimpleNamespace
+
+from specrun.engine import DeviceInfo
+from specrun.runtime.plan import RunOptions, build_plan
+from specrun.tuning.attention import AttentionCosts, attention_here
 
 
 def test_bench_report_json_and_markdown(tmp_path, cli):
@@ -55,10 +60,10 @@ def test_flash_attention_advice_follows_the_measured_passes():
     avx512 = costs((37.6, 121.6, 216.6), (28.5, 50.8, 71.5))
     assert avx512.off_pays and "`--flash-attn off` suits one agent" in avx512.advice()
     assert "1.32x / 2.39x / 3.03x" in avx512.advice() and "prompts read 30% faster with it" in avx512.advice()
-    # Trees cheaper without it, but not by TREE_GAIN; or one token dearer without it: the default
+    # Trees cheaper without it, but not by ATTENTION_TREE_GAIN; or one token dearer without it: the default
     assert not costs((24.0, 48.0, 80.0), (24.0, 42.0, 70.0)).off_pays
     assert not costs((24.0, 65.8, 109.6), (26.0, 48.5, 74.8)).off_pays
-    assert costs((24.0, 65.8, 109.6), (25.0, 48.5, 74.8)).off_pays  # (one token within ONE_TOKEN_SLACK)
+    assert costs((24.0, 65.8, 109.6), (25.0, 48.5, 74.8)).off_pays  # (one token within ATTENTION_ONE_TOKEN_SLACK)
     assert costs((24.0, 48.0, 80.0), (24.0, 42.0, 70.0)).advice().endswith("keep the default")
 
 
@@ -73,3 +78,16 @@ def test_predicted_speedup_combines_a_cost_curve_with_an_acceptance_curve():
     tau = {"1": 0.9, "3": 1.8, "7": 2.6, "15": 3.0}
     assert predicted_speedup(flat, tau) == (7, 0.10 * 3.6 / 0.12)
     assert predicted_speedup({"1": 0.1, "2": 0.3}, {"1": 0.5}) == (0, 1.0)  # no tree pays: plain
+
+
+def test_attention_is_timed_only_where_the_target_attends_on_this_cpu_over_an_f16_cache(offline_models):
+    # (the plans are real, nothing is loaded: each case is told apart before a context opens)
+    opts = RunOptions(threads=1, ctx_size=512, quiet=True)
+    gpu = [DeviceInfo("RTX 4060", "assumed", "gpu", "CUDA", 7 * 2**30, 8 * 2**30)]
+    on_gpu = build_plan(opts, None, devices=gpu, ram_free_bytes=16 * 2**30)
+    assert on_gpu.target_gpu_layers > 0 and attention_here(SimpleNamespace(plan=on_gpu), opts) is None
+    quantized = replace(opts, kv_type="q8_0")
+    plan = build_plan(quantized, None, devices=[], ram_free_bytes=16 * 2**30)
+    assert attention_here(SimpleNamespace(plan=plan), quantized) is None  # (a q8_0 cache needs it on)
+    over_rpc = replace(opts, rpc=("192.168.1.20:50052",))
+    assert attention_here(SimpleNamespace(plan=build_plan(opts, None, devices=[], ram_free_bytes=16 * 2**30)), over_rpc) is None

@@ -210,6 +210,9 @@ def test_report_shows_choice_prediction_and_charts():
 
     plain = "\n".join(report.report_lines(_synthetic_profile("plain")))
     assert "plain decoding" in plain and "measured x0.85" in plain
+    assert "flash attention:" not in text  # (a profile without the figures: a GPU's, or from before them)
+    timed = {**_synthetic_profile(), "attention": {"advice": "with flash attention ...: keep the default"}}
+    assert "flash attention: with flash attention ...: keep the default" in report.report_lines(timed)
 
 
 def test_plot_is_a_png(tmp_path):
@@ -241,6 +244,11 @@ def test_quick_tune_of_the_demo_pair(offline_models, capsys, monkeypatch):
     assert set(profile["workloads"]) == set(WORKLOADS)
     assert all(2 <= w["prompts"] <= tune_command.QUICK.workload_prompts for w in profile["workloads"].values())
     assert profile["seconds"] > 0
+    # The target's attention runs on this CPU: its passes timed with flash attention and without
+    attention = profile["attention"]
+    assert attention["cells"] == 1024 and list(attention["with_s"]) == ["1", "8", "16"]
+    assert all(s > 0 for s in {**attention["with_s"], **attention["without_s"]}.values())
+    assert ("`--flash-attn off` suits" in attention["advice"]) is attention["off_pays"]
 
 
 def test_busy_machine_is_detected_from_current_cpu_use_not_past_load():

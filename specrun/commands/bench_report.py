@@ -67,7 +67,7 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
         with tuning_report.progress() as progress:
             measured = measure_pair(rt, settings, shape, progress, whole_curve=True)
         choice, best_tree = choose(measured)
-        passes_by_attention = _attention(rt, opts)
+        passes_by_attention = attention.attention_here(rt, opts)
     ui.dim("report: measuring the drafters per workload")
     tuning_report.warn_if_busy(engine.default_threads(), "speedups measured now may not hold on a quiet machine")
     rows = speedups.by_workload(opts, workload, prompts_file, max_tokens)
@@ -88,7 +88,7 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
             "steps": list(measured.target.steps),
             "largest_tree_under_2x": largest_under(measured.target.decode, 2.0),
         },
-        "attention": passes_by_attention,
+        "attention": passes_by_attention.to_dict() if passes_by_attention else None,
         "plain": {"tokens_per_s": round(1.0 / (measured.plain.target_s + measured.plain.overhead_s), 2)
                   if measured.plain.target_s else 0.0},
         "calibration": {**measured.calibration.summary(), "tau_by_budget": _tau(measured)},
@@ -98,18 +98,6 @@ def measure_report(opts: RunOptions, settings: PairSettings, workload: str, prom
         "default_mode": DEFAULT_MODES[default.drafter],
         "workloads": rows,
     }
-
-
-def _attention(rt: Runtime, opts: RunOptions) -> dict | None:
-    """The target's passes after a long context with and without flash attention (tuning.attention),
-    where its attention runs on this CPU over an f16 cache (elsewhere None: a GPU's kernels, a
-    quantized cache's need for it)."""
-    plan = rt.plan
-    if plan.target_gpu_layers or opts.rpc or engine.kv_quantized(plan.target_ctx.kv_type):
-        return None
-    cells = min(attention.ATTENTION_CELLS, max(64, plan.target_ctx.n_ctx // 2))
-    ui.dim(f"report: timing the target's passes after {cells} tokens with and without flash attention")
-    return attention.measure_attention(rt.target, plan.threads, cells).to_dict()
 
 
 def _tau(measured: Measured) -> dict[str, float]:

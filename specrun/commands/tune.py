@@ -28,6 +28,7 @@ from specrun.hardware.machine import probe_hardware
 from specrun.runtime.plan import RunOptions, build_plan, connect_workers, resolve_models
 from specrun.runtime.runtime import Runtime, drafts_while_verifying, target_pass_s
 from specrun.runtime.trees import DEFAULT_GROWTH, DEFAULT_SHAPE, tree_of_choice
+from specrun.tuning import attention
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import measure as profiler
 from specrun.tuning import profiles, report
@@ -119,6 +120,8 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
                 untuned=untuned, seconds=settings.workload_seconds)
         if kept is not choice:
             _keep_untuned(profile, kept, check)
+        if opts.flash_attn is None and (found := attention.attention_here(rt, opts)) is not None:
+            profile["attention"] = found.to_dict()  # (the advice, with the figures: tuning.report)
     profile["seconds"] = round(time.monotonic() - t_start, 1)
     try:
         path = profiles.save(profile)

@@ -6,7 +6,7 @@ reads every cached cell again for each, where the matrix products read a cell on
 tree's tokens; how much that costs depends on the CPU: on one 2-core host the demo target's
 16-token pass after 1,500 tokens took 110 ms with it and 75 without, on another (AVX-512) 220 ms
 and 73 after 1,024, and an agent's tool loop ran 2.1x faster without it (docs/benchmarks.md).
-`specrun bench --report` measures it here, on the loaded target, and says which to use.
+`specrun bench --report` and `specrun tune` measure it here, on the loaded target, and say which to use.
 """
 
 from __future__ import annotations
@@ -14,17 +14,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from specrun import engine
+from specrun import engine, ui
+from specrun.decoding.pay.rules import attention_off_pays
 
 # Cached tokens the passes are timed after (at most half the run's context), the pass sizes timed
 # (one token: plain decoding; a tree's 8 and 16), and how many times each (the least counts).
 ATTENTION_CELLS = 1024
 ATTENTION_SIZES = (1, 8, 16)
 ATTENTION_REPEATS = 3
-# Off is advised where a tree's passes cost at least this much less without flash attention
-# (a ratio of their times) and a one-token pass no more than ONE_TOKEN_SLACK more.
-TREE_GAIN = 1.2
-ONE_TOKEN_SLACK = 1.05
 
 
 @dataclass(frozen=True)
@@ -44,9 +41,7 @@ class AttentionCosts:
 
     @property
     def off_pays(self) -> bool:
-        ratios = self.ratios()
-        trees = [r for n, r in ratios.items() if n > 1]
-        return bool(trees) and min(trees) >= TREE_GAIN and ratios.get(1, 1.0) * ONE_TOKEN_SLACK >= 1.0
+        return attention_off_pays(self.ratios())  # (decoding.pay.rules)
 
     def advice(self) -> str:
         ratios = self.ratios()
@@ -66,6 +61,18 @@ class AttentionCosts:
                 "without_s": {str(n): s for n, s in self.without_s.items()},
                 "prompt_tokens_per_s": {"with": self.prompt_with, "without": self.prompt_without},
                 "off_pays": self.off_pays, "advice": self.advice()}
+
+
+def attention_here(rt, opts) -> AttentionCosts | None:
+    """measure_attention on a loaded runtime's target, after half its context (at most
+    ATTENTION_CELLS), where its attention runs on this CPU over an f16 cache: None on a GPU or RPC
+    workers (their kernels), and over a quantized cache (which needs flash attention)."""
+    plan = rt.plan
+    if plan.target_gpu_layers or opts.rpc or engine.kv_quantized(plan.target_ctx.kv_type):
+        return None
+    cells = min(ATTENTION_CELLS, max(64, plan.target_ctx.n_ctx // 2))
+    ui.dim(f"timing the target's passes after {cells} tokens with and without flash attention")
+    return measure_attention(rt.target, plan.threads, cells)
 
 
 def measure_attention(model, threads: int, cells: int = ATTENTION_CELLS, sizes=ATTENTION_SIZES,

@@ -99,6 +99,8 @@ def report_lines(profile: dict) -> list[str]:
                 tuned = "lookup alone (tuned)" if w.get("tuned_drafter") == "lookup" else "tuned tree"
                 lines.append(f"  {'':>8} {tuned} x{w['tuned_speedup']:.2f}, untuned default x{w['untuned_speedup']:.2f} "
                              f"on the predicting prompts{held}")
+    if profile.get("attention"):  # (tuning.attention: a target whose attention runs on this CPU)
+        lines.append(f"flash attention: {profile['attention']['advice']}")
     plain_predicted = check.get("plain_predicted_tokens_per_s")
     plain_measured = check.get("plain_tokens_per_s")
     if plain_predicted and plain_measured and abs(plain_measured / plain_predicted - 1) > DRIFT_WARNING:

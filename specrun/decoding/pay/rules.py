@@ -345,3 +345,18 @@ def draft_together(target_on_gpu: bool) -> bool:
     4 and 44.2 against 66.1 with 8; taking turns, 44.6 against 48.8, 48.9 against 53.8 and 51.3
     against 63.0 (the turns that measure drafting cost what it loses)."""
     return target_on_gpu
+
+
+# Flash attention off suits one request on a CPU (tuning.attention's advice) where a tree's passes
+# (8 and 16 tokens) cost at least ATTENTION_TREE_GAIN times more with it and a one-token pass at
+# most ATTENTION_ONE_TOKEN_SLACK less: the demo target after 1,024 tokens on an AVX-512 host 2.4x
+# and 3.0x (one token 1.3x), where agents' traces ran 1.1-2.1x faster without it; on the host of
+# the 2026-11-27 table trees 1.4-1.5x, one token 5% cheaper with it (docs/benchmarks.md).
+ATTENTION_TREE_GAIN = 1.2
+ATTENTION_ONE_TOKEN_SLACK = 1.05
+
+
+def attention_off_pays(ratios: dict[int, float]) -> bool:
+    """Whether `ratios` (a pass of n tokens with flash attention over its time without) advise it off."""
+    trees = [r for n, r in ratios.items() if n > 1]
+    return bool(trees) and min(trees) >= ATTENTION_TREE_GAIN and ratios.get(1, 1.0) * ATTENTION_ONE_TOKEN_SLACK >= 1.0
