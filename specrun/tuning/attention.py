@@ -11,14 +11,14 @@ and 73 after 1,024, and an agent's tool loop ran 2.1x faster without it (docs/be
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from specrun import engine, ui
 from specrun.decoding.pay.rules import attention_off_pays
+from specrun.tuning.measure import measure_curve
 
 # Cached tokens the passes are timed after (at most half the run's context), the pass sizes timed
-# (one token: plain decoding; a tree's 8 and 16), and how many times each (the least counts).
+# (one token: plain decoding; a tree's 8 and 16), and how many times each (the median counts).
 ATTENTION_CELLS = 1024
 ATTENTION_SIZES = (1, 8, 16)
 ATTENTION_REPEATS = 3
@@ -78,28 +78,14 @@ def attention_here(rt, opts) -> AttentionCosts | None:
 def measure_attention(model, threads: int, cells: int = ATTENTION_CELLS, sizes=ATTENTION_SIZES,
                       repeats: int = ATTENTION_REPEATS) -> AttentionCosts:
     """Time the target's passes after `cells` cached tokens in a context of its own with flash
-    attention and in one without (an f16 cache, as the default), each a pass of n tokens asking
-    every row's logits as a tree's pass does, the least of `repeats`; and the prompt's reading."""
+    attention and in one without (an f16 cache, as the default), as tune times its cost curve
+    (tuning.measure.measure_curve: every row's logits asked, as a tree's pass does; the median of
+    `repeats`), and the context's own prefill (the prompt rate)."""
     costs, prompts = {}, {}
     text = [1 + i % min(1000, model.n_vocab - 1) for i in range(cells)]
     for flash_attn in ("on", "off"):
         with engine.Context(model, n_ctx=cells + max(sizes) + 1, n_batch=min(512, cells), threads=threads,
                             flash_attn=flash_attn) as ctx:
-            batch = ctx.new_batch(ctx.n_batch)
-            t0 = time.perf_counter()
-            for start in range(0, cells, ctx.n_batch):
-                batch.set_sequence(text[start:start + ctx.n_batch], start)
-                ctx.decode(batch)
-            prompts[flash_attn] = cells / (time.perf_counter() - t0)
-            timed = {}
-            for n in sizes:
-                best = float("inf")
-                for _ in range(repeats):
-                    batch.set_sequence(text[:n], cells, logits="all")
-                    t0 = time.perf_counter()
-                    ctx.decode(batch)
-                    best = min(best, time.perf_counter() - t0)
-                    ctx.seq_rm(0, cells, -1)
-                timed[n] = best
-            costs[flash_attn] = timed
+            curve = measure_curve(ctx, text, sizes, repeats=repeats)
+        costs[flash_attn], prompts[flash_attn] = curve.decode, cells / curve.context_s
     return AttentionCosts(cells, costs["on"], costs["off"], prompts["on"], prompts["off"])

@@ -71,6 +71,7 @@ class CurveMeasurement:
     decode: dict[int, float]
     topk: dict[int, float]
     steps: tuple[int, ...] = ()  # sizes where a new cost regime starts (offload.cost_steps)
+    context_s: float = 0.0  # seconds the context's own prefill took (its prompt rate)
 
     def curve(self) -> tuner.CostCurve:
         """Return the cost of a pass as the decoders pay it (decode plus top-k), never decreasing
@@ -135,9 +136,11 @@ def measure_curve(
         raise ValueError("the context is too small for the prompt plus the largest batch")
     batch = Batch(max(sizes[-1], min(len(context), ctx.n_batch)), 1)
     ctx.clear()
+    t_context = time.perf_counter()
     for start in range(0, len(context), batch.capacity):
         batch.set_sequence(context[start : start + batch.capacity], start, 0, "none")
         ctx.decode(batch)
+    context_s = time.perf_counter() - t_context
     p0 = len(context)
     filler = (context * (sizes[-1] // max(len(context), 1) + 1))[: sizes[-1]] or [0] * sizes[-1]
 
@@ -183,6 +186,7 @@ def measure_curve(
         {n: statistics.median(d for d, _ in s) for n, s in samples.items()},
         {n: statistics.median(k for _, k in s) for n, s in samples.items()} if top_k else {},
         tuple(steps),
+        context_s,
     )
 
 
