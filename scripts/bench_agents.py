@@ -329,7 +329,8 @@ def start(name: str, args) -> _Server | None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
     from specrun import sysinfo
-    from specrun.runtime.plan import RunOptions, resolve_models
+    from specrun.runtime.model_files import resolve_models
+    from specrun.runtime.plan import RunOptions
 
     files = resolve_models(RunOptions(target=args.target, draft=args.draft, quiet=True))
     port = _free_port()

@@ -324,7 +324,8 @@ def _start(name: str, args, parallel: int) -> _Server | None:
         print(f"{name}: skipped (no --peer-bin)", file=sys.stderr)
         return None
     from specrun import sysinfo
-    from specrun.runtime.plan import RunOptions, resolve_models
+    from specrun.runtime.model_files import resolve_models
+    from specrun.runtime.plan import RunOptions
 
     files = resolve_models(RunOptions(target=args.target, draft=args.draft, quiet=True))
     target, draft = files.target_path, files.draft_path

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from specrun.engine import DeviceInfo
 from specrun.runtime.plan import RunOptions, build_plan
+from specrun.tuning import attention
 from specrun.tuning.attention import AttentionCosts, attention_here
 
 
@@ -91,3 +92,70 @@ def test_attention_is_timed_only_where_the_target_attends_on_this_cpu_over_an_f1
     assert attention_here(SimpleNamespace(plan=plan), quantized) is None  # (a q8_0 cache needs it on)
     over_rpc = replace(opts, rpc=("192.168.1.20:50052",))
     assert attention_here(SimpleNamespace(plan=build_plan(opts, None, devices=[], ram_free_bytes=16 * 2**30)), over_rpc) is None
+
+
+def _record(offline_models, with_ms, without_ms, threads=1):
+    """tune's flash-attention record for the demo target (what attention_here would have timed)."""
+    costs = AttentionCosts(1024, dict(zip((1, 8, 16), with_ms)), dict(zip((1, 8, 16), without_ms)), 690.0, 530.0)
+    return attention.save_record(offline_models.smollm2_f32, threads, costs)
+
+
+def test_tunes_record_decides_flash_attention_for_one_request_on_this_cpu(offline_models, cli, caplog):
+    # (real plans, with llama.cpp's memory simulation of the contexts; nothing is loaded)
+    opts = RunOptions(target="smollm2-135m-f32", no_spec=True, threads=1, ctx_size=2048, quiet=True)
+
+    def plan(o=opts, devices=()):
+        return build_plan(o, None, devices=list(devices), ram_free_bytes=16 * 2**30)
+
+    untold = plan()
+    assert untold.target_ctx.flash_attn is None and not untold.attention_why  # no record: llama.cpp's auto
+    _record(offline_models, (37.6, 121.6, 216.6), (28.5, 50.8, 71.5))  # the AVX-512 host's figures
+    chosen = plan()
+    assert chosen.target_ctx.flash_attn == "off"
+    assert "16-token passes after 1,024 cached tokens 3.0x faster without it" in chosen.attention_why
+    assert chosen.to_dict()["contexts"]["target"]["flash_attn"] == "off"
+    # llama.cpp's simulation opened the context as the run will: as `--flash-attn off` plans it
+    told = plan(replace(opts, flash_attn="off"))
+    assert chosen.placement.measured and chosen.placement == told.placement != untold.placement
+    assert chosen.target_ctx == told.target_ctx and not told.attention_why
+    # Told, or where the record does not speak for the run, it is not used
+    assert plan(replace(opts, flash_attn="on")).target_ctx.flash_attn == "on"
+    assert plan(replace(opts, parallel=2)).target_ctx.flash_attn is None  # beside other requests' texts
+    assert plan(replace(opts, kv_type="q8_0")).target_ctx.flash_attn is None  # (on: a quantized cache needs it)
+    gpu = [DeviceInfo("RTX 4060", "assumed", "gpu", "CUDA", 7 * 2**30, 8 * 2**30)]
+    assert plan(devices=gpu).target_ctx.flash_attn is None
+    assert plan(replace(opts, threads=2)).target_ctx.flash_attn is None  # (a record per thread count)
+    # A record of figures that do not pay (one token dearer without it: the 2026-11-27 host): the default
+    _record(offline_models, (24.0, 65.8, 109.6), (26.0, 48.5, 74.8))
+    assert plan().target_ctx.flash_attn is None
+    # A damaged record: one warning naming it, and the default
+    path = _record(offline_models, (37.6, 121.6, 216.6), (28.5, 50.8, 71.5))
+    record = json.loads(path.read_text())
+    record["attention"]["without_s"] = {"1": 0.0285}
+    path.write_text(json.dumps(record))
+    with caplog.at_level("WARNING", logger="specrun"):
+        assert plan().target_ctx.flash_attn is None
+    assert any("ignoring the flash attention record" in r.getMessage() and str(path) in r.getMessage() for r in caplog.records)
+    path.write_text("{not json")
+    assert plan().target_ctx.flash_attn is None
+    # `specrun plan` says where it came from
+    _record(offline_models, (37.6, 121.6, 216.6), (28.5, 50.8, 71.5))
+    result = cli("plan", "--target", "smollm2-135m-f32", "--no-spec", "--threads", "1", "--ctx-size", "2048")
+    assert result.exit_code == 0, result.output
+    assert "target flash attention off: `specrun tune` timed" in result.output
+
+
+def test_a_run_opens_the_target_as_the_record_says(offline_models, cli):
+    """generate with tune's record: the context opens without flash attention, says so on stderr,
+    and writes what `--flash-attn off` writes (plain decoding and speculation alike)."""
+    _record(offline_models, (37.6, 121.6, 216.6), (28.5, 50.8, 71.5))
+    args = ("generate", "--threads", "1", "--budget", "4", "-n", "24", "--temperature", "0", "--verbose")
+    prompt = "The three primary colours are"
+    recorded = cli(*args, input=prompt)
+    assert recorded.exit_code == 0, recorded.output
+    assert "flash attention off: `specrun tune` timed this target's 16-token passes" in recorded.stderr
+    told = cli(*args, "--flash-attn", "off", input=prompt)
+    plain = cli(*args, "--no-spec", input=prompt)
+    assert told.exit_code == 0 and plain.exit_code == 0
+    assert recorded.stdout == told.stdout == plain.stdout and recorded.stdout.strip()
+    assert "flash attention off: `specrun tune`" in plain.stderr  # (the target alone: the same record)

@@ -27,9 +27,10 @@ from specrun.decoding.speculative import SpeculativeDecoder
 from specrun.decoding.stream import token_ids
 from specrun.errors import SpecrunError, UsageError
 from specrun.experiments.workloads import KINDS, ROUNDS, WORKLOADS
-from specrun.runtime.plan import RunOptions
+from specrun.runtime.plan import RunOptions, build_plan
 from specrun.runtime.runtime import Runtime
 from specrun.runtime.trees import DEFAULT_GROWTH, DEFAULT_SHAPE, tree_of_choice, tuned_default
+from specrun.tuning import attention as tuning_attention
 from specrun.tuning import profiles, report
 from specrun.tuning.cost_model import sequoia_tree
 
@@ -249,6 +250,12 @@ def test_quick_tune_of_the_demo_pair(offline_models, capsys, monkeypatch):
     assert attention["cells"] == 1024 and list(attention["with_s"]) == ["1", "8", "16"]
     assert all(s > 0 for s in {**attention["with_s"], **attention["without_s"]}.values())
     assert ("`--flash-attn off` suits" in attention["advice"]) is attention["off_pays"]
+    # ...kept for later runs of one request at a time, plain decoding's included, which open the
+    # target's context as they say (and tune measured its curves on that context)
+    kept = tuning_attention.stored_costs(offline_models.smollm2_f32, engine.default_threads())
+    assert kept is not None and kept.to_dict() == attention
+    for opts in (RunOptions(quiet=True), RunOptions(quiet=True, no_spec=True)):
+        assert build_plan(opts).target_ctx.flash_attn == ("off" if attention["off_pays"] else None)
 
 
 def test_busy_machine_is_detected_from_current_cpu_use_not_past_load():

@@ -72,7 +72,9 @@ def plan_lines(plan: Plan) -> list[str]:
                      + ", one target pass for all"
                      + (", one draft pass for all" if plan.draft_ctx is not None else "")
                      + (", an MTP sequence each" if plan.tree is not None and plan.tree.drafting.loads_mtp else ""))
-    if tctx.flash_attn is not None:
+    if plan.attention_why:
+        lines.append(f"         target {plan.attention_why}")
+    elif tctx.flash_attn is not None:
         lines.append(f"         target flash attention {tctx.flash_attn} (--flash-attn)")
     if tctx.kv_type is not None:
         lines.append(f"         target KV cache {tctx.kv_type} (--kv-type)")

@@ -25,7 +25,8 @@ from specrun.decoding.pay import rules as pay
 from specrun.errors import SpecrunError, UsageError
 from specrun.experiments.runner import Modes, Run, by_mode, decode_in_turn
 from specrun.hardware.machine import probe_hardware
-from specrun.runtime.plan import RunOptions, build_plan, connect_workers, resolve_models
+from specrun.runtime.model_files import resolve_models
+from specrun.runtime.plan import RunOptions, build_plan, connect_workers
 from specrun.runtime.runtime import Runtime, drafts_while_verifying, target_pass_s
 from specrun.runtime.trees import DEFAULT_GROWTH, DEFAULT_SHAPE, tree_of_choice
 from specrun.tuning import attention
@@ -84,7 +85,8 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
     max_budget = min(opts.budget or settings.max_budget, MAX_BUDGET)
     depth = opts.depth or settings.depth
     calibration_shape = TreeShape(max_budget, depth, min(settings.width, max_budget), min(settings.top_k, max_budget))
-    with Runtime(opts, shape_override=calibration_shape) as rt:
+    rt, passes_by_attention = _runtime_after_attention(opts, calibration_shape)
+    with rt:
         if not rt.speculative:
             raise UsageError(f"no draft model for {rt.models.target_name}: pass --draft to tune a pair")
         ui.dim(
@@ -120,8 +122,8 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
                 untuned=untuned, seconds=settings.workload_seconds)
         if kept is not choice:
             _keep_untuned(profile, kept, check)
-        if opts.flash_attn is None and (found := attention.attention_here(rt, opts)) is not None:
-            profile["attention"] = found.to_dict()  # (the advice, with the figures: tuning.report)
+        if passes_by_attention is not None:
+            profile["attention"] = passes_by_attention.to_dict()  # (the advice, with the figures: tuning.report)
     profile["seconds"] = round(time.monotonic() - t_start, 1)
     try:
         path = profiles.save(profile)
@@ -129,6 +131,33 @@ def tune(opts: RunOptions, settings: TuneSettings) -> dict:
         raise SpecrunError(f"cannot save the tuning profile in {paths.profiles_dir()}: {e.strerror or e}") from None
     ui.dim(f"profile saved to {path}")
     return profile
+
+
+def _runtime_after_attention(opts: RunOptions, shape: TreeShape) -> tuple[Runtime, attention.AttentionCosts | None]:
+    """The runtime tune measures on and, where --flash-attn was not given and the target's attention
+    runs on this CPU, its passes timed with and without flash attention (attention.attention_here),
+    kept for later runs (attention.save_record). Where that record changes the target's context
+    (flash attention off where it pays), the runtime is opened again with it: the cost curves are
+    then the ones later runs meet."""
+    rt = Runtime(opts, shape_override=shape)
+    try:
+        found = attention.attention_here(rt, opts) if opts.flash_attn is None and rt.speculative else None
+        if found is None:
+            return rt, None
+        target, plan = rt.models.target_path, rt.plan
+        try:
+            attention.save_record(target, plan.threads, found)
+        except OSError as e:
+            raise SpecrunError(f"cannot save the flash attention record in {paths.profiles_dir()}: {e.strerror or e}") from None
+        chosen, why = attention.choose_flash_attn(opts, target, not plan.devices, plan.target_ctx.parallel, plan.threads)
+        if chosen == plan.target_ctx.flash_attn:
+            return rt, found
+    except BaseException:
+        rt.close()
+        raise
+    rt.close()
+    ui.dim(why or "flash attention as llama.cpp chooses it: the target's passes measured no faster without it here")
+    return Runtime(replace(opts, quiet=True), shape_override=shape), found
 
 
 def _for_the_passes(opts: RunOptions, settings: TuneSettings) -> TuneSettings:

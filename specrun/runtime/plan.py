@@ -12,7 +12,8 @@
    is given;
 3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
    one pass (a tree split over ubatches pays the weight transfer again when offloading); the
-   target's attention as --flash-attn says;
+   target's attention as --flash-attn says, else, where it runs on this CPU one request at a
+   time, as `tune` measured it here (tuning.attention's record), else llama.cpp's;
 4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
    buffer grows with it), and the memory expected on each device and in RAM.
 
@@ -31,7 +32,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specrun import architectures, engine, sysinfo, ui
+from specrun import architectures, engine, sysinfo
 from specrun.core.tree_shapes import TreeShape
 from specrun.decoding.pay.rules import PROFILE_DRIFT, profile_holds
 from specrun.engine import rpc
@@ -39,10 +40,12 @@ from specrun.errors import EngineError, UsageError
 from specrun.files import once_per_version
 from specrun.hardware import offload, placement
 from specrun.limits import MAX_SEQ
-from specrun.models import headers, hub, pairing, registry, shapes
+from specrun.models import headers, registry, shapes
+from specrun.runtime.model_files import resolve_models
 from specrun.runtime.options import LOOKUP, ModelFiles, RunOptions, with_target_options
 from specrun.runtime.drafters import BEST_FIRST
 from specrun.runtime.trees import MAX_CHAINS, TreePlan, choose_tree, fit_tree, fit_tree_to_target
+from specrun.tuning import attention
 
 log = logging.getLogger("specrun")
 
@@ -107,6 +110,7 @@ class Plan:
     round_trips: tuple[tuple[str, float], ...] = ()  # (RPC worker, seconds of a round trip to it)
     mmap: bool | None = None  # the target's file mapped, or read (offload.target_mapped); None: llama.cpp's way
     head_here: bool = False  # the target's output layer computes on this machine, not an RPC worker (--head)
+    attention_why: str = ""  # where `tune`'s record chose the target's flash attention (tuning.attention)
 
     def checked(self, target_pass_s: float | None) -> Plan:
         """Return the plan to load once the target's one-token pass is timed (None: could not
@@ -172,6 +176,7 @@ class Plan:
             "drafter": self.drafter,
             "tree": tree,
             "why": self.why,
+            "flash_attn_why": self.attention_why or None,
             "contexts": {
                 "target": _ctx_dict(self.target_ctx),
                 "draft": _ctx_dict(self.draft_ctx) if self.draft_ctx else None,
@@ -357,8 +362,10 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
     # llama.cpp's own figures for the files (not for shapes given in their place)
     parallel = opts.parallel or 1
     notes += opts.context_notes(parallel)
+    flash_attn, attention_why = attention.choose_flash_attn(opts, files.target_path, not gpus, parallel, threads)
+    target_context = {**opts.target_context(), **({"flash_attn": flash_attn} if flash_attn else {})}
     measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel,
-                            seq_budget, opts.target_context())
+                            seq_budget, target_context)
     try:
         if auto_ctx:
             widest = max(PREFILL_BATCH, tree.verified.budget + 1 if tree is not None else 0)
@@ -372,7 +379,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
                          f"using {n_ctx - 1}")
             tree = fit_tree(tree, n_ctx - 1)
             measure.tree = tree
-        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed, seq_budget, opts.target_context())
+        target_ctx, draft_ctx = _contexts(tree, n_ctx, draft_arch, parallel, measure.windowed, seq_budget, target_context)
         if target_size is None:
             measured = measure(n_ctx)
             placed = placement.cpu_only([p for p in (target_file, draft_path) if p is not None], ram_free_bytes,
@@ -389,7 +396,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
             notes=tuple(notes), ctx_why=ctx_why, n_ctx_train=target_size.n_ctx_train if target_size else 0,
             round_trips=tuple((host, rpc.round_trip_s(host) or 0.0) for host in dict.fromkeys(d.host for d in gpus if d.host)),
             mmap=opts.mmap if opts.mmap is not None else offload.target_mapped(placed, gpus),
-            head_here=placed.head_in_ram,
+            head_here=placed.head_in_ram, attention_why=attention_why,
         )
         if pass_s is not None:
             fallback = _build(opts, files, None, devices, ram_free_bytes, sizes, detailed, use_profile=False,
@@ -535,66 +542,3 @@ def _read_model_size(path: Path) -> offload.ModelSize:
     """The planner's view of a model file, read once per file version (a plan with a profile
     check plans twice; reading a large vocabulary takes seconds)."""
     return placement.model_size(path)
-
-
-def resolve_models(opts: RunOptions, fetch: bool = True) -> ModelFiles:
-    """Return the target's and draft's local paths, fetching what is missing (after saying what);
-    with fetch=False nothing is downloaded: a missing model's path is None."""
-    if opts.target is None:
-        target_name, default_draft = registry.default_pair()
-    else:
-        target_name, default_draft = opts.target, None
-    target_spec = registry.resolve(target_name)
-    draft_spec = None
-    if opts.no_spec and (opts.lookup is True or opts.lookup_only or opts.mtp_only):
-        raise UsageError("--no-spec decodes without drafting: it does not go with --lookup, --draft lookup or --draft mtp")
-    if opts.no_spec and opts.draft is not None:
-        registry.resolve(opts.draft)  # not loaded, but a misspelt name is still the error it is elsewhere
-    # A target that carries MTP layers drafts with them unless a draft model is named (the file
-    # says so once on disk; the registry's `mtp = true` before the download).
-    target_path = None
-    target_has_mtp = target_spec.mtp
-    if opts.draft is None and not opts.no_spec:
-        target_path = _local_path(target_spec, opts.quiet, fetch)
-        target_has_mtp = has_mtp_layers(target_spec, target_path)
-    auto_mtp = opts.draft is None and not opts.no_spec and opts.lookup is not True and target_has_mtp
-    if not opts.no_spec and not opts.lookup_only and not opts.mtp_only and not auto_mtp:
-        if opts.draft is not None:
-            draft_spec = registry.resolve(opts.draft)
-        elif default_draft is not None and opts.target is None:
-            draft_spec = registry.resolve(default_draft)
-        else:
-            draft_spec = registry.recommended_draft(target_spec)
-        if draft_spec is not None:
-            pairing.check_pair(target_spec, draft_spec)
-    if target_path is None:
-        target_path = _local_path(target_spec, opts.quiet, fetch)
-    draft_path = _local_path(draft_spec, opts.quiet, fetch) if draft_spec is not None else None
-    mtp_why = ""
-    if opts.mtp_only:
-        if not has_mtp_layers(target_spec, target_path):
-            raise UsageError(f"--draft mtp: {target_spec.name} has no MTP layers (llama.cpp's nextn layers); "
-                             "pass a draft model, --draft lookup, or a file that keeps them (the *-mtp registry entries)")
-        mtp_why = "--draft mtp: the target's own MTP layers draft"
-    elif auto_mtp:
-        mtp_why = (f"{target_spec.name} carries MTP layers and no draft model was given: they draft "
-                   "(--draft MODEL or --draft lookup to choose otherwise)")
-    return ModelFiles(target_spec.name, target_path, draft_spec.name if draft_spec else None, draft_path,
-                      mtp=bool(mtp_why), mtp_why=mtp_why)
-
-
-def has_mtp_layers(spec, path: Path | None) -> bool:
-    """Whether the target carries MTP layers: its file's header says, else the registry's `mtp`."""
-    if path is not None:
-        return engine.gguf_has_mtp_layers(path)
-    return bool(spec.mtp)
-
-
-def _local_path(spec, quiet: bool, fetch: bool) -> Path | None:
-    """Return the model's local path; a missing model is announced (what, how big) and fetched."""
-    if not fetch:
-        return Path(hub.ensure_local(spec, progress=False, allow_download=False)) if hub.is_present(spec) else None
-    missing = hub.describe_missing(spec)
-    if missing and not quiet:
-        ui.info(f"pulling {missing}...")
-    return Path(hub.ensure_local(spec, progress=not quiet, console=ui.err_console()))

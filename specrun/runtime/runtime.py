@@ -87,6 +87,8 @@ class Runtime:
         for note in plan.notes:
             ui.warn(note)
         quiet = self.opts.quiet if self.opts is not None else True
+        if plan.attention_why:  # (tune's record chose the target's flash attention: tuning.attention)
+            (log.info if quiet else ui.dim)(plan.attention_why)
         self._owned: list = []
         self._memory_file = None  # where the memory of answers is saved (--memory)
         self._chat_format = None

@@ -23,7 +23,8 @@ import uvicorn
 from specrun import engine, ui
 from specrun.chat.reasoning import ChatSettings
 from specrun.errors import UsageError
-from specrun.runtime.plan import RunOptions, resolve_models
+from specrun.runtime.model_files import resolve_models
+from specrun.runtime.plan import RunOptions
 from specrun.runtime.runtime import options_as_loaded
 from specrun.server.app import ServerSettings, create_app
 from specrun.server.connections import connection_limit, guarded_protocol

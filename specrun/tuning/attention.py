@@ -6,16 +6,25 @@ reads every cached cell again for each, where the matrix products read a cell on
 tree's tokens; how much that costs depends on the CPU: on one 2-core host the demo target's
 16-token pass after 1,500 tokens took 110 ms with it and 75 without, on another (AVX-512) 220 ms
 and 73 after 1,024, and an agent's tool loop ran 2.1x faster without it (docs/benchmarks.md).
-`specrun bench --report` and `specrun tune` measure it here, on the loaded target, and say which to use.
+`specrun bench --report` and `specrun tune` measure it here, on the loaded target, and say which to use;
+`tune` also keeps what it measured (a record per machine, target file, llama.cpp build and thread
+count, beside the tuning profiles), and every later run whose --flash-attn is not given, whose target's
+attention runs on this CPU over an f16 cache one request at a time, opens it as the record says
+(choose_flash_attn): plain decoding and speculation alike, a pair tuned or not.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
-from specrun import engine, ui
+from specrun import engine, files, ui
 from specrun.decoding.pay.rules import attention_off_pays
+from specrun.tuning import profiles
 from specrun.tuning.measure import measure_curve
+
+log = logging.getLogger("specrun")
 
 # Cached tokens the passes are timed after (at most half the run's context), the pass sizes timed
 # (one token: plain decoding; a tree's 8 and 16), and how many times each (the median counts).
@@ -53,8 +62,19 @@ class AttentionCosts:
                     f"{'faster' if prompts >= 0 else 'slower'} with it")
         if self.off_pays:
             return (f"{measured}: `--flash-attn off` suits one agent or long conversation at a time here "
-                    "(keep the default beside other requests: docs/benchmarks.md)")
+                    "(after `specrun tune` runs of one request at a time take it unless told; keep llama.cpp's "
+                    "beside other requests: docs/benchmarks.md)")
         return f"{measured}: keep the default"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AttentionCosts:
+        """The figures to_dict wrote (KeyError, TypeError or ValueError where they are not)."""
+        prompts = d["prompt_tokens_per_s"]
+        costs = cls(int(d["cells"]), {int(n): float(s) for n, s in d["with_s"].items()},
+                    {int(n): float(s) for n, s in d["without_s"].items()}, float(prompts["with"]), float(prompts["without"]))
+        if set(costs.with_s) != set(costs.without_s) or not all(s > 0 for s in (*costs.with_s.values(), *costs.without_s.values())):
+            raise ValueError("passes timed with and without flash attention do not match")
+        return costs
 
     def to_dict(self) -> dict:
         return {"cells": self.cells, "with_s": {str(n): s for n, s in self.with_s.items()},
@@ -89,3 +109,61 @@ def measure_attention(model, threads: int, cells: int = ATTENTION_CELLS, sizes=A
             curve = measure_curve(ctx, text, sizes, repeats=repeats)
         costs[flash_attn], prompts[flash_attn] = curve.decode, cells / curve.context_s
     return AttentionCosts(cells, costs["on"], costs["off"], prompts["on"], prompts["off"])
+
+
+# The record `tune` keeps of what it measured, beside the tuning profiles (tuning.profiles: the
+# same key, for the target alone, so a change of machine, file, llama.cpp build or threads finds none).
+RECORD = "flash attention"
+
+
+def record_key(target_path: Path, threads: int) -> dict:
+    return {**profiles.profile_key(target_path, None, threads=threads), "record": RECORD}
+
+
+def save_record(target_path: Path, threads: int, costs: AttentionCosts) -> Path:
+    """Keep what tune measured on the target (atomically; OSError where it cannot be written)."""
+    key = record_key(target_path, threads)
+    path = profiles.profile_path(key)
+    files.atomic_write_json(path, {"key": key, "attention": costs.to_dict()})
+    return path
+
+
+def stored_costs(target_path: Path, threads: int) -> AttentionCosts | None:
+    """The figures tune kept for this target here, or None (absent, foreign or unreadable: logged)."""
+    try:
+        key = record_key(target_path, threads)
+    except OSError as e:
+        log.debug("cannot identify the target's file for its flash attention record: %s", e)
+        return None
+    path = profiles.profile_path(key)
+    record = files.read_json(path, dict, "flash attention record")
+    if record is None or record.get("key") != key:
+        return None
+    try:
+        return AttentionCosts.from_dict(record["attention"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        log.warning("ignoring the flash attention record %s (%s): `specrun tune` measures it again", path, e)
+        return None
+
+
+def applies(opts, target_on_cpu: bool, parallel: int) -> bool:
+    """Whether a run with these options may take its flash attention from the record: --flash-attn
+    not given, the target's attention on this CPU (no GPU, no RPC worker) over an f16 cache (a
+    quantized one needs flash attention), one request at a time (beside other requests' texts in
+    the shared cache it turns: docs/benchmarks.md), and a build where the default is not off already."""
+    return (opts.flash_attn is None and target_on_cpu and not opts.rpc and not engine.kv_quantized(opts.kv_type)
+            and parallel == 1 and engine.default_flash_attn(opts.kv_type) != "off")
+
+
+def choose_flash_attn(opts, target_path: Path | None, target_on_cpu: bool, parallel: int, threads: int) -> tuple[str | None, str]:
+    """The target context's flash attention (None: as the options say) and why, where the record
+    decides it (applies): off where the passes tune timed pay off without it (AttentionCosts.off_pays)."""
+    if target_path is None or not applies(opts, target_on_cpu, parallel):
+        return None, ""
+    costs = stored_costs(target_path, threads)
+    if costs is None or not costs.off_pays:
+        return None, ""
+    ratios = costs.ratios()
+    tree = max(n for n in ratios if n > 1)
+    return "off", (f"flash attention off: `specrun tune` timed this target's {tree}-token passes after {costs.cells:,} "
+                   f"cached tokens {ratios[tree]:.1f}x faster without it here (--flash-attn on to keep it)")
