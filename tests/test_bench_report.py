@@ -148,9 +148,11 @@ def test_tunes_record_decides_flash_attention_for_one_request_on_this_cpu(offlin
 def test_a_run_opens_the_target_as_the_record_says(offline_models, cli):
     """generate with tune's record: the context opens without flash attention, says so on stderr,
     and writes what `--flash-attn off` writes (plain decoding and speculation alike)."""
+    prompt = "The three primary colours are"
+    untuned = cli("generate", "--threads", "1", "-n", "8", input=prompt)  # (the first untuned run's tip says tune times it)
+    assert untuned.exit_code == 0 and "and whether its target's attention runs faster without flash attention" in untuned.stderr
     _record(offline_models, (37.6, 121.6, 216.6), (28.5, 50.8, 71.5))
     args = ("generate", "--threads", "1", "--budget", "4", "-n", "24", "--temperature", "0", "--verbose")
-    prompt = "The three primary colours are"
     recorded = cli(*args, input=prompt)
     assert recorded.exit_code == 0, recorded.output
     assert "flash attention off: `specrun tune` timed this target's 16-token passes" in recorded.stderr

@@ -26,7 +26,7 @@ from specrun.hardware import offload
 from specrun.models import pairing, registry
 from specrun.runtime.plan import ContextPlan, Plan, RunOptions, build_plan
 from specrun.runtime.trees import TreePlan
-from specrun.tuning import profiles
+from specrun.tuning import attention, profiles
 
 log = logging.getLogger("specrun")
 
@@ -277,7 +277,10 @@ class Runtime:
     def _suggest_tuning(self) -> None:
         """Once per pair that runs without a profile (and loaded fine): say that tuning exists."""
         if profiles.first_suggestion(self.models.target_path, self.models.draft_path):
-            ui.dim("tip: `specrun tune` measures this machine once and picks the fastest tree for this pair")
+            # (and where the target attends on this CPU, its flash attention: tuning.attention)
+            cpu = self.opts is not None and attention.applies(self.opts, not self.plan.devices, self.plan.target_ctx.parallel)
+            ui.dim("tip: `specrun tune` measures this machine once and picks the fastest tree for this pair"
+                   + (" and whether its target's attention runs faster without flash attention" if cpu else ""))
 
     @property
     def speculative(self) -> bool:
