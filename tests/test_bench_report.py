@@ -51,6 +51,12 @@ def test_bench_report_json_and_markdown(tmp_path, cli):
     assert all(rate > 0 for rate in attention["prompt_tokens_per_s"].values())
     assert ("--flash-attn off` suits" in attention["advice"]) is attention["off_pays"]
     assert "| without (`--flash-attn off`) |" in text and attention["advice"][1:] in text
+    # ...and beside three other requests' texts as long in the same cache (a server's lanes)
+    beside = attention["beside"]
+    assert beside["requests"] == 3 and list(beside["with_s"]) == list(beside["without_s"]) == ["1", "8", "16"]
+    assert all(s > 0 for key in ("with_s", "without_s") for s in beside[key].values())
+    assert "| without, beside 3 other requests' texts as long |" in text
+    assert ("for up to 4 requests at once" in attention["advice"]) is beside["off_pays"]
 
 
 def test_flash_attention_advice_follows_the_measured_passes():
@@ -94,9 +100,14 @@ def test_attention_is_timed_only_where_the_target_attends_on_this_cpu_over_an_f1
     assert attention_here(SimpleNamespace(plan=build_plan(opts, None, devices=[], ram_free_bytes=16 * 2**30)), over_rpc) is None
 
 
-def _record(offline_models, with_ms, without_ms, threads=1):
-    """tune's flash-attention record for the demo target (what attention_here would have timed)."""
-    costs = AttentionCosts(1024, dict(zip((1, 8, 16), with_ms)), dict(zip((1, 8, 16), without_ms)), 690.0, 530.0)
+def _record(offline_models, with_ms, without_ms, threads=1, beside=None):
+    """tune's flash-attention record for the demo target (what attention_here would have timed);
+    `beside`: the passes with and without it beside 3 other requests' texts."""
+    def ms(figures):
+        return dict(zip((1, 8, 16), (f / 1000 for f in figures)))
+    costs = AttentionCosts(1024, ms(with_ms), ms(without_ms), 690.0, 530.0,
+                           *((3, ms(beside[0]), ms(beside[1])) if beside else ()))
+    assert AttentionCosts.from_dict(costs.to_dict()) == costs
     return attention.save_record(offline_models.smollm2_f32, threads, costs)
 
 
@@ -120,11 +131,20 @@ def test_tunes_record_decides_flash_attention_for_one_request_on_this_cpu(offlin
     assert chosen.target_ctx == told.target_ctx and not told.attention_why
     # Told, or where the record does not speak for the run, it is not used
     assert plan(replace(opts, flash_attn="on")).target_ctx.flash_attn == "on"
-    assert plan(replace(opts, parallel=2)).target_ctx.flash_attn is None  # beside other requests' texts
+    assert plan(replace(opts, parallel=2)).target_ctx.flash_attn is None  # beside other requests' texts: not timed
     assert plan(replace(opts, kv_type="q8_0")).target_ctx.flash_attn is None  # (on: a quantized cache needs it)
     gpu = [DeviceInfo("RTX 4060", "assumed", "gpu", "CUDA", 7 * 2**30, 8 * 2**30)]
     assert plan(devices=gpu).target_ctx.flash_attn is None
     assert plan(replace(opts, threads=2)).target_ctx.flash_attn is None  # (a record per thread count)
+    # Timed beside 3 other requests' texts too: where it pays there (the AVX-512 host), up to 4 requests
+    # at once open it so, a server's default lanes included; where it turns (the 2026-11-27 host's
+    # figures beside 3 others: 8 tokens 77.3 ms with it, 95.7 without), one request at a time only
+    _record(offline_models, (37.6, 121.6, 216.6), (28.5, 50.8, 71.5), beside=((53.9, 147.2, 264.2), (43.0, 91.0, 140.4)))
+    assert [plan(replace(opts, parallel=n)).target_ctx.flash_attn for n in (1, 2, 4, 5)] == ["off", "off", "off", None]
+    assert "beside 3 other requests' texts as long 1.9x faster" in plan(replace(opts, parallel=4)).attention_why
+    assert plan(replace(opts, parallel=None)).target_ctx.flash_attn == "off"  # (serve's default: as many as fit)
+    _record(offline_models, (37.6, 121.6, 216.6), (28.5, 50.8, 71.5), beside=((27.4, 77.3, 120.0), (38.8, 95.7, 150.0)))
+    assert [plan(replace(opts, parallel=n)).target_ctx.flash_attn for n in (1, 2)] == ["off", None]
     # A record of figures that do not pay (one token dearer without it: the 2026-11-27 host): the default
     _record(offline_models, (24.0, 65.8, 109.6), (26.0, 48.5, 74.8))
     assert plan().target_ctx.flash_attn is None

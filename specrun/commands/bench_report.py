@@ -235,6 +235,11 @@ def _attention_lines(found: dict) -> list[str]:
     for label, key in (("with (llama.cpp's auto)", "with"), ("without (`--flash-attn off`)", "without")):
         cells = " | ".join(f"{found[key + '_s'][n] * 1000:.1f}" for n in sizes)
         lines.append(f"| {label} | {cells} | {found['prompt_tokens_per_s'][key]:.0f} |")
+    if found.get("beside"):  # (the same passes beside other requests' texts: reports from before lack them)
+        beside = found["beside"]
+        for label, key in (("with", "with_s"), ("without", "without_s")):
+            cells = " | ".join(f"{beside[key][n] * 1000:.1f}" for n in sizes)
+            lines.append(f"| {label}, beside {beside['requests']} other requests' texts as long | {cells} | |")
     return lines + ["", found["advice"][0].upper() + found["advice"][1:] + "."]
 
 

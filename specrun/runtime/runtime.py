@@ -278,7 +278,7 @@ class Runtime:
         """Once per pair that runs without a profile (and loaded fine): say that tuning exists."""
         if profiles.first_suggestion(self.models.target_path, self.models.draft_path):
             # (and where the target attends on this CPU, its flash attention: tuning.attention)
-            cpu = self.opts is not None and attention.applies(self.opts, not self.plan.devices, self.plan.target_ctx.parallel)
+            cpu = self.opts is not None and attention.applies(self.opts, not self.plan.devices)
             ui.dim("tip: `specrun tune` measures this machine once and picks the fastest tree for this pair"
                    + (" and whether its target's attention runs faster without flash attention" if cpu else ""))
 

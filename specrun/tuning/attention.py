@@ -9,14 +9,15 @@ and 73 after 1,024, and an agent's tool loop ran 2.1x faster without it (docs/be
 `specrun bench --report` and `specrun tune` measure it here, on the loaded target, and say which to use;
 `tune` also keeps what it measured (a record per machine, target file, llama.cpp build and thread
 count, beside the tuning profiles), and every later run whose --flash-attn is not given, whose target's
-attention runs on this CPU over an f16 cache one request at a time, opens it as the record says
-(choose_flash_attn): plain decoding and speculation alike, a pair tuned or not.
+attention runs on this CPU over an f16 cache, opens it as the record says for as many requests at
+once as it runs (choose_flash_attn: one alone, or up to 1 + ATTENTION_BESIDE by the passes timed
+beside other requests' texts): plain decoding and speculation alike, a pair tuned or not.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrun import engine, files, ui
@@ -31,6 +32,10 @@ log = logging.getLogger("specrun")
 ATTENTION_CELLS = 1024
 ATTENTION_SIZES = (1, 8, 16)
 ATTENTION_REPEATS = 3
+# ...and again beside this many other requests' texts of as many tokens in the same cache (a
+# server's lanes: flash attention skips their masked cells cheaply, matrix products compute them),
+# which decides for runs of up to 1 + ATTENTION_BESIDE requests at once.
+ATTENTION_BESIDE = 3
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,27 @@ class AttentionCosts:
     without_s: dict[int, float]
     prompt_with: float
     prompt_without: float
+    # the same passes beside `beside` other requests' texts of `cells` tokens each (0: not timed)
+    beside: int = 0
+    beside_with_s: dict[int, float] = field(default_factory=dict)
+    beside_without_s: dict[int, float] = field(default_factory=dict)
 
-    def ratios(self) -> dict[int, float]:
-        """How many times a pass of n tokens costs with flash attention what it costs without."""
-        return {n: self.with_s[n] / self.without_s[n] for n in self.with_s}
+    def ratios(self, beside: bool = False) -> dict[int, float]:
+        """How many times a pass of n tokens costs with flash attention what it costs without
+        (beside other requests' texts: the figures timed so)."""
+        with_s, without_s = (self.beside_with_s, self.beside_without_s) if beside else (self.with_s, self.without_s)
+        return {n: with_s[n] / without_s[n] for n in with_s}
 
     @property
     def off_pays(self) -> bool:
         return attention_off_pays(self.ratios())  # (decoding.pay.rules)
+
+    def off_pays_for(self, parallel: int) -> bool:
+        """Whether runs of `parallel` requests at once go faster without it: alone by the passes
+        alone, beside others by those too, as far as others were timed (more: not known)."""
+        if parallel <= 1:
+            return self.off_pays
+        return parallel <= 1 + self.beside and self.off_pays and attention_off_pays(self.ratios(beside=True))
 
     def advice(self) -> str:
         ratios = self.ratios()
@@ -60,27 +78,46 @@ class AttentionCosts:
         measured = (f"with flash attention the target's passes of {sizes} tokens after {self.cells:,} cached tokens cost {times} "
                     f"what they cost without, and prompts read {abs(prompts):.0%} "
                     f"{'faster' if prompts >= 0 else 'slower'} with it")
+        if self.beside:
+            beside = " / ".join(f"{r:.2f}x" for r in self.ratios(beside=True).values())
+            measured += f"; beside {self.beside} other requests' texts as long, {beside}"
+        if self.beside and self.off_pays_for(1 + self.beside):
+            return (f"{measured}: `--flash-attn off` suits this machine, for up to {1 + self.beside} requests at "
+                    "once (after `specrun tune` runs take it unless told)")
         if self.off_pays:
             return (f"{measured}: `--flash-attn off` suits one agent or long conversation at a time here "
-                    "(after `specrun tune` runs of one request at a time take it unless told; keep llama.cpp's "
-                    "beside other requests: docs/benchmarks.md)")
+                    "(after `specrun tune` runs of one request at a time take it unless told; beside other "
+                    "requests keep llama.cpp's)")
         return f"{measured}: keep the default"
+
+    def to_dict(self) -> dict:
+        d = {"cells": self.cells, "with_s": _keyed(self.with_s), "without_s": _keyed(self.without_s),
+             "prompt_tokens_per_s": {"with": self.prompt_with, "without": self.prompt_without},
+             "off_pays": self.off_pays, "advice": self.advice()}
+        if self.beside:
+            d["beside"] = {"requests": self.beside, "with_s": _keyed(self.beside_with_s),
+                           "without_s": _keyed(self.beside_without_s), "off_pays": self.off_pays_for(1 + self.beside)}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> AttentionCosts:
         """The figures to_dict wrote (KeyError, TypeError or ValueError where they are not)."""
-        prompts = d["prompt_tokens_per_s"]
-        costs = cls(int(d["cells"]), {int(n): float(s) for n, s in d["with_s"].items()},
-                    {int(n): float(s) for n, s in d["without_s"].items()}, float(prompts["with"]), float(prompts["without"]))
-        if set(costs.with_s) != set(costs.without_s) or not all(s > 0 for s in (*costs.with_s.values(), *costs.without_s.values())):
+        prompts, beside = d["prompt_tokens_per_s"], d.get("beside") or {"requests": 0, "with_s": {}, "without_s": {}}
+        costs = cls(int(d["cells"]), _timed(d["with_s"]), _timed(d["without_s"]), float(prompts["with"]),
+                    float(prompts["without"]), int(beside["requests"]), _timed(beside["with_s"]), _timed(beside["without_s"]))
+        timed = (*costs.with_s.values(), *costs.without_s.values(), *costs.beside_with_s.values(), *costs.beside_without_s.values())
+        if (set(costs.with_s) != set(costs.without_s) or not costs.with_s or not all(s > 0 for s in timed)
+                or costs.beside < 0 or (costs.beside and not set(costs.with_s) == set(costs.beside_with_s) == set(costs.beside_without_s))):
             raise ValueError("passes timed with and without flash attention do not match")
         return costs
 
-    def to_dict(self) -> dict:
-        return {"cells": self.cells, "with_s": {str(n): s for n, s in self.with_s.items()},
-                "without_s": {str(n): s for n, s in self.without_s.items()},
-                "prompt_tokens_per_s": {"with": self.prompt_with, "without": self.prompt_without},
-                "off_pays": self.off_pays, "advice": self.advice()}
+
+def _keyed(seconds: dict[int, float]) -> dict[str, float]:
+    return {str(n): s for n, s in seconds.items()}
+
+
+def _timed(seconds: dict) -> dict[int, float]:
+    return {int(n): float(s) for n, s in seconds.items()}
 
 
 def attention_here(rt, opts) -> AttentionCosts | None:
@@ -91,24 +128,29 @@ def attention_here(rt, opts) -> AttentionCosts | None:
     if plan.target_gpu_layers or opts.rpc or engine.kv_quantized(plan.target_ctx.kv_type):
         return None
     cells = min(ATTENTION_CELLS, max(64, plan.target_ctx.n_ctx // 2))
-    ui.dim(f"timing the target's passes after {cells} tokens with and without flash attention")
+    ui.dim(f"timing the target's passes after {cells} tokens with and without flash attention, alone and beside "
+           f"{ATTENTION_BESIDE} other requests' texts")
     return measure_attention(rt.target, plan.threads, cells)
 
 
 def measure_attention(model, threads: int, cells: int = ATTENTION_CELLS, sizes=ATTENTION_SIZES,
-                      repeats: int = ATTENTION_REPEATS) -> AttentionCosts:
+                      repeats: int = ATTENTION_REPEATS, beside: int = ATTENTION_BESIDE) -> AttentionCosts:
     """Time the target's passes after `cells` cached tokens in a context of its own with flash
     attention and in one without (an f16 cache, as the default), as tune times its cost curve
     (tuning.measure.measure_curve: every row's logits asked, as a tree's pass does; the median of
-    `repeats`), and the context's own prefill (the prompt rate)."""
+    `repeats`), the context's own prefill (the prompt rate), and the same passes with `beside`
+    other sequences of `cells` tokens in the cache (a server's other requests)."""
     costs, prompts = {}, {}
     text = [1 + i % min(1000, model.n_vocab - 1) for i in range(cells)]
     for flash_attn in ("on", "off"):
-        with engine.Context(model, n_ctx=cells + max(sizes) + 1, n_batch=min(512, cells), threads=threads,
-                            flash_attn=flash_attn) as ctx:
-            curve = measure_curve(ctx, text, sizes, repeats=repeats)
-        costs[flash_attn], prompts[flash_attn] = curve.decode, cells / curve.context_s
-    return AttentionCosts(cells, costs["on"], costs["off"], prompts["on"], prompts["off"])
+        for others in dict.fromkeys((0, beside)):
+            with engine.Context(model, n_ctx=(1 + others) * cells + max(sizes) + 1, n_batch=min(512, cells), threads=threads,
+                                flash_attn=flash_attn, n_seq_max=1 + others) as ctx:
+                curve = measure_curve(ctx, text, sizes, repeats=repeats, beside=others)
+            costs[flash_attn, others] = curve.decode
+            prompts.setdefault(flash_attn, cells / curve.context_s)
+    return AttentionCosts(cells, costs["on", 0], costs["off", 0], prompts["on"], prompts["off"], beside,
+                          costs["on", beside] if beside else {}, costs["off", beside] if beside else {})
 
 
 # The record `tune` keeps of what it measured, beside the tuning profiles (tuning.profiles: the
@@ -146,24 +188,26 @@ def stored_costs(target_path: Path, threads: int) -> AttentionCosts | None:
         return None
 
 
-def applies(opts, target_on_cpu: bool, parallel: int) -> bool:
+def applies(opts, target_on_cpu: bool) -> bool:
     """Whether a run with these options may take its flash attention from the record: --flash-attn
     not given, the target's attention on this CPU (no GPU, no RPC worker) over an f16 cache (a
-    quantized one needs flash attention), one request at a time (beside other requests' texts in
-    the shared cache it turns: docs/benchmarks.md), and a build where the default is not off already."""
+    quantized one needs flash attention), and a build where the default is not off already."""
     return (opts.flash_attn is None and target_on_cpu and not opts.rpc and not engine.kv_quantized(opts.kv_type)
-            and parallel == 1 and engine.default_flash_attn(opts.kv_type) != "off")
+            and engine.default_flash_attn(opts.kv_type) != "off")
 
 
 def choose_flash_attn(opts, target_path: Path | None, target_on_cpu: bool, parallel: int, threads: int) -> tuple[str | None, str]:
     """The target context's flash attention (None: as the options say) and why, where the record
-    decides it (applies): off where the passes tune timed pay off without it (AttentionCosts.off_pays)."""
-    if target_path is None or not applies(opts, target_on_cpu, parallel):
+    decides it (applies): off where the passes tune timed pay off without it for `parallel`
+    requests at once (AttentionCosts.off_pays_for: beside other requests' texts it turns on some
+    CPUs, and more of them than were timed are not known: docs/benchmarks.md)."""
+    if target_path is None or not applies(opts, target_on_cpu):
         return None, ""
     costs = stored_costs(target_path, threads)
-    if costs is None or not costs.off_pays:
+    if costs is None or not costs.off_pays_for(parallel):
         return None, ""
-    ratios = costs.ratios()
+    ratios = costs.ratios(beside=parallel > 1)
     tree = max(n for n in ratios if n > 1)
+    where = f" beside {costs.beside} other requests' texts as long" if parallel > 1 else ""
     return "off", (f"flash attention off: `specrun tune` timed this target's {tree}-token passes after {costs.cells:,} "
-                   f"cached tokens {ratios[tree]:.1f}x faster without it here (--flash-attn on to keep it)")
+                   f"cached tokens{where} {ratios[tree]:.1f}x faster without it here (--flash-attn on to keep it)")

@@ -116,6 +116,7 @@ def measure_curve(
     top_k: int = 0,
     on_size: Callable[[int, float], None] | None = None,
     steps: Sequence[int] = (),
+    beside: int = 0,
 ) -> CurveMeasurement:
     """Return median seconds to decode n tokens after `context_tokens`, for each n in `sizes`.
 
@@ -125,14 +126,16 @@ def measure_curve(
     or after a size costs more than `stop_ratio` times the smallest (no tree that big can pay).
     Then `repeats` rounds over those sizes, round-robin, so a burst of load elsewhere slows every
     size a little instead of one size a lot; a size the deadline left without a timed pass keeps
-    its warm-up time.
+    its warm-up time. `beside`: that many other sequences (ids 1, 2, ...) hold the context too,
+    each in cells of its own (a server's other requests' texts in its shared cache), evaluated
+    after the timed context's own prefill.
     """
 
     sizes = sorted(n for n in set(sizes) if 1 <= n <= ctx.n_batch)
     if not sizes:
         raise ValueError(f"no curve size fits the context's batch of {ctx.n_batch} tokens")
     context = list(context_tokens)
-    if len(context) + sizes[-1] > ctx.n_ctx:
+    if (1 + beside) * len(context) + sizes[-1] > ctx.n_ctx:
         raise ValueError("the context is too small for the prompt plus the largest batch")
     batch = Batch(max(sizes[-1], min(len(context), ctx.n_batch)), 1)
     ctx.clear()
@@ -141,6 +144,10 @@ def measure_curve(
         batch.set_sequence(context[start : start + batch.capacity], start, 0, "none")
         ctx.decode(batch)
     context_s = time.perf_counter() - t_context
+    for seq in range(1, 1 + beside):
+        for start in range(0, len(context), batch.capacity):
+            batch.set_sequence(context[start : start + batch.capacity], start, seq, "none")
+            ctx.decode(batch)
     p0 = len(context)
     filler = (context * (sizes[-1] // max(len(context), 1) + 1))[: sizes[-1]] or [0] * sizes[-1]
 
