@@ -20,7 +20,8 @@ and --flash-attn off); `base-1`,
 `base-N`, `base-N-plain` are the same from the checkout --baseline names (`git worktree add
 /tmp/base HEAD~1`), to measure a change in turns with its parent; `peer-plain` is llama.cpp's `llama-server -np N`
 decoding plainly (requests batched together, no speculation), `peer-draft` the same with the
-same draft model, `peer-ngram` with its `ngram-mod` drafts (all three need --peer-bin, llama.cpp built
+same draft model, `peer-ngram` with its `ngram-mod` drafts, each with a `-fa-off` suffix adding `-fa off`
+(all of them need --peer-bin, llama.cpp built
 from the pinned sources: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release
 && cmake --build build -j2 --target llama-server`). --rounds repeats the whole sweep, servers in
 turn, so slow drifts of the machine show. Run it on a quiet machine.
@@ -334,13 +335,14 @@ def _start(name: str, args, parallel: int) -> _Server | None:
             "-c", str(args.ctx_size * parallel), "-t", str(args.threads or os.cpu_count()), "--no-webui",
             *(["--no-repack"] if sysinfo.repacking_crashes() else []),
             *(["--rpc", args.rpc, "-ngl", "99"] if getattr(args, "rpc", None) else [])]
-    if name == "peer-plain":
+    mode = name.removesuffix("-fa-off")
+    if mode == "peer-plain":
         pass  # llama-server's plain decoding: requests batched together, no speculation
-    elif name == "peer-draft":
+    elif mode == "peer-draft":
         argv += ["-md", str(draft), "--spec-draft-n-max", "5"]
-    elif name == "peer-ngram":
+    elif mode == "peer-ngram":
         argv += ["--spec-type", "ngram-mod"]
-    return _Server(argv, url=f"http://127.0.0.1:{port}")
+    return _Server(argv + (["-fa", "off"] if mode != name else []), url=f"http://127.0.0.1:{port}")
 
 
 def specrun_server(repo: Path, args, parallel: int, name: str = "specrun") -> _Server:
