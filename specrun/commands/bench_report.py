@@ -239,7 +239,8 @@ def _attention_lines(found: dict) -> list[str]:
         beside = found["beside"]
         for label, key in (("with", "with_s"), ("without", "without_s")):
             cells = " | ".join(f"{beside[key][n] * 1000:.1f}" for n in sizes)
-            lines.append(f"| {label}, beside {beside['requests']} other requests' texts as long | {cells} | |")
+            others = f"{beside['requests']} other request{'s' if beside['requests'] != 1 else ''}"
+            lines.append(f"| {label}, beside {others} as long | {cells} | |")
     return lines + ["", found["advice"][0].upper() + found["advice"][1:] + "."]
 
 

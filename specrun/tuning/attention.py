@@ -80,7 +80,7 @@ class AttentionCosts:
                     f"{'faster' if prompts >= 0 else 'slower'} with it")
         if self.beside:
             beside = " / ".join(f"{r:.2f}x" for r in self.ratios(beside=True).values())
-            measured += f"; beside {self.beside} other requests' texts as long, {beside}"
+            measured += f"; beside {_others(self.beside)} as long, {beside}"
         if self.beside and self.off_pays_for(1 + self.beside):
             return (f"{measured}: `--flash-attn off` suits this machine, for up to {1 + self.beside} requests at "
                     "once (after `specrun tune` runs take it unless told)")
@@ -112,6 +112,10 @@ class AttentionCosts:
         return costs
 
 
+def _others(n: int) -> str:
+    return "1 other request's text" if n == 1 else f"{n} other requests' texts"
+
+
 def _keyed(seconds: dict[int, float]) -> dict[str, float]:
     return {str(n): s for n, s in seconds.items()}
 
@@ -123,14 +127,17 @@ def _timed(seconds: dict) -> dict[int, float]:
 def attention_here(rt, opts) -> AttentionCosts | None:
     """measure_attention on a loaded runtime's target, after half its context (at most
     ATTENTION_CELLS), where its attention runs on this CPU over an f16 cache: None on a GPU or RPC
-    workers (their kernels), and over a quantized cache (which needs flash attention)."""
+    workers (their kernels), and over a quantized cache (which needs flash attention). Beside at
+    most ATTENTION_BESIDE others, as many as keep the measuring context within the run's own (its
+    memory is planned for that many cells, not twice as many)."""
     plan = rt.plan
     if plan.target_gpu_layers or opts.rpc or engine.kv_quantized(plan.target_ctx.kv_type):
         return None
     cells = min(ATTENTION_CELLS, max(64, plan.target_ctx.n_ctx // 2))
-    ui.dim(f"timing the target's passes after {cells} tokens with and without flash attention, alone and beside "
-           f"{ATTENTION_BESIDE} other requests' texts")
-    return measure_attention(rt.target, plan.threads, cells)
+    beside = max(0, min(ATTENTION_BESIDE, plan.target_ctx.n_ctx // cells - 1))
+    ui.dim(f"timing the target's passes after {cells} tokens with and without flash attention, alone"
+           + (f" and beside {_others(beside)}" if beside else ""))
+    return measure_attention(rt.target, plan.threads, cells, beside=beside)
 
 
 def measure_attention(model, threads: int, cells: int = ATTENTION_CELLS, sizes=ATTENTION_SIZES,
@@ -208,6 +215,6 @@ def choose_flash_attn(opts, target_path: Path | None, target_on_cpu: bool, paral
         return None, ""
     ratios = costs.ratios(beside=parallel > 1)
     tree = max(n for n in ratios if n > 1)
-    where = f" beside {costs.beside} other requests' texts as long" if parallel > 1 else ""
+    where = f" beside {_others(costs.beside)} as long" if parallel > 1 else ""
     return "off", (f"flash attention off: `specrun tune` timed this target's {tree}-token passes after {costs.cells:,} "
                    f"cached tokens{where} {ratios[tree]:.1f}x faster without it here (--flash-attn on to keep it)")
