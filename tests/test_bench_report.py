@@ -127,6 +127,7 @@ def test_tunes_record_decides_flash_attention_for_one_request_on_this_cpu(offlin
     assert chosen.target_ctx.flash_attn == "off"
     assert "16-token passes after 1,024 cached tokens 3.0x faster without it" in chosen.attention_why
     assert chosen.to_dict()["contexts"]["target"]["flash_attn"] == "off"
+    assert chosen.to_dict()["flash_attn_why"] == chosen.attention_why and untold.to_dict()["flash_attn_why"] is None
     # llama.cpp's simulation opened the context as the run will: as `--flash-attn off` plans it
     told = plan(replace(opts, flash_attn="off"))
     assert chosen.placement.measured and chosen.placement == told.placement != untold.placement
@@ -183,3 +184,18 @@ def test_a_run_opens_the_target_as_the_record_says(offline_models, cli):
     assert told.exit_code == 0 and plain.exit_code == 0
     assert recorded.stdout == told.stdout == plain.stdout and recorded.stdout.strip()
     assert "flash attention off: `specrun tune`" in plain.stderr  # (the target alone: the same record)
+
+
+def test_a_server_of_four_lanes_says_where_its_flash_attention_came_from(offline_models):
+    """Timed beside 3 other requests' texts and paying there too, the record opens a server's 4
+    lanes without flash attention, and its startup line says tune chose it, not --flash-attn."""
+    from specrun.runtime.runtime import Runtime
+    from specrun.server.worker import describe
+
+    _record(offline_models, (37.6, 121.6, 216.6), (28.5, 50.8, 71.5), beside=((53.9, 147.2, 264.2), (43.0, 91.0, 140.4)))
+    opts = RunOptions(target="smollm2-135m-f32", no_spec=True, threads=1, ctx_size=1024, parallel=4, quiet=True)
+    with Runtime(opts) as rt:
+        assert rt.plan.target_ctx.flash_attn == "off" and rt.target_ctx.flash_attn == "off" and len(rt.decoders) == 4
+        assert "flash attention off (as `specrun tune` timed it here)" in describe(rt)
+    with Runtime(replace(opts, flash_attn="off")) as told:
+        assert "flash attention off (--flash-attn)" in describe(told)
