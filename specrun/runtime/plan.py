@@ -12,8 +12,8 @@
    is given;
 3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
    one pass (a tree split over ubatches pays the weight transfer again when offloading); the
-   target's attention as --flash-attn says, else, where it runs on this CPU one request at a
-   time, as `tune` measured it here (tuning.attention's record), else llama.cpp's;
+   target's attention as --flash-attn says, else, where it runs on this CPU, as `tune` measured
+   it here for as many requests at once (tuning.attention's record), else llama.cpp's;
 4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
    buffer grows with it), and the memory expected on each device and in RAM.
 
