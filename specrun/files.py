@@ -71,25 +71,26 @@ def read_json(path: Path, kind: type, what: str) -> Any | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        _warn_once(path, f"ignoring {what} {path}: {e.strerror or e}")
+        warn_once(path, f"ignoring {what} {path}: {e.strerror or e}")
         return None
     try:
         value = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        _warn_once(path, f"ignoring {what} {path}: it is not valid JSON (it will be rebuilt)")
+        warn_once(path, f"ignoring {what} {path}: it is not valid JSON (it will be rebuilt)")
         return None
     if not isinstance(value, kind):
-        _warn_once(path, f"ignoring {what} {path}: expected a JSON {_json_type(kind)}, found "
+        warn_once(path, f"ignoring {what} {path}: expected a JSON {_json_type(kind)}, found "
                          f"{type(value).__name__} (it will be rebuilt)")
         return None
     return value
 
 
-# Warnings already given in this process: one run may read the same bad file several times.
+# Warnings already given in this process: one run may read the same bad file several times
+# (read_json's, and its callers' own findings in a file they parsed: warn_once).
 _warned: set[tuple[str, str]] = set()
 
 
-def _warn_once(path: Path, message: str) -> None:
+def warn_once(path: Path, message: str) -> None:
     key = (str(path), message)
     if key not in _warned:
         _warned.add(key)

@@ -171,10 +171,7 @@ def record_key(target_path: Path, threads: int) -> dict:
 
 def save_record(target_path: Path, threads: int, costs: AttentionCosts) -> Path:
     """Keep what tune measured on the target (atomically; OSError where it cannot be written)."""
-    key = record_key(target_path, threads)
-    path = profiles.profile_path(key)
-    files.atomic_write_json(path, {"key": key, "attention": costs.to_dict()})
-    return path
+    return profiles.save({"key": record_key(target_path, threads), "attention": costs.to_dict()})
 
 
 def stored_costs(target_path: Path, threads: int) -> AttentionCosts | None:
@@ -191,7 +188,7 @@ def stored_costs(target_path: Path, threads: int) -> AttentionCosts | None:
     try:
         return AttentionCosts.from_dict(record["attention"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        log.warning("ignoring the flash attention record %s (%s): `specrun tune` measures it again", path, e)
+        files.warn_once(path, f"ignoring the flash attention record {path} ({e}): `specrun tune` measures it again")
         return None
 
 

@@ -139,15 +139,17 @@ def measure_curve(
         raise ValueError("the context is too small for the prompt plus the largest batch")
     batch = Batch(max(sizes[-1], min(len(context), ctx.n_batch)), 1)
     ctx.clear()
-    t_context = time.perf_counter()
-    for start in range(0, len(context), batch.capacity):
-        batch.set_sequence(context[start : start + batch.capacity], start, 0, "none")
-        ctx.decode(batch)
-    context_s = time.perf_counter() - t_context
-    for seq in range(1, 1 + beside):
+
+    def prefill(seq: int) -> None:
         for start in range(0, len(context), batch.capacity):
             batch.set_sequence(context[start : start + batch.capacity], start, seq, "none")
             ctx.decode(batch)
+
+    t_context = time.perf_counter()
+    prefill(0)
+    context_s = time.perf_counter() - t_context
+    for seq in range(1, 1 + beside):
+        prefill(seq)
     p0 = len(context)
     filler = (context * (sizes[-1] // max(len(context), 1) + 1))[: sizes[-1]] or [0] * sizes[-1]
 
