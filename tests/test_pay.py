@@ -46,6 +46,15 @@ def test_tune_decides_by_its_thresholds():
     assert rules.default_wins(tuned * (1 + rules.DEFAULT_MARGIN) + 0.1, tuned)
 
 
+def test_flash_attention_off_only_where_the_target_rounds_as_near_plain_decoding_without_it():
+    # (largest logit differences of a chain's pass from one-token passes, measured 2026-11-30)
+    assert rules.attention_off_rounds_alike(0.0102, 0.0068)  # the F32 demo target: tinyBLAS either way
+    assert rules.attention_off_rounds_alike(6.36, 6.94)  # Gemma-3 Q4_K_M: repacked weights either way
+    assert rules.attention_off_rounds_alike(0.0, 0.0005)  # (under the floor)
+    assert not rules.attention_off_rounds_alike(0.0, 0.488)  # its Q4_1 file: bit for bit only with it
+    assert not rules.attention_off_rounds_alike(0.01, 0.05)
+
+
 def test_a_profile_holds_within_its_drift_either_way():
     profiled = 0.010
     inside, outside = 1.0 + rules.PROFILE_DRIFT * 0.9, 1.0 + rules.PROFILE_DRIFT * 1.1

@@ -29,7 +29,7 @@ from specrun.runtime.model_files import resolve_models
 from specrun.runtime.plan import RunOptions, build_plan, connect_workers
 from specrun.runtime.runtime import Runtime, drafts_while_verifying, target_pass_s
 from specrun.runtime.trees import DEFAULT_GROWTH, DEFAULT_SHAPE, tree_of_choice
-from specrun.tuning import attention
+from specrun.tuning import attention, flash_attention
 from specrun.tuning import cost_model as tuner
 from specrun.tuning import measure as profiler
 from specrun.tuning import profiles, report
@@ -149,7 +149,7 @@ def _runtime_after_attention(opts: RunOptions, shape: TreeShape) -> tuple[Runtim
             attention.save_record(target, plan.threads, found)
         except OSError as e:
             raise SpecrunError(f"cannot save the flash attention record in {paths.profiles_dir()}: {e.strerror or e}") from None
-        chosen, why = attention.choose_flash_attn(opts, target, not plan.devices, plan.target_ctx.parallel, plan.threads)
+        chosen, why = flash_attention.choose_flash_attn(opts, target, not plan.devices, plan.target_ctx.parallel, plan.threads)
         if chosen == plan.target_ctx.flash_attn:
             return rt, found
     except BaseException:

@@ -178,6 +178,14 @@ class Model(Owner):
         return C.llama_model_n_embd(self.ptr)
 
     @property
+    def n_head(self) -> int:
+        return C.llama_model_n_head(self.ptr)
+
+    @property
+    def n_head_kv(self) -> int:
+        return C.llama_model_n_head_kv(self.ptr)
+
+    @property
     def n_ctx_train(self) -> int:
         return C.llama_model_n_ctx_train(self.ptr)
 

@@ -12,12 +12,14 @@
    is given;
 3. the contexts: n_ctx, and n_batch = n_ubatch large enough for the largest tree + its root in
    one pass (a tree split over ubatches pays the weight transfer again when offloading); the
-   target's attention as --flash-attn says, else, where it runs on this CPU, as `tune` measured
-   it here for as many requests at once (tuning.attention's record), else llama.cpp's;
+   target's attention as --flash-attn says, else, where it runs on this CPU for one request at
+   a time, as measured here (tuning.flash_attention: tune's record, or an estimate at the
+   target's first start), else llama.cpp's;
 4. GPU layers for the target and the draft, planned for exactly that n_ubatch (the compute
    buffer grows with it), and the memory expected on each device and in RAM.
 
-`Runtime(plan)` loads exactly this; `specrun plan` prints it without loading any weights.
+`Runtime(plan)` loads exactly this; `specrun plan` prints it without loading any weights (but at an
+untuned target's first start, the flash attention measurement's: once).
 
 A plan made from a tuning profile carries one check (`Plan.check`): the profile's figures hold
 for the machine as it was when tuned. At load the target's one-token pass is timed; where it is
@@ -45,7 +47,7 @@ from specrun.runtime.model_files import resolve_models
 from specrun.runtime.options import LOOKUP, ModelFiles, RunOptions, with_target_options
 from specrun.runtime.drafters import BEST_FIRST
 from specrun.runtime.trees import MAX_CHAINS, TreePlan, choose_tree, fit_tree, fit_tree_to_target
-from specrun.tuning import attention
+from specrun.tuning import flash_attention
 
 log = logging.getLogger("specrun")
 
@@ -110,7 +112,7 @@ class Plan:
     round_trips: tuple[tuple[str, float], ...] = ()  # (RPC worker, seconds of a round trip to it)
     mmap: bool | None = None  # the target's file mapped, or read (offload.target_mapped); None: llama.cpp's way
     head_here: bool = False  # the target's output layer computes on this machine, not an RPC worker (--head)
-    attention_why: str = ""  # where `tune`'s record chose the target's flash attention (tuning.attention)
+    attention_why: str = ""  # where a measurement chose the target's flash attention (tuning.flash_attention)
 
     def checked(self, target_pass_s: float | None) -> Plan:
         """Return the plan to load once the target's one-token pass is timed (None: could not
@@ -362,7 +364,7 @@ def _build(opts: RunOptions, files: ModelFiles, shape: TreeShape | None, devices
     # llama.cpp's own figures for the files (not for shapes given in their place)
     parallel = opts.parallel or 1
     notes += opts.context_notes(parallel)
-    flash_attn, attention_why = attention.choose_flash_attn(opts, files.target_path, not gpus, parallel, threads)
+    flash_attn, attention_why = flash_attention.choose_flash_attn(opts, files.target_path, not gpus, parallel, threads)
     target_context = {**opts.target_context(), **({"flash_attn": flash_attn} if flash_attn else {})}
     measure = ContextMemory(None if sizes else target_file, None if sizes else draft_path, tree, draft_arch, parallel,
                             seq_budget, target_context)

@@ -87,7 +87,7 @@ class Runtime:
         for note in plan.notes:
             ui.warn(note)
         quiet = self.opts.quiet if self.opts is not None else True
-        if plan.attention_why:  # (tune's record chose the target's flash attention: tuning.attention)
+        if plan.attention_why:  # (a measurement chose the target's flash attention: tuning.flash_attention)
             (log.info if quiet else ui.dim)(plan.attention_why)
         self._owned: list = []
         self._memory_file = None  # where the memory of answers is saved (--memory)
@@ -280,7 +280,8 @@ class Runtime:
             # (and where the target attends on this CPU, its flash attention: tuning.attention)
             cpu = self.opts is not None and attention.applies(self.opts, not self.plan.devices)
             ui.dim("tip: `specrun tune` measures this machine once and picks the fastest tree for this pair"
-                   + (" and whether its target's attention runs faster without flash attention" if cpu else ""))
+                   + (" and whether its target's attention runs faster without flash attention, timed on the target "
+                      "itself" if cpu else ""))
 
     @property
     def speculative(self) -> bool:

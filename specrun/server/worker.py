@@ -541,7 +541,7 @@ def describe(rt: Runtime) -> str:
     at_once += ", prompts in the passes of their steps (--throughput)" if rt.prompts_join else ""
     at_once += ", the output layer on this machine (--head)" if rt.plan.head_here else ""
     ctx = rt.plan.target_ctx
-    at_once += f", flash attention {ctx.flash_attn} ({'as `specrun tune` timed it here' if rt.plan.attention_why else '--flash-attn'})" if ctx.flash_attn is not None else ""
+    at_once += f", flash attention {ctx.flash_attn} ({'as timed on this CPU' if rt.plan.attention_why else '--flash-attn'})" if ctx.flash_attn is not None else ""
     at_once += f", {ctx.kv_type} KV cache (--kv-type)" if ctx.kv_type is not None else ""
     return f"specrun serve: {rt.models.target_name} {rt.drafting()}, {rt.n_ctx}-token context ({rt.plan.ctx_why}){at_once}"
 

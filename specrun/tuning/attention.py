@@ -8,10 +8,10 @@ tree's tokens; how much that costs depends on the CPU: on one 2-core host the de
 and 73 after 1,024, and an agent's tool loop ran 2.1x faster without it (docs/benchmarks.md).
 `specrun bench --report` and `specrun tune` measure it here, on the loaded target, and say which to use;
 `tune` also keeps what it measured (a record per machine, target file, llama.cpp build and thread
-count, beside the tuning profiles), and every later run whose --flash-attn is not given, whose target's
-attention runs on this CPU over an f16 cache, opens it as the record says for as many requests at
-once as it runs (choose_flash_attn: one alone, or up to 1 + ATTENTION_BESIDE by the passes timed
-beside other requests' texts): plain decoding and speculation alike, a pair tuned or not.
+count, beside the tuning profiles), which tuning.flash_attention reads for later runs (one request at
+a time, where the target rounds alike without it). The passes are timed beside other requests'
+texts too, for the report: flash attention skips their masked cells cheaply, matrix products
+compute them.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ ATTENTION_CELLS = 1024
 ATTENTION_SIZES = (1, 8, 16)
 ATTENTION_REPEATS = 3
 # ...and again beside this many other requests' texts of as many tokens in the same cache (a
-# server's lanes: flash attention skips their masked cells cheaply, matrix products compute them),
-# which decides for runs of up to 1 + ATTENTION_BESIDE requests at once.
+# server's lanes: flash attention skips their masked cells cheaply, matrix products compute them;
+# reported, not acted on: beside other requests a text's rows without it follow where its cells sit).
 ATTENTION_BESIDE = 3
 
 
@@ -52,6 +52,8 @@ class AttentionCosts:
     beside: int = 0
     beside_with_s: dict[int, float] = field(default_factory=dict)
     beside_without_s: dict[int, float] = field(default_factory=dict)
+    # estimated from a probe of the target's attention heads (tuning.flash_attention), not timed on it
+    estimated: bool = False
 
     def ratios(self, beside: bool = False) -> dict[int, float]:
         """How many times a pass of n tokens costs with flash attention what it costs without
@@ -81,13 +83,11 @@ class AttentionCosts:
         if self.beside:
             beside = " / ".join(f"{r:.2f}x" for r in self.ratios(beside=True).values())
             measured += f"; beside {_others(self.beside)} as long, {beside}"
-        if self.beside and self.off_pays_for(1 + self.beside):
-            return (f"{measured}: `--flash-attn off` suits this machine, for up to {1 + self.beside} requests at "
-                    "once (after `specrun tune` runs take it unless told)")
         if self.off_pays:
-            return (f"{measured}: `--flash-attn off` suits one agent or long conversation at a time here "
-                    "(after `specrun tune` runs of one request at a time take it unless told; beside other "
-                    "requests keep llama.cpp's)")
+            beside = " (beside other requests too)" if self.beside and self.off_pays_for(1 + self.beside) else ""
+            return (f"{measured}: `--flash-attn off` suits one agent or long conversation at a time here{beside} "
+                    "(after `specrun tune` runs of one request at a time take it unless told, where the target's "
+                    "passes round as alike without it)")
         return f"{measured}: keep the default"
 
     def to_dict(self) -> dict:
@@ -97,6 +97,8 @@ class AttentionCosts:
         if self.beside:
             d["beside"] = {"requests": self.beside, "with_s": _keyed(self.beside_with_s),
                            "without_s": _keyed(self.beside_without_s), "off_pays": self.off_pays_for(1 + self.beside)}
+        if self.estimated:
+            d["estimated"] = True
         return d
 
     @classmethod
@@ -104,7 +106,8 @@ class AttentionCosts:
         """The figures to_dict wrote (KeyError, TypeError or ValueError where they are not)."""
         prompts, beside = d["prompt_tokens_per_s"], d.get("beside") or {"requests": 0, "with_s": {}, "without_s": {}}
         costs = cls(int(d["cells"]), _timed(d["with_s"]), _timed(d["without_s"]), float(prompts["with"]),
-                    float(prompts["without"]), int(beside["requests"]), _timed(beside["with_s"]), _timed(beside["without_s"]))
+                    float(prompts["without"]), int(beside["requests"]), _timed(beside["with_s"]), _timed(beside["without_s"]),
+                    d.get("estimated") is True)
         timed = (*costs.with_s.values(), *costs.without_s.values(), *costs.beside_with_s.values(), *costs.beside_without_s.values())
         if (set(costs.with_s) != set(costs.without_s) or not costs.with_s or not all(s > 0 for s in timed)
                 or costs.beside < 0 or (costs.beside and not set(costs.with_s) == set(costs.beside_with_s) == set(costs.beside_without_s))):
@@ -198,20 +201,3 @@ def applies(opts, target_on_cpu: bool) -> bool:
     quantized one needs flash attention), and a build where the default is not off already."""
     return (opts.flash_attn is None and target_on_cpu and not opts.rpc and not engine.kv_quantized(opts.kv_type)
             and engine.default_flash_attn(opts.kv_type) != "off")
-
-
-def choose_flash_attn(opts, target_path: Path | None, target_on_cpu: bool, parallel: int, threads: int) -> tuple[str | None, str]:
-    """The target context's flash attention (None: as the options say) and why, where the record
-    decides it (applies): off where the passes tune timed pay off without it for `parallel`
-    requests at once (AttentionCosts.off_pays_for: beside other requests' texts it turns on some
-    CPUs, and more of them than were timed are not known: docs/benchmarks.md)."""
-    if target_path is None or not applies(opts, target_on_cpu):
-        return None, ""
-    costs = stored_costs(target_path, threads)
-    if costs is None or not costs.off_pays_for(parallel):
-        return None, ""
-    ratios = costs.ratios(beside=parallel > 1)
-    tree = max(n for n in ratios if n > 1)
-    where = f" beside {_others(costs.beside)} as long" if parallel > 1 else ""
-    return "off", (f"flash attention off: `specrun tune` timed this target's {tree}-token passes after {costs.cells:,} "
-                   f"cached tokens{where} {ratios[tree]:.1f}x faster without it here (--flash-attn on to keep it)")

@@ -356,6 +356,23 @@ ATTENTION_TREE_GAIN = 1.2
 ATTENTION_ONE_TOKEN_SLACK = 1.05
 
 
+# ...and only where the target's passes of several tokens round no further from its one-token passes
+# without it than with it (greedy trees then verify as plain decoding alike): within
+# ATTENTION_ROUNDING_SLACK times the largest logit difference with it, or ATTENTION_ROUNDING_FLOOR
+# where that is none. Measured on the AVX-512 host (2026-11-30), 8 tokens after 8 in one pass against
+# one a pass: the F32 demo target about 0.02 either way; its Q4_1 file 0 with it and 1.5 without
+# (llama.cpp's attention products round the row otherwise, and the next layer's quantized
+# activations carry that far: greedy answers parted from plain decoding in 8 of 9 prompts).
+ATTENTION_ROUNDING_SLACK = 2.0
+ATTENTION_ROUNDING_FLOOR = 1e-3
+
+
+def attention_off_rounds_alike(with_diff: float, without_diff: float) -> bool:
+    """Whether passes without flash attention round (`without_diff`, the largest logit difference
+    from one-token passes) as near plain decoding as with it (`with_diff`)."""
+    return without_diff <= max(ATTENTION_ROUNDING_SLACK * with_diff, ATTENTION_ROUNDING_FLOOR)
+
+
 def attention_off_pays(ratios: dict[int, float]) -> bool:
     """Whether `ratios` (a pass of n tokens with flash attention over its time without) advise it off."""
     trees = [r for n, r in ratios.items() if n > 1]
