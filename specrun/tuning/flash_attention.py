@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from specrun import engine, ui
+from specrun import engine
 from specrun.decoding.pay.rules import attention_off_rounds_alike
 from specrun.engine import Batch
-from specrun.errors import ModelFileError
+from specrun.errors import EngineError, ModelFileError
 from specrun.files import file_key
 from specrun.models.synthetic import write_attention_model
 from specrun.records import Records
@@ -71,10 +71,10 @@ def choose_flash_attn(opts, target_path: Path | None, target_on_cpu: bool, paral
         return None, ""
     costs = stored_costs(target_path, threads)
     if costs is None:
-        costs = estimated_costs(target_path, threads, quiet=opts.quiet)
+        costs = estimated_costs(target_path, threads)
     if costs is None or not costs.off_pays:
         return None, ""
-    if not rounds_alike_without(target_path, threads, quiet=opts.quiet):
+    if not rounds_alike_without(target_path, threads):
         log.info("flash attention kept on: without it this target's passes of several tokens round further from its "
                  "one-token passes (greedy trees would part from plain decoding more often), though they run faster")
         return None, ""
@@ -82,8 +82,7 @@ def choose_flash_attn(opts, target_path: Path | None, target_on_cpu: bool, paral
     tree = max(n for n in ratios if n > 1)
     if costs.estimated:
         return "off", (f"flash attention off: a probe of this CPU's attention estimated this target's {tree}-token passes "
-                       f"after {costs.cells:,} cached tokens {ratios[tree]:.1f}x faster without it here "
-                       "(--flash-attn on to keep it; `specrun tune` times the target itself)")
+                       f"after {costs.cells:,} cached tokens {ratios[tree]:.1f}x faster without it here (--flash-attn on to keep it)")
     return "off", (f"flash attention off: `specrun tune` timed this target's {tree}-token passes after {costs.cells:,} "
                    f"cached tokens {ratios[tree]:.1f}x faster without it here (--flash-attn on to keep it)")
 
@@ -106,10 +105,11 @@ def record_key(target_path: Path, threads: int, what: str) -> dict | None:
     return key
 
 
-def estimated_costs(target_path: Path, threads: int, quiet: bool = False) -> AttentionCosts | None:
-    """The estimate for this target here: kept from an earlier run, or measured now (and kept; said
-    on stderr unless `quiet`). None where its architecture is not estimated or the measurement
-    fails (logged)."""
+def estimated_costs(target_path: Path, threads: int) -> AttentionCosts | None:
+    """The estimate for this target here: kept from an earlier run, or measured now (and kept; a
+    few seconds, said in the log only: a plan is built before a run's own checks, whose error
+    must be the one line a run prints). None where its architecture is not estimated or the
+    measurement fails (logged)."""
     if not probes(target_path):
         return None
     key = record_key(target_path, threads, "costs")
@@ -119,12 +119,11 @@ def estimated_costs(target_path: Path, threads: int, quiet: bool = False) -> Att
             return AttentionCosts.from_dict(record["attention"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             log.warning("ignoring the flash attention estimate kept for %s (%s): measuring it again", target_path.name, e)
-    (log.info if quiet else ui.dim)("timing this CPU's attention at the target's shape, with flash attention and without "
-                                    "(once for this target)")
+    log.info("timing this CPU's attention at %s's shape, with flash attention and without (once)", target_path.name)
     return _measured(target_path, key, lambda: probe(target_path, threads), lambda costs: {"attention": costs.to_dict()})
 
 
-def rounds_alike_without(target_path: Path, threads: int, quiet: bool = False) -> bool:
+def rounds_alike_without(target_path: Path, threads: int) -> bool:
     """Whether the target's passes of several tokens round as near its one-token passes without
     flash attention as with it (kept, or measured now on the target and kept). False where it
     cannot be measured."""
@@ -132,7 +131,7 @@ def rounds_alike_without(target_path: Path, threads: int, quiet: bool = False) -
     record = _read(key)
     if record is not None and isinstance(record.get("with"), float) and isinstance(record.get("without"), float):
         return attention_off_rounds_alike(record["with"], record["without"])
-    (log.info if quiet else ui.dim)("checking how the target's passes round with flash attention and without (once)")
+    log.info("checking how %s's passes round with flash attention and without (once)", target_path.name)
     diffs = _measured(target_path, key, lambda: rounding(target_path, threads), lambda d: d)
     return diffs is not None and attention_off_rounds_alike(diffs["with"], diffs["without"])
 
@@ -150,7 +149,7 @@ def _measured(target_path: Path, key: dict | None, measure, to_record):
     except ModelFileError as e:
         log.debug("no flash attention measurement: %s", e)  # (the run's own load says it)
         return None
-    except (engine.EngineError, OSError) as e:
+    except (EngineError, OSError) as e:
         log.warning("could not time this CPU's attention for %s (%s): keeping llama.cpp's flash attention default",
                     target_path.name, e)
         return None
@@ -187,13 +186,13 @@ def rounding(target_path: Path, threads: int) -> dict[str, float]:
 def probe(target_path: Path, threads: int) -> AttentionCosts:
     """Measure the estimate: the target's passes over BASE_PREFIX cached tokens (its weights' cost),
     plus its attention after ATTENTION_CELLS tokens with flash attention and without, timed on a
-    model of its heads and scaled from PROBE_LAYERS layers to its own (engine.EngineError where
+    model of its heads and scaled from PROBE_LAYERS layers to its own (EngineError where
     llama.cpp cannot load or run either)."""
     with engine.Model(target_path) as target:
         n_layer, n_head, n_head_kv = target.n_layer, target.n_head, target.n_head_kv
         head = _meta_int(target, "attention.key_length") or target.n_embd // max(n_head, 1)
         if (_meta_int(target, "attention.value_length") or head) != head:
-            raise engine.EngineError("its attention's keys and values are heads of two sizes")
+            raise EngineError("its attention's keys and values are heads of two sizes")
         text = [1 + i % min(1000, target.n_vocab - 1) for i in range(BASE_PREFIX)]
         with engine.Context(target, n_ctx=BASE_PREFIX + max(ATTENTION_SIZES) + 1, n_batch=max(ATTENTION_SIZES),
                             threads=threads, flash_attn="off") as ctx:
@@ -203,7 +202,7 @@ def probe(target_path: Path, threads: int) -> AttentionCosts:
         try:
             write_attention_model(path, PROBE_LAYERS, n_head, n_head_kv, head)
         except ValueError as e:
-            raise engine.EngineError(f"no attention to time: {e}") from e
+            raise EngineError(f"no attention to time: {e}") from e
         with engine.Model(path) as heads:
             attention = measure_attention(heads, threads, repeats=PROBE_REPEATS, beside=0)
     largest = max(base.decode)
