@@ -85,7 +85,7 @@ def write_attention_model(dst: Path, n_layer: int, n_head: int, n_head_kv: int, 
     """Write a random-weight llama GGUF to `dst` whose attention has these heads of this size,
     over a PROBE_EMBD-wide stream, a PROBE_VOCAB-token vocabulary of no tokenizer and a PROBE_FF
     feed-forward: a pass of it costs a real model's attention for `n_layer` of its layers (the
-    flash attention probe, tuning.attention_probe). Atomically, as write_random_model."""
+    flash attention probe, tuning.flash_attention). Atomically, as write_random_model."""
     import gguf  # imported when a model is written
 
     if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv or head_dim <= 0:
