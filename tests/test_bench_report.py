@@ -124,10 +124,11 @@ def test_tunes_record_decides_flash_attention_for_one_request_on_this_cpu(offlin
     # No record: the estimate (tuning.flash_attention, measured once a machine and kept), where the
     # demo target rounds alike without it (its passes of several tokens: tinyBLAS either way)
     probe = estimated_costs(offline_models.smollm2_f32, 1)
-    assert probe is not None and probe.estimated and rounds_alike_without(offline_models.smollm2_f32, 1)
+    assert probe is not None and probe.estimated
+    alike = rounds_alike_without(offline_models.smollm2_f32, 1)  # (this machine's: on the AVX-512 host, yes)
 
     def untuned(costs=probe):
-        return "off" if costs.off_pays else None
+        return "off" if costs.off_pays and alike else None
 
     untold = plan()
     assert untold.target_ctx.flash_attn == untuned() and bool(untold.attention_why) == (untuned() == "off")
