@@ -63,6 +63,8 @@ def test_the_estimate_of_the_demo_target_is_measured_once_and_kept(offline_model
         assert set(timed) == {1, 8, 16} and timed[16] > timed[1] > 0  # (a pass of 16 tokens costs more than one)
     record = flash_attention.RECORDS.read(record_key(target, 1, "costs"))
     assert record is not None and AttentionCosts.from_dict(record["attention"]) == costs and record["seconds"] > 0
+    # the rounding check was measured in the same load of the target, and kept
+    assert isinstance(flash_attention.RECORDS.read(record_key(target, 1, "rounding"))["without"], float)
 
     # kept: the next run reads it (measuring again would fail here)
     def measured_again(*args):
@@ -88,7 +90,8 @@ def test_a_target_that_rounds_otherwise_without_it_keeps_flash_attention(offline
     ms = lambda *f: dict(zip((1, 8, 16), (x / 1000 for x in f)))
     paying = AttentionCosts(1024, ms(37.6, 121.6, 216.6), ms(28.5, 50.8, 71.5), 690.0, 530.0)
     q4, f32 = offline_models.smollm2_q4, offline_models.smollm2_f32
-    diffs = rounding(f32, 1)
+    with engine.Model(f32) as model:
+        diffs = rounding(model, 1)
     assert diffs["with"] < 0.1 and diffs["without"] < 0.1  # (tinyBLAS from two tokens, either way)
     assert rounds_alike_without(f32, 1)
     save_record(q4, 1, paying)  # (tune's record: off would pay)

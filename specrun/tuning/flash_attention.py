@@ -108,31 +108,29 @@ def record_key(target_path: Path, threads: int, what: str) -> dict | None:
 def estimated_costs(target_path: Path, threads: int) -> AttentionCosts | None:
     """The estimate for this target here: kept from an earlier run, or measured now (and kept; a
     few seconds, said in the log only: a plan is built before a run's own checks, whose error
-    must be the one line a run prints). None where its architecture is not estimated or the
-    measurement fails (logged)."""
+    must be the one line a run prints), with the rounding check in the same load of the target
+    where it is not kept yet. None where its architecture is not estimated or the measurement
+    fails (logged)."""
     if not probes(target_path):
         return None
-    key = record_key(target_path, threads, "costs")
-    record = _read(key)
+    record = _read(record_key(target_path, threads, "costs"))
     if record is not None:
         try:
             return AttentionCosts.from_dict(record["attention"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             log.warning("ignoring the flash attention estimate kept for %s (%s): measuring it again", target_path.name, e)
     log.info("timing this CPU's attention at %s's shape, with flash attention and without (once)", target_path.name)
-    return _measured(target_path, key, lambda: probe(target_path, threads), lambda costs: {"attention": costs.to_dict()})
+    return _measured(target_path, threads, costs=True, rounds=_kept_rounding(target_path, threads) is None).get("costs")
 
 
 def rounds_alike_without(target_path: Path, threads: int) -> bool:
     """Whether the target's passes of several tokens round as near its one-token passes without
     flash attention as with it (kept, or measured now on the target and kept). False where it
     cannot be measured."""
-    key = record_key(target_path, threads, "rounding")
-    record = _read(key)
-    if record is not None and isinstance(record.get("with"), float) and isinstance(record.get("without"), float):
-        return attention_off_rounds_alike(record["with"], record["without"])
-    log.info("checking how %s's passes round with flash attention and without (once)", target_path.name)
-    diffs = _measured(target_path, key, lambda: rounding(target_path, threads), lambda d: d)
+    diffs = _kept_rounding(target_path, threads)
+    if diffs is None:
+        log.info("checking how %s's passes round with flash attention and without (once)", target_path.name)
+        diffs = _measured(target_path, threads, costs=False, rounds=True).get("rounding")
     return diffs is not None and attention_off_rounds_alike(diffs["with"], diffs["without"])
 
 
@@ -140,63 +138,77 @@ def _read(key: dict | None) -> dict | None:
     return RECORDS.read(key) if key else None
 
 
-def _measured(target_path: Path, key: dict | None, measure, to_record):
-    """measure() kept under `key` (with the seconds it took); None where llama.cpp cannot load or
-    run the target (its own load will say why) or the probe's file cannot be written."""
-    began = time.perf_counter()
+def _kept_rounding(target_path: Path, threads: int) -> dict[str, float] | None:
+    record = _read(record_key(target_path, threads, "rounding"))
+    if record is not None and isinstance(record.get("with"), float) and isinstance(record.get("without"), float):
+        return {"with": record["with"], "without": record["without"]}
+    return None
+
+
+def _measured(target_path: Path, threads: int, costs: bool, rounds: bool) -> dict:
+    """Load the target once and measure what is asked: {"costs": the estimate (probe), "rounding":
+    the check (rounding)}, each kept under its key with the seconds it took; {} where llama.cpp
+    cannot load or run the target (its own load will say why) or the probe's file cannot be written."""
+    found, seconds = {}, {}
     try:
-        result = measure()
+        with engine.Model(target_path) as target:
+            for what, wanted, measure in (("rounding", rounds, rounding), ("costs", costs, probe)):
+                if wanted:
+                    began = time.perf_counter()
+                    found[what] = measure(target, threads)
+                    seconds[what] = round(time.perf_counter() - began, 3)
     except ModelFileError as e:
         log.debug("no flash attention measurement: %s", e)  # (the run's own load says it)
-        return None
+        return {}
     except (EngineError, OSError) as e:
         log.warning("could not time this CPU's attention for %s (%s): keeping llama.cpp's flash attention default",
                     target_path.name, e)
-        return None
-    if key:
-        RECORDS.store(key, {**to_record(result), "seconds": round(time.perf_counter() - began, 3)})
-    return result
+        return {}
+    for what, result in found.items():
+        key = record_key(target_path, threads, what)
+        if key:
+            RECORDS.store(key, {**({"attention": result.to_dict()} if what == "costs" else result), "seconds": seconds[what]})
+    return found
 
 
-def rounding(target_path: Path, threads: int) -> dict[str, float]:
+def rounding(target, threads: int) -> dict[str, float]:
     """The largest logit difference between ROUNDING_TOKENS tokens scored one a pass and in one
-    pass (after as many cached), with flash attention ("with") and without ("without")."""
-    with engine.Model(target_path) as target:
-        tokens = [1 + (7 * i + 11) % min(1000, target.n_vocab - 1) for i in range(2 * ROUNDING_TOKENS)]
-        prefix, chain = tokens[:ROUNDING_TOKENS], tokens[ROUNDING_TOKENS:]
-        diffs = {}
-        for name, flash_attn in (("with", "on"), ("without", "off")):
-            with engine.Context(target, n_ctx=4 * ROUNDING_TOKENS, n_batch=ROUNDING_TOKENS, threads=threads,
-                                flash_attn=flash_attn) as ctx:
-                batch = Batch(ROUNDING_TOKENS, 1)
-                batch.set_sequence(prefix, 0, 0, "none")
+    pass (after as many cached) on a loaded target, with flash attention ("with") and without
+    ("without")."""
+    tokens = [1 + (7 * i + 11) % min(1000, target.n_vocab - 1) for i in range(2 * ROUNDING_TOKENS)]
+    prefix, chain = tokens[:ROUNDING_TOKENS], tokens[ROUNDING_TOKENS:]
+    diffs = {}
+    for name, flash_attn in (("with", "on"), ("without", "off")):
+        with engine.Context(target, n_ctx=4 * ROUNDING_TOKENS, n_batch=ROUNDING_TOKENS, threads=threads,
+                            flash_attn=flash_attn) as ctx:
+            batch = Batch(ROUNDING_TOKENS, 1)
+            batch.set_sequence(prefix, 0, 0, "none")
+            ctx.decode(batch)
+            alone = []
+            for i, token in enumerate(chain):
+                batch.set_sequence([token], ROUNDING_TOKENS + i, 0, "last")
                 ctx.decode(batch)
-                alone = []
-                for i, token in enumerate(chain):
-                    batch.set_sequence([token], ROUNDING_TOKENS + i, 0, "last")
-                    ctx.decode(batch)
-                    alone.append(ctx.logits_row(-1).copy())
-                ctx.seq_rm(0, ROUNDING_TOKENS, -1)
-                batch.set_sequence(chain, ROUNDING_TOKENS, 0, "all")
-                ctx.decode(batch)
-                diffs[name] = float(np.max(np.abs(ctx.logits() - np.stack(alone))))
+                alone.append(ctx.logits_row(-1).copy())
+            ctx.seq_rm(0, ROUNDING_TOKENS, -1)
+            batch.set_sequence(chain, ROUNDING_TOKENS, 0, "all")
+            ctx.decode(batch)
+            diffs[name] = float(np.max(np.abs(ctx.logits() - np.stack(alone))))
     return diffs
 
 
-def probe(target_path: Path, threads: int) -> AttentionCosts:
-    """Measure the estimate: the target's passes over BASE_PREFIX cached tokens (its weights' cost),
-    plus its attention after ATTENTION_CELLS tokens with flash attention and without, timed on a
-    model of its heads and scaled from PROBE_LAYERS layers to its own (EngineError where
-    llama.cpp cannot load or run either)."""
-    with engine.Model(target_path) as target:
-        n_layer, n_head, n_head_kv = target.n_layer, target.n_head, target.n_head_kv
-        head = _meta_int(target, "attention.key_length") or target.n_embd // max(n_head, 1)
-        if (_meta_int(target, "attention.value_length") or head) != head:
-            raise EngineError("its attention's keys and values are heads of two sizes")
-        text = [1 + i % min(1000, target.n_vocab - 1) for i in range(BASE_PREFIX)]
-        with engine.Context(target, n_ctx=BASE_PREFIX + max(ATTENTION_SIZES) + 1, n_batch=max(ATTENTION_SIZES),
-                            threads=threads, flash_attn="off") as ctx:
-            base = measure_curve(ctx, text, ATTENTION_SIZES, repeats=PROBE_REPEATS)
+def probe(target, threads: int) -> AttentionCosts:
+    """Measure the estimate on a loaded target: its passes over BASE_PREFIX cached tokens (its
+    weights' cost), plus its attention after ATTENTION_CELLS tokens with flash attention and
+    without, timed on a model of its heads and scaled from PROBE_LAYERS layers to its own
+    (EngineError where llama.cpp cannot run either)."""
+    n_layer, n_head, n_head_kv = target.n_layer, target.n_head, target.n_head_kv
+    head = _meta_int(target, "attention.key_length") or target.n_embd // max(n_head, 1)
+    if (_meta_int(target, "attention.value_length") or head) != head:
+        raise EngineError("its attention's keys and values are heads of two sizes")
+    text = [1 + i % min(1000, target.n_vocab - 1) for i in range(BASE_PREFIX)]
+    with engine.Context(target, n_ctx=BASE_PREFIX + max(ATTENTION_SIZES) + 1, n_batch=max(ATTENTION_SIZES),
+                        threads=threads, flash_attn="off") as ctx:
+        base = measure_curve(ctx, text, ATTENTION_SIZES, repeats=PROBE_REPEATS)
     with tempfile.TemporaryDirectory(prefix="specrun-attention-") as folder:
         path = Path(folder) / "attention.gguf"
         try:
