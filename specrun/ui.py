@@ -7,12 +7,15 @@ falls back to plain text when stderr is not a terminal or NO_COLOR is set.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 from rich.console import Console
+from rich.errors import LiveError
 
 from specrun.errors import UsageError
 from specrun.files import human_size
@@ -94,6 +97,22 @@ def info(message: str) -> None:
 
 def dim(message: str) -> None:
     _say(message, style="dim")
+
+
+@contextlib.contextmanager
+def waiting(text: str) -> Iterator[None]:
+    """A transient line on a terminal's stderr while a pause of seconds lasts (a spinner, gone
+    after); nothing where stderr is not a terminal, or where another live display holds it."""
+    try:
+        status = err_console().status(text)
+        status.start()
+    except LiveError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        status.stop()
 
 
 def thinking(text: str) -> None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from specrun import engine
+from specrun import engine, ui
 from specrun.decoding.pay.rules import attention_off_rounds_alike
 from specrun.models.synthetic import write_attention_model
 from specrun.runtime.plan import RunOptions, build_plan
@@ -80,6 +80,20 @@ def test_the_estimate_of_the_demo_target_is_measured_once_and_kept(offline_model
     again = estimated_costs(target, 1)
     assert again is not None and again.estimated and set(again.without_s) == {1, 8, 16}
     assert AttentionCosts.from_dict(json.loads(path.read_text())["attention"]) == again
+
+
+def test_the_first_starts_wait_is_a_line_on_a_terminal_only(offline_models, tmp_path, monkeypatch, capsys):
+    """The measurement's seconds are a transient line on a terminal's stderr (gone when it ends)
+    and nothing on a pipe, where a run's stderr keeps its own lines only."""
+    monkeypatch.setenv("SPECRUN_HOME", str(tmp_path))
+    assert estimated_costs(offline_models.smollm2_f32, 1) is not None
+    assert capsys.readouterr().err == ""  # (not a terminal)
+    monkeypatch.setenv("FORCE_COLOR", "1")  # (Rich: a terminal)
+    with ui.waiting("timing something once"):
+        with ui.waiting("and something inside it"):  # (a display already live: no error)
+            pass
+    err = capsys.readouterr().err
+    assert "timing something once" in err and err.endswith("\x1b[2K")  # (drawn, then the line erased)
 
 
 def test_a_target_that_rounds_otherwise_without_it_keeps_flash_attention(offline_models, tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrun import engine
+from specrun import engine, ui
 from specrun.decoding.pay.rules import attention_off_rounds_alike
 from specrun.engine import Batch
 from specrun.errors import EngineError, ModelFileError
@@ -55,7 +55,8 @@ PROBE_ARCHITECTURES = frozenset({
     "glm4", "exaone", "internlm2", "stablelm", "starcoder2",
 })
 PROBE_LAYERS = 2  # the probe's layers (its passes are scaled to the target's)
-PROBE_REPEATS = 3
+PROBE_REPEATS = 3  # the probe model's passes (cheap whatever the target)
+BASE_REPEATS = 2  # the target's own passes (a large target's are what its first start waits for)
 BASE_PREFIX = 32  # the cached tokens the target's own passes are timed after
 # The rounding check: ROUNDING_TOKENS scored one a pass and then in one pass, after as many cached.
 ROUNDING_TOKENS = 8
@@ -150,8 +151,11 @@ def _measured(target_path: Path, threads: int, costs: bool, rounds: bool) -> dic
     the check (rounding)}, each kept under its key with the seconds it took; {} where llama.cpp
     cannot load or run the target (its own load will say why) or the probe's file cannot be written."""
     found, seconds = {}, {}
+    # On a terminal a transient line says what the first start waits for (a large target's passes
+    # take seconds); elsewhere nothing: a run's output and its one-line errors stay as they are.
     try:
-        with engine.Model(target_path) as target:
+        with ui.waiting(f"first start with {target_path.name} on this CPU: timing its attention once"), \
+                engine.Model(target_path) as target:
             for what, wanted, measure in (("rounding", rounds, rounding), ("costs", costs, probe)):
                 if wanted:
                     began = time.perf_counter()
@@ -208,7 +212,7 @@ def probe(target, threads: int) -> AttentionCosts:
     text = [1 + i % min(1000, target.n_vocab - 1) for i in range(BASE_PREFIX)]
     with engine.Context(target, n_ctx=BASE_PREFIX + max(ATTENTION_SIZES) + 1, n_batch=max(ATTENTION_SIZES),
                         threads=threads, flash_attn="off") as ctx:
-        base = measure_curve(ctx, text, ATTENTION_SIZES, repeats=PROBE_REPEATS)
+        base = measure_curve(ctx, text, ATTENTION_SIZES, repeats=BASE_REPEATS)
     with tempfile.TemporaryDirectory(prefix="specrun-attention-") as folder:
         path = Path(folder) / "attention.gguf"
         try:
