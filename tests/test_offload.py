@@ -261,3 +261,11 @@ def test_a_real_gemma_file_gives_its_stated_head_size(offline_models):
     """Gemma 3's heads are 256 wide although n_embd / n_head is 160 (llama.cpp reads key_length)."""
     size = placement.model_size(offline_models.gemma_q4)
     assert size.n_embd_k_gqa == size.n_embd_v_gqa == 256 and size.n_ctx_train == 32768
+
+
+def test_the_placement_line_names_rpc_workers_as_such():
+    from specrun.hardware.placement import _devices_named
+    card, worker = Device("CUDA0", GB, GB), Device("RPC0", GB, GB, "10.0.0.2:50052")
+    assert _devices_named([card]) == "GPU"
+    assert _devices_named([worker, worker]) == "RPC workers"  # (a worker's CPU is no GPU)
+    assert _devices_named([worker, card]) == "GPUs and RPC workers"

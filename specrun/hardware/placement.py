@@ -193,8 +193,17 @@ def plan(
         for warning in placed.warnings:
             log.warning("%s", warning)
         where = f"on {gpus[placed.draft_device].name}" if placed.draft_device is not None else "in RAM"
-        log.info("placement: target %d of %d layers on GPU, draft %s", placed.target_gpu_layers, placed.target_n_slots, where)
+        log.info("placement: target %d of %d layers on %s, draft %s", placed.target_gpu_layers, placed.target_n_slots,
+                 _devices_named(gpus), where)
     return placed
+
+
+def _devices_named(gpus: Sequence[offload.Device]) -> str:
+    """What the log calls the devices the target's layers go to: GPUs, RPC workers or both."""
+    workers = sum(1 for d in gpus if d.host)
+    if not workers:
+        return "GPU"
+    return "RPC workers" if workers == len(gpus) else "GPUs and RPC workers"
 
 
 # Tokens a speculative pass verifies, as weighed when placing the output layer by measurement: a
