@@ -29,7 +29,8 @@ from specrun.decoding.calibration import DraftCalibration
 from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.pay import counts
 from specrun.decoding.batching import Lane
-from specrun.decoding.drafters.best_first import TreeGrower
+from specrun.decoding.drafters.best_first import READ_AHEAD, TreeGrower
+from specrun.decoding.drafters.hybrid import HybridDrafter
 from specrun.decoding.drafters.growing import GrowingTrees
 from specrun.decoding import speculative
 from specrun.decoding.plain import PlainDecoder
@@ -433,6 +434,59 @@ def test_a_prompt_read_before_the_first_proposal_leaves_only_the_root_to_catch_u
     assert late.prepared == 0
     late.propose(prompt, root, 16, 8)
     assert late.last_catch_up[0] == len(prompt) + 1
+
+
+def test_text_read_ahead_leaves_the_next_catch_up_the_root(draft_models, contexts, prompts):
+    """TreeGrower.read_ahead reads the text (committed, root and a path the target may take) in
+    short passes while the target's pass runs elsewhere: a later proposal keeps what agrees and
+    decodes only its new root. Each pass holds what `fits()` allows; none once it says 0."""
+    model = draft_models["agreeing"]
+    shape = TreeShape(16, 8, 2, 2)
+    text = prompts[0]
+    committed, root, ahead = text[:-10], text[-10], text[-9:-4]
+    grower = TreeGrower(model, contexts(model), shape)
+    grower.read_ahead([*committed, root, *ahead], threading.Event())
+    assert [n for n, _ in grower.last_read][:-1] == [READ_AHEAD] * (len(grower.last_read) - 1)
+    assert sum(n for n, _ in grower.last_read) == len(committed) + 1 + len(ahead)
+    assert all(s > 0 for _, s in grower.last_read)
+    # the target took three of the path's tokens and then the text's own next one
+    later, new_root = [*committed, root, *ahead[:3]], 1234
+    cold = TreeGrower(model, contexts(model), shape).propose(later, new_root, 16, 8)
+    warm = grower.propose(later, new_root, 16, 8)
+    assert grower.last_catch_up[0] == 1
+    assert warm.tree.tokens.tolist() == cold.tree.tokens.tolist()
+    # bounded: passes of what fits, none where nothing does
+    short = TreeGrower(model, contexts(model), shape)
+    short.read_ahead(committed[:20], threading.Event(), fits=lambda: 3)
+    assert [n for n, _ in short.last_read] == [3] * 6 + [2]
+    none = TreeGrower(model, contexts(model), shape)
+    none.read_ahead(committed, threading.Event(), fits=lambda: 0)
+    assert none.last_read == [] and none.debt(committed, root) == len(committed) + 1
+
+
+def test_a_hybrid_leaning_on_lookup_reads_the_text_while_the_target_verifies(draft_models, contexts, prompts):
+    """A step that leans on lookup (or a plain one) runs no draft pass; where the target's pass
+    runs elsewhere (extend), the draft model reads what it has not read meanwhile, and what
+    those passes cost prices its later catch-ups. A drafting step after it catches up with its
+    root alone."""
+    model = draft_models["agreeing"]
+    text = prompts[1]
+    committed, root = text[:-1], text[-1]
+    grower = TreeGrower(model, contexts(model), TreeShape.chain(5))
+    hybrid = HybridDrafter(grower, 5, 64, catch_up_s=0.0024)
+    hybrid.start(len(committed), 64)
+    hybrid.propose_free(committed, root, 16, 8)  # (leans: no draft pass)
+    assert not hybrid.drafted and grower.debt(committed, root) == len(committed) + 1
+    hybrid.extend(threading.Event())
+    assert grower.debt(committed, root) <= 1 and grower.last_read
+    assert hybrid.draft_pass.known  # (the reading passes priced the draft's passes)
+    grower.propose(committed, root, 5, 5)
+    assert grower.last_catch_up[0] <= 1
+    # a drafting step grows its tree instead (TreeGrower.extend), reading nothing
+    hybrid.drafted = True
+    grower.last_read = []
+    hybrid.extend(threading.Event())
+    assert grower.last_read == []
 
 
 def test_trees_verified_over_a_network_keep_to_its_node_counts(target, draft_models, contexts, prompts, references,

@@ -423,7 +423,9 @@ class SpeculativeDecoder:
         """A step without a tree: the root alone, as plain decoding does it (and no dearer)."""
         cache = self.cache
         self.one.set_arrays([pending], [cache.n_cached], [cache.seq], True)
-        row = self.lane.run(self.one, solo=params.reproducible)[-1]
+        # Where the pass runs elsewhere, a drafter that rests meanwhile reads what it has not read.
+        meanwhile = self.drafter.extend if self.overlap and not params.reproducible else None
+        row = self.lane.run(self.one, solo=params.reproducible, meanwhile=meanwhile)[-1]
         target_s = self.lane.pass_s
         cache.tokens.append(pending)
         return _first_step(row, params, rng, rules, self.tie_nats, target_s=target_s)

@@ -153,6 +153,7 @@ class ModelDrafter(Drafter):
     last_catch_up: tuple[int, float] = (0, 0.0)  # (tokens, seconds) the last proposal's catch-up decoded
     last_passes: Sequence[tuple[int, float]] = ()  # (tokens, seconds) of the last proposal's expansion passes
     last_shared: bool = False  # whether a pass of the last proposal held other requests' trees too
+    last_read: Sequence[tuple[int, float]] = ()  # (tokens, seconds) of the last read_ahead's passes
 
     @abstractmethod
     def debt(self, committed: Sequence[int], root: int) -> int:
@@ -161,3 +162,8 @@ class ModelDrafter(Drafter):
     def probe(self) -> dict[int, float] | None:
         """Return the draft's pass seconds by batch size, timed now (None: cannot be timed)."""
         return None
+
+    def read_ahead(self, text: Sequence[int], done, fits=None) -> None:
+        """Read as much of `text` into the draft's cache as fits before `done` is set, in short
+        passes of at most `fits()` tokens each (the target's pass runs elsewhere meanwhile:
+        hybrid.HybridDrafter.extend)."""

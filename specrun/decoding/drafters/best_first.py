@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -36,6 +36,9 @@ _PROBE_TOKENS = 16
 # Nodes a draft pass expands at least while the target's pass runs elsewhere (extend): on a CPU a
 # pass of four tokens costs little more than one.
 _EXTEND_WIDTH = 4
+# Tokens a pass of read_ahead decodes: one such pass is what may outlast the target's pass it
+# runs beside (8 tokens of the demo draft on one core of the test CPU: about 50 ms).
+READ_AHEAD = 8
 
 
 @dataclass
@@ -149,6 +152,7 @@ class TreeGrower(ModelDrafter):
         # tree's nodes are scored by (kept across answers: it measures the pair, not the text).
         self.calibration = DraftCalibration()
         self.prepared = 0  # prompt tokens read while the target's prefill ran elsewhere (prepare)
+        self.last_read: list[tuple[int, float]] = []  # (tokens, seconds) of the last read_ahead's passes
 
     @property
     def drafts_beside_others(self) -> bool:
@@ -273,6 +277,30 @@ class TreeGrower(ModelDrafter):
             self.cache.truncate(keep)
             self.cache.extend(text[keep:], until=done)
             self.prepared += len(self.cache.tokens) - keep
+
+    def read_ahead(self, text: Sequence[int], done: threading.Event, fits: Callable[[], int] | None = None) -> None:
+        """Read `text` into the draft cache, a short pass at a time, until all of it is read or
+        `done` is set: while a step that leans on lookup waits for the target's pass elsewhere,
+        the text the draft has not read (and the lookup tree's best path, which the target may
+        take), so that a later drafting step's catch-up is short (a rewrite's 26 copied tokens
+        took the demo draft 375 ms in series with the passes, 50 ms from the worker). What the
+        target does not take is cut at the next catch-up (CachedSequence.sync keeps what agrees).
+        `fits()`: the tokens the next pass may hold and still end within the target's (0: stop);
+        else READ_AHEAD. The passes are noted in `last_read` ((tokens, seconds) each)."""
+        self.last_read = []
+        if not self.lane.may_run_alone:
+            return
+        with self.lane.alone():
+            self._drop_tree()
+            keep = self.cache.reusable(text)
+            self.cache.truncate(keep)
+            while keep < len(text) and not done.is_set():
+                n = min(READ_AHEAD, fits()) if fits is not None else READ_AHEAD
+                if n < 1:
+                    break
+                self.cache.extend(text[keep : keep + n])
+                self.last_read.append((len(self.cache.tokens) - keep, self.lane.pass_s))
+                keep = len(self.cache.tokens)
 
     def extend(self, done: threading.Event) -> None:
         """Grow the last tree on, best first, until the target's pass over its cut ends (`done`):

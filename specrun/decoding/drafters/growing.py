@@ -135,6 +135,10 @@ class GrowingTrees(ModelDrafter):
         return self.grower.last_passes
 
     @property
+    def last_read(self):
+        return self.grower.last_read
+
+    @property
     def last_shared(self):
         return self.grower.last_shared
 
@@ -192,6 +196,9 @@ class GrowingTrees(ModelDrafter):
 
     def extend(self, done) -> None:
         self.grower.extend(done)
+
+    def read_ahead(self, text: Sequence[int], done, fits=None) -> None:
+        self.grower.read_ahead(text, done, fits)
 
     def commit(self, proposal: GrownTree, accepted_nodes: Sequence[int]) -> None:
         self.grower.commit(proposal, accepted_nodes)

@@ -10,6 +10,7 @@ steps (when catching up is cheap) to keep measuring it.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -23,6 +24,7 @@ from specrun.decoding.adaptive import (
     TargetCost,
 )
 from specrun.decoding.drafters.base import Drafter, ModelDrafter, Proposal
+from specrun.decoding.drafters.best_first import READ_AHEAD
 from specrun.decoding.drafters.lookup import IdleSchedule, SessionText, lookup_proposal
 from specrun.decoding.pay.rules import (
     ALONE,
@@ -102,6 +104,7 @@ class HybridDrafter(Drafter):
         self._lean_steps = 0
         self._free = False  # this step runs no draft pass (propose_free): it leans on lookup
         self._lean_proposal: Proposal | None = None
+        self._reading: tuple[Sequence[int], int, int] | None = None  # (text, length, root) of the step proposed
         self.idle = IdleSchedule()  # when a leaning step looks at lookup's proposal
         self.answer_len = Average(8)  # tokens of this session's answers
         self._n_prompt, self._max_tokens = 0, 1 << 30  # the generation under way (see start)
@@ -123,6 +126,7 @@ class HybridDrafter(Drafter):
         # prompt priced every later drafting step at 420 ms where it took 60, and the demo pair's
         # chat leaned on plain steps at 0.92x plain over an RPC worker, where drafting ran 1.15x).
         self.drafted = False
+        self._reading = None
         self._deferred = 0
         self._refreshed = False
         self._lean = Average(LEAN_HALF_LIFE, 2)
@@ -156,6 +160,7 @@ class HybridDrafter(Drafter):
 
     def propose(self, committed: Sequence[int], root: int, budget: int, depth: int) -> Proposal | None:
         self.text.read(committed, root, self.with_draft, self.alone, self.alone_on_drafts)
+        self._reading = (committed, len(committed), root)
         lookup_budget = min(self.lookup_budget, budget)
         # While the draft model is not running and no lookup tree pays, look at lookup's
         # proposals exactly when lookup alone would (watching every chance match in free text,
@@ -428,8 +433,36 @@ class HybridDrafter(Drafter):
             self.draft.prepare(text, done)
 
     def extend(self, done) -> None:
+        """While the target's pass runs elsewhere: the draft model grows the tree it proposed on;
+        on a step that leans on lookup (or a plain one), it reads the text it has not read and
+        the lookup tree's best path, so that drafting again later costs no long catch-up, in
+        passes that end within the target's as far as both are measured (a pass that outlasts
+        it holds the step up)."""
         if self.drafted:
             self.draft.extend(done)
+            return
+        if self._reading is None or not self.could_pay():
+            return
+        committed, n, root = self._reading
+        ahead: list[int] = []
+        n_pass = 1
+        if self._lean_proposal is not None:
+            tree = self._lean_proposal.tree
+            ahead = tree.tokens[tree.best_path()[1:]].tolist()
+            n_pass = len(tree)
+        fits = None
+        if self.cost.known and self.draft_pass.known:
+            ends = time.perf_counter() + float(self.cost(np.array([n_pass]))[0])
+            sizes = np.arange(1, READ_AHEAD + 1)
+            draft_s = self.draft_pass(sizes)
+
+            def fits() -> int:
+                left = ends - time.perf_counter()
+                ok = np.flatnonzero(draft_s <= left)
+                return int(ok[-1]) + 1 if len(ok) else 0
+        self.draft.read_ahead([*committed[:n], root, *ahead], done, fits)
+        for tokens, seconds in self.draft.last_read:
+            self.draft_pass.observe(tokens, seconds)
 
     def commit(self, proposal: Proposal, accepted_nodes: Sequence[int]) -> None:
         if proposal is not self._lean_proposal:
@@ -450,6 +483,7 @@ class HybridDrafter(Drafter):
     def reset(self) -> None:
         self.draft.reset()
         self.drafted = False
+        self._reading = None
         self.with_draft.forget_open()
         self.alone.forget_open()
         self.alone_on_drafts.forget_open()
