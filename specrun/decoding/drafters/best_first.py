@@ -272,9 +272,7 @@ class TreeGrower(ModelDrafter):
         if not self.lane.may_run_alone:
             return
         with self.lane.alone():
-            self._drop_tree()
-            keep = self.cache.reusable(text)
-            self.cache.truncate(keep)
+            keep = self._agreeing(text)
             self.cache.extend(text[keep:], until=done)
             self.prepared += len(self.cache.tokens) - keep
 
@@ -291,9 +289,7 @@ class TreeGrower(ModelDrafter):
         if not self.lane.may_run_alone:
             return
         with self.lane.alone():
-            self._drop_tree()
-            keep = self.cache.reusable(text)
-            self.cache.truncate(keep)
+            keep = self._agreeing(text)
             while keep < len(text) and not done.is_set():
                 n = min(READ_AHEAD, fits()) if fits is not None else READ_AHEAD
                 if n < 1:
@@ -301,6 +297,14 @@ class TreeGrower(ModelDrafter):
                 self.cache.extend(text[keep : keep + n])
                 self.last_read.append((len(self.cache.tokens) - keep, self.lane.pass_s))
                 keep = len(self.cache.tokens)
+
+    def _agreeing(self, text: Sequence[int]) -> int:
+        """Cut the draft cache to the part that agrees with `text` (the last tree forgotten);
+        return its length."""
+        self._drop_tree()
+        keep = self.cache.reusable(text)
+        self.cache.truncate(keep)
+        return keep
 
     def extend(self, done: threading.Event) -> None:
         """Grow the last tree on, best first, until the target's pass over its cut ends (`done`):
