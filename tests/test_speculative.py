@@ -24,7 +24,7 @@ import pytest
 from specrun import engine
 from specrun.chat import templates
 from specrun.core.sampling import SamplingParams, make_rng, target_probs
-from specrun.core.tree_shapes import NETWORK_SIZES, TreeShape
+from specrun.core.tree_shapes import LONGEST_GROWN_CHAIN, NETWORK_SIZES, TreeShape
 from specrun.decoding.calibration import DraftCalibration
 from specrun.decoding.drafters.base import Drafter
 from specrun.decoding.pay import counts
@@ -487,6 +487,24 @@ def test_a_hybrid_leaning_on_lookup_reads_the_text_while_the_target_verifies(dra
     grower.last_read = []
     hybrid.extend(threading.Event())
     assert grower.last_read == []
+
+
+def test_a_short_chains_pass_grows_its_tree_as_deep_as_the_next_chains(draft_models, contexts, prompts):
+    """While the target verifies a chain of 5 elsewhere, the draft grows on to twice its depth and
+    one (11); sized online over a network (GrowingTrees.overlaps), as deep as a chain of
+    LONGEST_GROWN_CHAIN's would (17), so that a look at that chain finds its nodes drafted."""
+    model = draft_models["agreeing"]
+    text = prompts[0]
+    committed, root = text[:-1], text[-1]
+    depths = {}
+    for label, sized in (("alone", False), ("grown online", True)):
+        grower = TreeGrower(model, contexts(model), TreeShape.chain(5))
+        if sized:
+            GrowingTrees(grower, TreeShape.chain(5), 384).overlaps()
+        grower.propose(committed, root, 5, 5)
+        grower.extend(threading.Event())  # (a pass that never ends: the tree's depth and budget stop it)
+        depths[label] = grower._live.tree.max_depth
+    assert depths["alone"] <= 11 < depths["grown online"] <= 2 * LONGEST_GROWN_CHAIN + 1, depths
 
 
 def test_trees_verified_over_a_network_keep_to_its_node_counts(target, draft_models, contexts, prompts, references,

@@ -148,6 +148,9 @@ class TreeGrower(ModelDrafter):
         self.last_shared = False  # whether a pass of the last proposal held other requests' trees too
         self._live: _Live | None = None  # the last tree as grown (uncut), while it may serve the next
         self.extended = 0  # tree nodes grown while the target's pass ran elsewhere (extend)
+        # The least depth `extend` grows a tree to (else twice the verified depth, and one):
+        # GrowingTrees.overlaps sets it, so that a short chain's pass prepares a longer chain's look.
+        self.extend_depth = 0
         # How often the target takes the draft's children, by the draft's probability: what the
         # tree's nodes are scored by (kept across answers: it measures the pair, not the text).
         self.calibration = DraftCalibration()
@@ -321,7 +324,7 @@ class TreeGrower(ModelDrafter):
 
     def _extend(self, live: _Live, done: threading.Event) -> None:
         budget = 4 * live.budget + 32
-        depth = min(2 * live.depth + 1, self.lane.n_ctx - live.p0 - 2)
+        depth = min(max(2 * live.depth + 1, self.extend_depth), self.lane.n_ctx - live.p0 - 2)
         width, top_k = max(self.shape.width, _EXTEND_WIDTH), self.shape.top_k
         room = self.lane.n_ctx - (live.p0 + 1) - len(live.node_seq) + 1
         while room > 0 and not done.is_set():
