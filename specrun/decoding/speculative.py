@@ -424,7 +424,8 @@ class SpeculativeDecoder:
         cache = self.cache
         self.one.set_arrays([pending], [cache.n_cached], [cache.seq], True)
         # Where the pass runs elsewhere, a drafter that rests meanwhile reads what it has not read.
-        meanwhile = self.drafter.extend if self.overlap and not params.reproducible else None
+        reads = self.overlap and self.drafter.reads_while_resting and not params.reproducible
+        meanwhile = self.drafter.extend if reads else None
         row = self.lane.run(self.one, solo=params.reproducible, meanwhile=meanwhile)[-1]
         target_s = self.lane.pass_s
         cache.tokens.append(pending)

@@ -108,10 +108,10 @@ def record_key(target_path: Path, threads: int, what: str) -> dict | None:
 
 def estimated_costs(target_path: Path, threads: int) -> AttentionCosts | None:
     """The estimate for this target here: kept from an earlier run, or measured now (and kept; a
-    few seconds, said in the log only: a plan is built before a run's own checks, whose error
-    must be the one line a run prints), with the rounding check in the same load of the target
-    where it is not kept yet. None where its architecture is not estimated or the measurement
-    fails (logged)."""
+    few seconds, said in the log and, on a terminal, by a transient line only: a plan is built
+    before a run's own checks, whose error must be the one line a run prints), with the rounding
+    check in the same load of the target where it is not kept yet. None where its architecture
+    is not estimated or the measurement fails (logged)."""
     if not probes(target_path):
         return None
     record = _read(record_key(target_path, threads, "costs"))

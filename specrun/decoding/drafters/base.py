@@ -86,6 +86,10 @@ class Drafter(ABC):
         at once: draft-model trees 57 tokens/s in all, plain steps 74, one request at a time 87)."""
         return None
 
+    # Whether `extend` has work beside a plain step's pass too (the hybrid's resting draft reads
+    # the text): only then does the decoder run a plain step's pass beside it, in a thread.
+    reads_while_resting = False
+
     def extend(self, done) -> None:
         """Grow the last proposal's tree on while the target's pass over it runs elsewhere (a GPU,
         an RPC worker), until `done` (a threading.Event) is set: what the next proposal may take

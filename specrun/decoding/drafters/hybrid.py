@@ -56,6 +56,8 @@ class HybridDrafter(Drafter):
     cache is behind (`debt`) and what its last catch-up cost (`last_catch_up`).
     """
 
+    reads_while_resting = True  # (extend: a step that leans, or a plain one, reads the text)
+
     def __init__(self, draft: ModelDrafter, draft_budget: int, lookup_budget: int, index: LookupIndex | None = None,
                  cost: TargetCost | None = None, adapt: bool = True, draft_depth: int | None = None,
                  prior: DraftPrior | None = None, catch_up_s: float | None = None,
